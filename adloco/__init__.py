@@ -1,0 +1,1 @@
+"""adloco-node: a decentralized volunteer training node (DiLoCo, AdLoCo, DiLoCoX, HeLoCo)."""

@@ -1,0 +1,1 @@
+"""A long-lived bootstrap peer with a persistent identity (issue 3)."""

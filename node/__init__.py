@@ -1,0 +1,1 @@
+"""The volunteer process: model, data, MIT instances, adaptive batch, trainer loop, simulator."""

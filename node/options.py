@@ -1,0 +1,98 @@
+"""Command-line flags for the training configuration, shared by `adloco-node` and `adloco-sim`."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+
+from adloco.node.config import TrainConfig
+from adloco.node.errors import UserError
+
+
+def add_train_arguments(p: argparse.ArgumentParser) -> None:
+    """The model/data, local-training (AdLoCo) and outer-step/communication flag groups."""
+    model = p.add_argument_group("model and data")
+    model.add_argument("--model", default=None, help="preset, transformers model type, or config.json path")
+    model.add_argument(
+        "--dataset", default=None, help="local files or datasets name (default: embedded corpus)"
+    )
+    model.add_argument("--text-field", default="text", help="text column of a json/parquet/datasets source")
+    model.add_argument("--seq-len", type=int, default=128, help="tokens per training sequence")
+    model.add_argument("--non-iid", action="store_true", help="each peer gets a different part of the corpus")
+    model.add_argument("--max-corpus-mb", type=float, default=None, help="cap on the corpus read")
+    model.add_argument("--seed", type=int, default=0, help="model init and data order seed")
+    model.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N")
+
+    local = p.add_argument_group("local training (AdLoCo)")
+    local.add_argument("--instances", type=int, default=2, help="K_0, MIT instances per peer")
+    local.add_argument("--batch-size", type=int, default=8, help="b_0, initial per-instance batch")
+    local.add_argument("--inner-steps", type=int, default=10, help="H, optimizer steps per round")
+    local.add_argument("--inner-lr", type=float, default=4e-4, help="AdamW lr of the instances")
+    local.add_argument("--b-max", type=int, default=None, help="hardware batch limit (default: probed)")
+    local.add_argument("--memory-budget-gb", type=float, default=None, help="CPU memory for b_max probing")
+    local.add_argument("--batch-test", choices=("norm", "augmented", "none"), default="norm")
+    local.add_argument("--eta", type=float, default=0.8, help="η of the norm test")
+    local.add_argument("--batch-cap", type=int, default=64, help="largest per-instance batch")
+    local.add_argument("--merge-every", type=int, default=2, help="rounds between MIT merges")
+    local.add_argument("--min-instances", type=int, default=1, help="MIT merges stop at this count")
+
+    outer = p.add_argument_group("outer step and compression")
+    outer.add_argument(
+        "--outer-lr", type=float, default=None, help="outer Nesterov lr η (default 0.7; async runs use less)"
+    )
+    outer.add_argument("--outer-momentum", type=float, default=0.9)
+    outer.add_argument(
+        "--nesterov", choices=("n1", "n2"), default="n1", help="N1 PyTorch or N2 dampened form"
+    )
+    outer.add_argument("--codec", default="int8", help="none|fp16|int8|int4|lowrank:R[:fp16|int4]|adaptive")
+    outer.add_argument("--max-rel-error", type=float, default=0.1, help="δ of the adaptive codec chooser")
+
+    late = p.add_argument_group("late contributions (HeLoCo)")
+    late.add_argument("--no-correction", action="store_true", help="apply late pseudo-gradients uncorrected")
+    late.add_argument("--staleness-weight", choices=("constant", "inv_sqrt", "tokens"), default="inv_sqrt")
+    late.add_argument("--max-staleness", type=int, default=16, help="drop contributions older than this")
+
+
+def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """The typed config from parsed flags; a contradiction raises UserError with the fix."""
+    base = TrainConfig()
+    try:
+        return replace(
+            base,
+            model=args.model,
+            dataset=args.dataset,
+            text_field=args.text_field,
+            seq_len=args.seq_len,
+            batch_size=args.batch_size,
+            instances=args.instances,
+            inner_steps=args.inner_steps,
+            inner=replace(base.inner, lr=args.inner_lr),
+            outer=replace(
+                base.outer,
+                lr=base.outer.lr if args.outer_lr is None else args.outer_lr,
+                momentum=args.outer_momentum,
+                convention=args.nesterov,
+            ),
+            schedule=replace(
+                base.schedule,
+                test=args.batch_test,
+                eta=args.eta,
+                batch_cap=args.batch_cap,
+                merge=replace(
+                    base.schedule.merge, merge_every=args.merge_every, min_instances=args.min_instances
+                ),
+            ),
+            codec=args.codec,
+            max_rel_error=args.max_rel_error,
+            correct_late=not args.no_correction,
+            staleness_weight=args.staleness_weight,
+            max_staleness=args.max_staleness,
+            b_max=args.b_max,
+            memory_budget_gb=args.memory_budget_gb,
+            non_iid=args.non_iid,
+            max_corpus_mb=args.max_corpus_mb,
+            seed=args.seed,
+            device=args.device,
+        )
+    except ValueError as e:
+        raise UserError(str(e)) from None

@@ -1,0 +1,373 @@
+"""One peer's side of a round, the same code for the simulator and for the real swarm.
+
+A `Peer` holds the state every peer of a run holds (θ, outer momentum m, round r, schedule S_r, the
+error-feedback residual e) and its local MIT instances. A round is three calls, and only the
+transport between the second and the third differs between the simulator and the swarm:
+
+    local = peer.train_round()                       # DESIGN §3 steps 1-3
+    contribution = peer.contribute(local)            # steps 4 and 9: correct, weight, compress
+    ... transport averages the group's contributions (protocol.allreduce semantics) ...
+    peer.apply_round(result)                         # steps 7-8: outer step, schedule, merge
+
+A peer that missed rounds first replays the averaged updates it missed (`catch_up`), so a late
+contribution is corrected against the current momentum (HeLoCo) and weighted by its staleness.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from adloco.node.bmax import probe_b_max
+from adloco.node.config import TrainConfig
+from adloco.node.data import Corpus, TokenSampler, evaluate, shard_corpus, validation_batches
+from adloco.node.instances import Instance
+from adloco.node.model import build_model
+from adloco.protocol.allreduce import Contribution, GroupResult
+from adloco.protocol.codecs import Codec, ErrorFeedback, choose_codec, decode_tensors, make_codec
+from adloco.protocol.heloco import CorrectionReport, correct, staleness_weight
+from adloco.protocol.merge import merge_weighted
+from adloco.protocol.outer import outer_step
+from adloco.protocol.pseudograd import tensors_hash, weighted_mean
+from adloco.protocol.schedule import PeerReport, Schedule, accumulation_for, next_schedule
+
+logger = logging.getLogger(__name__)
+
+HISTORY_ROUNDS = 8
+
+
+@dataclass
+class LocalRound:
+    """A peer's local result for one round, before compression."""
+
+    base_round: int
+    delta: list[torch.Tensor]
+    tokens: int
+    samples: int
+    mean_loss: float
+    report: PeerReport
+    compute_s: float
+    accum_steps: int
+    inner_steps: int
+
+
+@dataclass(frozen=True)
+class Update:
+    """An applied round, kept so a peer that missed it can replay it (catch-up)."""
+
+    round: int
+    averaged: Mapping[str, bytes]
+    schedule: Schedule
+    merge: tuple[int, int] | None
+
+
+@dataclass
+class ContributionInfo:
+    """What `contribute` decided, for metrics and the simulator's records."""
+
+    staleness: int
+    weight: float
+    correction: CorrectionReport | None
+    wire_bytes: int
+    codec: str
+    dropped: bool = False
+
+
+@dataclass
+class PeerState:
+    """θ, m, r and S_r: what all peers of a run hold identically after every round."""
+
+    theta: list[torch.Tensor]
+    momentum: list[torch.Tensor]
+    round: int
+    schedule: Schedule
+    history: list[Update] = field(default_factory=list)
+
+    def theta_hash(self) -> str:
+        return tensors_hash(self.theta)
+
+
+def resolve_device(spec: str) -> torch.device:
+    """'auto' → CUDA when present, else CPU."""
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(spec)
+
+
+class Peer:
+    """A peer's state, its MIT instances, and the local half of every round."""
+
+    def __init__(
+        self,
+        *,
+        peer_id: str,
+        index: int,
+        num_peers: int,
+        cfg: TrainConfig,
+        corpus: Corpus,
+        vocab_size: int,
+    ) -> None:
+        self.peer_id = peer_id
+        self.cfg = cfg
+        self.device = resolve_device(cfg.device)
+        self.vocab_size = vocab_size
+        # Every peer builds the same seeded model, so θ_0 is identical without a download.
+        self.eval_model = build_model(
+            cfg.model, vocab_size=vocab_size, seed=cfg.seed, max_seq_len=max(1024, cfg.seq_len)
+        ).to(self.device)
+        self.names = [n for n, p in self.eval_model.named_parameters() if p.requires_grad]
+        theta = [p.detach().clone() for p in self.eval_model.parameters() if p.requires_grad]
+        self.state = PeerState(
+            theta=theta,
+            momentum=[torch.zeros_like(t) for t in theta],
+            round=0,
+            schedule=Schedule(
+                round=0,
+                batch=(cfg.batch_size,) * cfg.instances,
+                inner_steps=cfg.inner_steps,
+                codec=cfg.codec_candidates[1] if cfg.codec == "adaptive" else cfg.codec,
+            ),
+        )
+        self.instances = [
+            self._make_instance(corpus, slot=k, index=index, num_peers=num_peers)
+            for k in range(cfg.instances)
+        ]
+        self.b_max = cfg.b_max or probe_b_max(
+            self.instances[0].model,
+            seq_len=cfg.seq_len,
+            vocab_size=vocab_size,
+            instances=cfg.instances,
+            memory_budget_bytes=int(cfg.memory_budget_gb * 2**30) if cfg.memory_budget_gb else None,
+        )
+        self.val_batches = validation_batches(corpus, seq_len=cfg.seq_len, num_sequences=cfg.val_sequences)
+        self.error_feedback = ErrorFeedback()
+        self._codecs: dict[str, Codec] = {}
+        self.inner_steps_override: int | None = None
+
+    def _make_instance(self, corpus: Corpus, *, slot: int, index: int, num_peers: int) -> Instance:
+        shard = shard_corpus(
+            corpus,
+            peer_index=index,
+            num_peers=num_peers,
+            instance_index=slot,
+            num_instances=self.cfg.instances,
+            non_iid=self.cfg.non_iid,
+            seed=self.cfg.seed,
+        )
+        sampler = TokenSampler(shard, seq_len=self.cfg.seq_len, seed=self.cfg.seed * 1000 + index * 31 + slot)
+        model = copy.deepcopy(self.eval_model)
+        return Instance(slot=slot, model=model, sampler=sampler, inner=self.cfg.inner)
+
+    # ---- local phase -------------------------------------------------------------------------
+
+    def train_round(self) -> LocalRound:
+        """Run every instance for one round from θ; the node pseudo-gradient and its statistics."""
+        schedule = self.state.schedule
+        plans = accumulation_for(schedule, self.b_max)
+        steps = self.inner_steps_override or schedule.inner_steps
+        results = [
+            inst.run_round(self.state.theta, plan=plan, steps=steps)
+            for inst, plan in zip(self.instances, plans, strict=True)
+        ]
+        tokens = sum(r.tokens for r in results)
+        delta = weighted_mean([r.delta for r in results], [float(r.tokens) for r in results])
+        compute_s = sum(r.compute_s for r in results)
+        report = PeerReport(
+            peer_id=self.peer_id,
+            slot_stats=tuple(r.stats for r in results),
+            b_max=self.b_max,
+            tokens=tokens,
+            staleness=0,
+            step_time_s=compute_s / max(steps, 1),
+        )
+        return LocalRound(
+            base_round=self.state.round,
+            delta=delta,
+            tokens=tokens,
+            samples=sum(r.samples for r in results),
+            mean_loss=sum(r.mean_loss * r.tokens for r in results) / max(tokens, 1),
+            report=report,
+            compute_s=compute_s,
+            accum_steps=max(p.accum for p in plans),
+            inner_steps=steps,
+        )
+
+    # ---- contribution --------------------------------------------------------------------------
+
+    def codec(self, spec: str) -> Codec:
+        """The uplink codec for a spec, kept across rounds (low-rank warm-starts its Q from the last)."""
+        if spec not in self._codecs:
+            self._codecs[spec] = make_codec(spec)
+        return self._codecs[spec]
+
+    def downlink_codec(self, spec: str) -> Codec:
+        """The codec this peer encodes averages with for the parts it owns; separate from the uplink
+        codec so the two low-rank warm starts (own Δ, group average) never mix."""
+        key = f"{spec}/avg"
+        if key not in self._codecs:
+            self._codecs[key] = make_codec(spec)
+        return self._codecs[key]
+
+    def contribute(
+        self, local: LocalRound, *, extra: Mapping[str, Any] | None = None
+    ) -> tuple[Contribution | None, ContributionInfo]:
+        """Correct (if late), weight and compress the local pseudo-gradient for the current round.
+
+        Call after `catch_up`, so θ and m are the current round's. Returns None as the contribution
+        when it is too stale to use (it is then dropped, and counted).
+        """
+        tau = self.state.round - local.base_round
+        spec = self.state.schedule.codec
+        if tau > self.cfg.max_staleness:
+            return None, ContributionInfo(tau, 0.0, None, 0, spec, dropped=True)
+        delta, report = local.delta, None
+        if tau > 0 and self.cfg.correct_late:
+            # HeLoCo option (a) of algorithms.md §5.4: each peer corrects its own Δ against the
+            # replicated momentum, which every caught-up peer holds identically.
+            delta, report = correct(delta, self.state.momentum, self.cfg.heloco)
+        weight = local.tokens * staleness_weight(
+            tau, kind=self.cfg.staleness_weight, tokens=local.tokens, ref_tokens=self._ref_tokens()
+        )
+        payloads = self.error_feedback.compress(self.codec(spec), dict(zip(self.names, delta, strict=True)))
+        wire = sum(len(p) for p in payloads.values())
+        metadata: dict[str, Any] = {
+            "report": {**local.report.to_dict(), "staleness": tau},
+            "base_round": local.base_round,
+            **(extra or {}),
+        }
+        contribution = Contribution(peer_id=self.peer_id, payloads=payloads, weight=weight, metadata=metadata)
+        return contribution, ContributionInfo(tau, weight, report, wire, spec)
+
+    def _ref_tokens(self) -> int:
+        schedule = self.state.schedule
+        return sum(schedule.batch) * schedule.inner_steps * self.cfg.seq_len
+
+    # ---- apply -----------------------------------------------------------------------------------
+
+    def apply_round(self, result: GroupResult, *, byte_budget: float | None = None) -> Update:
+        """Outer step with the group's average, then the next schedule; returns the update applied."""
+        reports = [
+            PeerReport.from_dict(m["report"])
+            for m in result.gathered
+            if m["report"]["staleness"] == 0
+            and len(m["report"]["slot_stats"]) == self.state.schedule.instances
+        ]
+        codec = self._next_codec(result, byte_budget)
+        schedule, merge = next_schedule(self.state.schedule, reports, self.cfg.schedule, codec=codec)
+        update = Update(round=self.state.round, averaged=result.averaged, schedule=schedule, merge=merge)
+        self._apply(update)
+        return update
+
+    def _next_codec(self, result: GroupResult, byte_budget: float | None) -> str | None:
+        if self.cfg.codec != "adaptive":
+            return None
+        # Chosen from the averaged Δ̄, which every member holds bit-identically, so every member
+        # picks the same codec without another message.
+        choice = choose_codec(
+            result.decoded(),
+            candidates=self.cfg.codec_candidates,
+            max_rel_error=self.cfg.max_rel_error,
+            byte_budget=byte_budget,
+        )
+        return choice.spec
+
+    def _apply(self, update: Update) -> None:
+        if update.round != self.state.round:
+            raise ValueError(f"update for round {update.round} applied at round {self.state.round}")
+        averaged = decode_tensors(dict(update.averaged))
+        delta = [averaged[n].to(self.device) for n in self.names]
+        outer_step(self.state.theta, self.state.momentum, delta, self.cfg.outer)
+        if update.merge is not None:
+            self.merge_instances(*update.merge)
+        self.state.schedule = update.schedule
+        self.state.round += 1
+        self.state.history.append(update)
+        # Peers keep the last few averaged updates so a peer a few rounds behind can replay them.
+        del self.state.history[:-HISTORY_ROUNDS]
+
+    def catch_up(self, updates: Sequence[Update]) -> int:
+        """Replay the averaged updates this peer missed, in order; returns how many were applied."""
+        applied = 0
+        for update in updates:
+            if update.round < self.state.round:
+                continue
+            self._apply(update)
+            applied += 1
+        return applied
+
+    def adopt_state(self, other: PeerState) -> None:
+        """Full state transfer for a peer too far behind to replay: θ, m, r and S_r from another
+        peer, checked against the sender's θ hash. Instances beyond S_r's count are merged away."""
+        expected = other.theta_hash()
+        self.state = PeerState(
+            theta=[t.detach().clone().to(self.device) for t in other.theta],
+            momentum=[t.detach().clone().to(self.device) for t in other.momentum],
+            round=other.round,
+            schedule=other.schedule,
+            history=list(other.history),
+        )
+        if self.state.theta_hash() != expected:
+            raise ValueError("downloaded state does not match the published θ hash")
+        while len(self.instances) > self.state.schedule.instances:
+            # The two slots with the smallest data streams merge, as a missed MIT merge would have.
+            order = sorted(
+                range(len(self.instances)), key=lambda k: (self.instances[k].sampler.num_tokens, k)
+            )
+            self.merge_instances(order[0], order[1], weights=(1.0, 1.0))
+
+    def merge_instances(self, victim: int, survivor: int, weights: tuple[float, float] | None = None) -> None:
+        """AdLoCo MIT merge: batch-weighted parameters, the survivor keeps its optimizer state and
+        takes over the victim's data stream (its compute share)."""
+        batch = self.state.schedule.batch
+        w_survivor, w_victim = weights or (float(batch[survivor]), float(batch[victim]))
+        a, b = self.instances[survivor], self.instances[victim]
+        merged = merge_weighted(
+            dict(a.model.named_parameters()),
+            dict(b.model.named_parameters()),
+            weight_a=w_survivor,
+            weight_b=w_victim,
+        )
+        with torch.no_grad():
+            for name, p in a.model.named_parameters():
+                p.copy_(merged[name])
+        a.sampler = a.sampler.merged_with(b.sampler)
+        del self.instances[victim]
+        for slot, inst in enumerate(self.instances):
+            inst.slot = slot
+
+    # ---- evaluation ------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def validation_loss(self) -> float:
+        """Mean validation loss of θ on the fixed validation windows (identical on every peer)."""
+        for p, t in zip(
+            (p for p in self.eval_model.parameters() if p.requires_grad), self.state.theta, strict=True
+        ):
+            p.copy_(t)
+        self.eval_model.eval()
+        return evaluate(self.eval_model, self.val_batches, micro_batch=16)
+
+    def named_theta(self) -> dict[str, torch.Tensor]:
+        return dict(zip(self.names, self.state.theta, strict=True))
+
+
+def overlap_byte_budget(reports: Sequence[Mapping[str, Any]], *, group_size: int) -> float | None:
+    """The payload bytes each member may send so one round's transfer fits in the overlap window.
+
+    DiLoCoX: T_comm ≤ H·t_step. Each member sends about 2(n−1)/n of its payload (its parts to their
+    owners, then the averaged parts it owns), so the payload budget is the slowest member's
+    bandwidth × its round compute time divided by that factor.
+    """
+    budgets = [
+        m["bandwidth_bps"] / 8 * m["round_compute_s"]
+        for m in reports
+        if m.get("bandwidth_bps") and m.get("round_compute_s")
+    ]
+    if not budgets or group_size < 2:
+        return None
+    return min(budgets) / (2 * (group_size - 1) / group_size)

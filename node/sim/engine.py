@@ -1,0 +1,279 @@
+"""The simulator: N virtual peers in one process, running the real peer code over an in-memory transport.
+
+Each virtual peer is a `adloco.node.peer.Peer`, exactly what a swarm node runs; the group reduction is
+`adloco.protocol.allreduce.reduce_group`, exactly the semantics of the network all-reduce. What is
+simulated is time: compute time comes from a per-peer cost model (seconds per sample × the peer's
+slowdown), communication time from the exact wire bytes each member sends and receives over its
+modelled link. Training itself is real.
+
+Modes:
+- sync: every round waits for every peer (DiLoCo / AdLoCo).
+- async: a round closes `window` simulated seconds after the first peer is ready; peers still
+  training contribute to a later round with staleness τ, after replaying the updates they missed,
+  HeLoCo-corrected against the momentum and weighted by ρ(τ) (unless correction is off).
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+import torch
+
+from adloco.node.config import TrainConfig
+from adloco.node.data import Corpus
+from adloco.node.peer import ContributionInfo, LocalRound, Peer, overlap_byte_budget
+from adloco.protocol.allreduce import Contribution, reduce_group
+from adloco.protocol.heloco import dylu_inner_steps
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """The simulated swarm.
+
+    slowdown: per-peer step-time multipliers (cycled over the peers), e.g. (1, 1, 1, 5) for one peer
+        five times slower. sec_per_sample: modelled compute seconds for one training sample (one
+        sequence) at slowdown 1; 0.004 matches the tiny default model on this 2-core machine.
+    bandwidth_mbps / latency_s: each peer's symmetric link. window_s: async matchmaking window in
+        simulated seconds (None: a quarter of the fastest peer's first round). dylu: slow peers
+        shorten H in proportion to their speed (Async DiLoCo DyLU).
+    """
+
+    peers: int = 4
+    rounds: int = 20
+    mode: Literal["sync", "async"] = "sync"
+    train: TrainConfig = field(default_factory=TrainConfig)
+    slowdown: tuple[float, ...] = (1.0,)
+    sec_per_sample: float = 0.004
+    bandwidth_mbps: float = 20.0
+    latency_s: float = 0.05
+    window_s: float | None = None
+    dylu: bool = False
+
+    def __post_init__(self) -> None:
+        if self.peers < 1:
+            raise ValueError(f"peers must be >= 1, got {self.peers}")
+        if self.rounds < 1:
+            raise ValueError(f"rounds must be >= 1, got {self.rounds}")
+        if not self.slowdown or min(self.slowdown) <= 0:
+            raise ValueError("slowdown factors must be > 0")
+        if self.bandwidth_mbps <= 0:
+            raise ValueError(f"bandwidth_mbps must be > 0, got {self.bandwidth_mbps}")
+
+    def slowdown_of(self, index: int) -> float:
+        return self.slowdown[index % len(self.slowdown)]
+
+
+@dataclass
+class RoundRecord:
+    """One applied round of the simulated swarm (one line of results.json)."""
+
+    round: int
+    sim_time_s: float
+    tokens: int
+    wire_bytes: int
+    wire_bytes_total: int
+    val_loss: float
+    inner_loss: float
+    batch_size: int
+    batch_sizes: list[int]
+    accum_steps: int
+    instances: int
+    inner_steps: int
+    codec: str
+    group_size: int
+    staleness_mean: float
+    staleness_max: int
+    late_corrected: int
+    late_dropped: int
+    comm_s: float
+    theta_hash: str
+    wall_s: float
+
+
+@dataclass
+class _Pending:
+    """A virtual peer's local round in flight: ready at `ready_at` simulated seconds."""
+
+    local: LocalRound
+    ready_at: float
+
+
+class Simulator:
+    """Drives N virtual peers through `rounds` applied rounds; see the module docstring."""
+
+    def __init__(self, cfg: SimConfig, corpus: Corpus, *, vocab_size: int) -> None:
+        self.cfg = cfg
+        self.peers = [
+            Peer(
+                peer_id=f"peer{i:03d}",
+                index=i,
+                num_peers=cfg.peers,
+                cfg=cfg.train,
+                corpus=corpus,
+                vocab_size=vocab_size,
+            )
+            for i in range(cfg.peers)
+        ]
+        fastest = min(cfg.slowdown_of(i) for i in range(cfg.peers))
+        if cfg.dylu:
+            for i, peer in enumerate(self.peers):
+                peer.inner_steps_override = dylu_inner_steps(
+                    cfg.train.inner_steps, 1.0 / cfg.slowdown_of(i), 1.0 / fastest
+                )
+        self.records: list[RoundRecord] = []
+        self.wire_total = 0
+        self.tokens_total = 0
+
+    # ---- time model --------------------------------------------------------------------------
+
+    def compute_time(self, index: int, local: LocalRound) -> float:
+        return local.samples * self.cfg.sec_per_sample * self.cfg.slowdown_of(index)
+
+    def transfer_time(self, sent: int, received: int) -> float:
+        bytes_per_s = self.cfg.bandwidth_mbps * 1e6 / 8
+        # Two phases (parts to their owners, averages back), each paying the latency once.
+        return 2 * self.cfg.latency_s + max(sent, received) / bytes_per_s
+
+    # ---- main loop ---------------------------------------------------------------------------
+
+    def run(self, on_round: Callable[[RoundRecord], None] | None = None) -> list[RoundRecord]:
+        """Run until `rounds` rounds are applied; returns the per-round records."""
+        import time
+
+        pending = {i: self._start(i, at=0.0) for i in range(self.cfg.peers)}
+        window = self.cfg.window_s
+        if window is None:
+            window = 0.25 * min(p.ready_at for p in pending.values())
+        t_start = time.perf_counter()
+        while len(self.records) < self.cfg.rounds:
+            first = min(p.ready_at for p in pending.values())
+            # sync waits for every peer; async closes the matchmaking window after the first.
+            close = max(p.ready_at for p in pending.values()) if self.cfg.mode == "sync" else first + window
+            members = sorted(i for i, p in pending.items() if p.ready_at <= close)
+            close = max(pending[i].ready_at for i in members)
+            record, done_at = self._group_round(members, pending, close)
+            record.wall_s = time.perf_counter() - t_start
+            self.records.append(record)
+            if on_round is not None:
+                on_round(record)
+            for i in members:
+                pending[i] = self._start(i, at=done_at)
+        return self.records
+
+    def _start(self, index: int, *, at: float) -> _Pending:
+        local = self.peers[index].train_round()
+        return _Pending(local=local, ready_at=at + self.compute_time(index, local))
+
+    def _group_round(
+        self, members: list[int], pending: dict[int, _Pending], close: float
+    ) -> tuple[RoundRecord, float]:
+        # The most advanced peer holds the swarm's latest state (in the swarm: what the DHT publishes).
+        leader = max(range(len(self.peers)), key=lambda i: (self.peers[i].state.round, -i))
+        current = self.peers[leader].state
+        schedule_used = current.schedule
+        contributions: list[Contribution] = []
+        infos: list[ContributionInfo] = []
+        for i in members:
+            peer = self.peers[i]
+            self._catch_up(peer, leader)
+            local = pending[i].local
+            extra = {
+                "bandwidth_bps": self.cfg.bandwidth_mbps * 1e6,
+                "round_compute_s": self.compute_time(i, local),
+            }
+            contribution, info = peer.contribute(local, extra=extra)
+            infos.append(info)
+            if contribution is not None:
+                contributions.append(contribution)
+        if not contributions:
+            raise RuntimeError("every contribution of the round was dropped as too stale")
+        codec = self.peers[leader].downlink_codec(current.schedule.codec)
+        result = reduce_group(contributions, codec=codec)
+        budget = overlap_byte_budget([c.metadata for c in contributions], group_size=len(contributions))
+        hashes = set()
+        for i in members:
+            if any(c.peer_id == self.peers[i].peer_id for c in contributions):
+                self.peers[i].apply_round(result, byte_budget=budget)
+                hashes.add(self.peers[i].state.theta_hash())
+            else:
+                # A dropped contributor still takes the round's update, as a listener would.
+                self._catch_up(self.peers[i], leader)
+        if len(hashes) != 1:
+            raise AssertionError(f"members of round {current.round} diverged: {len(hashes)} distinct θ")
+        comm = max(self.transfer_time(result.sent_bytes[p], result.received_bytes[p]) for p in result.members)
+        done_at = close + comm
+        record = self._record(members, pending, infos, result, comm, done_at, hashes.pop())
+        record.batch_sizes = list(schedule_used.batch)
+        record.batch_size = max(schedule_used.batch)
+        record.instances = schedule_used.instances
+        record.inner_steps = schedule_used.inner_steps
+        return record, done_at
+
+    def _catch_up(self, peer: Peer, leader: int) -> None:
+        source = self.peers[leader].state
+        if peer.state.round == source.round:
+            return
+        missed = [u for u in source.history if u.round >= peer.state.round]
+        if missed and missed[0].round == peer.state.round:
+            peer.catch_up(missed)
+        else:
+            peer.adopt_state(source)
+
+    def _record(
+        self,
+        members: list[int],
+        pending: dict[int, _Pending],
+        infos: list[ContributionInfo],
+        result,
+        comm: float,
+        done_at: float,
+        theta_hash: str,
+    ) -> RoundRecord:
+        peer = self.peers[members[0]]
+        state = peer.state
+        locals_ = [pending[i].local for i in members]
+        wire = sum(result.sent_bytes.values())
+        self.wire_total += wire
+        self.tokens_total += sum(
+            loc.tokens for loc, info in zip(locals_, infos, strict=True) if not info.dropped
+        )
+        staleness = [info.staleness for info in infos]
+        return RoundRecord(
+            round=state.round,
+            sim_time_s=done_at,
+            tokens=self.tokens_total,
+            wire_bytes=wire,
+            wire_bytes_total=self.wire_total,
+            val_loss=peer.validation_loss(),
+            inner_loss=statistics.fmean(loc.mean_loss for loc in locals_),
+            batch_size=max(state.schedule.batch),
+            batch_sizes=list(state.schedule.batch),
+            accum_steps=max(loc.accum_steps for loc in locals_),
+            instances=state.schedule.instances,
+            inner_steps=state.schedule.inner_steps,
+            codec=infos[0].codec,
+            group_size=len(result.members),
+            staleness_mean=statistics.fmean(staleness),
+            staleness_max=max(staleness),
+            late_corrected=sum(1 for info in infos if info.correction is not None),
+            late_dropped=sum(1 for info in infos if info.dropped),
+            comm_s=comm,
+            theta_hash=theta_hash,
+            wall_s=0.0,
+        )
+
+
+def initial_val_loss(sim: Simulator) -> float:
+    """Validation loss of θ_0 (identical on every peer)."""
+    with torch.no_grad():
+        return sim.peers[0].validation_loss()
+
+
+def records_as_dicts(records: list[RoundRecord]) -> list[dict]:
+    return [asdict(r) for r in records]

@@ -1,0 +1,1 @@
+"""What peers agree on: codecs, outer step, batch tests, schedule consensus, late-update correction."""

@@ -1,0 +1,210 @@
+"""HeLoCo correction of late pseudo-gradients, staleness weights, and DyLU inner steps.
+
+HeLoCo (arXiv 2606.00271) corrects a stale pseudo-gradient Δ against the outer momentum m, tensor by
+tensor, before it is applied: aligned tensors are kept, the component that conflicts with m is shrunk,
+and tensors in between are rotated toward m with their norm kept. The formula is that of the
+third-party formula sheet (research/algorithms.md §5.2); the paper's parameter values are unknown.
+Staleness weights follow Async DiLoCo (arXiv 2401.09135) and Decoupled DiLoCo; DyLU (Async DiLoCo's
+dynamic local updates) shortens H on slow peers so they fall behind less (§6.3).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "CorrectionReport",
+    "HelocoConfig",
+    "correct",
+    "correct_tensor",
+    "dylu_inner_steps",
+    "staleness_weight",
+]
+
+Action = Literal["keep", "shrink", "rotate", "skip"]
+ACTIONS: tuple[Action, ...] = ("keep", "shrink", "rotate", "skip")
+
+
+@dataclass(frozen=True, kw_only=True)
+class HelocoConfig:
+    """HeLoCo correction strengths. These defaults are ours: the paper's values are not known.
+
+    c_ok: keep a tensor unchanged when cos(Δ, m) ≥ c_ok. c_ok = −1 turns correction off.
+    k_s, beta_max: shrink strength and cap for anti-aligned tensors (cos < 0); at most beta_max of
+        the conflicting component is removed. Raise k_s if late peers visibly pull the loss back up.
+    k_d: strength of the rotation toward m for 0 ≤ cos < c_ok. k_s = k_d = 0 turns correction off.
+    kappa: κ, weight of ||m|| in the confidence ||Δ||/(||Δ|| + κ||m|| + ε); larger κ corrects less
+        when Δ is small next to m. Lower it if corrections barely change anything (mean cosine
+        before ≈ after).
+    eps: ε; tensors with ||Δ|| or ||m|| below it are skipped (early rounds have m ≈ 0).
+    """
+
+    c_ok: float = 0.2
+    k_s: float = 1.0
+    beta_max: float = 0.5
+    k_d: float = 0.5
+    kappa: float = 1.0
+    eps: float = 1e-12
+
+    def __post_init__(self) -> None:
+        values = (self.c_ok, self.k_s, self.beta_max, self.k_d, self.kappa, self.eps)
+        if not all(math.isfinite(v) for v in values):
+            raise ValueError(f"HelocoConfig values must be finite, got {self}")
+        if not -1 <= self.c_ok <= 1:
+            raise ValueError(
+                f"c_ok is a cosine threshold in [-1, 1] (-1 turns correction off), got {self.c_ok}"
+            )
+        if self.k_s < 0 or self.k_d < 0 or self.kappa < 0:
+            raise ValueError("k_s, k_d and kappa must be >= 0 (k_s = k_d = 0 turns correction off)")
+        if not 0 <= self.beta_max <= 1:
+            raise ValueError(
+                f"beta_max must be in [0, 1] (1 removes the whole conflict), got {self.beta_max}"
+            )
+        if self.eps <= 0:
+            raise ValueError(f"eps must be > 0, got {self.eps}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CorrectionReport:
+    """What `correct` did: tensors per action, and the mean cosine to m before and after.
+
+    Means run over the tensors that were not skipped; NaN if all were skipped.
+    """
+
+    keep: int
+    shrink: int
+    rotate: int
+    skip: int
+    mean_cos_before: float
+    mean_cos_after: float
+
+
+def correct_tensor(delta: Tensor, momentum: Tensor, cfg: HelocoConfig) -> tuple[Tensor, Action]:
+    """Correct one tensor block Δ against the outer momentum m (HeLoCo, per tensor).
+
+    With u = Δ/||Δ||, v = m/||m||, c = ⟨u, v⟩ and conf = ||Δ||/(||Δ|| + κ||m|| + ε):
+    "keep" if c ≥ c_ok; "shrink" if c < 0: β = min(k_s(−c)·conf, β_max), Δ̂ = Δ − β·c·||Δ||·v, which
+    removes a fraction β of the component along m only; "rotate" otherwise: λ = min(k_d(1−c)·conf, 1),
+    ũ = (1−λ)u + λv, Δ̂ = ||Δ||·ũ/max(||ũ||, ε), which keeps the norm. "skip" if ||m|| < ε or
+    ||Δ|| < ε. A branch whose strength is 0 (β = 0 or λ = 0) reports "keep". For "keep" and "skip"
+    the input tensor itself is returned; otherwise a new tensor of Δ's dtype.
+    """
+    corrected, action, _, _ = _correct(delta, momentum, cfg)
+    return corrected, action
+
+
+def correct(
+    deltas: Sequence[Tensor], momenta: Sequence[Tensor], cfg: HelocoConfig
+) -> tuple[list[Tensor], CorrectionReport]:
+    """Apply `correct_tensor` to every tensor of a pseudo-gradient and summarise what happened."""
+    if len(deltas) != len(momenta):
+        raise ValueError(f"got {len(deltas)} deltas but {len(momenta)} momenta")
+    out: list[Tensor] = []
+    counts = dict.fromkeys(ACTIONS, 0)
+    before: list[float] = []
+    after: list[float] = []
+    for d, m in zip(deltas, momenta, strict=True):
+        corrected, action, cos_before, cos_after = _correct(d, m, cfg)
+        out.append(corrected)
+        counts[action] += 1
+        if action != "skip":
+            before.append(cos_before)
+            after.append(cos_after)
+    report = CorrectionReport(
+        keep=counts["keep"],
+        shrink=counts["shrink"],
+        rotate=counts["rotate"],
+        skip=counts["skip"],
+        mean_cos_before=math.fsum(before) / len(before) if before else math.nan,
+        mean_cos_after=math.fsum(after) / len(after) if after else math.nan,
+    )
+    return out, report
+
+
+def staleness_weight(
+    tau: int,
+    *,
+    kind: Literal["constant", "inv_sqrt", "tokens"],
+    tokens: int | None = None,
+    ref_tokens: int | None = None,
+) -> float:
+    """Return ρ, the averaging weight factor of a contribution that is τ rounds late.
+
+    "constant": 1. "inv_sqrt": (1+τ)^(−1/2), Async DiLoCo's polynomial weight (DeepMind toy notebook;
+    its constant √K/K factor cancels in a normalized average). "tokens": (tokens/ref_tokens)·(1+τ)^(−1/2),
+    weighting by the data a contribution carries as in Decoupled DiLoCo, discounted for staleness;
+    use it only where the averaging weight is not already multiplied by tokens, else tokens count
+    twice. Raises ValueError for τ < 0, or for "tokens" without tokens ≥ 0 and ref_tokens > 0.
+    """
+    if isinstance(tau, bool) or not isinstance(tau, int) or tau < 0:
+        raise ValueError(f"staleness tau must be an int >= 0, got {tau!r}")
+    if kind == "constant":
+        return 1.0
+    discount = 1.0 / math.sqrt(1.0 + tau)
+    if kind == "inv_sqrt":
+        return discount
+    if kind == "tokens":
+        if tokens is None or ref_tokens is None or tokens < 0 or ref_tokens <= 0:
+            raise ValueError(
+                f"kind='tokens' needs tokens >= 0 and ref_tokens > 0, got {tokens!r}, {ref_tokens!r}"
+            )
+        return tokens / ref_tokens * discount
+    raise ValueError(f"unknown staleness weight kind {kind!r}: use 'constant', 'inv_sqrt' or 'tokens'")
+
+
+def dylu_inner_steps(inner_steps: int, speed: float, ref_speed: float, *, min_steps: int = 1) -> int:
+    """Return DyLU's H_w = clamp(⌊v_w / v_ref · H⌋, min_steps, H) (Async DiLoCo, dynamic local updates).
+
+    speed, ref_speed: steps per second of this peer and of the reference (the paper: the fastest
+    worker). A product within 1e-9 of an integer counts as that integer, so 0.3/0.4·4 gives 3, not 2.
+    """
+    if inner_steps < 1:
+        raise ValueError(f"inner_steps must be >= 1, got {inner_steps}")
+    if not 1 <= min_steps <= inner_steps:
+        raise ValueError(f"min_steps must be in [1, inner_steps={inner_steps}], got {min_steps}")
+    if not math.isfinite(speed) or speed < 0:
+        raise ValueError(f"speed must be a finite number >= 0, got {speed!r}")
+    if not math.isfinite(ref_speed) or ref_speed <= 0:
+        raise ValueError(f"ref_speed must be a finite number > 0, got {ref_speed!r}")
+    steps = speed / ref_speed * inner_steps
+    if steps >= inner_steps:
+        return inner_steps
+    return max(min_steps, math.floor(steps + 1e-9))
+
+
+def _correct(delta: Tensor, momentum: Tensor, cfg: HelocoConfig) -> tuple[Tensor, Action, float, float]:
+    if delta.shape != momentum.shape:
+        raise ValueError(f"delta {tuple(delta.shape)} and momentum {tuple(momentum.shape)} differ in shape")
+    with torch.no_grad():
+        d = delta.detach().reshape(-1).double()
+        m = momentum.detach().reshape(-1).to(device=d.device, dtype=torch.float64)
+        d_norm, m_norm = float(d.norm()), float(m.norm())
+        if d_norm < cfg.eps or m_norm < cfg.eps:
+            return delta, "skip", math.nan, math.nan
+        v = m / m_norm
+        cos = min(1.0, max(-1.0, float(d @ v) / d_norm))
+        conf = d_norm / (d_norm + cfg.kappa * m_norm + cfg.eps)
+        if cos >= cfg.c_ok:
+            return delta, "keep", cos, cos
+        if cos < 0:
+            beta = min(cfg.k_s * -cos * conf, cfg.beta_max)
+            if beta == 0:
+                return delta, "keep", cos, cos
+            new = d - (beta * cos * d_norm) * v
+            action: Action = "shrink"
+        else:
+            lam = min(cfg.k_d * (1.0 - cos) * conf, 1.0)
+            if lam == 0:
+                return delta, "keep", cos, cos
+            u_tilde = (1.0 - lam) * (d / d_norm) + lam * v
+            new = d_norm * u_tilde / max(float(u_tilde.norm()), cfg.eps)
+            action = "rotate"
+        new_norm = float(new.norm())
+        cos_after = float(new @ v) / new_norm if new_norm > 0 else 0.0
+        return new.reshape(delta.shape).to(delta.dtype), action, cos, cos_after

@@ -1,0 +1,73 @@
+"""The outer optimizer: Nesterov SGD on the averaged pseudo-gradient, in two conventions.
+
+DiLoCo (arXiv 2311.08105) applies Nesterov momentum to the averaged pseudo-gradient Δ once per round.
+Two forms appear in the sources (research/algorithms.md §0.4) and they are not equivalent:
+
+* N1, PyTorch `SGD(nesterov=True, dampening=0)` as in OpenDiLoCo: m ← μ m + Δ; θ ← θ − η (Δ + μ m).
+* N2, the dampened form of the HeLoCo formula sheet: m ← μ m + (1−μ) Δ; θ ← θ − η (Δ + μ m).
+
+N2's momentum is (1−μ) times N1's, so an η tuned for one is wrong for the other.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+__all__ = ["OuterConfig", "outer_step"]
+
+
+@dataclass(frozen=True)
+class OuterConfig:
+    """Outer Nesterov settings.
+
+    lr: η, the outer learning rate (DiLoCo: 0.7 synchronous; Async DiLoCo's toy uses 0.07 when
+        contributions are stale). Lower it if the loss jumps up right after outer steps.
+    momentum: μ, the outer Nesterov momentum (DiLoCo: 0.9). Lower it if late contributions make the
+        loss oscillate.
+    convention: "n1" (PyTorch/OpenDiLoCo) or "n2" (dampened, HeLoCo). Re-tune lr when switching.
+    """
+
+    lr: float = 0.7
+    momentum: float = 0.9
+    convention: Literal["n1", "n2"] = "n1"
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.lr) or self.lr <= 0:
+            raise ValueError(f"outer lr must be a finite number > 0, got {self.lr!r} (DiLoCo uses 0.7)")
+        if not math.isfinite(self.momentum) or not 0 <= self.momentum < 1:
+            raise ValueError(f"outer momentum must be in [0, 1), got {self.momentum!r} (DiLoCo uses 0.9)")
+        if self.convention not in ("n1", "n2"):
+            raise ValueError(
+                f"outer convention must be 'n1' (PyTorch Nesterov) or 'n2' (dampened), "
+                f"got {self.convention!r}"
+            )
+
+
+def outer_step(
+    params: Sequence[Tensor], momentum: Sequence[Tensor], delta: Sequence[Tensor], cfg: OuterConfig
+) -> None:
+    """Apply one outer Nesterov step in place: update the momentum buffers m, then θ.
+
+    `delta` is the averaged pseudo-gradient Δ (gradient sign). With cfg.convention "n1" this is
+    bit-for-bit what `torch.optim.SGD(lr=η, momentum=μ, nesterov=True)` does with grad = Δ and a
+    zero-initialised momentum buffer. Raises ValueError if the lists or shapes do not line up.
+    """
+    if not len(params) == len(momentum) == len(delta):
+        raise ValueError(f"got {len(params)} params, {len(momentum)} momenta, {len(delta)} deltas")
+    for i, (p, m, d) in enumerate(zip(params, momentum, delta, strict=True)):
+        if not p.shape == m.shape == d.shape:
+            raise ValueError(
+                f"tensor {i}: param {tuple(p.shape)}, momentum {tuple(m.shape)}, delta {tuple(d.shape)}"
+            )
+    mu, lr = cfg.momentum, cfg.lr
+    new_weight = 1.0 if cfg.convention == "n1" else 1.0 - mu
+    with torch.no_grad():
+        for p, m, d in zip(params, momentum, delta, strict=True):
+            m.mul_(mu).add_(d, alpha=new_weight)
+            p.add_(d.add(m, alpha=mu), alpha=-lr)

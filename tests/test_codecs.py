@@ -1,0 +1,395 @@
+"""Codecs: exact wire sizes, bounded round-trip error, hand-computed quantization, error feedback, chooser."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import struct
+
+import pytest
+import torch
+
+from adloco.protocol.codecs import (
+    DEFAULT_CANDIDATES,
+    REASON_LOWEST_ERROR,
+    REASON_MEETS_BOTH,
+    REASON_OVER_BUDGET,
+    Codec,
+    ErrorFeedback,
+    Int4Codec,
+    Int8Codec,
+    LowRankCodec,
+    NoneCodec,
+    choose_codec,
+    decode,
+    decode_tensors,
+    encode_tensors,
+    make_codec,
+    relative_error,
+    wire_bytes_of,
+)
+
+ALL_SPECS = (*DEFAULT_CANDIDATES, "lowrank:3:none", "lowrank:3:fp16", "lowrank:5:int4", "lowrank:500")
+SHAPES = [(), (1,), (7,), (64,), (65,), (129,), (3, 5), (2, 3, 4), (128, 96), (33, 17, 5), (0,), (4, 0)]
+
+
+def gaussian(*shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def low_rank_matrix(m: int, n: int, rank: int, seed: int = 0) -> torch.Tensor:
+    return gaussian(m, rank, seed=seed) @ gaussian(rank, n, seed=seed + 1)
+
+
+def every_codec() -> list[Codec]:
+    return [make_codec(spec) for spec in ALL_SPECS] + [Int8Codec(block_size=7), Int4Codec(block_size=5)]
+
+
+# --- wire format --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_wire_bytes_predicts_exact_payload_length(shape: tuple[int, ...]) -> None:
+    x = gaussian(*shape) if shape else torch.tensor(1.5)
+    for codec in every_codec():
+        assert len(codec.encode("k", x)) == codec.wire_bytes(shape), codec
+
+
+def test_low_rank_path_is_taken_for_large_matrices() -> None:
+    assert LowRankCodec(4).plan((128, 96)) == (128, 96, 4)
+    assert LowRankCodec(2).plan((33, 17, 5)) == (33, 85, 2)
+    assert LowRankCodec(4).plan((10, 10)) is None  # 4 * 20 >= 0.5 * 100
+    assert LowRankCodec(4).plan((64,)) is None
+
+
+@pytest.mark.parametrize("shape", [(7,), (3, 5), (2, 3, 4), (1,), (), (40, 30), (8, 4, 5)], ids=str)
+def test_decode_restores_shape_and_float32(shape: tuple[int, ...]) -> None:
+    x = gaussian(*shape) if shape else torch.tensor(-2.0)
+    for codec in every_codec():
+        y = decode(codec.encode("k", x))
+        assert y.shape == x.shape and y.dtype == torch.float32, codec
+
+
+def test_any_input_dtype_decodes_to_float32() -> None:
+    x = gaussian(3, 5)
+    for dtype in (torch.float64, torch.bfloat16, torch.float16):
+        y = decode(make_codec("none").encode("k", x.to(dtype)))
+        assert y.dtype == torch.float32
+        torch.testing.assert_close(y, x.to(dtype).float())
+
+
+def test_header_layout_is_literal() -> None:
+    payload = NoneCodec().encode("k", torch.tensor([[1.0, 2.0, 3.0]]))
+    assert payload == b"AC\x01\x00\x02" + struct.pack("<II", 1, 3) + struct.pack("<3f", 1.0, 2.0, 3.0)
+
+
+# --- hand-computed quantization -----------------------------------------------------------------
+
+
+def test_int8_hand_computed() -> None:
+    x = torch.tensor([0.5, -1.0, 0.25, 1.0])
+    payload = make_codec("int8").encode("k", x)
+    # absmax 1.0; q = round(x / 1.0 * 127), half to even: 63.5 -> 64, 31.75 -> 32.
+    assert payload == (
+        b"AC\x01\x02\x01" + struct.pack("<I", 4) + struct.pack("<I", 64) + struct.pack("<f", 1.0)
+    ) + bytes([64, 256 - 127, 32, 127])
+    torch.testing.assert_close(decode(payload), torch.tensor([64 / 127, -1.0, 32 / 127, 1.0]))
+
+
+def test_int4_hand_computed() -> None:
+    x = torch.tensor([0.5, -1.0, 0.25, 1.0])
+    payload = make_codec("int4").encode("k", x)
+    # q = round(x * 7) = [4 (3.5, half to even), -7, 2 (1.75), 7]; nibbles q + 8 = [12, 1, 10, 15].
+    assert payload[-2:] == bytes([0x1C, 0xFA])
+    assert len(payload) == 5 + 4 + 4 + 4 + 2
+    torch.testing.assert_close(decode(payload), torch.tensor([4 / 7, -1.0, 2 / 7, 1.0]))
+
+
+def test_int4_odd_length_two_blocks_hand_computed() -> None:
+    x = torch.tensor([3.0, -1.5, 0.1])
+    payload = Int4Codec(block_size=2).encode("k", x)
+    # block [3.0, -1.5]: absmax 3, q = [7, round(-3.5) = -4]; block [0.1]: absmax 0.1, q = [7].
+    assert payload[-2:] == bytes([15 | (4 << 4), 15 | (8 << 4)])  # last byte padded with q = 0
+    torch.testing.assert_close(decode(payload), torch.tensor([3.0, -4 * 3.0 / 7, 0.1]))
+
+
+def test_zero_tensor_quantizes_to_zero() -> None:
+    for spec in ("int8", "int4", "lowrank:2"):
+        assert torch.equal(decode(make_codec(spec).encode("k", torch.zeros(64, 64))), torch.zeros(64, 64))
+
+
+# --- error bounds -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("spec", "bound"), [("none", 0.0), ("fp16", 4e-4), ("int8", 8e-3), ("int4", 0.13)])
+def test_dense_round_trip_error_is_bounded(spec: str, bound: float) -> None:
+    # Measured on this input: fp16 2.1e-4, int8 5.9e-3, int4 0.107 (block 64, fp32 absmax).
+    x = {"a": gaussian(256, 128, seed=3), "b": gaussian(1000, seed=4)}
+    error = relative_error(x, decode_tensors(encode_tensors(make_codec(spec), x)))
+    assert error <= bound
+
+
+@pytest.mark.parametrize(("factor", "bound"), [("none", 1e-5), ("fp16", 1e-3), ("int8", 0.02)])
+def test_low_rank_is_exact_for_low_rank_input(factor: str, bound: float) -> None:
+    m = low_rank_matrix(40, 30, rank=3)
+    assert relative_error(m, decode(make_codec(f"lowrank:4:{factor}").encode("k", m))) < bound
+    m3 = low_rank_matrix(8, 20, rank=2).reshape(8, 4, 5)
+    assert relative_error(m3, decode(make_codec(f"lowrank:2:{factor}").encode("k", m3))) < bound
+
+
+def test_low_rank_error_decreases_with_rank() -> None:
+    x = gaussian(128, 128, seed=5)
+    errors = [relative_error(x, decode(make_codec(f"lowrank:{r}").encode("k", x))) for r in (1, 2, 4, 8, 16)]
+    assert all(a > b for a, b in itertools.pairwise(errors)), errors
+
+
+def test_low_rank_fresh_instances_give_identical_bytes() -> None:
+    x = gaussian(64, 48, seed=6)
+    assert make_codec("lowrank:4").encode("w", x) == make_codec("lowrank:4").encode("w", x)
+
+
+def test_low_rank_warm_start_improves_repeated_encodes() -> None:
+    u, _ = torch.linalg.qr(gaussian(64, 64, seed=7))
+    v, _ = torch.linalg.qr(gaussian(48, 48, seed=8))
+    spectrum = 0.7 ** torch.arange(48, dtype=torch.float32)
+    x = u[:, :48] @ torch.diag(spectrum) @ v.T
+    codec = make_codec("lowrank:4:none")
+    errors = [relative_error(x, decode(codec.encode("w", x))) for _ in range(4)]
+    assert errors[-1] < errors[0]
+    assert errors[-1] < 1.05 * math.sqrt(float((spectrum[4:] ** 2).sum() / (spectrum**2).sum()))
+
+
+def test_low_rank_state_dict_round_trip() -> None:
+    x = gaussian(64, 48, seed=9)
+    a = LowRankCodec(4)
+    a.encode("w", x)
+    b = LowRankCodec(4)
+    b.load_state_dict(a.state_dict())
+    assert a.encode("w", x) == b.encode("w", x)
+
+
+def test_low_rank_falls_back_to_dense_factor_codec() -> None:
+    for shape in [(64,), (10, 10)]:
+        x = gaussian(*shape)
+        assert make_codec("lowrank:4").encode("k", x) == Int8Codec().encode("k", x)
+        assert make_codec("lowrank:4:fp16").encode("k", x) == make_codec("fp16").encode("k", x)
+
+
+# --- specs --------------------------------------------------------------------------------------
+
+
+def test_make_codec_names_are_canonical_specs() -> None:
+    for spec in DEFAULT_CANDIDATES:
+        assert make_codec(spec).name == spec
+    assert make_codec("lowrank:4:int8").name == "lowrank:4"
+    assert make_codec("lowrank:4:fp16").name == "lowrank:4:fp16"
+    assert make_codec(make_codec("lowrank:8:int4").name).name == "lowrank:8:int4"
+
+
+@pytest.mark.parametrize(
+    "spec",
+    ["", "int16", "lowrank", "lowrank:0", "lowrank:x", "lowrank:2:lowrank:2", "lowrank:4:bf16", " int8"],
+)
+def test_make_codec_rejects_unknown_specs(spec: str) -> None:
+    with pytest.raises(ValueError, match="valid: none, fp16") as info:
+        make_codec(spec)
+    assert "\n" not in str(info.value)
+
+
+# --- malformed payloads -------------------------------------------------------------------------
+
+
+def test_truncated_or_padded_payloads_raise_value_error() -> None:
+    x = gaussian(40, 30)
+    for codec in every_codec():
+        payload = codec.encode("k", x)
+        for cut in sorted({0, 1, 4, 5, 8, 12, 13, 20, len(payload) // 2, len(payload) - 1}):
+            with pytest.raises(ValueError):
+                decode(payload[:cut])
+        with pytest.raises(ValueError):
+            decode(payload + b"\x00")
+
+
+def test_corrupted_headers_raise_value_error() -> None:
+    payload = bytearray(make_codec("int8").encode("k", gaussian(3, 5)))
+    for index, value in [(0, ord("X")), (2, 9), (3, 77), (4, 3)]:
+        corrupt = bytearray(payload)
+        corrupt[index] = value
+        with pytest.raises(ValueError):
+            decode(bytes(corrupt))
+    zero_block = payload[:13] + struct.pack("<I", 0) + payload[17:]
+    with pytest.raises(ValueError, match="block size 0"):
+        decode(bytes(zero_block))
+
+
+def test_corrupted_low_rank_payload_raises_value_error() -> None:
+    payload = make_codec("lowrank:4").encode("k", gaussian(40, 30))
+    assert payload[3] == 4
+    with pytest.raises(ValueError):
+        decode(payload[:13] + struct.pack("<I", 5) + payload[17:])  # rank disagrees with factors
+    with pytest.raises(ValueError):
+        decode(payload[:17] + struct.pack("<I", 10**6) + payload[21:])  # P length past the end
+    nested = make_codec("lowrank:4").encode("k", gaussian(40, 30))
+    header = payload[:13] + struct.pack("<II", 4, len(nested))
+    with pytest.raises(ValueError, match="codec id"):
+        decode(header + nested + nested)  # a factor may not itself be low-rank
+
+
+# --- non-finite input ---------------------------------------------------------------------------
+
+
+def test_nan_input_is_carried_not_hidden() -> None:
+    x = gaussian(128)
+    x[3] = math.nan
+    x[70] = math.inf
+    for spec in ("none", "fp16"):
+        y = decode(make_codec(spec).encode("k", x))
+        assert math.isnan(y[3]) and math.isinf(y[70]) and torch.isfinite(y[[0, 64, 127]]).all()
+    for spec in ("int8", "int4"):
+        y = decode(make_codec(spec).encode("k", x))
+        assert torch.isnan(y[:64]).all() and torch.isnan(y[64:]).all()
+    y = decode(make_codec("int8").encode("k", torch.cat([x[:64], gaussian(64)])))
+    assert torch.isnan(y[:64]).all() and torch.isfinite(y[64:]).all()
+
+
+def test_nan_input_poisons_low_rank_output_but_not_its_warm_start() -> None:
+    clean = gaussian(64, 48)
+    dirty = clean.clone()
+    dirty[5, 5] = math.nan
+    codec = make_codec("lowrank:4")
+    payload = codec.encode("w", dirty)
+    assert len(payload) == codec.wire_bytes((64, 48))
+    assert torch.isnan(decode(payload)).all()
+    assert codec.encode("w", clean) == make_codec("lowrank:4").encode("w", clean)
+
+
+# --- dict helpers -------------------------------------------------------------------------------
+
+
+def test_tensor_dict_helpers() -> None:
+    x = {"a": gaussian(3, 5), "b": gaussian(7)}
+    payloads = encode_tensors(make_codec("none"), x)
+    assert wire_bytes_of(payloads) == (5 + 8 + 60) + (5 + 4 + 28)
+    decoded = decode_tensors(payloads)
+    assert decoded.keys() == x.keys() and all(torch.equal(decoded[k], x[k]) for k in x)
+
+
+def test_relative_error_hand_computed() -> None:
+    x = {"a": torch.tensor([3.0, 0.0]), "b": torch.tensor([0.0, 4.0])}
+    x_hat = {"a": torch.tensor([3.0, 0.0]), "b": torch.tensor([0.0, 0.0])}
+    assert relative_error(x, x_hat) == pytest.approx(0.8)
+    assert relative_error(torch.tensor([2.0]), torch.tensor([1.0])) == pytest.approx(0.5)
+    assert relative_error(torch.zeros(3), torch.zeros(3)) == 0.0
+    with pytest.raises(ValueError):
+        relative_error(x, {"a": x_hat["a"]})
+    with pytest.raises(ValueError):
+        relative_error(torch.zeros(3), torch.zeros(4))
+
+
+# --- error feedback -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("spec", "steps"), [("int4", 50), ("lowrank:2", 100), ("lowrank:2:int4", 100)])
+def test_error_feedback_mean_converges_to_delta(spec: str, steps: int) -> None:
+    delta = {"w": gaussian(32, 24, seed=3), "b": gaussian(24, seed=4)}
+    single = relative_error(delta, decode_tensors(encode_tensors(make_codec(spec), delta)))
+    feedback, codec = ErrorFeedback(), make_codec(spec)
+    total = {key: torch.zeros_like(t) for key, t in delta.items()}
+    for _ in range(steps):
+        for key, t in decode_tensors(feedback.compress(codec, delta)).items():
+            total[key] += t
+    mean = {key: t / steps for key, t in total.items()}
+    # sum of decoded = steps * delta - final residual, so the mean's error is |e| / steps.
+    assert relative_error(delta, mean) < 0.1 * single
+    expected = (
+        feedback.residual_norm() / steps / math.sqrt(sum(float(t.square().sum()) for t in delta.values()))
+    )
+    assert relative_error(delta, mean) == pytest.approx(expected, rel=1e-3)
+
+
+def test_error_feedback_residual_is_what_receivers_miss() -> None:
+    delta = {"w": gaussian(100)}
+    feedback = ErrorFeedback()
+    payloads = feedback.compress(make_codec("int4"), delta)
+    residual = feedback.state_dict()["w"]
+    torch.testing.assert_close(residual, delta["w"] - decode(payloads["w"]))
+    assert feedback.residual_norm() == pytest.approx(float(residual.norm()), rel=1e-5)
+    payloads = feedback.compress(make_codec("int4"), delta)
+    torch.testing.assert_close(
+        decode(payloads["w"]), decode(make_codec("int4").encode("w", delta["w"] + residual))
+    )
+
+
+def test_error_feedback_lossless_codec_keeps_no_residual() -> None:
+    feedback = ErrorFeedback()
+    feedback.compress(make_codec("none"), {"w": gaussian(10)})
+    assert feedback.residual_norm() == 0.0
+
+
+def test_error_feedback_state_reset_and_shape_change() -> None:
+    delta = {"w": gaussian(100)}
+    a = ErrorFeedback()
+    a.compress(make_codec("int4"), delta)
+    b = ErrorFeedback()
+    b.load_state_dict(a.state_dict())
+    assert b.compress(make_codec("int4"), delta) == a.compress(make_codec("int4"), delta)
+    with pytest.raises(ValueError, match="reset"):
+        a.compress(make_codec("int4"), {"w": gaussian(50)})
+    a.reset()
+    assert a.residual_norm() == 0.0
+    a.compress(make_codec("int4"), {"w": gaussian(50)})
+
+
+def test_error_feedback_drops_non_finite_residual() -> None:
+    feedback = ErrorFeedback()
+    dirty = gaussian(100)
+    dirty[0] = math.nan
+    feedback.compress(make_codec("int8"), {"w": dirty})
+    assert math.isfinite(feedback.residual_norm())
+
+
+# --- adaptive chooser ---------------------------------------------------------------------------
+
+
+def gaussian_dict() -> dict[str, torch.Tensor]:
+    return {"w": gaussian(128, 96, seed=11), "b": gaussian(96, seed=12)}
+
+
+def test_choose_cheapest_meeting_error() -> None:
+    tensors = gaussian_dict()
+    choice = choose_codec(tensors, candidates=DEFAULT_CANDIDATES, max_rel_error=0.01, byte_budget=None)
+    assert (choice.spec, choice.reason) == ("int8", REASON_MEETS_BOTH)
+    assert choice.wire_bytes == wire_bytes_of(encode_tensors(make_codec("int8"), tensors))
+    assert choice.rel_error < 0.01
+    assert choose_codec(tensors, max_rel_error=1.0).spec == "lowrank:1"
+
+
+def test_choose_low_rank_for_low_rank_input() -> None:
+    tensors = {"w": low_rank_matrix(128, 96, rank=2)}
+    assert choose_codec(tensors, max_rel_error=0.05).spec == "lowrank:2"
+
+
+def test_choose_lowest_error_within_budget_when_error_unreachable() -> None:
+    tensors = gaussian_dict()
+    fp16_bytes = wire_bytes_of(encode_tensors(make_codec("fp16"), tensors))
+    choice = choose_codec(tensors, max_rel_error=1e-6, byte_budget=fp16_bytes)
+    assert (choice.spec, choice.reason) == ("fp16", REASON_LOWEST_ERROR)
+
+
+def test_choose_cheapest_overall_when_nothing_fits_budget() -> None:
+    choice = choose_codec(
+        gaussian_dict(), candidates=["int8", "fp16", "int4"], max_rel_error=0.01, byte_budget=10
+    )
+    assert (choice.spec, choice.reason) == ("int4", REASON_OVER_BUDGET)
+
+
+def test_choose_is_deterministic_and_ignores_warm_state() -> None:
+    tensors = gaussian_dict()
+    first = choose_codec(tensors, max_rel_error=0.9)
+    warm = make_codec(first.spec)
+    for _ in range(3):
+        warm.encode("w", tensors["w"])
+    assert choose_codec(tensors, max_rel_error=0.9) == first
+    assert choose_codec(tensors, candidates=["int8", "int8"], max_rel_error=0.0).spec == "int8"
+    with pytest.raises(ValueError):
+        choose_codec(tensors, candidates=[], max_rel_error=0.1)

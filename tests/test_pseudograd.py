@@ -1,0 +1,75 @@
+"""Pseudo-gradient helpers against hand-computed values."""
+
+import math
+
+import pytest
+import torch
+
+from adloco.protocol.pseudograd import flat_norm, pseudo_gradient, tensors_hash, weighted_mean
+
+
+def test_pseudo_gradient_has_gradient_sign():
+    start = [torch.tensor([1.0, 2.0]), torch.tensor([[0.5]])]
+    end = [torch.tensor([0.25, 3.0]), torch.tensor([[1.5]])]
+    delta = pseudo_gradient(start, end)
+    # start − end: [1−0.25, 2−3] = [0.75, −1]; [[0.5−1.5]] = [[−1]]
+    assert torch.equal(delta[0], torch.tensor([0.75, -1.0]))
+    assert torch.equal(delta[1], torch.tensor([[-1.0]]))
+
+
+def test_pseudo_gradient_rejects_mismatch():
+    with pytest.raises(ValueError):
+        pseudo_gradient([torch.zeros(2)], [torch.zeros(3)])
+    with pytest.raises(ValueError):
+        pseudo_gradient([torch.zeros(2)], [])
+
+
+def test_weighted_mean_normalizes_weights():
+    a = [torch.tensor([1.0, 0.0]), torch.tensor([4.0])]
+    b = [torch.tensor([0.0, 1.0]), torch.tensor([8.0])]
+    out = weighted_mean([a, b], [3.0, 1.0])
+    # weights 3/4, 1/4: [0.75, 0.25]; 0.75·4 + 0.25·8 = 3 + 2 = 5
+    assert torch.equal(out[0], torch.tensor([0.75, 0.25]))
+    assert torch.equal(out[1], torch.tensor([5.0]))
+
+
+def test_weighted_mean_keeps_dtype():
+    a = [torch.tensor([1.0, 2.0], dtype=torch.bfloat16)]
+    b = [torch.tensor([3.0, 4.0], dtype=torch.bfloat16)]
+    out = weighted_mean([a, b], [1.0, 1.0])
+    # equal weights: [(1+3)/2, (2+4)/2] = [2, 3]
+    assert out[0].dtype == torch.bfloat16
+    assert torch.equal(out[0], torch.tensor([2.0, 3.0], dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("weights", [[], [1.0, -1.0], [0.0, 0.0], [math.nan, 1.0]])
+def test_weighted_mean_rejects_bad_weights(weights):
+    vectors = [[torch.zeros(1)] for _ in weights] or []
+    with pytest.raises(ValueError):
+        weighted_mean(vectors, weights)
+
+
+def test_weighted_mean_rejects_length_mismatch():
+    with pytest.raises(ValueError):
+        weighted_mean([[torch.zeros(1)]], [1.0, 2.0])
+    with pytest.raises(ValueError):
+        weighted_mean([[torch.zeros(1)], [torch.zeros(2)]], [1.0, 1.0])
+
+
+def test_flat_norm():
+    # sqrt(3² + 4² + 12²) = sqrt(9 + 16 + 144) = sqrt(169) = 13
+    assert flat_norm([torch.tensor([3.0, 4.0]), torch.tensor([[12.0]])]) == 13.0
+    assert flat_norm([]) == 0.0
+
+
+def test_tensors_hash_known_digest_and_sensitivity():
+    import hashlib
+
+    t = torch.tensor([1.0, -2.0])
+    # repr((2,)) = "(2,)"; 1.0f = 0x3f800000, -2.0f = 0xc0000000, little-endian
+    expected = hashlib.sha256(b"(2,)" + bytes.fromhex("0000803f000000c0")).hexdigest()
+    assert tensors_hash([t]) == expected
+    assert tensors_hash([t.double()]) == expected
+    assert tensors_hash([t.reshape(1, 2)]) != expected
+    assert tensors_hash([torch.tensor([1.0, -2.5])]) != expected
+    assert tensors_hash([t, t]) != expected
