@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from adloco.node.instances import InnerConfig
+from adloco.protocol.codecs import make_codec
 from adloco.protocol.heloco import HelocoConfig
 from adloco.protocol.outer import OuterConfig
 from adloco.protocol.schedule import ScheduleConfig
@@ -90,5 +91,10 @@ class TrainConfig:
             )
         if self.b_max is not None and self.b_max < 1:
             raise ValueError(f"b_max must be >= 1, got {self.b_max}")
+        for spec in (self.codec,) if self.codec != "adaptive" else self.codec_candidates:
+            try:
+                make_codec(spec)
+            except ValueError as e:
+                raise ValueError(f"codec: {e}") from None
         if not self.max_rel_error > 0:
             raise ValueError(f"max_rel_error must be > 0, got {self.max_rel_error}")

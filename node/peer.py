@@ -26,6 +26,7 @@ import torch
 from adloco.node.bmax import probe_b_max
 from adloco.node.config import TrainConfig
 from adloco.node.data import Corpus, TokenSampler, evaluate, shard_corpus, validation_batches
+from adloco.node.errors import UserError
 from adloco.node.instances import Instance
 from adloco.node.model import build_model
 from adloco.protocol.allreduce import Contribution, GroupResult
@@ -160,6 +161,11 @@ class Peer:
             seed=self.cfg.seed,
         )
         sampler = TokenSampler(shard, seq_len=self.cfg.seq_len, seed=self.cfg.seed * 1000 + index * 31 + slot)
+        if self.cfg.batch_size * self.cfg.seq_len > sampler.num_tokens:
+            raise UserError(
+                f"--batch-size: a batch of {self.cfg.batch_size}×{self.cfg.seq_len} tokens is larger than"
+                f" this peer's data shard ({sampler.num_tokens} tokens); use a smaller batch or more data"
+            )
         model = copy.deepcopy(self.eval_model)
         return Instance(slot=slot, model=model, sampler=sampler, inner=self.cfg.inner)
 
@@ -240,7 +246,13 @@ class Peer:
             "base_round": local.base_round,
             **(extra or {}),
         }
-        contribution = Contribution(peer_id=self.peer_id, payloads=payloads, weight=weight, metadata=metadata)
+        contribution = Contribution(
+            peer_id=self.peer_id,
+            payloads=payloads,
+            weight=weight,
+            tokens=float(local.tokens),
+            metadata=metadata,
+        )
         return contribution, ContributionInfo(tau, weight, report, wire, spec)
 
     def _ref_tokens(self) -> int:

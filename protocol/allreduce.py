@@ -14,6 +14,7 @@ it directly, and the network transport performs the same steps part by part acro
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,11 +25,17 @@ from adloco.protocol.parts import assign_parts, reduce_part, round_traffic
 
 @dataclass(frozen=True)
 class Contribution:
-    """One member's input to a round: encoded tensors, averaging weight, gathered metadata."""
+    """One member's input to a round: encoded tensors, averaging weight, gathered metadata.
+
+    weight is tokens × staleness weight ρ(τ); tokens is the unweighted count. When every member
+    gives its tokens, the group average is Σ weight·Δ / Σ tokens, so ρ(τ) < 1 shrinks a late
+    contribution even in a group of one (Async DiLoCo applies ρ to each arrival the same way).
+    """
 
     peer_id: str
     payloads: Mapping[str, bytes]
     weight: float
+    tokens: float = 0.0
     metadata: Mapping[str, Any] = field(default_factory=dict)
 
 
@@ -65,7 +72,11 @@ def reduce_group(contributions: Sequence[Contribution], *, codec: Codec) -> Grou
     sizes = [max(len(c.payloads[k]) for c in members) for k in keys]
     owner_index = assign_parts(sizes, len(members))
     weights = [c.weight for c in members]
-    averaged = {k: reduce_part([c.payloads[k] for c in members], weights, codec, k) for k in keys}
+    tokens = [c.tokens for c in members]
+    total = math.fsum(tokens) if all(t > 0 for t in tokens) else None
+    averaged = {
+        k: reduce_part([c.payloads[k] for c in members], weights, codec, k, total_weight=total) for k in keys
+    }
     up_sizes = [[len(c.payloads[k]) for k in keys] for c in members]
     down_sizes = [len(averaged[k]) for k in keys]
     sent, received = round_traffic(owner_index, up_sizes, down_sizes, len(members))

@@ -36,18 +36,32 @@ def assign_parts(sizes: Sequence[int], num_members: int) -> list[int]:
     return owners
 
 
-def reduce_part(payloads: Sequence[bytes], weights: Sequence[float], codec: Codec, key: str) -> bytes:
+def reduce_part(
+    payloads: Sequence[bytes],
+    weights: Sequence[float],
+    codec: Codec,
+    key: str,
+    *,
+    total_weight: float | None = None,
+) -> bytes:
     """Decode every member's payload of one tensor, average with normalized weights, re-encode.
 
     The weighted sum runs in float32 in the order given; the returned bytes are what the owner
-    sends to every member. A single payload is forwarded unchanged. Raises ValueError on empty,
-    negative, non-finite or zero-sum weights, on a payload/weight count mismatch and on differing
-    shapes.
+    sends to every member. With `total_weight` the sum is divided by it instead of by Σ weights:
+    the weights are then tokens × staleness weight and the total is the group's tokens, so a
+    down-weighted late contribution is smaller in absolute terms, not only relative to the others.
+    A single payload with no total is forwarded unchanged. Raises ValueError on empty, negative,
+    non-finite or zero-sum weights, on a payload/weight count mismatch and on differing shapes.
     """
     normalized = _normalized_weights(weights)
+    if total_weight is not None:
+        if not math.isfinite(total_weight) or total_weight <= 0:
+            raise ValueError(f"total_weight must be finite and > 0, got {total_weight}")
+        scale = math.fsum(weights) / total_weight
+        normalized = [w * scale for w in normalized]
     if len(payloads) != len(normalized):
         raise ValueError(f"{len(payloads)} payloads but {len(normalized)} weights")
-    if len(payloads) == 1:
+    if len(payloads) == 1 and normalized == [1.0]:
         # The average of one contribution is that contribution: forward its bytes rather than
         # re-encode them and add a second compression error.
         decode(payloads[0])  # still validate it

@@ -207,8 +207,9 @@ def next_schedule(
     Deterministic and independent of the order of `reports`. Steps:
     1. Reports whose slot count differs from S_r (made under another schedule) are ignored.
     2. Per slot, the peers' statistics are pooled (`pool_stats`) and b goes through the batch test.
-    3. The merge decision (`choose_merge`) uses demand = the new b per slot and round = S_r.round,
-       the round that just ended, so with merge_every = 2 merges follow rounds 2, 4, 6, ...
+    3. The merge decision (`choose_merge`) uses demand = the new b per slot and round = S_r.round + 1,
+       the number of rounds completed, so with merge_every = 2 merges follow the 2nd, 4th, 6th ...
+       round (AdLoCo: `outer_step % merge_frequency == 0` with 1-based outer steps).
     4. On a merge the survivor's b becomes min(batch_cap, b_survivor + b_victim), taking over the
        victim's compute share, and the victim slot is removed; later slots shift down by one.
     5. H follows cfg.inner_steps_policy.
@@ -221,7 +222,7 @@ def next_schedule(
         _slot_batch(current.batch[k], [r.slot_stats[k] for r in usable], cfg)
         for k in range(current.instances)
     ]
-    merge = choose_merge([float(b) for b in batch], round=current.round, policy=cfg.merge)
+    merge = choose_merge([float(b) for b in batch], round=current.round + 1, policy=cfg.merge)
     if merge is not None:
         victim, survivor = merge
         batch[survivor] = min(cfg.batch_cap, batch[survivor] + batch[victim])

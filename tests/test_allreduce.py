@@ -65,3 +65,21 @@ def test_mismatched_tensors_are_rejected() -> None:
         reduce_group([a, bad], codec=make_codec("none"))
     with pytest.raises(ValueError):
         reduce_group([], codec=make_codec("none"))
+
+
+def test_staleness_weight_shrinks_a_late_contribution_even_alone() -> None:
+    (c,) = _contributions("none", n=1)
+    fresh = Contribution(peer_id="p0", payloads=c.payloads, weight=100.0, tokens=100.0)
+    late = Contribution(peer_id="p0", payloads=c.payloads, weight=50.0, tokens=100.0)  # ρ(τ) = 0.5
+    full = reduce_group([fresh], codec=make_codec("none")).decoded()["w"]
+    half = reduce_group([late], codec=make_codec("none")).decoded()["w"]
+    torch.testing.assert_close(half, 0.5 * full)
+    # Σ weight·Δ / Σ tokens: a fresh Δa (tokens 100) and a late Δb (tokens 100, ρ = 0.5).
+    a, b = _contributions("none", n=2)
+    pair = [
+        Contribution(peer_id="a", payloads=a.payloads, weight=100.0, tokens=100.0),
+        Contribution(peer_id="b", payloads=b.payloads, weight=50.0, tokens=100.0),
+    ]
+    got = reduce_group(pair, codec=make_codec("none")).decoded()["w"]
+    da, db = decode_tensors(dict(a.payloads))["w"], decode_tensors(dict(b.payloads))["w"]
+    torch.testing.assert_close(got, (100 * da + 50 * db) / 200)

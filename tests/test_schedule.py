@@ -31,7 +31,7 @@ REPORTS = [
     PeerReport(peer_id="a", slot_stats=(HAND, None), b_max=8, tokens=100),
     PeerReport(peer_id="b", slot_stats=(HAND, QUIET), b_max=4, tokens=200, staleness=1, step_time_s=0.5),
 ]
-CURRENT = Schedule(round=2, batch=(4, 8), inner_steps=10)
+CURRENT = Schedule(round=1, batch=(4, 8), inner_steps=10)
 
 
 def test_hand_example_local_scope():
@@ -42,7 +42,7 @@ def test_hand_example_local_scope():
     # slot 1: QUIET only: V = 8·0.5/1 = 4; T = 4/(0.25·1) = 16 → b = max(8, 16) = 16
     # round 2 is a merge round: demands [32, 16] → victim 1, survivor 0, b = 32 + 16 = 48
     assert merge == (1, 0)
-    assert nxt == Schedule(round=3, batch=(48,), inner_steps=10, codec="none")
+    assert nxt == Schedule(round=2, batch=(48,), inner_steps=10, codec="none")
 
 
 def test_hand_example_swarm_scope_and_constant_tokens():
@@ -54,7 +54,7 @@ def test_hand_example_swarm_scope_and_constant_tokens():
     # tie → victim 0 (lower index), survivor 1: b = 32
     # constant tokens: base = H·Σb = 10·(4 + 8) = 120; H = round(120/32 = 3.75) = 4
     assert merge == (0, 1)
-    assert nxt == Schedule(round=3, batch=(32,), inner_steps=4, codec="int8", base_samples=120)
+    assert nxt == Schedule(round=2, batch=(32,), inner_steps=4, codec="int8", base_samples=120)
 
 
 def test_constant_tokens_rounds_half_up_and_floors():
@@ -71,8 +71,8 @@ def test_constant_tokens_rounds_half_up_and_floors():
 
 def test_no_merge_off_schedule_and_cap_on_merge():
     cfg = ScheduleConfig(eta=0.5, batch_cap=40, merge=MergePolicy(merge_every=2))
-    odd, merge = next_schedule(replace(CURRENT, round=3), REPORTS, cfg)
-    assert merge is None and odd.batch == (32, 16) and odd.round == 4
+    odd, merge = next_schedule(replace(CURRENT, round=2), REPORTS, cfg)
+    assert merge is None and odd.batch == (32, 16) and odd.round == 3
     even, merge = next_schedule(CURRENT, REPORTS, cfg)
     assert merge == (1, 0) and even.batch == (40,)  # 32 + 16 capped at 40
 
@@ -85,7 +85,7 @@ def test_reports_from_another_schedule_are_ignored():
 
 def test_no_reports_keeps_batches():
     nxt, merge = next_schedule(CURRENT, [], ScheduleConfig(merge=MergePolicy(min_instances=2)))
-    assert merge is None and nxt == Schedule(round=3, batch=(4, 8), inner_steps=10)
+    assert merge is None and nxt == Schedule(round=2, batch=(4, 8), inner_steps=10)
 
 
 def _random_report(rng: random.Random, peer: int, slots: int) -> PeerReport:

@@ -90,6 +90,7 @@ class RoundRecord:
     staleness_mean: float
     staleness_max: int
     late_corrected: int
+    corrected_tensors: int
     late_dropped: int
     comm_s: float
     theta_hash: str
@@ -152,9 +153,14 @@ class Simulator:
             window = 0.25 * min(p.ready_at for p in pending.values())
         t_start = time.perf_counter()
         while len(self.records) < self.cfg.rounds:
-            first = min(p.ready_at for p in pending.values())
-            # sync waits for every peer; async closes the matchmaking window after the first.
-            close = max(p.ready_at for p in pending.values()) if self.cfg.mode == "sync" else first + window
+            if self.cfg.mode == "sync":
+                close = max(p.ready_at for p in pending.values())
+            else:
+                # A round opens when the first *fresh* peer is ready and closes `window` later; late
+                # peers never open a round alone, they join the next one (and are corrected there).
+                latest = max(peer.state.round for peer in self.peers)
+                fresh = [p.ready_at for p in pending.values() if p.local.base_round == latest]
+                close = min(fresh) + window
             members = sorted(i for i, p in pending.items() if p.ready_at <= close)
             close = max(pending[i].ready_at for i in members)
             record, done_at = self._group_round(members, pending, close)
@@ -262,6 +268,11 @@ class Simulator:
             staleness_mean=statistics.fmean(staleness),
             staleness_max=max(staleness),
             late_corrected=sum(1 for info in infos if info.correction is not None),
+            corrected_tensors=sum(
+                info.correction.shrink + info.correction.rotate
+                for info in infos
+                if info.correction is not None
+            ),
             late_dropped=sum(1 for info in infos if info.dropped),
             comm_s=comm,
             theta_hash=theta_hash,
