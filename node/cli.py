@@ -13,10 +13,8 @@ import signal
 import sys
 import threading
 
-import torch
-
 from adloco.node.errors import UserError
-from adloco.node.options import add_train_arguments, train_config_from_args
+from adloco.node.options import add_train_arguments, set_threads, train_config_from_args
 from adloco.node.trainer import SoloRound, train_solo
 
 
@@ -45,14 +43,12 @@ def format_round(r: SoloRound) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
-    if args.rounds < 0:
-        print("adloco-node: error: --rounds must be >= 0", file=sys.stderr)
-        return 2
-    if args.threads:
-        torch.set_num_threads(args.threads)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
+        if args.rounds < 0:
+            raise UserError(f"--rounds: must be >= 0 (0 trains until stopped), got {args.rounds}")
+        set_threads(args.threads)
         cfg = train_config_from_args(args)
         train_solo(
             cfg,

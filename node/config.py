@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+import torch
+
 from adloco.node.instances import InnerConfig
 from adloco.protocol.codecs import make_codec
 from adloco.protocol.heloco import HelocoConfig
@@ -98,3 +100,16 @@ class TrainConfig:
                 raise ValueError(f"codec: {e}") from None
         if not self.max_rel_error > 0:
             raise ValueError(f"max_rel_error must be > 0, got {self.max_rel_error}")
+        if self.max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
+        for name in ("max_corpus_mb", "memory_budget_gb"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
+        if self.device != "auto":
+            try:
+                torch.device(self.device)
+            except RuntimeError:
+                raise ValueError(
+                    f"device: {self.device!r} is not a torch device; use auto, cpu, cuda or cuda:N"
+                ) from None

@@ -43,7 +43,7 @@ class InnerConfig:
     stats_chunks: int = 4
 
     def __post_init__(self) -> None:
-        if self.lr <= 0:
+        if not (math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"inner lr must be > 0, got {self.lr}")
         if self.stats_chunks < 1:
             raise ValueError(f"stats_chunks must be >= 1, got {self.stats_chunks}")

@@ -31,7 +31,7 @@ from adloco.node.instances import Instance
 from adloco.node.model import build_model
 from adloco.protocol.allreduce import Contribution, GroupResult
 from adloco.protocol.codecs import Codec, ErrorFeedback, choose_codec, decode_tensors, make_codec
-from adloco.protocol.heloco import CorrectionReport, correct, staleness_weight
+from adloco.protocol.heloco import CorrectionReport, correct, dylu_inner_steps, staleness_weight
 from adloco.protocol.merge import merge_weighted
 from adloco.protocol.outer import outer_step
 from adloco.protocol.pseudograd import tensors_hash, weighted_mean
@@ -148,7 +148,8 @@ class Peer:
         self.val_batches = validation_batches(corpus, seq_len=cfg.seq_len, num_sequences=cfg.val_sequences)
         self.error_feedback = ErrorFeedback()
         self._codecs: dict[str, Codec] = {}
-        self.inner_steps_override: int | None = None
+        # DyLU (Async DiLoCo): this peer's speed relative to the fastest; H shrinks in proportion.
+        self.dylu_speed_ratio: float | None = None
 
     def _make_instance(self, corpus: Corpus, *, slot: int, index: int, num_peers: int) -> Instance:
         shard = shard_corpus(
@@ -175,7 +176,9 @@ class Peer:
         """Run every instance for one round from θ; the node pseudo-gradient and its statistics."""
         schedule = self.state.schedule
         plans = accumulation_for(schedule, self.b_max)
-        steps = self.inner_steps_override or schedule.inner_steps
+        steps = schedule.inner_steps
+        if self.dylu_speed_ratio is not None:
+            steps = dylu_inner_steps(steps, self.dylu_speed_ratio, 1.0)
         results = [
             inst.run_round(self.state.theta, plan=plan, steps=steps)
             for inst, plan in zip(self.instances, plans, strict=True)
@@ -235,7 +238,7 @@ class Peer:
         if tau > 0 and self.cfg.correct_late:
             # HeLoCo option (a) of algorithms.md §5.4: each peer corrects its own Δ against the
             # replicated momentum, which every caught-up peer holds identically.
-            delta, report = correct(delta, self.state.momentum, self.cfg.heloco)
+            delta, report = correct(delta, self.momentum_reference(), self.cfg.heloco)
         weight = local.tokens * staleness_weight(
             tau, kind=self.cfg.staleness_weight, tokens=local.tokens, ref_tokens=self._ref_tokens()
         )
@@ -254,6 +257,17 @@ class Peer:
             metadata=metadata,
         )
         return contribution, ContributionInfo(tau, weight, report, wire, spec)
+
+    def momentum_reference(self) -> list[torch.Tensor]:
+        """The momentum HeLoCo compares late Δ against, on the scale of one pseudo-gradient.
+
+        HeLoCo's formula uses the dampened (N2) buffer, whose norm is that of a typical Δ, so its κ
+        weighs ‖Δ‖ against ‖m‖ on equal terms. Under N1 the buffer is about 1/(1−μ) larger; we
+        compare against (1−μ)·m so κ keeps its meaning (same direction, so the cosines are equal).
+        """
+        if self.cfg.outer.convention == "n2":
+            return self.state.momentum
+        return [(1 - self.cfg.outer.momentum) * m for m in self.state.momentum]
 
     def _ref_tokens(self) -> int:
         schedule = self.state.schedule

@@ -18,10 +18,14 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
-import torch
-
 from adloco.node.errors import UserError
-from adloco.node.options import add_train_arguments, train_config_from_args
+from adloco.node.options import (
+    add_train_arguments,
+    config_error,
+    finite_float,
+    set_threads,
+    train_config_from_args,
+)
 from adloco.node.sim.engine import RoundRecord, SimConfig, Simulator, records_as_dicts
 from adloco.node.sim.plots import plot_runs
 
@@ -45,11 +49,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_arguments(p)
 
     sim = p.add_argument_group("simulated swarm: heterogeneity and links")
-    sim.add_argument("--bandwidth-mbps", type=float, default=20.0, help="each peer's link")
-    sim.add_argument("--latency-s", type=float, default=0.05, help="one-way latency per phase")
+    sim.add_argument("--bandwidth-mbps", type=finite_float, default=20.0, help="each peer's link")
+    sim.add_argument("--latency-s", type=finite_float, default=0.05, help="one-way latency per phase")
     sim.add_argument("--slowdown", default="1", help="comma-separated per-peer step-time factors, cycled")
-    sim.add_argument("--sec-per-sample", type=float, default=0.004, help="modelled compute per sample")
-    sim.add_argument("--window-s", type=float, default=None, help="async matchmaking window (sim seconds)")
+    sim.add_argument("--sec-per-sample", type=finite_float, default=0.004, help="modelled compute per sample")
+    sim.add_argument(
+        "--window-s", type=finite_float, default=None, help="async matchmaking window (sim seconds)"
+    )
     sim.add_argument("--dylu", action="store_true", help="slow peers shorten H by their speed")
     return p
 
@@ -57,9 +63,17 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> SimConfig:
     """Build the typed config; invalid combinations raise UserError naming the option."""
     try:
-        slowdown = tuple(float(x) for x in args.slowdown.split(","))
-    except ValueError:
+        slowdown = tuple(finite_float(x) for x in args.slowdown.split(","))
+    except argparse.ArgumentTypeError:
         raise UserError(f"--slowdown: expected comma-separated numbers, got {args.slowdown!r}") from None
+    # SimConfig does not check these; negative times would make rounds close before anyone is ready.
+    for flag, value in (
+        ("--sec-per-sample", args.sec_per_sample),
+        ("--latency-s", args.latency_s),
+        ("--window-s", args.window_s),
+    ):
+        if value is not None and value < 0:
+            raise UserError(f"{flag}: must be >= 0, got {value}")
     train = train_config_from_args(args)
     if args.mode == "async" and args.outer_lr is None:
         # Async DiLoCo: stale pseudo-gradients need a smaller outer lr (0.07 vs 0.7 in the DeepMind toy).
@@ -78,7 +92,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
             dylu=args.dylu,
         )
     except ValueError as e:
-        raise UserError(str(e)) from None
+        raise config_error(e, args) from None
 
 
 def format_record(r: RoundRecord) -> str:
@@ -128,9 +142,8 @@ def run(cfg: SimConfig, out: Path, *, quiet: bool = False) -> list[RoundRecord]:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    if args.threads:
-        torch.set_num_threads(args.threads)
     try:
+        set_threads(args.threads)
         run(config_from_args(args), args.out, quiet=args.quiet)
     except UserError as e:
         print(f"adloco-sim: error: {e}", file=sys.stderr)

@@ -16,6 +16,7 @@ Modes:
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -27,7 +28,6 @@ from adloco.node.config import TrainConfig
 from adloco.node.data import Corpus
 from adloco.node.peer import ContributionInfo, LocalRound, Peer, overlap_byte_budget
 from adloco.protocol.allreduce import Contribution, reduce_group
-from adloco.protocol.heloco import dylu_inner_steps
 
 logger = logging.getLogger(__name__)
 
@@ -60,10 +60,16 @@ class SimConfig:
             raise ValueError(f"peers must be >= 1, got {self.peers}")
         if self.rounds < 1:
             raise ValueError(f"rounds must be >= 1, got {self.rounds}")
-        if not self.slowdown or min(self.slowdown) <= 0:
-            raise ValueError("slowdown factors must be > 0")
-        if self.bandwidth_mbps <= 0:
-            raise ValueError(f"bandwidth_mbps must be > 0, got {self.bandwidth_mbps}")
+        if not self.slowdown or not all(math.isfinite(s) and s > 0 for s in self.slowdown):
+            raise ValueError(f"slowdown factors must be finite and > 0, got {self.slowdown}")
+        if not (math.isfinite(self.bandwidth_mbps) and self.bandwidth_mbps > 0):
+            raise ValueError(f"bandwidth_mbps must be finite and > 0, got {self.bandwidth_mbps}")
+        for name in ("sec_per_sample", "latency_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be finite and >= 0, got {value}")
+        if self.window_s is not None and not (math.isfinite(self.window_s) and self.window_s >= 0):
+            raise ValueError(f"window_s must be finite and >= 0, got {self.window_s}")
 
     def slowdown_of(self, index: int) -> float:
         return self.slowdown[index % len(self.slowdown)]
@@ -89,10 +95,12 @@ class RoundRecord:
     group_size: int
     staleness_mean: float
     staleness_max: int
+    late_contributions: int
     late_corrected: int
     corrected_tensors: int
     late_dropped: int
     comm_s: float
+    catch_up_bytes: int
     theta_hash: str
     wall_s: float
 
@@ -124,9 +132,7 @@ class Simulator:
         fastest = min(cfg.slowdown_of(i) for i in range(cfg.peers))
         if cfg.dylu:
             for i, peer in enumerate(self.peers):
-                peer.inner_steps_override = dylu_inner_steps(
-                    cfg.train.inner_steps, 1.0 / cfg.slowdown_of(i), 1.0 / fastest
-                )
+                peer.dylu_speed_ratio = fastest / cfg.slowdown_of(i)
         self.records: list[RoundRecord] = []
         self.wire_total = 0
         self.tokens_total = 0
@@ -185,9 +191,10 @@ class Simulator:
         schedule_used = current.schedule
         contributions: list[Contribution] = []
         infos: list[ContributionInfo] = []
+        catch_up_bytes: dict[int, int] = {}
         for i in members:
             peer = self.peers[i]
-            self._catch_up(peer, leader)
+            catch_up_bytes[i] = self._catch_up(peer, leader)
             local = pending[i].local
             extra = {
                 "bandwidth_bps": self.cfg.bandwidth_mbps * 1e6,
@@ -209,27 +216,40 @@ class Simulator:
                 hashes.add(self.peers[i].state.theta_hash())
             else:
                 # A dropped contributor still takes the round's update, as a listener would.
-                self._catch_up(self.peers[i], leader)
+                catch_up_bytes[i] += self._catch_up(self.peers[i], leader)
         if len(hashes) != 1:
             raise AssertionError(f"members of round {current.round} diverged: {len(hashes)} distinct θ")
-        comm = max(self.transfer_time(result.sent_bytes[p], result.received_bytes[p]) for p in result.members)
+        # Replaying missed updates (or downloading the state) costs the late member link time too.
+        comm = max(
+            self.transfer_time(
+                result.sent_bytes.get(self.peers[i].peer_id, 0),
+                result.received_bytes.get(self.peers[i].peer_id, 0) + catch_up_bytes[i],
+            )
+            for i in members
+        )
         done_at = close + comm
         record = self._record(members, pending, infos, result, comm, done_at, hashes.pop())
+        record.catch_up_bytes = sum(catch_up_bytes.values())
+        record.wire_bytes += record.catch_up_bytes
+        record.wire_bytes_total += record.catch_up_bytes
+        self.wire_total += record.catch_up_bytes
         record.batch_sizes = list(schedule_used.batch)
         record.batch_size = max(schedule_used.batch)
         record.instances = schedule_used.instances
         record.inner_steps = schedule_used.inner_steps
         return record, done_at
 
-    def _catch_up(self, peer: Peer, leader: int) -> None:
+    def _catch_up(self, peer: Peer, leader: int) -> int:
+        """Bring `peer` to the leader's round; returns the bytes that took (updates or full state)."""
         source = self.peers[leader].state
         if peer.state.round == source.round:
-            return
+            return 0
         missed = [u for u in source.history if u.round >= peer.state.round]
         if missed and missed[0].round == peer.state.round:
             peer.catch_up(missed)
-        else:
-            peer.adopt_state(source)
+            return sum(len(p) for u in missed for p in u.averaged.values())
+        peer.adopt_state(source)
+        return sum(2 * t.numel() * t.element_size() for t in source.theta)  # θ and m
 
     def _record(
         self,
@@ -267,7 +287,12 @@ class Simulator:
             group_size=len(result.members),
             staleness_mean=statistics.fmean(staleness),
             staleness_max=max(staleness),
-            late_corrected=sum(1 for info in infos if info.correction is not None),
+            late_contributions=sum(1 for info in infos if info.staleness > 0 and not info.dropped),
+            late_corrected=sum(
+                1
+                for info in infos
+                if info.correction is not None and info.correction.shrink + info.correction.rotate
+            ),
             corrected_tensors=sum(
                 info.correction.shrink + info.correction.rotate
                 for info in infos
@@ -275,6 +300,7 @@ class Simulator:
             ),
             late_dropped=sum(1 for info in infos if info.dropped),
             comm_s=comm,
+            catch_up_bytes=0,
             theta_hash=theta_hash,
             wall_s=0.0,
         )

@@ -1,0 +1,201 @@
+"""Bad input ends with one line naming the option, exit code 2 and no traceback, for both entry points.
+
+Most cases call `main(argv)` in-process (no new interpreter); one case per entry point runs the
+installed console script to show it behaves the same. Every argv starts from tiny sizes, so a case
+that wrongly passes validation fails on its exit code in seconds instead of training for minutes.
+Our own errors are one line, `PROG: error: --flag: ...`; argparse's own (a flag's type or choices)
+are its usage block plus one `PROG: error: argument --flag: ...` line.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from adloco.node import cli as node_cli
+from adloco.node.sim import cli as sim_cli
+
+BIN = Path(sys.executable).parent
+MAINS = {"adloco-node": node_cli.main, "adloco-sim": sim_cli.main}
+TINY = ["--max-corpus-mb", "1", "--rounds", "1", "--inner-steps", "1", "--batch-size", "1", "--seq-len", "32"]
+TINY += ["--instances", "1", "--threads", "1"]
+
+
+def base_argv(prog: str, tmp_path: Path) -> list[str]:
+    """Tiny sizes, and for the simulator one peer and an output folder; case flags come after."""
+    if prog == "adloco-sim":
+        return [*TINY, "--peers", "1", "--quiet", "--out", str(tmp_path / "out")]
+    return TINY
+
+
+@pytest.fixture(autouse=True)
+def _isolated(monkeypatch: pytest.MonkeyPatch) -> None:
+    """main() sets env defaults and a SIGTERM handler; keep both out of the rest of the session."""
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_NO_ADVISORY_WARNINGS"):
+        monkeypatch.setenv(name, "1")
+    # Unset, and unset again afterwards: the console-script test checks the entry point quiets datasets.
+    monkeypatch.setenv("DATASETS_VERBOSITY", "")
+    monkeypatch.delenv("DATASETS_VERBOSITY")
+    monkeypatch.setattr(signal, "signal", lambda *_: None)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Bad (and one tiny) dataset files."""
+    d = tmp_path_factory.mktemp("data")
+    (d / "empty.txt").write_text("")
+    (d / "broken.jsonl").write_text('{"text": "fine"}\n{not json\n')
+    (d / "good.jsonl").write_text('{"text": "hello world"}\n{"text": "more text"}\n')
+    (d / "no_text").mkdir()
+    (d / "no_text" / "image.bin").write_bytes(b"\x00\x01")
+    (d / "tiny.txt").write_text(("the quick brown fox jumps over the lazy dog. " * 70)[:3000])
+    return d
+
+
+def assert_one_line(prog: str, err: str, option: str) -> None:
+    assert "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"{prog}: error: {option}:"), err
+
+
+def assert_argparse_error(prog: str, err: str, option: str) -> None:
+    assert "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert lines[0].startswith("usage: "), err
+    assert lines[-1].startswith(f"{prog}: error: argument {option}:"), err
+    assert sum(f"{prog}: error:" in line for line in lines) == 1, err
+
+
+def run_main(prog: str, argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    try:
+        rc = MAINS[prog](argv)
+    except SystemExit as e:  # argparse's own errors
+        rc = e.code
+    return rc, capsys.readouterr().err
+
+
+# (option the message must start with, flags after the base argv; "{d}" is the data folder)
+DATA_CASES = [
+    ("--model", ["--model", "no-such-model"]),
+    ("--model", ["--model", "{d}/broken.jsonl"]),
+    ("--dataset", ["--dataset", "{d}/empty.txt"]),
+    ("--dataset", ["--dataset", "{d}/broken.jsonl"]),
+    ("--dataset", ["--dataset", "{d}/missing.txt"]),
+    ("--dataset", ["--dataset", "{d}/no_text"]),
+    ("--dataset", ["--dataset", "no_such_dataset_xyz"]),
+    ("--text-field", ["--dataset", "{d}/good.jsonl", "--text-field", "nope"]),
+    ("--batch-size", ["--dataset", "{d}/tiny.txt", "--batch-size", "10000", "--seq-len", "64"]),
+    ("--seq-len", ["--dataset", "{d}/tiny.txt", "--seq-len", "100000"]),
+]
+TRAIN_CASES = [
+    ("--codec", ["--codec", "int9"]),
+    ("--codec", ["--codec", "lowrank:0"]),
+    ("--codec", ["--codec", "lowrank:4:int3"]),
+    ("--seq-len", ["--seq-len", "0"]),
+    ("--batch-size", ["--batch-size", "0"]),
+    ("--inner-steps", ["--inner-steps", "0"]),
+    ("--instances", ["--instances", "1", "--min-instances", "2"]),
+    ("--inner-lr", ["--inner-lr", "0"]),
+    ("--outer-lr", ["--outer-lr", "-1"]),
+    ("--outer-momentum", ["--outer-momentum", "1.5"]),
+    ("--eta", ["--eta", "0"]),
+    ("--batch-cap", ["--batch-cap", "0"]),
+    ("--merge-every", ["--merge-every", "0"]),
+    ("--max-rel-error", ["--codec", "adaptive", "--max-rel-error", "0"]),
+    ("--b-max", ["--b-max", "0"]),
+    ("--max-staleness", ["--max-staleness", "-1"]),
+    ("--max-corpus-mb", ["--max-corpus-mb", "0"]),
+    ("--memory-budget-gb", ["--memory-budget-gb", "-1"]),
+    ("--threads", ["--threads", "0"]),
+    ("--device", ["--device", "nosuch"]),
+    ("--device", ["--device", "cuda:99"]),
+]
+SIM_CASES = [
+    ("--rounds", ["--rounds", "-1"]),
+    ("--rounds", ["--rounds", "0"]),
+    ("--peers", ["--peers", "0"]),
+    ("--slowdown", ["--slowdown", "garbage"]),
+    ("--slowdown", ["--slowdown", "1,,2"]),
+    ("--slowdown", ["--slowdown", "1,inf"]),
+    ("--slowdown", ["--slowdown", "1,0"]),
+    ("--bandwidth-mbps", ["--bandwidth-mbps", "0"]),
+    ("--latency-s", ["--latency-s", "-1"]),
+    ("--sec-per-sample", ["--sec-per-sample", "-1"]),
+    ("--window-s", ["--mode", "async", "--window-s", "-5"]),
+]
+NODE_CASES = [("--rounds", ["--rounds", "-1"])]
+ARGPARSE_CASES = [
+    ("--rounds", ["--rounds", "abc"]),
+    ("--seq-len", ["--seq-len", "1.5"]),
+    ("--inner-lr", ["--inner-lr", "nan"]),
+    ("--outer-lr", ["--outer-lr", "inf"]),
+    ("--batch-test", ["--batch-test", "bogus"]),
+]
+
+
+def case_id(case: tuple[str, list[str]]) -> str:
+    return " ".join(case[1]).replace("{d}/", "")
+
+
+def argv_of(flags: list[str], data: Path) -> list[str]:
+    return [f.replace("{d}", str(data)) for f in flags]
+
+
+@pytest.mark.parametrize("case", DATA_CASES + TRAIN_CASES + SIM_CASES, ids=case_id)
+def test_sim_bad_input(case, data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    option, flags = case
+    rc, err = run_main("adloco-sim", [*base_argv("adloco-sim", tmp_path), *argv_of(flags, data)], capsys)
+    assert rc == 2, err
+    assert_one_line("adloco-sim", err, option)
+
+
+@pytest.mark.parametrize("case", DATA_CASES + TRAIN_CASES + NODE_CASES, ids=case_id)
+def test_node_bad_input(case, data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    option, flags = case
+    rc, err = run_main("adloco-node", [*base_argv("adloco-node", tmp_path), *argv_of(flags, data)], capsys)
+    assert rc == 2, err
+    assert_one_line("adloco-node", err, option)
+
+
+@pytest.mark.parametrize("case", ARGPARSE_CASES, ids=case_id)
+@pytest.mark.parametrize("prog", ["adloco-sim", "adloco-node"])
+def test_argparse_errors(prog: str, case, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    option, flags = case
+    rc, err = run_main(prog, [*base_argv(prog, tmp_path), *flags], capsys)
+    assert rc == 2, err
+    assert_argparse_error(prog, err, option)
+
+
+def console_script(name: str) -> str:
+    path = BIN / name
+    if path.exists():
+        return str(path)
+    found = shutil.which(name)
+    if found is None:
+        pytest.skip(f"{name} is not installed")
+    return found
+
+
+@pytest.mark.parametrize(
+    ("prog", "option", "flags"),
+    [
+        # Data loading through `datasets`: its own error logging must not add lines.
+        ("adloco-node", "--dataset", ["--dataset", "{d}/broken.jsonl"]),
+        ("adloco-sim", "--model", ["--model", "no-such-model"]),
+    ],
+)
+def test_console_script(prog: str, option: str, flags: list[str], data: Path, tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [console_script(prog), *base_argv(prog, tmp_path), *argv_of(flags, data)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert_one_line(prog, proc.stderr, option)
