@@ -26,6 +26,7 @@ from adloco.node.options import (
     set_threads,
     train_config_from_args,
 )
+from adloco.node.runtime import load_data
 from adloco.node.sim.engine import RoundRecord, SimConfig, Simulator, records_as_dicts
 from adloco.node.sim.plots import plot_runs
 
@@ -106,8 +107,6 @@ def format_record(r: RoundRecord) -> str:
 
 def run(cfg: SimConfig, out: Path, *, quiet: bool = False) -> list[RoundRecord]:
     """Run the simulation and write results.json, run.json and the plots into `out`."""
-    from adloco.node.runtime import load_data
-
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     corpus, tokenizer = load_data(cfg.train)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import math
 import statistics
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Literal
@@ -27,7 +28,7 @@ import torch
 from adloco.node.config import TrainConfig
 from adloco.node.data import Corpus
 from adloco.node.peer import ContributionInfo, LocalRound, Peer, overlap_byte_budget
-from adloco.protocol.allreduce import Contribution, reduce_group
+from adloco.protocol.allreduce import Contribution, GroupResult, reduce_group
 
 logger = logging.getLogger(__name__)
 
@@ -151,8 +152,6 @@ class Simulator:
 
     def run(self, on_round: Callable[[RoundRecord], None] | None = None) -> list[RoundRecord]:
         """Run until `rounds` rounds are applied; returns the per-round records."""
-        import time
-
         pending = {i: self._start(i, at=0.0) for i in range(self.cfg.peers)}
         window = self.cfg.window_s
         if window is None:
@@ -256,7 +255,7 @@ class Simulator:
         members: list[int],
         pending: dict[int, _Pending],
         infos: list[ContributionInfo],
-        result,
+        result: GroupResult,
         comm: float,
         done_at: float,
         theta_hash: str,
