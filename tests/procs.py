@@ -1,0 +1,85 @@
+"""Real processes for multi-peer tests: each in its own session, reaped as a whole process group.
+
+A peer killed with SIGKILL leaves its p2pd behind (hivemind sets no parent-death signal), so tests
+never rely on a peer cleaning up after itself: every process they start leads a new process group,
+and teardown kills the group and checks that nothing of it survives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+
+def group_members(pgid: int) -> list[int]:
+    """Pids of live processes in process group `pgid` (from /proc)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # Fields after the parenthesized command: state ppid pgrp ...
+        fields = stat.rsplit(")", 1)[1].split()
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            pids.append(int(entry.name))
+    return pids
+
+
+class Procs:
+    """Starts console scripts as process-group leaders and reaps every group at the end."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.started: list[subprocess.Popen[bytes]] = []
+
+    def start(
+        self, name: str, argv: Sequence[str], *, env: dict[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
+        script = str(Path(sys.executable).parent / argv[0])
+        log = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115  # closed with the process
+        proc = subprocess.Popen(
+            [script, *argv[1:]],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, **(env or {})},
+        )
+        self.started.append(proc)
+        return proc
+
+    def log(self, name: str) -> str:
+        return (self.log_dir / f"{name}.log").read_text(errors="replace")
+
+    def reap(self) -> list[int]:
+        """SIGKILL every started group; returns pids that were still alive (should be none after)."""
+        for proc in self.started:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        leftover: list[int] = []
+        while time.monotonic() < deadline:
+            leftover = [pid for proc in self.started for pid in group_members(proc.pid)]
+            if not leftover:
+                break
+            time.sleep(0.1)
+        for proc in self.started:
+            proc.wait(timeout=5)
+        return leftover
+
+
+def wait_for(predicate, *, timeout: float, interval: float = 0.1, what: str = "condition") -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
