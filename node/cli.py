@@ -1,8 +1,10 @@
 """`adloco-node`: the volunteer process.
 
-Until the swarm transport lands (issue 3) a node trains alone: the full AdLoCo round (MIT instances,
-adaptive batch, switch mode, compression with error feedback, outer Nesterov) in a group of one.
-Bad input ends with one line naming the option and exit code 2.
+    adloco-node --peers /ip4/1.2.3.4/tcp/31337/p2p/Qm... --run-id my-run
+
+joins a swarm (`node/swarm.py`); with no --peers it starts a new swarm as its first peer and trains
+alone until others join, printing the multiaddrs they can use. `--offline` trains alone without
+any networking (`node/trainer.py`). Bad input ends with one line naming the option and exit code 2.
 """
 
 from __future__ import annotations
@@ -12,10 +14,14 @@ import logging
 import signal
 import sys
 import threading
+from pathlib import Path
 
+from adloco.node.config import TrainConfig
 from adloco.node.errors import UserError
 from adloco.node.options import add_train_arguments, set_threads, train_config_from_args
+from adloco.node.swarm import SwarmConfig, SwarmNode
 from adloco.node.trainer import SoloRound, train_solo
+from adloco.protocol.dht import NetworkConfig, parse_maddrs
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,8 +34,61 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--rounds", type=int, default=0, help="rounds to train (0: until SIGTERM/Ctrl-C)")
     run.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: all CPUs)")
     run.add_argument("--log-level", default="WARNING", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    run.add_argument("--offline", action="store_true", help="train alone with no networking at all")
+    run.add_argument("--status-file", type=Path, default=None, help="append one JSON line per event here")
+    run.add_argument("--checkpoint-dir", type=Path, default=None, help="where checkpoints go (issue 4)")
     add_train_arguments(p)
+    net = p.add_argument_group("swarm networking (hivemind)")
+    net.add_argument(
+        "--peers", nargs="*", default=[], help="multiaddrs of peers to join; none: start a swarm"
+    )
+    net.add_argument("--run-id", default="default", help="swarms with different run ids never mix")
+    net.add_argument("--host-maddrs", nargs="+", default=["/ip4/0.0.0.0/tcp/0"], help="listen multiaddrs")
+    net.add_argument("--announce-maddrs", nargs="*", default=[], help="public multiaddrs to announce")
+    net.add_argument("--identity-path", default=None, help="private key file: same peer id across restarts")
+    net.add_argument("--client-mode", action="store_true", help="accept no incoming connections (behind NAT)")
+    net.add_argument("--no-relay", action="store_true", help="do not use libp2p circuit relays")
+    net.add_argument("--use-auto-relay", action="store_true", help="look for relays to become reachable")
+    net.add_argument(
+        "--no-nat-port-map", action="store_true", help="do not ask the router for a port mapping"
+    )
+    net.add_argument("--window-s", type=float, default=3.0, help="matchmaking window per round (s)")
+    net.add_argument("--part-timeout-s", type=float, default=15.0, help="wait for a silent member (s)")
+    net.add_argument("--data-shard", type=int, default=None, help="this node's data shard (default: random)")
+    net.add_argument("--data-shards", type=int, default=16, help="number of data shards of the run")
     return p
+
+
+def network_from_args(args: argparse.Namespace) -> NetworkConfig:
+    try:
+        return NetworkConfig(
+            peers=parse_maddrs(args.peers, option="--peers"),
+            host_maddrs=parse_maddrs(args.host_maddrs, option="--host-maddrs"),
+            announce_maddrs=parse_maddrs(args.announce_maddrs, option="--announce-maddrs"),
+            identity_path=args.identity_path,
+            client_mode=args.client_mode,
+            use_relay=not args.no_relay,
+            use_auto_relay=args.use_auto_relay,
+            nat_port_map=not args.no_nat_port_map,
+        )
+    except ValueError as e:
+        raise UserError(str(e)) from None
+
+
+def swarm_from_args(args: argparse.Namespace) -> SwarmConfig:
+    if args.window_s < 0 or args.part_timeout_s <= 0:
+        raise UserError("--window-s must be >= 0 and --part-timeout-s > 0")
+    if args.data_shards < 1 or (args.data_shard is not None and not 0 <= args.data_shard < args.data_shards):
+        raise UserError(f"--data-shard: must be in [0, --data-shards={args.data_shards})")
+    return SwarmConfig(
+        run_id=args.run_id,
+        rounds=args.rounds,
+        window_s=args.window_s,
+        part_timeout_s=args.part_timeout_s,
+        status_file=args.status_file,
+        data_shard=args.data_shard,
+        data_shards=args.data_shards,
+    )
 
 
 def format_round(r: SoloRound) -> str:
@@ -44,18 +103,21 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
         if args.rounds < 0:
             raise UserError(f"--rounds: must be >= 0 (0 trains until stopped), got {args.rounds}")
         set_threads(args.threads)
         cfg = train_config_from_args(args)
-        train_solo(
-            cfg,
-            rounds=args.rounds,
-            on_round=lambda r: print(format_round(r), flush=True),
-            should_stop=stop.is_set,
-        )
+        if args.offline:
+            signal.signal(signal.SIGTERM, lambda *_: stop.set())
+            train_solo(
+                cfg,
+                rounds=args.rounds,
+                on_round=lambda r: print(format_round(r), flush=True),
+                should_stop=stop.is_set,
+            )
+        else:
+            run_swarm_node(cfg, network_from_args(args), swarm_from_args(args), stop)
     except UserError as e:
         print(f"adloco-node: error: {e}", file=sys.stderr)
         return 2
@@ -63,6 +125,23 @@ def main(argv: list[str] | None = None) -> int:
         print("adloco-node: interrupted", file=sys.stderr)
         return 130
     return 0
+
+
+def run_swarm_node(cfg: TrainConfig, net: NetworkConfig, swarm: SwarmConfig, stop: threading.Event) -> None:
+    """Join (or start) the swarm and train until the rounds are done or SIGTERM/SIGINT arrives."""
+    try:
+        node = SwarmNode(cfg, net, swarm)
+    except ValueError as e:  # networking failures (port in use, unreachable peers) name the option
+        raise UserError(str(e)) from None
+    # Only now: the DHT process has forked and must not inherit these handlers (see dht_bootstrap).
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        print("adloco-node: joined as " + node.peer_id + "; others can join with:", flush=True)
+        print("  --peers " + " ".join(node.maddrs), flush=True)
+        node.run(should_stop=stop.is_set)
+    finally:
+        node.shutdown()
 
 
 if __name__ == "__main__":

@@ -16,22 +16,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-
-def group_members(pgid: int) -> list[int]:
-    """Pids of live processes in process group `pgid` (from /proc)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        # Fields after the parenthesized command: state ppid pgrp ...
-        fields = stat.rsplit(")", 1)[1].split()
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            pids.append(int(entry.name))
-    return pids
+from adloco.node.swarm_launcher import group_members
 
 
 class Procs:

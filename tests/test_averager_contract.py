@@ -1,0 +1,405 @@
+"""The averaging contract (STYLE 5), one suite over both transports: in-process and hivemind.
+
+Every implementation of `protocol.averager.Averager` must: give every member that returns a result
+the same bytes, equal to `reduce_group` on the same contributions, with the same members and
+gathered metadata; leave out a peer that calls after the window without anybody waiting for it;
+keep runs with different prefixes apart; and (hivemind) survive a member killed mid-round with
+either identical results without it or None everywhere. Hivemind peers are real DHTs with their own
+p2pd on loopback, NAT mapping off; every p2pd this module starts carries a marker in its
+environment, and after each test none of them may still be alive.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from adloco.protocol.allreduce import Contribution, reduce_group
+from adloco.protocol.averager import Averager, MemberResult, MemoryAverager, MemoryHub
+from adloco.protocol.codecs import encode_tensors, make_codec
+
+pytestmark = pytest.mark.timeout(60)
+
+WINDOW_S = 1.0
+GRACE_S = 0.3
+PART_TIMEOUT_S = 2.0
+REDUCE_TIMEOUT_S = 1.0
+CALL_TIMEOUT_S = 20.0
+# Slack for a loaded 2-core machine on top of the protocol's own bounds.
+SLACK_S = 2.0
+DHT_KWARGS: dict[str, Any] = {
+    "host_maddrs": ["/ip4/127.0.0.1/tcp/0"],
+    "nat_port_map": False,
+    "auto_nat": False,
+    "use_relay": False,
+    "use_auto_relay": False,
+}
+SHAPES = {"embed": (48, 32), "proj": (32, 40), "norm": (32,)}
+
+# Inherited by every DHT process and p2pd started from here (and by the killed member's process).
+_MARK = f"ADLOCO_AVERAGER_TEST_{uuid.uuid4().hex}"
+os.environ[_MARK] = "1"
+
+
+def _live_marked_p2pd() -> list[int]:
+    """Pids of p2pd processes started by this module that are still running (zombies excluded)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            comm, state = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2]
+            if comm != "p2pd" or state == "Z":
+                continue
+            environ = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        if f"{_MARK}=1".encode() in environ:
+            found.append(int(entry))
+    return found
+
+
+@pytest.fixture(autouse=True)
+def no_p2pd_left_behind() -> Iterator[None]:
+    yield
+    deadline = time.monotonic() + 5.0
+    while (left := _live_marked_p2pd()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for pid in left:  # do not leak them into the next test, but fail this one
+        os.kill(pid, signal.SIGKILL)
+    assert left == [], f"p2pd processes left running: {left}"
+
+
+class Swarm:
+    """Nodes of one transport; an averager is (node, prefix). Memory nodes are names on one hub."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.hub = MemoryHub(window_s=WINDOW_S)
+        self.dhts: list[Any] = []
+        self.averagers: list[Averager] = []
+        self.nodes = 0
+
+    def add_nodes(self, n: int, *, identities: Sequence[Path] = ()) -> None:
+        """n more nodes; hivemind nodes take their peer ids from `identities` where given."""
+        if self.kind == "hivemind":
+            import hivemind
+
+            kwargs = [
+                {**DHT_KWARGS, "identity_path": str(p), "check_if_identity_free": False} for p in identities
+            ]
+            kwargs += [DHT_KWARGS] * (n - len(kwargs))
+            if not self.dhts:
+                self.dhts.append(hivemind.DHT(start=True, **kwargs.pop(0)))
+            peers = self.dhts[0].get_visible_maddrs()
+            # Start the others together: each p2pd takes most of a second to come up.
+            new = [hivemind.DHT(initial_peers=peers, start=True, await_ready=False, **kw) for kw in kwargs]
+            self.dhts += new
+            for dht in new:
+                dht.wait_until_ready(timeout=30)
+            self.nodes = len(self.dhts)
+        else:
+            self.nodes += n
+
+    def averager(self, node: int, prefix: str = "run-a") -> Averager:
+        averager: Averager
+        if self.kind == "hivemind":
+            from adloco.protocol.hivemind_averager import HivemindAverager
+
+            averager = HivemindAverager(
+                self.dhts[node],
+                prefix=prefix,
+                window_s=WINDOW_S,
+                grace_s=GRACE_S,
+                part_timeout_s=PART_TIMEOUT_S,
+                reduce_timeout_s=REDUCE_TIMEOUT_S,
+            )
+        else:
+            averager = MemoryAverager(self.hub, f"peer{node}", prefix=prefix)
+        self.averagers.append(averager)
+        return averager
+
+    def close(self) -> None:
+        for averager in self.averagers:
+            averager.shutdown()
+        for dht in self.dhts:
+            dht.shutdown()
+
+    @property
+    def round_bound_s(self) -> float:
+        """How long a round may take for a member: the window, then grace and the exchange."""
+        return WINDOW_S + (GRACE_S if self.kind == "hivemind" else 0.0) + SLACK_S
+
+
+@pytest.fixture(params=["memory", "hivemind"])
+def swarm(request: pytest.FixtureRequest) -> Iterator[Swarm]:
+    s = Swarm(request.param)
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def _contributions(
+    averagers: Sequence[Averager], spec: str, *, seed: int, shapes: dict[str, tuple[int, ...]] = SHAPES
+) -> list[Contribution]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i, averager in enumerate(averagers):
+        tensors = {k: torch.randn(*shape, generator=g) for k, shape in shapes.items()}
+        out.append(
+            Contribution(
+                peer_id=averager.peer_id,
+                payloads=encode_tensors(make_codec(spec), tensors),
+                weight=100.0 * (i + 1),
+                tokens=100.0,
+                metadata={"report": {"slot_stats": (1.5, (2, 3)), "b": i}, "base_round": 7},
+            )
+        )
+    return out
+
+
+@dataclass
+class Outcome:
+    result: MemberResult | None
+    elapsed_s: float
+
+
+def _average_together(
+    averagers: Sequence[Averager], contributions: Sequence[Contribution], *, round: int, spec: str
+) -> list[Outcome]:
+    """Every averager calls `average` at the same moment from its own thread (as trainers do)."""
+    outcomes: list[Outcome | None] = [None] * len(averagers)
+    start = threading.Barrier(len(averagers))
+
+    def member(i: int) -> None:
+        start.wait()
+        began = time.monotonic()
+        result = averagers[i].average(
+            contributions[i], round=round, codec=make_codec(spec), timeout=CALL_TIMEOUT_S
+        )
+        assert result is None or isinstance(result, MemberResult)
+        outcomes[i] = Outcome(result, time.monotonic() - began)
+
+    threads = [threading.Thread(target=member, args=(i,)) for i in range(len(averagers))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=CALL_TIMEOUT_S + 10)
+    assert all(o is not None for o in outcomes), "a member never returned"
+    return [o for o in outcomes if o is not None]
+
+
+def _assert_matches_reduce_group(
+    outcomes: Sequence[Outcome], contributions: Sequence[Contribution], spec: str
+) -> None:
+    expected = reduce_group(contributions, codec=make_codec(spec))
+    for o in outcomes:
+        r = o.result
+        assert r is not None
+        assert r.averaged == expected.averaged
+        assert r.members == expected.members == tuple(sorted(c.peer_id for c in contributions))
+        assert r.gathered == expected.gathered
+        assert r.owners == expected.owners
+        # Exact traffic: the payload bytes are reduce_group's count for this member; what went on the
+        # wire is at least that, and the result carries it as this member's sent/received bytes.
+        t = r.traffic
+        assert (t.payload_sent, t.payload_received) == (
+            expected.sent_bytes[r.peer_id],
+            expected.received_bytes[r.peer_id],
+        )
+        assert (r.sent_bytes[r.peer_id], r.received_bytes[r.peer_id]) == (t.wire_sent, t.wire_received)
+        assert t.wire_sent >= t.payload_sent and t.wire_received >= t.payload_received
+
+
+@pytest.mark.parametrize("spec", ["int8", "lowrank:2"])
+def test_members_hold_identical_bytes_equal_to_reduce_group(swarm: Swarm, spec: str) -> None:
+    swarm.add_nodes(3)
+    averagers = [swarm.averager(i) for i in range(3)]
+    assert all(isinstance(a, Averager) for a in averagers)
+    contributions = _contributions(averagers, spec, seed=1)
+    outcomes = _average_together(averagers, contributions, round=0, spec=spec)
+    _assert_matches_reduce_group(outcomes, contributions, spec)
+    assert all(o.elapsed_s < swarm.round_bound_s for o in outcomes)
+
+
+def test_late_peer_is_left_out_and_nobody_waits_for_it(swarm: Swarm) -> None:
+    swarm.add_nodes(4)
+    averagers = [swarm.averager(i) for i in range(4)]
+    contributions = _contributions(averagers, "int8", seed=2)
+    on_time = _average_together(averagers[:3], contributions[:3], round=3, spec="int8")
+    # The three closed the round one window after the first registration; none waited for the 4th.
+    _assert_matches_reduce_group(on_time, contributions[:3], "int8")
+    assert all(o.elapsed_s < swarm.round_bound_s for o in on_time)
+    # The 4th arrives after the window: it is told at once (no window of its own), and is not a member.
+    began = time.monotonic()
+    late = averagers[3].average(contributions[3], round=3, codec=make_codec("int8"), timeout=CALL_TIMEOUT_S)
+    assert late is None
+    assert time.monotonic() - began < WINDOW_S
+    assert all(averagers[3].peer_id not in o.result.members for o in on_time if o.result is not None)
+
+
+def test_two_prefixes_on_the_same_nodes_never_mix(swarm: Swarm) -> None:
+    swarm.add_nodes(3)
+    run_a = [swarm.averager(i, prefix="run-a/fp0") for i in range(3)]
+    run_b = [swarm.averager(i, prefix="run-b/fp1") for i in (1, 2)]
+    contributions_a = _contributions(run_a, "int8", seed=3)
+    contributions_b = _contributions(run_b, "int8", seed=4)
+    outcomes = _average_together([*run_a, *run_b], [*contributions_a, *contributions_b], round=0, spec="int8")
+    _assert_matches_reduce_group(outcomes[:3], contributions_a, "int8")
+    _assert_matches_reduce_group(outcomes[3:], contributions_b, "int8")
+
+
+def test_alone_timeouts_and_misuse(swarm: Swarm) -> None:
+    """A group of one forwards its own bytes; the caller's timeout holds; misuse raises."""
+    swarm.add_nodes(1)
+    averager = swarm.averager(0)
+    (contribution,) = _contributions([averager], "int8", seed=6)
+    began = time.monotonic()
+    assert averager.average(contribution, round=0, codec=make_codec("int8"), timeout=0.2) is None
+    assert time.monotonic() - began < WINDOW_S
+    (alone,) = _average_together([averager], [contribution], round=1, spec="int8")
+    assert alone.result is not None
+    assert alone.result.averaged == dict(contribution.payloads)  # weight == tokens: forwarded as is
+    assert alone.result.members == (averager.peer_id,)
+    assert alone.result.traffic.payload_sent == alone.result.traffic.payload_received == 0
+    with pytest.raises(ValueError, match="single-use"):
+        averager.average(contribution, round=1, codec=make_codec("int8"), timeout=CALL_TIMEOUT_S)
+    stranger = Contribution(peer_id="someone-else", payloads=contribution.payloads, weight=1.0)
+    with pytest.raises(ValueError, match="someone-else"):
+        averager.average(stranger, round=2, codec=make_codec("int8"), timeout=CALL_TIMEOUT_S)
+    averager.shutdown()
+    with pytest.raises(RuntimeError):
+        averager.average(contribution, round=3, codec=make_codec("int8"), timeout=CALL_TIMEOUT_S)
+
+
+_VICTIM = """
+import sys, time
+import hivemind, torch
+from adloco.protocol.allreduce import Contribution
+from adloco.protocol.codecs import encode_tensors, make_codec
+from adloco.protocol.hivemind_averager import HivemindAverager
+
+peer, prefix = sys.argv[1], sys.argv[2]
+kwargs, shapes, timing = (eval(arg) for arg in sys.argv[3:6])
+dht = hivemind.DHT(initial_peers=[peer], start=True, **kwargs)
+
+def hang_after_registering(stage, round):
+    if stage == "registered":
+        print("REGISTERED", flush=True)
+        time.sleep(3600)  # blocks the averager's loop: registered, sent nothing, until killed
+
+averager = HivemindAverager(dht, prefix=prefix, on_stage=hang_after_registering, **timing)
+tensors = {k: torch.randn(*s) for k, s in shapes.items()}
+contribution = Contribution(averager.peer_id, encode_tensors(make_codec("int8"), tensors), 100.0, 100.0)
+print("READY", averager.peer_id, flush=True)
+sys.stdin.readline()
+result = averager.average(contribution, round=0, codec=make_codec("int8"), timeout=60)
+print("RETURNED", result, flush=True)  # never reached unless the hook failed to hold it
+"""
+
+
+def _read_line(proc: subprocess.Popen[str], expected: str, timeout: float, log: Path) -> str:
+    box: list[str] = []
+    reader = threading.Thread(target=lambda: box.append(proc.stdout.readline() if proc.stdout else ""))
+    reader.start()
+    reader.join(timeout)
+    said = box[0] if box else "nothing"
+    assert said.startswith(expected), (
+        f"victim said {said!r}, not {expected}; its log:\n{log.read_text()[-3000:]}"
+    )
+    return said
+
+
+def _identities(folder: Path, n: int) -> list[Path]:
+    """n identity files sorted by the peer id they give, so a test can choose who owns what."""
+    from hivemind.p2p import P2P, PeerID
+
+    paths = [folder / f"peer{i}.key" for i in range(n)]
+    for path in paths:
+        P2P.generate_identity(str(path))
+    return sorted(paths, key=lambda p: PeerID.from_identity(p.read_bytes()).to_base58())
+
+
+@pytest.mark.parametrize("victim_owns", ["nothing", "a_part"])
+def test_member_killed_mid_round_never_stalls_the_others(tmp_path: Path, victim_owns: str) -> None:
+    """SIGKILL a member (its whole process group: python, DHT process, p2pd) after it registered.
+
+    Two tensors of equal size among three members sorted by peer id: the first two members own one
+    each, the third owns nothing. The victim is the third (the survivors must finish without it
+    after the part timeout) or the first (its part never comes: both survivors must return None).
+    """
+    shapes = {"embed": (48, 32), "proj": (48, 32)}
+    identities = _identities(tmp_path, 3)
+    victim_identity = identities.pop(2 if victim_owns == "nothing" else 0)
+    swarm = Swarm("hivemind")
+    proc: subprocess.Popen[str] | None = None
+    log_path = tmp_path / "victim.log"
+    log = log_path.open("w")
+    try:
+        swarm.add_nodes(2, identities=identities)
+        survivors = [swarm.averager(i) for i in range(2)]
+        timing = {
+            "window_s": WINDOW_S,
+            "grace_s": GRACE_S,
+            "part_timeout_s": PART_TIMEOUT_S,
+            "reduce_timeout_s": REDUCE_TIMEOUT_S,
+        }
+        victim_kwargs = {**DHT_KWARGS, "identity_path": str(victim_identity), "check_if_identity_free": False}
+        maddr = str(swarm.dhts[0].get_visible_maddrs()[0])
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _VICTIM, maddr, "run-a", repr(victim_kwargs), repr(shapes), repr(timing)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+            start_new_session=True,  # its DHT process and p2pd die with it: the whole machine "fails"
+        )
+        _read_line(proc, "READY", timeout=40, log=log_path)
+        contributions = _contributions(survivors, "int8", seed=5, shapes=shapes)
+        outcomes: list[Outcome] = []
+        runner = threading.Thread(
+            target=lambda: outcomes.extend(_average_together(survivors, contributions, round=0, spec="int8"))
+        )
+        assert proc.stdin is not None
+        runner.start()
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        _read_line(proc, "REGISTERED", timeout=10, log=log_path)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        runner.join(timeout=CALL_TIMEOUT_S + 10)
+
+        bound = WINDOW_S + GRACE_S + PART_TIMEOUT_S + REDUCE_TIMEOUT_S + SLACK_S
+        assert len(outcomes) == 2 and all(o.elapsed_s < bound for o in outcomes)
+        first, second = (o.result for o in outcomes)
+        if victim_owns == "a_part":
+            assert first is None and second is None  # nobody may apply a round with a part missing
+        else:
+            assert first is not None and second is not None
+            assert first.averaged == second.averaged
+            assert first.members == second.members == tuple(sorted(a.peer_id for a in survivors))
+            expected = reduce_group(contributions, codec=make_codec("int8"))
+            assert first.averaged == expected.averaged
+            assert first.gathered == second.gathered == expected.gathered
+            # The owners held the round open for the victim until the part timeout, not longer.
+            assert all(o.elapsed_s >= PART_TIMEOUT_S for o in outcomes)
+    finally:
+        if proc is not None and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+        log.close()
+        swarm.close()

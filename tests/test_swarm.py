@@ -1,0 +1,160 @@
+"""Real nodes on loopback with the real p2pd: they train together and hold identical θ after every
+round; a node of another run on the same DHT never averages with them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from procs import Procs, wait_for
+
+pytestmark = pytest.mark.timeout(300)
+
+FAST = [
+    "--inner-steps",
+    "3",
+    "--seq-len",
+    "64",
+    "--batch-size",
+    "4",
+    "--max-corpus-mb",
+    "2",
+    "--threads",
+    "1",
+    "--window-s",
+    "2",
+    "--host-maddrs",
+    "/ip4/127.0.0.1/tcp/0",
+    "--no-nat-port-map",
+    "--data-shards",
+    "4",
+]
+
+
+def _events(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _bootstrap(procs: Procs, tmp_path: Path) -> list[str]:
+    maddrs = tmp_path / "bootstrap.json"
+    procs.start(
+        "bootstrap",
+        [
+            "adloco-bootstrap",
+            "--identity-path",
+            str(tmp_path / "b.key"),
+            "--host-maddrs",
+            "/ip4/127.0.0.1/tcp/0",
+            "--no-nat-port-map",
+            "--maddrs-file",
+            str(maddrs),
+        ],
+    )
+    wait_for(maddrs.exists, timeout=60, what="bootstrap")
+    return json.loads(maddrs.read_text())
+
+
+def test_three_nodes_agree_every_round_and_other_runs_stay_apart(procs: Procs, tmp_path: Path) -> None:
+    peers = _bootstrap(procs, tmp_path)
+    rounds = 3
+    nodes = {}
+    for i, run_id in enumerate(["alpha", "alpha", "alpha", "beta"]):
+        status = tmp_path / f"node{i}.jsonl"
+        proc = procs.start(
+            f"node{i}",
+            [
+                "adloco-node",
+                "--peers",
+                *peers,
+                "--run-id",
+                run_id,
+                "--rounds",
+                str(rounds),
+                "--status-file",
+                str(status),
+                "--data-shard",
+                str(i),
+                *FAST,
+            ],
+        )
+        nodes[i] = (proc, status)
+    for i, (proc, _) in nodes.items():
+        assert proc.wait(timeout=240) == 0, procs.log(f"node{i}")
+
+    alpha = {i: [e for e in _events(s) if e["event"] == "round"] for i, (_, s) in nodes.items() if i < 3}
+    for i, records in alpha.items():
+        assert [r["round"] for r in records] == [1, 2, 3], procs.log(f"node{i}")
+    for r in range(rounds):
+        hashes = {records[r]["theta_hash"] for records in alpha.values()}
+        assert len(hashes) == 1, f"round {r + 1}: nodes hold different θ"
+        assert all(records[r]["group_size"] <= 3 for records in alpha.values())
+    assert any(records[r]["group_size"] == 3 for records in alpha.values() for r in range(rounds))
+    first, last = alpha[0][0]["val_loss"], alpha[0][-1]["val_loss"]
+    assert last < first
+    # Bytes actually moved: each alpha node sent and received part of every round's exchange.
+    assert all(
+        records[-1]["bytes_sent"] > 0 and records[-1]["bytes_received"] > 0 for records in alpha.values()
+    )
+
+    beta = [e for e in _events(nodes[3][1]) if e["event"] == "round"]
+    assert [r["group_size"] for r in beta] == [1] * rounds  # alone in its run
+    assert beta[-1]["theta_hash"] not in {records[-1]["theta_hash"] for records in alpha.values()}
+
+
+def _start_node(procs: Procs, tmp_path: Path, name: str, peers: list[str], *args: str) -> tuple[object, Path]:
+    status = tmp_path / f"{name}.jsonl"
+    proc = procs.start(
+        name, ["adloco-node", "--peers", *peers, "--run-id", "r", "--status-file", str(status), *args, *FAST]
+    )
+    return proc, status
+
+
+def _rounds(status: Path) -> dict[int, str]:
+    return {e["round"]: e["theta_hash"] for e in _events(status) if e["event"] == "round"}
+
+
+def test_joiner_downloads_verified_state_and_contributes(procs: Procs, tmp_path: Path) -> None:
+    peers = _bootstrap(procs, tmp_path)
+    first = [
+        _start_node(procs, tmp_path, f"n{i}", peers, "--rounds", "9", "--data-shard", str(i))
+        for i in range(3)
+    ]
+    wait_for(lambda: max(_rounds(first[0][1]), default=0) >= 3, timeout=180, what="round 3")
+    joiner, status = _start_node(procs, tmp_path, "joiner", peers, "--rounds", "3", "--data-shard", "3")
+    assert joiner.wait(timeout=240) == 0, procs.log("joiner")
+    for proc, _ in first:
+        assert proc.wait(timeout=240) == 0
+
+    events = _events(status)
+    synced = [e for e in events if e["event"] in ("state_download", "catch_up")]
+    assert synced and synced[0]["round"] >= 3, "the joiner did not take the swarm's state first"
+    theirs = _rounds(first[0][1])
+    mine = _rounds(status)
+    assert mine and all(theirs[r] == h for r, h in mine.items())  # same θ as the swarm, every round
+    assert min(mine) > 3
+    # It contributed: some round after it joined had all four peers in the group.
+    groups = {e["round"]: e["group_size"] for e in _events(first[0][1]) if e["event"] == "round"}
+    assert any(groups[r] == 4 for r in mine)
+
+
+def test_killed_node_does_not_stop_the_others(procs: Procs, tmp_path: Path) -> None:
+    peers = _bootstrap(procs, tmp_path)
+    nodes = [
+        _start_node(procs, tmp_path, f"n{i}", peers, "--rounds", "5", "--data-shard", str(i))
+        for i in range(3)
+    ]
+    victim, victim_status = nodes[2]
+    wait_for(lambda: max(_rounds(victim_status), default=0) >= 2, timeout=180, what="round 2")
+    import os
+    import signal
+
+    os.killpg(victim.pid, signal.SIGKILL)  # the machine dies: node, DHT process and p2pd at once
+    for proc, _ in nodes[:2]:
+        assert proc.wait(timeout=240) == 0
+    a, b = _rounds(nodes[0][1]), _rounds(nodes[1][1])
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4, 5]
+    assert a == b  # the survivors agree on θ after every round, with or without the victim's Δ
