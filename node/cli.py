@@ -56,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     net.add_argument("--part-timeout-s", type=float, default=15.0, help="wait for a silent member (s)")
     net.add_argument("--data-shard", type=int, default=None, help="this node's data shard (default: random)")
     net.add_argument("--data-shards", type=int, default=16, help="number of data shards of the run")
+    net.add_argument(
+        "--simulate-slowdown", type=float, default=1.0, help="testing: make this node F× slower (idle time)"
+    )
     return p
 
 
@@ -78,6 +81,8 @@ def network_from_args(args: argparse.Namespace) -> NetworkConfig:
 def swarm_from_args(args: argparse.Namespace) -> SwarmConfig:
     if args.window_s < 0 or args.part_timeout_s <= 0:
         raise UserError("--window-s must be >= 0 and --part-timeout-s > 0")
+    if not 1.0 <= args.simulate_slowdown < 1000:
+        raise UserError(f"--simulate-slowdown: must be in [1, 1000), got {args.simulate_slowdown}")
     if args.data_shards < 1 or (args.data_shard is not None and not 0 <= args.data_shard < args.data_shards):
         raise UserError(f"--data-shard: must be in [0, --data-shards={args.data_shards})")
     return SwarmConfig(
@@ -88,6 +93,7 @@ def swarm_from_args(args: argparse.Namespace) -> SwarmConfig:
         status_file=args.status_file,
         data_shard=args.data_shard,
         data_shards=args.data_shards,
+        simulate_slowdown=args.simulate_slowdown,
     )
 
 

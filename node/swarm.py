@@ -52,7 +52,9 @@ class SwarmConfig:
         round waits for more ready peers after the first (raise it if groups often miss peers that
         finish a little later; it never waits for the slowest peer). part_timeout_s: how long an
         owner waits for parts before dropping a silent member. data_shard / data_shards: which part
-        of the corpus this node trains on (default: derived from the peer id).
+        of the corpus this node trains on (default: random). simulate_slowdown: a test and benchmark
+        knob that makes this node F× slower (it idles (F−1)× its compute time after each local
+        phase), to study heterogeneous swarms on one machine.
     """
 
     run_id: str = "default"
@@ -62,6 +64,7 @@ class SwarmConfig:
     status_file: Path | None = None
     data_shard: int | None = None
     data_shards: int = 16
+    simulate_slowdown: float = 1.0
 
 
 def run_prefix(run_id: str, fingerprint: str) -> str:
@@ -120,6 +123,7 @@ class SwarmNode:
         self.bytes_received = 0
         self.last_group_size = 0
         self.last_staleness = 0
+        self.last_heloco: dict[str, int] | None = None
 
     @property
     def maddrs(self) -> list[str]:
@@ -247,6 +251,8 @@ class SwarmNode:
         while (self.swarm.rounds == 0 or done < self.swarm.rounds) and not should_stop():
             t0 = time.perf_counter()
             local = self.peer.train_round()
+            if self.swarm.simulate_slowdown > 1:
+                time.sleep((self.swarm.simulate_slowdown - 1) * local.compute_s)
             if self.contribute_until_applied(local):
                 done += 1
                 self.report(local, time.perf_counter() - t0)
@@ -266,6 +272,8 @@ class SwarmNode:
                 round=self.peer.state.round * MAX_ATTEMPTS + attempt,
                 codec=self.peer.downlink_codec(spec),
                 timeout=self.swarm.window_s + 2 * self.swarm.part_timeout_s + 30,
+                # A late contribution joins a round fresh peers opened; it never opens one alone.
+                join_only=info.staleness > 0,
             )
             if result is None:
                 logger.info(
@@ -279,6 +287,12 @@ class SwarmNode:
                 self.peer.apply_round(result)
             self.last_group_size = len(result.members)
             self.last_staleness = info.staleness
+            report = info.correction
+            self.last_heloco = (
+                {"keep": report.keep, "shrink": report.shrink, "rotate": report.rotate, "skip": report.skip}
+                if report is not None
+                else None
+            )
             self.bytes_sent += result.sent_bytes.get(self.peer_id, 0)
             self.bytes_received += result.received_bytes.get(self.peer_id, 0)
             self.publish()
@@ -301,6 +315,8 @@ class SwarmNode:
             group_size=self.last_group_size,
             staleness=self.last_staleness,
             round_s=round_s,
+            compute_s=local.compute_s,
+            heloco=self.last_heloco,
             batch_sizes=list(state.schedule.batch),
         )
         logger.warning(

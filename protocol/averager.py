@@ -76,12 +76,14 @@ class Averager(Protocol):
         ...
 
     def average(
-        self, contribution: Contribution, *, round: int, codec: Codec, timeout: float
+        self, contribution: Contribution, *, round: int, codec: Codec, timeout: float, join_only: bool = False
     ) -> GroupResult | None:
         """Average `contribution` with the peers ready for `round`; None if no group / failed.
 
         `codec` encodes the averages of the parts this peer owns (its downlink codec). Returns
-        within `timeout` seconds.
+        within `timeout` seconds. `join_only`: never open the round, only join one another peer
+        opened (late contributions: a late peer alone would otherwise apply its stale Δ as a whole
+        round, and a group disjoint from the fresh peers' could complete the same round).
         """
         ...
 
@@ -159,12 +161,26 @@ class MemoryHub:
         self._rounds: dict[tuple[str, int], _Gathering] = {}
 
     def join(
-        self, prefix: str, round: int, contribution: Contribution, codec: Codec, *, timeout: float
+        self,
+        prefix: str,
+        round: int,
+        contribution: Contribution,
+        codec: Codec,
+        *,
+        timeout: float,
+        join_only: bool = False,
     ) -> MemberResult | None:
-        """Join (or open) the group of (prefix, round); block until it is reduced or `timeout`."""
+        """Join (or open) the group of (prefix, round); block until it is reduced or `timeout`.
+
+        With `join_only`, wait (within `timeout`) until another peer has opened the round.
+        """
         deadline = self._clock() + timeout
         peer = contribution.peer_id
         with self._cond:
+            if join_only and not self._cond.wait_for(
+                lambda: (prefix, round) in self._rounds, timeout=max(0.0, deadline - self._clock())
+            ):
+                return None
             gathering, opened = self._open(prefix, round)
             if peer in gathering.seen:
                 raise ValueError(f"peer {peer} already called round {round}; rounds are single-use")
@@ -197,6 +213,7 @@ class MemoryHub:
         if gathering is not None:
             return gathering, False
         gathering = self._rounds[(prefix, round)] = _Gathering(closes_at=now + self.window_s)
+        self._cond.notify_all()  # join_only callers wait for a round to be opened
         return gathering, True
 
     def _wait_for_close(self, gathering: _Gathering, deadline: float) -> bool:
@@ -254,14 +271,14 @@ class MemoryAverager:
         return self._peer_id
 
     def average(
-        self, contribution: Contribution, *, round: int, codec: Codec, timeout: float
+        self, contribution: Contribution, *, round: int, codec: Codec, timeout: float, join_only: bool = False
     ) -> MemberResult | None:
         """Join the hub's group for (prefix, `round`); see `MemoryHub.join`."""
         if self._closed:
             raise RuntimeError("average() after shutdown()")
         if contribution.peer_id != self._peer_id:
             raise ValueError(f"contribution of {contribution.peer_id!r} given to averager {self._peer_id!r}")
-        return self._hub.join(self._prefix, round, contribution, codec, timeout=timeout)
+        return self._hub.join(self._prefix, round, contribution, codec, timeout=timeout, join_only=join_only)
 
     def shutdown(self) -> None:
         """Refuse further rounds (there is nothing to release in process)."""

@@ -446,7 +446,7 @@ class HivemindAverager:
         return self._peer_id
 
     def average(
-        self, contribution: Contribution, *, round: int, codec: Codec, timeout: float
+        self, contribution: Contribution, *, round: int, codec: Codec, timeout: float, join_only: bool = False
     ) -> MemberResult | None:
         """Register for `round`, form the group, exchange parts; see the module docstring.
 
@@ -465,7 +465,7 @@ class HivemindAverager:
             metadata = MSGPackSerializer.dumps(dict(contribution.metadata))
         except (TypeError, ValueError) as e:
             raise ValueError(f"metadata cannot be sent: {e}") from e
-        coro = self._average(contribution, metadata, round, codec, timeout)
+        coro = self._average(contribution, metadata, round, codec, timeout, join_only)
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)
         try:
             # The coroutine bounds itself by `timeout`; the margin only guards against a stuck loop.
@@ -550,7 +550,13 @@ class HivemindAverager:
     # ---- one round, member side ------------------------------------------------------------------
 
     async def _average(
-        self, contribution: Contribution, metadata: bytes, round: int, codec: Codec, timeout: float
+        self,
+        contribution: Contribution,
+        metadata: bytes,
+        round: int,
+        codec: Codec,
+        timeout: float,
+        join_only: bool = False,
     ) -> MemberResult | None:
         if round in self._joined:
             raise ValueError(f"round {round} was already averaged by this peer; rounds are single-use")
@@ -558,7 +564,7 @@ class HivemindAverager:
         ready = self._round_future(round)
         try:
             return await asyncio.wait_for(
-                self._run_round(contribution, metadata, round, codec, ready), timeout
+                self._run_round(contribution, metadata, round, codec, ready, join_only), timeout
             )
         except asyncio.TimeoutError:
             self._log(round, "gave up after the caller's timeout of %.1f s", timeout, level=logging.WARNING)
@@ -577,9 +583,10 @@ class HivemindAverager:
         round: int,
         codec: Codec,
         ready: asyncio.Future[_RoundState | None],
+        join_only: bool = False,
     ) -> MemberResult | None:
         layout = layout_of(contribution.payloads)
-        group = await self._matchmake(round, layout)
+        group = await self._matchmake(round, layout, join_only=join_only)
         if group is None:
             return None
         self._stage("grouped", round)
@@ -602,8 +609,10 @@ class HivemindAverager:
                 state.session.answered()
         return await self._assemble(state, keys, owners, answers)
 
-    async def _matchmake(self, round: int, layout: bytes) -> Group | None:
+    async def _matchmake(self, round: int, layout: bytes, *, join_only: bool = False) -> Group | None:
         key = f"{self.prefix}.round{round}"
+        if join_only:
+            await self._await_opened(key)
         registered = get_dht_time()
         try:
             stored = await self.dht.store(
@@ -633,6 +642,19 @@ class HivemindAverager:
             self._log(round, "late: an earlier registration closed the round before this peer's")
             return None
         return Group(round, members, group_id_of(self.prefix, round, members, layout))
+
+    async def _await_opened(self, key: str) -> None:
+        """Poll until another peer has registered for the round (bounded by the caller's timeout)."""
+        while True:
+            try:
+                found = await self.dht.get(key, latest=True, return_future=True)
+            except Exception as e:
+                raise _RoundFailed(f"reading the registrations failed: {e!r}") from e
+            records = _parse_records(None if found is None else found.value)
+            records.pop(self._peer_id, None)
+            if records:
+                return
+            await asyncio.sleep(0.2)
 
     async def _registrations(self, key: str, registered: float) -> dict[str, float]:
         try:

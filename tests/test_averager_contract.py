@@ -252,6 +252,37 @@ def test_late_peer_is_left_out_and_nobody_waits_for_it(swarm: Swarm) -> None:
     assert all(averagers[3].peer_id not in o.result.members for o in on_time if o.result is not None)
 
 
+def test_join_only_never_opens_a_round_but_joins_one_opened_by_another(swarm: Swarm) -> None:
+    swarm.add_nodes(2)
+    fresh, late = swarm.averager(0), swarm.averager(1)
+    contributions = _contributions([fresh, late], "int8", seed=5)
+    # Alone, a join-only call opens nothing: it gives up at its timeout with no result.
+    alone = late.average(contributions[1], round=8, codec=make_codec("int8"), timeout=1.5, join_only=True)
+    assert alone is None
+    # Called first, it waits until the fresh peer opens the round, then both are in one group.
+    outcomes: dict[str, MemberResult | None] = {}
+
+    def call_late() -> None:
+        outcomes["late"] = late.average(
+            contributions[1], round=9, codec=make_codec("int8"), timeout=CALL_TIMEOUT_S, join_only=True
+        )
+
+    thread = threading.Thread(target=call_late)
+    thread.start()
+    time.sleep(1.0)  # the join-only peer is waiting before anyone opened round 9
+    outcomes["fresh"] = fresh.average(
+        contributions[0], round=9, codec=make_codec("int8"), timeout=CALL_TIMEOUT_S
+    )
+    thread.join(timeout=CALL_TIMEOUT_S + 10)
+    assert outcomes["late"] is not None and outcomes["fresh"] is not None
+    assert outcomes["late"].averaged == outcomes["fresh"].averaged
+    assert (
+        outcomes["late"].members
+        == outcomes["fresh"].members
+        == tuple(sorted(c.peer_id for c in contributions))
+    )
+
+
 def test_two_prefixes_on_the_same_nodes_never_mix(swarm: Swarm) -> None:
     swarm.add_nodes(3)
     run_a = [swarm.averager(i, prefix="run-a/fp0") for i in range(3)]

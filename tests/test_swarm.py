@@ -158,3 +158,33 @@ def test_killed_node_does_not_stop_the_others(procs: Procs, tmp_path: Path) -> N
     a, b = _rounds(nodes[0][1]), _rounds(nodes[1][1])
     assert sorted(a) == sorted(b) == [1, 2, 3, 4, 5]
     assert a == b  # the survivors agree on θ after every round, with or without the victim's Δ
+
+
+def test_slow_node_contributes_late_and_corrected_without_holding_others(
+    procs: Procs, tmp_path: Path
+) -> None:
+    peers = _bootstrap(procs, tmp_path)
+    fast = [
+        _start_node(procs, tmp_path, f"fast{i}", peers, "--rounds", "6", "--data-shard", str(i))
+        for i in range(2)
+    ]
+    slow, slow_status = _start_node(
+        procs, tmp_path, "slow", peers, "--rounds", "2", "--data-shard", "2", "--simulate-slowdown", "5"
+    )
+    for proc, _ in fast:
+        assert proc.wait(timeout=240) == 0
+    assert slow.wait(timeout=240) == 0, procs.log("slow")
+
+    slow_rounds = [e for e in _events(slow_status) if e["event"] == "round"]
+    late = [e for e in slow_rounds if e["staleness"] > 0]
+    assert late, f"the 5x slower node was never late: {slow_rounds}"
+    for e in late:  # its late Δ went through HeLoCo against the current momentum
+        assert e["heloco"] is not None and sum(e["heloco"].values()) > 0
+    fast_hashes = _rounds(fast[0][1])
+    assert all(fast_hashes[e["round"]] == e["theta_hash"] for e in slow_rounds)  # same θ as the others
+    # The fast nodes never waited for the slow one: most of their rounds ran without it, and none
+    # took as long as the slow node's local phase.
+    fast_rounds = [e for e in _events(fast[0][1]) if e["event"] == "round"]
+    assert sum(1 for e in fast_rounds if e["group_size"] == 2) >= 3
+    slow_phase = 5 * min(e["compute_s"] for e in slow_rounds)
+    assert max(e["round_s"] for e in fast_rounds) < slow_phase + 2.0 + 0.5 + 5.0
