@@ -33,8 +33,9 @@ from adloco.node.model import model_fingerprint
 from adloco.node.peer import LocalRound, Peer, PeerState, Update
 from adloco.node.runtime import load_data
 from adloco.protocol.dht import NetworkConfig, start_dht, visible_maddrs
-from adloco.protocol.hivemind_averager import PROTOCOL_VERSION, HivemindAverager
+from adloco.protocol.hivemind_averager import HivemindAverager
 from adloco.protocol.pseudograd import tensors_hash
+from adloco.protocol.records import StateRecord, add_run_validators, parse_states, run_prefix, state_key
 from adloco.protocol.schedule import Schedule
 from adloco.protocol.state_transfer import StateServer, StateSnapshot, UpdateRecord
 
@@ -65,12 +66,6 @@ class SwarmConfig:
     data_shard: int | None = None
     data_shards: int = 16
     simulate_slowdown: float = 1.0
-
-
-def run_prefix(run_id: str, fingerprint: str) -> str:
-    """The namespace of a run: DHT keys and stream handlers of other runs or models never match."""
-    digest = hashlib.sha256(f"{PROTOCOL_VERSION}|{run_id}|{fingerprint}".encode()).hexdigest()[:16]
-    return f"adloco.{run_id}.{digest}"
 
 
 class StatusLog:
@@ -110,6 +105,7 @@ class SwarmNode:
         self.dht = start_dht(net)
         try:
             self.peer_id = self.peer.peer_id = self.dht.peer_id.to_base58()
+            self.signing_key = add_run_validators(self.dht, self.prefix)
             self.averager = HivemindAverager(
                 self.dht, prefix=self.prefix, window_s=swarm.window_s, part_timeout_s=swarm.part_timeout_s
             )
@@ -131,37 +127,32 @@ class SwarmNode:
 
     # ---- state published in the DHT -------------------------------------------------------------
 
-    def _state_key(self) -> str:
-        return f"{self.prefix}.state"
-
     def publish(self) -> None:
-        """Announce (round, θ hash, schedule) so joiners and laggards know where the swarm is."""
+        """Announce (round, θ hash, schedule), signed, so joiners and laggards know where the swarm is."""
         state = self.peer.state
-        value = {"round": state.round, "hash": state.theta_hash(), "schedule": state.schedule.to_dict()}
+        record = StateRecord(
+            peer_id=self.peer_id,
+            round=state.round,
+            theta_hash=state.theta_hash(),
+            schedule=json.dumps(state.schedule.to_dict(), sort_keys=True),
+        )
         self.dht.store(
-            self._state_key(), value, expiration_time=get_dht_time() + RECORD_TTL_S, subkey=self.peer_id
+            state_key(self.prefix),
+            record.dict(),
+            expiration_time=get_dht_time() + RECORD_TTL_S,
+            subkey=self.signing_key,
         )
 
     def swarm_head(self) -> tuple[int, str, list[str]] | None:
         """The latest round any peer published, its majority θ hash, and the peers holding it."""
-        found = self.dht.get(self._state_key(), latest=True)
-        if found is None or not isinstance(found.value, dict):
-            return None
-        records = {}
-        for subkey, item in found.value.items():
-            value = item.value
-            if (
-                isinstance(value, dict)
-                and isinstance(value.get("round"), int)
-                and isinstance(value.get("hash"), str)
-            ):
-                records[subkey] = value
+        found = self.dht.get(state_key(self.prefix), latest=True)
+        records = parse_states(None if found is None else found.value)
         if not records:
             return None
-        top = max(v["round"] for v in records.values())
-        hashes = Counter(v["hash"] for v in records.values() if v["round"] == top)
+        top = max(r.round for r in records)
+        hashes = Counter(r.theta_hash for r in records if r.round == top)
         best = hashes.most_common(1)[0][0]
-        holders = sorted(p for p, v in records.items() if v["round"] == top and v["hash"] == best)
+        holders = sorted({r.peer_id for r in records if r.round == top and r.theta_hash == best})
         return top, best, [p for p in holders if p != self.peer_id]
 
     # ---- serving state (called on the state server's thread) ---------------------------------------

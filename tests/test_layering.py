@@ -25,8 +25,8 @@ TRANSPORT_MODULES = {
     "hivemind_averager.py",
     "dht.py",
     "state_transfer.py",
-    "memory_transport.py",
     "averager.py",
+    "records.py",
 }
 MATH_ALLOWED_ROOTS = {"torch", "numpy"}
 STDLIB = set(sys.stdlib_module_names)

@@ -1,0 +1,79 @@
+"""DHT keys and signed record schemas of a run, validated at the DHT boundary.
+
+Every key of a run is built here from the run prefix (`run_prefix`: run id + protocol version +
+model fingerprint). Records are strict pydantic models (hivemind's `SchemaValidator`: no type
+coercion) stored under a subkey that carries the writer's RSA public key, so hivemind's
+`RSASignatureValidator` signs them on store and drops, on every read, any record whose signature
+does not match: a peer can only write its own entry, and a malformed entry never reaches our code.
+
+Record kinds:
+- `{prefix}_state`: per peer, the round it reached, θ's hash after that round and the schedule it
+  holds; joiners and laggards pick the latest round's majority hash and verify what they download
+  against it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+import hivemind
+from hivemind.dht.schema import BytesWithPublicKey, RSASignatureValidator, SchemaValidator
+from pydantic.v1 import BaseModel, StrictStr, conint, constr
+
+PROTOCOL_VERSION = 1
+
+
+def run_prefix(run_id: str, fingerprint: str) -> str:
+    """The namespace of a run: keys and stream handlers of other runs or models never match."""
+    digest = hashlib.sha256(f"{PROTOCOL_VERSION}|{run_id}|{fingerprint}".encode()).hexdigest()[:16]
+    return f"adloco.{run_id}.{digest}"
+
+
+class StateRecord(BaseModel):
+    """One peer's position: the libp2p id to fetch from, round, θ hash, schedule (JSON text)."""
+
+    peer_id: StrictStr
+    round: conint(ge=0, strict=True)  # type: ignore[valid-type]
+    theta_hash: constr(regex=r"^[0-9a-f]{64}$", strict=True)  # type: ignore[valid-type]
+    schedule: StrictStr
+
+    class Config:
+        extra = "forbid"
+
+    def schedule_dict(self) -> dict[str, Any]:
+        value = json.loads(self.schedule)
+        if not isinstance(value, dict):
+            raise ValueError("schedule is not a JSON object")
+        return value
+
+
+class RunSchema(BaseModel):
+    """The run's DHT keys (field name = key suffix) and what their subkeys may hold."""
+
+    state: dict[BytesWithPublicKey, StateRecord | None]
+
+
+def state_key(prefix: str) -> str:
+    return f"{prefix}_state"
+
+
+def add_run_validators(dht: hivemind.DHT, prefix: str) -> bytes:
+    """Install the schema and signature validators for this run; returns this peer's signing subkey."""
+    signer = RSASignatureValidator()
+    dht.add_validators([SchemaValidator(RunSchema, prefix=prefix), signer])
+    return signer.local_public_key  # type: ignore[no-any-return]
+
+
+def parse_states(value: Any) -> list[StateRecord]:
+    """The valid state records in a DHT `get` result (a dict subkey -> ValueWithExpiration)."""
+    if not isinstance(value, dict):
+        return []
+    records = []
+    for item in value.values():
+        try:
+            records.append(StateRecord.parse_obj(item.value))
+        except Exception:  # already validated by the DHT; anything else is ignored
+            continue
+    return records
