@@ -117,6 +117,8 @@ class SwarmNode:
             raise
         self.bytes_sent = 0
         self.bytes_received = 0
+        self.payload_sent = 0  # encoded tensor bytes only; bytes_* include the protocol's framing
+        self.payload_received = 0
         self.last_group_size = 0
         self.last_staleness = 0
         self.last_heloco: dict[str, int] | None = None
@@ -286,6 +288,10 @@ class SwarmNode:
             )
             self.bytes_sent += result.sent_bytes.get(self.peer_id, 0)
             self.bytes_received += result.received_bytes.get(self.peer_id, 0)
+            traffic = getattr(result, "traffic", None)
+            if traffic is not None:
+                self.payload_sent += traffic.payload_sent
+                self.payload_received += traffic.payload_received
             self.publish()
             return True
         return False
@@ -302,6 +308,8 @@ class SwarmNode:
             tokens_per_s=local.tokens / max(round_s, 1e-9),
             bytes_sent=self.bytes_sent,
             bytes_received=self.bytes_received,
+            payload_sent=self.payload_sent,
+            payload_received=self.payload_received,
             theta_hash=state.theta_hash(),
             group_size=self.last_group_size,
             staleness=self.last_staleness,

@@ -1,0 +1,213 @@
+"""Real nodes on separate hosts behind 20 Mbit/s links: they agree on θ every round, and the bytes
+each one puts on its streams are the int8 payload the part-ownership plan predicts plus a small
+protocol overhead.
+
+Topology (`tests/netns.py`, `Star`): a 'hub' namespace bridging five host namespaces on 10.77.0.0/24
+— .1 the DHT bootstrap, .2-.4 three nodes, .5 a probe sink — each host's veth shaped with tbf at
+20 Mbit/s on both ends (upload and download).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import netns
+from procs import Procs, wait_for
+
+pytestmark = [pytest.mark.netns, pytest.mark.timeout(240)]
+
+RATE_MBIT = 20
+NODES = 3
+ROUNDS = 3
+BOOTSTRAP, PROBE = 0, NODES + 1  # host indices; nodes are 1..NODES
+
+NODE_ARGS = [
+    "--inner-steps",
+    "3",
+    "--seq-len",
+    "64",
+    "--batch-size",
+    "4",
+    "--max-corpus-mb",
+    "2",
+    "--threads",
+    "1",
+    "--window-s",
+    "2",
+    "--no-nat-port-map",
+    "--data-shards",
+    "4",
+]
+
+# Receives everything on a TCP port, then answers one byte: the sender's clock then covers delivery.
+SINK = """
+import socket, sys
+s = socket.create_server((sys.argv[1], 5001))
+print("ready", flush=True)
+c, _ = s.accept()
+while c.recv(1 << 16):
+    pass
+c.sendall(b"k")
+"""
+SOURCE = """
+import socket, sys, time
+c = socket.create_connection((sys.argv[1], 5001))
+data = bytes(int(sys.argv[2]))
+t0 = time.perf_counter()
+c.sendall(data)
+c.shutdown(socket.SHUT_WR)
+assert c.recv(1) == b"k"
+print(time.perf_counter() - t0)
+"""
+
+
+@pytest.fixture
+def star(procs: Procs) -> Iterator[netns.Star]:
+    why = netns.available()
+    if why is not None:
+        pytest.skip(why)
+    netns.remove_stale()
+    lan = netns.Star(NODES + 2, rate_mbit=RATE_MBIT)
+    try:
+        yield lan
+    finally:
+        leftover = procs.reap()  # processes out before their namespaces go
+        lan.close()
+        assert not leftover, f"processes survived their group's SIGKILL: {leftover}"
+        assert not [ns for ns in netns.namespaces() if ns.startswith(lan.prefix)]
+
+
+def _events(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _expected_sent() -> tuple[list[int], int]:
+    """Payload bytes member i (in peer-id order) sends in a round of NODES, and one Δ's int8 size."""
+    from adloco.node.model import build_model
+    from adloco.protocol.codecs import make_codec
+    from adloco.protocol.parts import assign_parts, round_traffic
+
+    codec = make_codec("int8")
+    model = build_model(None)
+    sizes = [codec.wire_bytes(tuple(p.shape)) for p in model.parameters() if p.requires_grad]
+    owners = assign_parts(sizes, NODES)
+    sent, _ = round_traffic(owners, [sizes] * NODES, sizes, NODES)
+    return sent, sum(sizes)
+
+
+def _check_link_is_shaped(star: netns.Star, procs: Procs) -> None:
+    """A bulk TCP transfer between two hosts takes at least its size over the link rate."""
+    sink = star.start(procs, PROBE, "sink", [sys.executable, "-c", SINK, star.addrs[PROBE]])
+    wait_for(lambda: "ready" in procs.log("sink"), timeout=30, what="probe sink")
+    size = 5_000_000
+    done = star.run(BOOTSTRAP, [sys.executable, "-c", SOURCE, star.addrs[PROBE], str(size)], timeout=60)
+    assert done.returncode == 0, done.stderr
+    seconds = float(done.stdout)
+    floor = size * 8 / (RATE_MBIT * 1e6)
+    print(f"probe: {size / 1e6:.0f} MB in {seconds:.2f} s = {size * 8 / seconds / 1e6:.1f} Mbit/s")
+    assert seconds >= 0.95 * floor, "the link is not shaped"
+    assert seconds <= 3 * floor, "the shaped link is far slower than its rate"
+    assert sink.wait(timeout=10) == 0
+
+
+def test_nodes_behind_shaped_links_agree_and_send_the_codec_payload(
+    star: netns.Star, procs: Procs, tmp_path: Path
+) -> None:
+    t_start = time.monotonic()
+    _check_link_is_shaped(star, procs)
+
+    maddrs_file = tmp_path / "bootstrap.json"
+    boot = star.start(
+        procs,
+        BOOTSTRAP,
+        "bootstrap",
+        [
+            "adloco-bootstrap",
+            "--identity-path",
+            str(tmp_path / "b.key"),
+            "--host-maddrs",
+            f"/ip4/{star.addrs[BOOTSTRAP]}/tcp/0",
+            "--no-nat-port-map",
+            "--maddrs-file",
+            str(maddrs_file),
+        ],
+    )
+    # `ip netns exec` exec'd: the pid we hold is the bootstrap itself, in its own namespace.
+    netns.wait_exec(boot.pid, "adloco-bootstrap")
+    assert netns.netns_of(boot.pid) != netns.netns_of(os.getpid())
+    wait_for(maddrs_file.exists, timeout=60, what="bootstrap")
+    peers = [m for m in json.loads(maddrs_file.read_text()) if f"/ip4/{star.addrs[BOOTSTRAP]}/" in m]
+    assert peers, maddrs_file.read_text()
+
+    nodes = {}
+    for host in range(1, NODES + 1):
+        status = tmp_path / f"node{host}.jsonl"
+        argv = [
+            "adloco-node",
+            "--peers",
+            *peers,
+            "--run-id",
+            "shaped",
+            "--rounds",
+            str(ROUNDS),
+            "--host-maddrs",
+            f"/ip4/{star.addrs[host]}/tcp/0",
+            "--status-file",
+            str(status),
+            "--data-shard",
+            str(host - 1),
+            *NODE_ARGS,
+        ]
+        proc = star.start(procs, host, f"node{host}", argv)
+        netns.wait_exec(proc.pid, "adloco-node")
+        assert netns.netns_of(proc.pid) not in (netns.netns_of(os.getpid()), netns.netns_of(boot.pid))
+        nodes[host] = (proc, status)
+    for host, (proc, _) in nodes.items():
+        assert proc.wait(timeout=180) == 0, procs.log(f"node{host}")
+
+    events = {host: _events(status) for host, (_, status) in nodes.items()}
+    peer_ids = {host: next(e["peer_id"] for e in ev if e["event"] == "start") for host, ev in events.items()}
+    rounds = {host: [e for e in ev if e["event"] == "round"] for host, ev in events.items()}
+    for host, records in rounds.items():
+        assert [r["round"] for r in records] == list(range(1, ROUNDS + 1)), procs.log(f"node{host}")
+        assert all(r["group_size"] == NODES for r in records), [r["group_size"] for r in records]
+    for r in range(ROUNDS):
+        hashes = {records[r]["theta_hash"] for records in rounds.values()}
+        assert len(hashes) == 1, f"round {r + 1}: nodes hold different θ"
+
+    expected, delta_bytes = _expected_sent()
+    order = sorted(peer_ids.values())
+    print(
+        f"\nint8 Δ {delta_bytes} B; expected payload sent per round by member: {expected} "
+        f"(~2(n-1)/n x Δ = {2 * (NODES - 1) * delta_bytes // NODES} B)"
+    )
+    for host, records in rounds.items():
+        member = order.index(peer_ids[host])
+        want = expected[member]
+        previous = previous_payload = 0
+        for record in records:
+            sent = record["bytes_sent"] - previous
+            previous = record["bytes_sent"]
+            # The node's own split: encoded tensor bytes are exactly what part ownership predicts.
+            assert record["payload_sent"] - previous_payload == want
+            previous_payload = record["payload_sent"]
+            overhead = sent - want
+            floor_s = sent * 8 / (RATE_MBIT * 1e6)
+            print(
+                f"node{host} (member {member}) round {record['round']}: sent {sent} B, payload {want} B, "
+                f"overhead {overhead} B ({100 * overhead / want:.2f}%), round {record['round_s']:.2f} s "
+                f"(link floor {floor_s:.2f} s)"
+            )
+            assert 0 <= overhead <= 0.02 * want, (sent, want)
+            # The exchange cannot beat the shaped uplink.
+            assert record["round_s"] >= floor_s
+    print(f"total {time.monotonic() - t_start:.1f} s")
