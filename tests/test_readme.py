@@ -18,7 +18,7 @@ def test_readme_starts_with_the_two_commands() -> None:
     commands = _readme_commands()
     assert len(commands) == 2
     main, test = commands
-    assert "-c constraints.txt" in main and "adloco-sim --peers 4 --rounds 20" in main
+    assert "-c constraints.txt" in main and "adloco-swarm --nodes 3 --rounds 20" in main
     assert "-c constraints.txt" in test and "'.[test]'" in test and "pytest" in test
 
 
