@@ -65,7 +65,6 @@ import contextlib
 import hashlib
 import logging
 import math
-import struct
 import threading
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -78,16 +77,19 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.serializer import MSGPackSerializer
 
 from adloco.protocol.allreduce import Contribution
-from adloco.protocol.averager import MemberResult, Traffic
+from adloco.protocol.averager import MemberResult
 from adloco.protocol.codecs import Codec, decode
 from adloco.protocol.parts import assign_parts, reduce_part
+from adloco.protocol.wire import (
+    PROTOCOL_VERSION,
+    Meter,
+    daemon_listen_maddr,
+    read_frame,
+    write_frame,
+)
 
 logger = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 1
-MAX_HEADER_BYTES = 16 << 20
-MAX_BODY_BYTES = 4 << 30
-_LEN = struct.Struct(">I")
 _T = TypeVar("_T")
 
 
@@ -142,57 +144,6 @@ def _parse_records(value: Any) -> dict[str, float]:
 
 
 # --- framing -------------------------------------------------------------------------------------
-
-
-@dataclass
-class _Meter:
-    """Bytes moved on this peer's streams for one round."""
-
-    payload_sent: int = 0
-    payload_received: int = 0
-    wire_sent: int = 0
-    wire_received: int = 0
-
-    def add(self, other: _Meter) -> None:
-        self.payload_sent += other.payload_sent
-        self.payload_received += other.payload_received
-        self.wire_sent += other.wire_sent
-        self.wire_received += other.wire_received
-
-    def traffic(self) -> Traffic:
-        return Traffic(self.payload_sent, self.payload_received, self.wire_sent, self.wire_received)
-
-
-async def _write_frame(
-    writer: asyncio.StreamWriter, header: dict[str, Any], body: Sequence[bytes], meter: _Meter
-) -> None:
-    raw = MSGPackSerializer.dumps({**header, "n": [len(b) for b in body]})
-    writer.write(_LEN.pack(len(raw)) + raw)
-    for chunk in body:
-        writer.write(chunk)
-    await writer.drain()
-    payload = sum(len(b) for b in body)
-    meter.wire_sent += _LEN.size + len(raw) + payload
-    meter.payload_sent += payload
-
-
-async def _read_frame(reader: asyncio.StreamReader, meter: _Meter) -> tuple[dict[str, Any], list[bytes]]:
-    (size,) = _LEN.unpack(await reader.readexactly(_LEN.size))
-    if size > MAX_HEADER_BYTES:
-        raise ValueError(f"frame header of {size} bytes exceeds {MAX_HEADER_BYTES}")
-    header = MSGPackSerializer.loads(await reader.readexactly(size))
-    meter.wire_received += _LEN.size + size
-    if not isinstance(header, dict) or header.get("v") != PROTOCOL_VERSION:
-        raise ValueError(f"not a version {PROTOCOL_VERSION} frame")
-    lengths = header.get("n")
-    if not isinstance(lengths, list) or not all(isinstance(n, int) and n >= 0 for n in lengths):
-        raise ValueError("frame without valid part lengths")
-    if sum(lengths) > MAX_BODY_BYTES:
-        raise ValueError(f"frame body of {sum(lengths)} bytes exceeds {MAX_BODY_BYTES}")
-    body = [await reader.readexactly(n) for n in lengths]
-    meter.wire_received += sum(lengths)
-    meter.payload_received += sum(lengths)
-    return header, body
 
 
 def _str_list(value: Any) -> list[str]:
@@ -365,15 +316,10 @@ class _RoundState:
 
     group: Group
     session: _OwnerSession | None
-    meter: _Meter = field(default_factory=_Meter)
+    meter: Meter = field(default_factory=Meter)
 
 
 # --- the averager --------------------------------------------------------------------------------
-
-
-async def _daemon_listen_maddr(_dht: hivemind.DHT, node: Any) -> Any:
-    """Runs inside the DHT process: where its p2pd listens for clients."""
-    return node.p2p.daemon_listen_maddr
 
 
 class HivemindAverager:
@@ -432,7 +378,7 @@ class HivemindAverager:
         self._thread = threading.Thread(target=self._loop.run_forever, name="adloco-averager", daemon=True)
         self._thread.start()
         try:
-            maddr = dht.run_coroutine(_daemon_listen_maddr)
+            maddr = dht.run_coroutine(daemon_listen_maddr)
             self._p2p: P2P = self._call(P2P.replicate(maddr), timeout=30)
             self._peer_id: str = str(self._p2p.peer_id.to_base58())
             self._call(self._p2p.add_binary_stream_handler(self._handler_name, self._serve), timeout=30)
@@ -754,8 +700,8 @@ class HivemindAverager:
         except Exception as e:
             raise _RoundFailed(f"cannot reach owner {owner[-8:]}: {e}") from e
         try:
-            await _write_frame(writer, header, [contribution.payloads[k] for k in keys], state.meter)
-            response, body = await _read_frame(reader, state.meter)
+            await write_frame(writer, header, [contribution.payloads[k] for k in keys], state.meter)
+            response, body = await read_frame(reader, state.meter)
         except (OSError, EOFError, asyncio.IncompleteReadError, ValueError) as e:
             raise _RoundFailed(f"exchange with owner {owner[-8:]} broke: {e!r}") from e
         finally:
@@ -818,11 +764,11 @@ class HivemindAverager:
 
     async def _serve(self, _info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Stream handler: take one member's parts, answer with the averaged parts (or a refusal)."""
-        meter = _Meter()
+        meter = Meter()
         state: _RoundState | None = None
         admitted: _OwnerSession | None = None
         try:
-            header, body = await asyncio.wait_for(_read_frame(reader, meter), timeout=self.part_timeout_s)
+            header, body = await asyncio.wait_for(read_frame(reader, meter), timeout=self.part_timeout_s)
             request = _Request.parse(header, body)
             ready = self._round_future(request.round)
             wait_s = self.window_s + self.grace_s + self.part_timeout_s
@@ -836,7 +782,7 @@ class HivemindAverager:
                     refusal = "the owner has already reduced (too late) or got this member twice"
             if admitted is None:
                 self._log(request.round, "refused %s: %s", request.peer[-8:], refusal, level=logging.DEBUG)
-                await _write_frame(writer, {"v": PROTOCOL_VERSION, "ok": False, "e": refusal}, [], meter)
+                await write_frame(writer, {"v": PROTOCOL_VERSION, "ok": False, "e": refusal}, [], meter)
                 return
             await admitted.done.wait()
             await self._answer(writer, admitted, meter)
@@ -865,11 +811,11 @@ class HivemindAverager:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, _shape_error, request.payloads, session.shapes)
 
-    async def _answer(self, writer: asyncio.StreamWriter, session: _OwnerSession, meter: _Meter) -> None:
+    async def _answer(self, writer: asyncio.StreamWriter, session: _OwnerSession, meter: Meter) -> None:
         result = session.result
         if result is None:
             header: dict[str, Any] = {"v": PROTOCOL_VERSION, "ok": False, "e": "the owner's reduction failed"}
-            await _write_frame(writer, header, [], meter)
+            await write_frame(writer, header, [], meter)
             return
         header = {
             "v": PROTOCOL_VERSION,
@@ -878,4 +824,4 @@ class HivemindAverager:
             "k": session.keys,
             "gm": list(result.metadata) if session.with_metadata and result.metadata else None,
         }
-        await _write_frame(writer, header, [result.payloads[k] for k in session.keys], meter)
+        await write_frame(writer, header, [result.payloads[k] for k in session.keys], meter)

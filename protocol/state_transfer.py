@@ -8,7 +8,7 @@ A peer serves two requests on a stream handler namespaced by the run prefix:
 The receiver checks a downloaded state against the θ hash the swarm published for that round
 (`node/swarm.py`), and a replayed θ against the hash published after the last update.
 
-Wire frames are those of the averager (`hivemind_averager`), request and response one frame each.
+Wire frames are `wire.py`'s, request and response one frame each.
 """
 
 from __future__ import annotations
@@ -29,13 +29,7 @@ from hivemind.p2p import P2P, PeerID
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from adloco.protocol.hivemind_averager import (
-    PROTOCOL_VERSION,
-    _daemon_listen_maddr,
-    _Meter,
-    _read_frame,
-    _write_frame,
-)
+from adloco.protocol.wire import PROTOCOL_VERSION, Meter, daemon_listen_maddr, read_frame, write_frame
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +81,7 @@ class StateServer:
         self._thread.start()
         self._closed = False
         try:
-            maddr = dht.run_coroutine(_daemon_listen_maddr)
+            maddr = dht.run_coroutine(daemon_listen_maddr)
             self._p2p: P2P = self._call(P2P.replicate(maddr), timeout=30)
             self._call(self._p2p.add_binary_stream_handler(self._handler_name, self._serve), timeout=30)
         except BaseException:
@@ -124,13 +118,13 @@ class StateServer:
         return records
 
     async def _request(self, peer_id: str, header: dict[str, Any]) -> tuple[dict[str, Any], list[bytes]]:
-        meter = _Meter()
+        meter = Meter()
         _, reader, writer = await self._p2p.call_binary_stream_handler(
             PeerID.from_base58(peer_id), self._handler_name
         )
         try:
-            await _write_frame(writer, {"v": PROTOCOL_VERSION, **header}, [], meter)
-            response, body = await _read_frame(reader, meter)
+            await write_frame(writer, {"v": PROTOCOL_VERSION, **header}, [], meter)
+            response, body = await read_frame(reader, meter)
         finally:
             writer.close()
         if not response.get("ok"):
@@ -142,15 +136,15 @@ class StateServer:
     async def _serve(
         self, _stream_info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
-        meter = _Meter()
+        meter = Meter()
         try:
-            request, _ = await _read_frame(reader, meter)
+            request, _ = await read_frame(reader, meter)
             header, body = await asyncio.get_running_loop().run_in_executor(None, self._answer, request)
-            await _write_frame(writer, {"v": PROTOCOL_VERSION, "ok": True, **header}, body, meter)
+            await write_frame(writer, {"v": PROTOCOL_VERSION, "ok": True, **header}, body, meter)
         except Exception as e:
             logger.debug("state request failed: %r", e)
             with contextlib.suppress(Exception):  # the requester may already be gone
-                await _write_frame(writer, {"v": PROTOCOL_VERSION, "ok": False, "e": str(e)[:200]}, [], meter)
+                await write_frame(writer, {"v": PROTOCOL_VERSION, "ok": False, "e": str(e)[:200]}, [], meter)
         finally:
             writer.close()
 

@@ -18,6 +18,12 @@ from pathlib import Path
 
 from adloco.node.swarm_launcher import group_members
 
+# A node that trains fast enough for multi-process tests on 2 cores (tiny model, short rounds).
+FAST_NODE_ARGS = [
+    *("--inner-steps", "3", "--seq-len", "64", "--batch-size", "4", "--max-corpus-mb", "2"),
+    *("--threads", "1", "--window-s", "2", "--no-nat-port-map", "--data-shards", "4"),
+]
+
 
 class Procs:
     """Starts console scripts as process-group leaders and reaps every group at the end."""

@@ -27,6 +27,7 @@ TRANSPORT_MODULES = {
     "state_transfer.py",
     "averager.py",
     "records.py",
+    "wire.py",
 }
 MATH_ALLOWED_ROOTS = {"torch", "numpy"}
 STDLIB = set(sys.stdlib_module_names)

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 import netns
-from procs import Procs, wait_for
+from procs import FAST_NODE_ARGS, Procs, wait_for
 
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(240)]
 
@@ -28,23 +28,7 @@ NODES = 3
 ROUNDS = 3
 BOOTSTRAP, PROBE = 0, NODES + 1  # host indices; nodes are 1..NODES
 
-NODE_ARGS = [
-    "--inner-steps",
-    "3",
-    "--seq-len",
-    "64",
-    "--batch-size",
-    "4",
-    "--max-corpus-mb",
-    "2",
-    "--threads",
-    "1",
-    "--window-s",
-    "2",
-    "--no-nat-port-map",
-    "--data-shards",
-    "4",
-]
+NODE_ARGS = FAST_NODE_ARGS
 
 # Receives everything on a TCP port, then answers one byte: the sender's clock then covers delivery.
 SINK = """

@@ -8,29 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from procs import Procs, wait_for
+from procs import FAST_NODE_ARGS, Procs, wait_for
 
 pytestmark = pytest.mark.timeout(300)
 
-FAST = [
-    "--inner-steps",
-    "3",
-    "--seq-len",
-    "64",
-    "--batch-size",
-    "4",
-    "--max-corpus-mb",
-    "2",
-    "--threads",
-    "1",
-    "--window-s",
-    "2",
-    "--host-maddrs",
-    "/ip4/127.0.0.1/tcp/0",
-    "--no-nat-port-map",
-    "--data-shards",
-    "4",
-]
+FAST = [*FAST_NODE_ARGS, "--host-maddrs", "/ip4/127.0.0.1/tcp/0"]
 
 
 def _events(path: Path) -> list[dict]:
