@@ -20,6 +20,7 @@ from adloco.node.config import TrainConfig
 from adloco.node.errors import UserError
 from adloco.node.options import add_train_arguments, set_threads, train_config_from_args
 from adloco.node.swarm import SwarmConfig, SwarmNode
+from adloco.node.swarm import format_round as format_swarm_round
 from adloco.node.trainer import SoloRound, train_solo
 from adloco.protocol.dht import NetworkConfig, parse_maddrs
 
@@ -145,6 +146,7 @@ def run_swarm_node(cfg: TrainConfig, net: NetworkConfig, swarm: SwarmConfig, sto
     try:
         print("adloco-node: joined as " + node.peer_id + "; others can join with:", flush=True)
         print("  --peers " + " ".join(node.maddrs), flush=True)
+        node.on_round = lambda fields: print(format_swarm_round(node.peer_id, fields), flush=True)
         node.run(should_stop=stop.is_set)
     finally:
         node.shutdown()

@@ -122,6 +122,7 @@ class SwarmNode:
         self.last_group_size = 0
         self.last_staleness = 0
         self.last_heloco: dict[str, int] | None = None
+        self.on_round: Callable[[dict[str, Any]], None] | None = None
 
     @property
     def maddrs(self) -> list[str]:
@@ -297,40 +298,29 @@ class SwarmNode:
         return False
 
     def report(self, local: LocalRound, round_s: float) -> None:
+        """The round's figures: one status line, and the `on_round` callback (the CLI prints it)."""
         state = self.peer.state
-        val = self.peer.validation_loss()
-        self.status.write(
-            "round",
-            round=state.round,
-            val_loss=val,
-            inner_loss=local.mean_loss,
-            tokens=local.tokens,
-            tokens_per_s=local.tokens / max(round_s, 1e-9),
-            bytes_sent=self.bytes_sent,
-            bytes_received=self.bytes_received,
-            payload_sent=self.payload_sent,
-            payload_received=self.payload_received,
-            theta_hash=state.theta_hash(),
-            group_size=self.last_group_size,
-            staleness=self.last_staleness,
-            round_s=round_s,
-            compute_s=local.compute_s,
-            heloco=self.last_heloco,
-            batch_sizes=list(state.schedule.batch),
-        )
-        logger.warning(
-            "[%s round=%d] val %.3f inner %.3f %.0f tok/s group=%d τ=%d sent %.2fMB recv %.2fMB %.1fs",
-            self.peer_id[-6:],
-            state.round,
-            val,
-            local.mean_loss,
-            local.tokens / max(round_s, 1e-9),
-            self.last_group_size,
-            self.last_staleness,
-            self.bytes_sent / 1e6,
-            self.bytes_received / 1e6,
-            round_s,
-        )
+        fields = {
+            "round": state.round,
+            "val_loss": self.peer.validation_loss(),
+            "inner_loss": local.mean_loss,
+            "tokens": local.tokens,
+            "tokens_per_s": local.tokens / max(round_s, 1e-9),
+            "bytes_sent": self.bytes_sent,
+            "bytes_received": self.bytes_received,
+            "payload_sent": self.payload_sent,
+            "payload_received": self.payload_received,
+            "theta_hash": state.theta_hash(),
+            "group_size": self.last_group_size,
+            "staleness": self.last_staleness,
+            "round_s": round_s,
+            "compute_s": local.compute_s,
+            "heloco": self.last_heloco,
+            "batch_sizes": list(state.schedule.batch),
+        }
+        self.status.write("round", **fields)
+        if self.on_round is not None:
+            self.on_round(fields)
 
     def shutdown(self) -> None:
         """Leave the swarm: stop serving, stop averaging, stop the DHT (and its p2pd)."""
@@ -340,6 +330,15 @@ class SwarmNode:
             except Exception as e:
                 logger.debug("shutdown: %r", e)
         self.dht.shutdown()
+
+
+def format_round(peer_id: str, f: dict[str, Any]) -> str:
+    """One compact `[peer round=N]` summary line of a swarm round."""
+    return (
+        f"[{peer_id[-6:]} round={f['round']}] val {f['val_loss']:.3f} inner {f['inner_loss']:.3f}"
+        f" {f['tokens_per_s']:.0f} tok/s group={f['group_size']} τ={f['staleness']}"
+        f" sent {f['bytes_sent'] / 1e6:.2f}MB recv {f['bytes_received'] / 1e6:.2f}MB {f['round_s']:.1f}s"
+    )
 
 
 def _random_shard(shards: int) -> int:
