@@ -90,7 +90,7 @@ def test_three_nodes_agree_every_round_and_other_runs_stay_apart(procs: Procs, t
 def _start_node(procs: Procs, tmp_path: Path, name: str, peers: list[str], *args: str) -> tuple[object, Path]:
     status = tmp_path / f"{name}.jsonl"
     proc = procs.start(
-        name, ["adloco-node", "--peers", *peers, "--run-id", "r", "--status-file", str(status), *args, *FAST]
+        name, ["adloco-node", "--peers", *peers, "--run-id", "r", "--status-file", str(status), *FAST, *args]
     )
     return proc, status
 
@@ -146,12 +146,25 @@ def test_slow_node_contributes_late_and_corrected_without_holding_others(
     procs: Procs, tmp_path: Path
 ) -> None:
     peers = _bootstrap(procs, tmp_path)
+    # Rounds long enough in compute, and a short window, so that 5x the step time is certainly later
+    # than a fast round (train + window + exchange) whatever the machine's load.
+    timing = ["--inner-steps", "8", "--window-s", "0.5"]
     fast = [
-        _start_node(procs, tmp_path, f"fast{i}", peers, "--rounds", "6", "--data-shard", str(i))
+        _start_node(procs, tmp_path, f"fast{i}", peers, "--rounds", "12", "--data-shard", str(i), *timing)
         for i in range(2)
     ]
     slow, slow_status = _start_node(
-        procs, tmp_path, "slow", peers, "--rounds", "2", "--data-shard", "2", "--simulate-slowdown", "5"
+        procs,
+        tmp_path,
+        "slow",
+        peers,
+        "--rounds",
+        "2",
+        "--data-shard",
+        "2",
+        "--simulate-slowdown",
+        "5",
+        *timing,
     )
     for proc, _ in fast:
         assert proc.wait(timeout=240) == 0
