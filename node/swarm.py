@@ -43,6 +43,9 @@ logger = logging.getLogger(__name__)
 
 RECORD_TTL_S = 600.0
 MAX_ATTEMPTS = 3
+# Averager round ids are single-use: id = round × stride + the number of earlier tries at that round.
+# Peers that reach a round meet at its first id; after a round failed everywhere they meet at the next.
+ROUND_ID_STRIDE = 1000
 
 
 @dataclass(frozen=True)
@@ -123,6 +126,7 @@ class SwarmNode:
         self.last_staleness = 0
         self.last_heloco: dict[str, int] | None = None
         self.on_round: Callable[[dict[str, Any]], None] | None = None
+        self._tries: dict[int, int] = {}
 
     @property
     def maddrs(self) -> list[str]:
@@ -257,13 +261,16 @@ class SwarmNode:
         """Average `local` in the current round; on failure catch up and retry it (late) a few times."""
         for attempt in range(MAX_ATTEMPTS):
             self.sync_with_swarm()
+            current = self.peer.state.round
+            tries = self._tries.get(current, 0)
+            self._tries[current] = tries + 1
             contribution, info = self.peer.contribute(local)
             if contribution is None:
                 return False  # too stale: dropped, counted in the report
             spec = self.peer.state.schedule.codec
             result = self.averager.average(
                 contribution,
-                round=self.peer.state.round * MAX_ATTEMPTS + attempt,
+                round=current * ROUND_ID_STRIDE + tries,
                 codec=self.peer.downlink_codec(spec),
                 timeout=self.swarm.window_s + 2 * self.swarm.part_timeout_s + 30,
                 # A late contribution joins a round fresh peers opened; it never opens one alone.

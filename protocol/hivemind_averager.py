@@ -600,7 +600,8 @@ class HivemindAverager:
             records.pop(self._peer_id, None)
             if records:
                 return
-            await asyncio.sleep(0.2)
+            # Poll fast: the joiner must register within the window that this registration opened.
+            await asyncio.sleep(0.05)
 
     async def _registrations(self, key: str, registered: float) -> dict[str, float]:
         try:

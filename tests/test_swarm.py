@@ -148,7 +148,7 @@ def test_slow_node_contributes_late_and_corrected_without_holding_others(
     peers = _bootstrap(procs, tmp_path)
     # Rounds long enough in compute, and a short window, so that 5x the step time is certainly later
     # than a fast round (train + window + exchange) whatever the machine's load.
-    timing = ["--inner-steps", "8", "--window-s", "0.5"]
+    timing = ["--inner-steps", "8", "--window-s", "1"]
     fast = [
         _start_node(procs, tmp_path, f"fast{i}", peers, "--rounds", "12", "--data-shard", str(i), *timing)
         for i in range(2)
