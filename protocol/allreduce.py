@@ -14,13 +14,15 @@ it directly, and the network transport performs the same steps part by part acro
 
 from __future__ import annotations
 
-import math
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from adloco.protocol.codecs import Codec, decode_tensors
-from adloco.protocol.parts import assign_parts, reduce_part, round_traffic
+from adloco.protocol.parts import DEFAULT_OUTLIER_FACTOR, assign_parts, reduce_part, round_traffic
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -41,7 +43,12 @@ class Contribution:
 
 @dataclass(frozen=True)
 class GroupResult:
-    """What every member of the group receives (identical for all) and the traffic it cost each."""
+    """What every member of the group receives (identical for all) and the traffic it cost each.
+
+    `rejected`: peer id -> number of its parts the owners left out of the average this round
+    (non-finite or outlier, see `parts.screen_part`); empty when none. A peer with rejected parts
+    stays in `members`: rejection is per part.
+    """
 
     averaged: dict[str, bytes]
     gathered: tuple[Mapping[str, Any], ...]
@@ -49,18 +56,27 @@ class GroupResult:
     owners: dict[str, str]
     sent_bytes: dict[str, int]
     received_bytes: dict[str, int]
+    # Keyword-only: a positional field with a default would forbid MemberResult's fields without one.
+    rejected: dict[str, int] = field(default_factory=dict, kw_only=True)
 
     def decoded(self) -> dict[str, Any]:
         """The averaged tensors, decoded."""
         return decode_tensors(self.averaged)
 
 
-def reduce_group(contributions: Sequence[Contribution], *, codec: Codec) -> GroupResult:
+def reduce_group(
+    contributions: Sequence[Contribution],
+    *,
+    codec: Codec,
+    outlier_factor: float | None = DEFAULT_OUTLIER_FACTOR,
+) -> GroupResult:
     """Average the group's contributions part by part; deterministic in the members' order.
 
     Members are ordered by peer id, so every member computes the same part ownership and the same
-    reduction whatever order the contributions arrived in. Raises ValueError on an empty group,
-    mismatched tensor names, or invalid weights.
+    reduction whatever order the contributions arrived in. Each part is screened by its owner
+    (`parts.reduce_part`; `outlier_factor` 0 or None turns the norm test off, never the non-finite
+    one); every rejection is logged and counted in `GroupResult.rejected`. Raises ValueError on an
+    empty group, mismatched tensor names, or invalid weights.
     """
     if not contributions:
         raise ValueError("cannot reduce an empty group")
@@ -71,21 +87,29 @@ def reduce_group(contributions: Sequence[Contribution], *, codec: Codec) -> Grou
             raise ValueError(f"peer {c.peer_id} sent tensors {sorted(c.payloads)} instead of {sorted(keys)}")
     sizes = [max(len(c.payloads[k]) for c in members) for k in keys]
     owner_index = assign_parts(sizes, len(members))
+    ids = [c.peer_id for c in members]
+    owners = {k: ids[i] for k, i in zip(keys, owner_index, strict=True)}
     weights = [c.weight for c in members]
     tokens = [c.tokens for c in members]
-    total = math.fsum(tokens) if all(t > 0 for t in tokens) else None
-    averaged = {
-        k: reduce_part([c.payloads[k] for c in members], weights, codec, k, total_weight=total) for k in keys
-    }
+    averaged: dict[str, bytes] = {}
+    rejected: dict[str, int] = {}
+    for k in keys:
+        part = reduce_part(
+            [c.payloads[k] for c in members], weights, codec, k, tokens=tokens, outlier_factor=outlier_factor
+        )
+        averaged[k] = part.payload
+        for i, reason in part.rejected.items():
+            logger.warning("owner %s rejected part %r of %s: %s", owners[k][-8:], k, ids[i][-8:], reason)
+            rejected[ids[i]] = rejected.get(ids[i], 0) + 1
     up_sizes = [[len(c.payloads[k]) for k in keys] for c in members]
     down_sizes = [len(averaged[k]) for k in keys]
     sent, received = round_traffic(owner_index, up_sizes, down_sizes, len(members))
-    ids = [c.peer_id for c in members]
     return GroupResult(
         averaged=averaged,
         gathered=tuple(c.metadata for c in members),
         members=tuple(ids),
-        owners={k: ids[i] for k, i in zip(keys, owner_index, strict=True)},
+        owners=owners,
         sent_bytes=dict(zip(ids, sent, strict=True)),
         received_bytes=dict(zip(ids, received, strict=True)),
+        rejected=dict(sorted(rejected.items())),
     )

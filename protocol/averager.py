@@ -4,12 +4,13 @@ A peer calls `Averager.average` once per round with its encoded `Contribution` a
 group's result, a `MemberResult` (a `GroupResult` plus the bytes this member moved), or None when no
 group could be formed or the round failed for it. Every member that returns a result holds
 bit-identical `averaged` bytes: each part is reduced once by its owner, with `reduce_group`'s
-semantics (`protocol/allreduce.py`). Group rule, shared by every implementation: the members are
-the peers that call `average` for the same (prefix, round) within `window_s` of the first call; a
-call after the window gets None at once and nobody waits beyond the window. A round number is
-single-use: retry a failed round under a new number. None never proves that the others did not apply
-the round (they may have, with or without this member's Δ): a peer that gets None must re-check its
-θ against the group's (catch-up) before it trusts it. `MemoryAverager` (threads meeting in a
+semantics (`protocol/allreduce.py`), non-finite and outlier parts screened out, and the same
+`rejected` count per peer. Group rule, shared by every implementation: the members are the peers
+that call `average` for the same (prefix, round) within `window_s` of the first call; a call after
+the window gets None at once and nobody waits beyond the window. A round number is single-use:
+retry a failed round under a new number. None never proves that the others did not apply the round
+(they may have, with or without this member's Δ): a peer that gets None must re-check its θ
+against the group's (catch-up) before it trusts it. `MemoryAverager` (threads meeting in a
 `MemoryHub`, reducing with `reduce_group`) and `HivemindAverager` (hivemind_averager.py, peers on
 hivemind's P2P) keep the same contract, tested once for both in tests/test_averager_contract.py.
 """
@@ -27,7 +28,7 @@ import torch
 
 from adloco.protocol.allreduce import Contribution, GroupResult, reduce_group
 from adloco.protocol.codecs import Codec
-from adloco.protocol.parts import assign_parts
+from adloco.protocol.parts import DEFAULT_OUTLIER_FACTOR, assign_parts, check_outlier_factor
 
 logger = logging.getLogger(__name__)
 
@@ -57,9 +58,9 @@ class Traffic:
 class MemberResult(GroupResult):
     """A `GroupResult` as one member received it.
 
-    `averaged`, `gathered`, `members` and `owners` are identical on every member of the group;
-    `sent_bytes[peer_id]` / `received_bytes[peer_id]` are exactly the wire bytes this member moved
-    (other entries, where present, are the in-process model's count), `traffic` splits them.
+    `averaged`, `gathered`, `members`, `owners` and `rejected` are identical on every member of the
+    group; `sent_bytes[peer_id]` / `received_bytes[peer_id]` are exactly the wire bytes this member
+    moved (other entries, where present, are the in-process model's count), `traffic` splits them.
     """
 
     peer_id: str
@@ -147,15 +148,23 @@ class MemoryHub:
     join, a later call gets None at once. At the close the first thread to wake reduces the group
     with `reduce_group` (each part encoded by its owner's codec) and every member receives the same
     result. Rounds older than `ttl_s` are forgotten (a call after that opens a new group).
+    `outlier_factor` is the owners' outlier test (`parts.DEFAULT_OUTLIER_FACTOR`; 0 or None turns
+    it off): in process one hub reduces for every owner, so the knob lives here.
     """
 
     def __init__(
-        self, *, window_s: float = 3.0, ttl_s: float = 600.0, clock: Callable[[], float] = time.monotonic
+        self,
+        *,
+        window_s: float = 3.0,
+        ttl_s: float = 600.0,
+        clock: Callable[[], float] = time.monotonic,
+        outlier_factor: float | None = DEFAULT_OUTLIER_FACTOR,
     ) -> None:
         if window_s < 0:
             raise ValueError(f"window_s must be >= 0, got {window_s}")
         self.window_s = window_s
         self.ttl_s = ttl_s
+        self.outlier_factor = check_outlier_factor(outlier_factor)
         self._clock = clock
         self._cond = threading.Condition()
         self._rounds: dict[tuple[str, int], _Gathering] = {}
@@ -231,7 +240,9 @@ class MemoryHub:
         codecs = {peer: codec for peer, (_, codec) in gathering.entries.items()}
         result: GroupResult | None
         try:
-            result = reduce_group(contributions, codec=owner_codecs(contributions, codecs))
+            result = reduce_group(
+                contributions, codec=owner_codecs(contributions, codecs), outlier_factor=self.outlier_factor
+            )
         except ValueError as e:  # a malformed contribution fails the round for everyone
             logger.warning("round failed: %s", e)
             result = None
@@ -250,6 +261,7 @@ def _member_view(result: GroupResult, peer: str) -> MemberResult:
         owners=result.owners,
         sent_bytes=result.sent_bytes,
         received_bytes=result.received_bytes,
+        rejected=result.rejected,
         peer_id=peer,
         # In process nothing is framed: the wire carries exactly the payloads.
         traffic=Traffic(payload_sent=sent, payload_received=received, wire_sent=sent, wire_received=received),

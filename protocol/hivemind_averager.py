@@ -18,9 +18,12 @@ within `grace_s` (hivemind's DHT time is the wall clock).
 stream to each other owner and sends its payloads of that owner's parts, weight and tokens; the owner
 of the first tensor also receives everyone's metadata. An owner collects contributions until all
 members have sent or `part_timeout_s` has passed since it formed the group, reduces each part once
-(Σ weight·Δ / Σ tokens via `parts.reduce_part`), encodes it once with its codec, and answers every
-member that contributed in time with the same bytes plus the sorted list of contributors it
-included (and, for the metadata owner, their metadata). The owner's own parts never touch the wire.
+(Σ weight·Δ / Σ tokens via `parts.reduce_part`, after screening out non-finite and outlier
+payloads, `outlier_factor`), encodes it once with its codec, and answers every member that
+contributed in time with the same bytes plus the sorted list of contributors it included, how many
+of each one's parts it rejected (and, for the metadata owner, their metadata). A rejected part does
+not remove its sender from the contributors, so members still agree on them. The owner's own parts
+never touch the wire.
 
 **Failure rule.** Invariant: every member that returns a result returns bit-identical `averaged`
 bytes, identical `members` and `gathered`. A member returns a result only if it received every
@@ -46,7 +49,8 @@ and hold the bytes each owner sent to all. Consequences, all accepted for now:
     request  = v, r round, g group id, p sender, w weight, t tokens, k part keys, n part lengths,
                m MSGPack metadata (only to the owner of the first tensor, else nil)
     response = v, ok, e error text (when not ok), c contributors (sorted), k, n,
-               gm contributors' MSGPack metadata (only from the owner of the first tensor)
+               gm contributors' MSGPack metadata (only from the owner of the first tensor),
+               x {contributor: number of its parts rejected} (absent from older owners: none)
 
 `MemberResult.traffic` counts payload bytes and every byte written to / read from these streams;
 libp2p's own framing and encryption below the stream are not counted.
@@ -79,7 +83,7 @@ from hivemind.utils.serializer import MSGPackSerializer
 from adloco.protocol.allreduce import Contribution
 from adloco.protocol.averager import MemberResult
 from adloco.protocol.codecs import Codec, decode
-from adloco.protocol.parts import assign_parts, reduce_part
+from adloco.protocol.parts import DEFAULT_OUTLIER_FACTOR, assign_parts, check_outlier_factor, reduce_part
 from adloco.protocol.wire import (
     PROTOCOL_VERSION,
     Meter,
@@ -156,6 +160,22 @@ def _is_bytes_list(value: Any) -> bool:
     return isinstance(value, list) and all(isinstance(v, bytes) for v in value)
 
 
+def _parse_rejected(value: Any, contributors: Sequence[str], num_parts: int) -> dict[str, int] | None:
+    """An owner's "x" field: rejected parts per contributor, or None if it is malformed.
+
+    Absent (an owner from before screening) means none. Every key must be a contributor and every
+    count in 1..num_parts (the owner cannot reject more parts than it owns).
+    """
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        return None
+    for peer, count in value.items():
+        if peer not in contributors or type(count) is not int or not 1 <= count <= num_parts:
+            return None
+    return dict(value)
+
+
 @dataclass(frozen=True)
 class _Request:
     round: int
@@ -202,11 +222,15 @@ class _Incoming:
 
 @dataclass(frozen=True)
 class _Reduced:
-    """An owner's answer: the contributors it included, its averaged parts, their metadata."""
+    """An owner's answer: the contributors it included, its averaged parts, their metadata.
+
+    `rejected`: contributor -> how many of its parts this owner screened out (none: absent).
+    """
 
     contributors: tuple[str, ...]
     payloads: dict[str, bytes]
     metadata: tuple[bytes, ...] | None
+    rejected: dict[str, int] = field(default_factory=dict)
 
 
 _DROPPED = _Incoming(0.0, 0.0, {}, None)
@@ -216,19 +240,38 @@ class _RoundFailed(Exception):
     """This member cannot return a result for the round (the reason is logged)."""
 
 
-def _reduce_parts(keys: Sequence[str], contributions: Mapping[str, _Incoming], codec: Codec) -> _Reduced:
-    """`reduce_group`'s arithmetic for the owned parts over the contributors that arrived."""
+def _reduce_parts(
+    keys: Sequence[str],
+    contributions: Mapping[str, _Incoming],
+    codec: Codec,
+    outlier_factor: float | None,
+) -> tuple[_Reduced, list[tuple[str, str, str]]]:
+    """`reduce_group`'s arithmetic for the owned parts over the contributors that arrived.
+
+    Also returns (part, peer, reason) for every payload the screening rejected, for the owner's log.
+    """
     contributors = tuple(sorted(contributions))
     entries = [contributions[peer] for peer in contributors]
     weights = [e.weight for e in entries]
     tokens = [e.tokens for e in entries]
-    total = math.fsum(tokens) if all(t > 0 for t in tokens) else None
-    payloads = {
-        key: reduce_part([e.payloads[key] for e in entries], weights, codec, key, total_weight=total)
-        for key in keys
-    }
+    payloads: dict[str, bytes] = {}
+    rejections: list[tuple[str, str, str]] = []
+    for key in keys:
+        part = reduce_part(
+            [e.payloads[key] for e in entries],
+            weights,
+            codec,
+            key,
+            tokens=tokens,
+            outlier_factor=outlier_factor,
+        )
+        payloads[key] = part.payload
+        rejections += [(key, contributors[i], reason) for i, reason in part.rejected.items()]
+    rejected: dict[str, int] = {}
+    for _, peer, _ in rejections:
+        rejected[peer] = rejected.get(peer, 0) + 1
     metadata = tuple(e.metadata or b"" for e in entries)
-    return _Reduced(contributors, payloads, metadata)
+    return _Reduced(contributors, payloads, metadata, dict(sorted(rejected.items()))), rejections
 
 
 def _shape_error(payloads: Mapping[str, bytes], shapes: Mapping[str, tuple[int, ...]]) -> str | None:
@@ -253,6 +296,7 @@ class _OwnerSession:
         keys: list[str],
         shapes: dict[str, tuple[int, ...]],
         codec: Codec,
+        outlier_factor: float | None,
         with_metadata: bool,
         deadline: float,
     ) -> None:
@@ -260,6 +304,7 @@ class _OwnerSession:
         self.keys = keys
         self.shapes = shapes
         self.codec = codec
+        self.outlier_factor = outlier_factor
         self.with_metadata = with_metadata
         self.deadline = deadline
         self.contributions: dict[str, _Incoming] = {}
@@ -294,9 +339,13 @@ class _OwnerSession:
         self.closed = True
         try:
             contributions = dict(self.contributions)
-            self.result = await loop.run_in_executor(
-                executor, _reduce_parts, self.keys, contributions, self.codec
+            self.result, rejections = await loop.run_in_executor(
+                executor, _reduce_parts, self.keys, contributions, self.codec, self.outlier_factor
             )
+            for key, peer, reason in rejections:
+                logger.warning(
+                    "round %d: rejected part %r of %s: %s", self.group.round, key, peer[-8:], reason
+                )
         except ValueError as e:
             logger.warning("round %d: reduction failed: %s", self.group.round, e)
         finally:
@@ -337,6 +386,10 @@ class HivemindAverager:
       itself and the download of the averaged parts).
     - `record_ttl_s`: lifetime of readiness records; a call for a round older than this opens a
       new group instead of being late.
+    - `outlier_factor`: this peer, as an owner, rejects a member's part whose L2 norm exceeds this
+      many times the part's median norm (3+ finite payloads; `parts.DEFAULT_OUTLIER_FACTOR`); 0 or
+      None turns the test off, non-finite parts are rejected regardless. Symptom of too low: honest
+      peers named in "rejected part" warnings every round; of too high: loss spikes after rounds.
     - `on_stage`: fault-injection hook, called on the event-loop thread as on_stage(stage, round) at
       "registered" (record stored) and "grouped" (group read); tests block or kill the peer there.
     """
@@ -351,6 +404,7 @@ class HivemindAverager:
         part_timeout_s: float = 10.0,
         reduce_timeout_s: float = 5.0,
         record_ttl_s: float = 120.0,
+        outlier_factor: float | None = DEFAULT_OUTLIER_FACTOR,
         on_stage: Callable[[str, int], None] | None = None,
     ) -> None:
         if not prefix:
@@ -366,6 +420,7 @@ class HivemindAverager:
         self.part_timeout_s = part_timeout_s
         self.reduce_timeout_s = reduce_timeout_s
         self.record_ttl_s = record_ttl_s
+        self.outlier_factor = check_outlier_factor(outlier_factor)
         self._on_stage = on_stage
         digest = hashlib.sha256(prefix.encode()).hexdigest()[:24]
         self._handler_name = f"adloco.allreduce.v{PROTOCOL_VERSION}.{digest}"
@@ -634,6 +689,7 @@ class HivemindAverager:
             keys=keys,
             shapes=shapes,
             codec=codec,
+            outlier_factor=self.outlier_factor,
             with_metadata=next(iter(owners.values())) == self._peer_id,
             deadline=loop.time() + self.part_timeout_s,
         )
@@ -717,8 +773,11 @@ class HivemindAverager:
         ):
             raise _RoundFailed(f"owner {owner[-8:]} answered with the wrong parts")
         contributors = tuple(_str_list(response.get("c")))
+        rejected = _parse_rejected(response.get("x"), contributors, len(keys))
+        if rejected is None:
+            raise _RoundFailed(f"owner {owner[-8:]} answered with a malformed list of rejected parts")
         gathered_metadata = tuple(gathered) if metadata is not None and gathered is not None else None
-        return _Reduced(contributors, dict(zip(keys, body, strict=True)), gathered_metadata)
+        return _Reduced(contributors, dict(zip(keys, body, strict=True)), gathered_metadata, rejected)
 
     async def _assemble(
         self, state: _RoundState, keys: list[str], owners: Mapping[str, str], answers: Mapping[str, _Reduced]
@@ -743,12 +802,17 @@ class HivemindAverager:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(state.session.idle.wait(), timeout=self.reduce_timeout_s)
         traffic = state.meter.traffic()
+        rejected: dict[str, int] = {}
+        for answer in answers.values():
+            for peer, count in answer.rejected.items():
+                rejected[peer] = rejected.get(peer, 0) + count
         self._log(
             state.group.round,
-            "averaged with %d members, %d wire bytes out, %d in",
+            "averaged with %d members, %d wire bytes out, %d in, %d parts rejected",
             len(contributors),
             traffic.wire_sent,
             traffic.wire_received,
+            sum(rejected.values()),
         )
         return MemberResult(
             averaged={k: answers[owners[k]].payloads[k] for k in keys},
@@ -757,6 +821,7 @@ class HivemindAverager:
             owners=dict(owners),
             sent_bytes={self._peer_id: traffic.wire_sent},
             received_bytes={self._peer_id: traffic.wire_received},
+            rejected=dict(sorted(rejected.items())),
             peer_id=self._peer_id,
             traffic=traffic,
         )
@@ -824,5 +889,6 @@ class HivemindAverager:
             "c": list(result.contributors),
             "k": session.keys,
             "gm": list(result.metadata) if session.with_metadata and result.metadata else None,
+            "x": result.rejected,
         }
         await write_frame(writer, header, [result.payloads[k] for k in session.keys], meter)

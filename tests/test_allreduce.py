@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import logging
+import math
 
 import pytest
 import torch
@@ -83,3 +85,24 @@ def test_staleness_weight_shrinks_a_late_contribution_even_alone() -> None:
     got = reduce_group(pair, codec=make_codec("none")).decoded()["w"]
     da, db = decode_tensors(dict(a.payloads))["w"], decode_tensors(dict(b.payloads))["w"]
     torch.testing.assert_close(got, (100 * da + 50 * db) / 200)
+
+
+def test_poisoned_parts_are_rejected_per_part_and_reported(caplog: pytest.LogCaptureFixture) -> None:
+    contributions = _contributions("none")
+    honest = decode_tensors(dict(contributions[1].payloads))
+    poisoned = {"w": torch.full_like(honest["w"], math.nan), "b": 1000 * honest["b"]}
+    contributions[1] = Contribution(
+        peer_id="p1", payloads=encode_tensors(make_codec("none"), poisoned), weight=2.0, metadata={"i": 1}
+    )
+    with caplog.at_level(logging.WARNING, logger="adloco.protocol.allreduce"):
+        result = reduce_group(contributions, codec=make_codec("none"))
+    # p1 stays a member; both of its parts are left out, and the others' weights renormalized.
+    assert result.members == ("p0", "p1", "p2") and result.rejected == {"p1": 2}
+    decoded = [decode_tensors(dict(c.payloads)) for c in contributions]
+    for key in ("w", "b"):
+        torch.testing.assert_close(result.decoded()[key], (1 * decoded[0][key] + 3 * decoded[2][key]) / 4)
+    assert any("'w' of p1: non-finite" in r.getMessage() for r in caplog.records)
+    assert any("'b' of p1: norm" in r.getMessage() for r in caplog.records)
+    screened_off = reduce_group(contributions, codec=make_codec("none"), outlier_factor=None)
+    assert screened_off.rejected == {"p1": 1}
+    assert reduce_group(_contributions("none"), codec=make_codec("none")).rejected == {}

@@ -3,14 +3,18 @@
 Every implementation of `protocol.averager.Averager` must: give every member that returns a result
 the same bytes, equal to `reduce_group` on the same contributions, with the same members and
 gathered metadata; leave out a peer that calls after the window without anybody waiting for it;
-keep runs with different prefixes apart; and (hivemind) survive a member killed mid-round with
-either identical results without it or None everywhere. Hivemind peers are real DHTs with their own
-p2pd on loopback, NAT mapping off; every p2pd this module starts carries a marker in its
-environment, and after each test none of them may still be alive.
+keep runs with different prefixes apart; screen out a poisoned (NaN or scaled) contribution the
+same way everywhere; and (hivemind) survive a member killed mid-round with either identical results
+without it or None everywhere, and an owner's malformed answer with None, not a crash. Hivemind
+peers are real DHTs with their own p2pd on loopback, NAT mapping off; every p2pd this module starts
+carries a marker in its environment, and after each test none of them may still be alive.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import math
 import os
 import signal
 import subprocess
@@ -28,7 +32,7 @@ import torch
 
 from adloco.protocol.allreduce import Contribution, reduce_group
 from adloco.protocol.averager import Averager, MemberResult, MemoryAverager, MemoryHub
-from adloco.protocol.codecs import encode_tensors, make_codec
+from adloco.protocol.codecs import decode_tensors, encode_tensors, make_codec
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -214,6 +218,7 @@ def _assert_matches_reduce_group(
         assert r.members == expected.members == tuple(sorted(c.peer_id for c in contributions))
         assert r.gathered == expected.gathered
         assert r.owners == expected.owners
+        assert r.rejected == expected.rejected
         # Exact traffic: the payload bytes are reduce_group's count for this member; what went on the
         # wire is at least that, and the result carries it as this member's sent/received bytes.
         t = r.traffic
@@ -292,6 +297,26 @@ def test_two_prefixes_on_the_same_nodes_never_mix(swarm: Swarm) -> None:
     outcomes = _average_together([*run_a, *run_b], [*contributions_a, *contributions_b], round=0, spec="int8")
     _assert_matches_reduce_group(outcomes[:3], contributions_a, "int8")
     _assert_matches_reduce_group(outcomes[3:], contributions_b, "int8")
+
+
+@pytest.mark.parametrize("poison", ["nan", "scaled"])
+def test_a_poisoned_contribution_is_screened_out_identically(swarm: Swarm, poison: str) -> None:
+    """One member of three sends NaN (or 1000× scaled) tensors: every owner leaves its parts out."""
+    swarm.add_nodes(3)
+    averagers = [swarm.averager(i) for i in range(3)]
+    contributions = _contributions(averagers, "none", seed=8)
+    bad = contributions[1]
+    tensors = decode_tensors(dict(bad.payloads))
+    poisoned = {k: torch.full_like(t, math.nan) if poison == "nan" else 1000 * t for k, t in tensors.items()}
+    contributions[1] = dataclasses.replace(bad, payloads=encode_tensors(make_codec("none"), poisoned))
+    outcomes = _average_together(averagers, contributions, round=0, spec="none")
+    _assert_matches_reduce_group(outcomes, contributions, "none")
+    honest = reduce_group([contributions[0], contributions[2]], codec=make_codec("none"))
+    for o in outcomes:
+        assert o.result is not None
+        assert o.result.averaged == honest.averaged  # bit-identical to the honest members' average
+        assert o.result.rejected == {bad.peer_id: len(SHAPES)}
+        assert bad.peer_id in o.result.members  # rejection is per part: still a contributor
 
 
 def test_alone_timeouts_and_misuse(swarm: Swarm) -> None:
@@ -434,3 +459,50 @@ def test_member_killed_mid_round_never_stalls_the_others(tmp_path: Path, victim_
             proc.wait(timeout=10)
         log.close()
         swarm.close()
+
+
+def test_an_owner_answering_a_malformed_rejected_field_fails_the_round_for_its_members() -> None:
+    """The owner of the largest part lists a non-member as rejected: the others return None, no crash."""
+    swarm = Swarm("hivemind")
+    try:
+        swarm.add_nodes(3)
+        averagers = [swarm.averager(i) for i in range(3)]
+        owner: Any = min(averagers, key=lambda a: a.peer_id)  # owns "embed", the largest part
+        answer = owner._answer
+
+        async def answer_malformed(writer: Any, session: Any, meter: Any) -> None:
+            lying = copy.copy(session)  # the owner's own result stays intact
+            if session.result is not None:
+                lying.result = dataclasses.replace(session.result, rejected={"not-a-member": 1})
+            await answer(writer, lying, meter)
+
+        owner._answer = answer_malformed
+        contributions = _contributions(averagers, "int8", seed=9)
+        outcomes = _average_together(averagers, contributions, round=0, spec="int8")
+        assert [o.result is None for o in outcomes] == [a is not owner for a in averagers]
+    finally:
+        swarm.close()
+
+
+@pytest.mark.parametrize(
+    "field, ok",
+    [
+        (None, True),  # an owner from before screening
+        ({}, True),
+        ({"a": 2}, True),
+        ({"a": 3}, False),  # more parts than the owner owns
+        ({"a": 0}, False),
+        ({"a": True}, False),
+        ({"a": 1.0}, False),
+        ({"z": 1}, False),  # not a contributor
+        ([["a", 1]], False),
+        ("a", False),
+    ],
+)
+def test_rejected_field_parsing(field: Any, ok: bool) -> None:
+    from adloco.protocol.hivemind_averager import _parse_rejected
+
+    parsed = _parse_rejected(field, ("a", "b"), 2)
+    assert (parsed is not None) == ok
+    if ok:
+        assert parsed == (field or {})

@@ -1,4 +1,4 @@
-"""Parts: deterministic owner assignment, weighted reduction of payloads, exact per-member traffic."""
+"""Parts: deterministic owner assignment, screened weighted reduction of payloads, exact traffic."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from adloco.protocol.codecs import decode, make_codec
-from adloco.protocol.parts import assign_parts, reduce_part, round_traffic
+from adloco.protocol.parts import DEFAULT_OUTLIER_FACTOR, assign_parts, reduce_part, round_traffic
 
 NONE = make_codec("none")
 
@@ -50,22 +50,22 @@ def test_assign_parts_is_deterministic_and_balanced() -> None:
 
 def test_reduce_part_weighted_average_hand_computed() -> None:
     out = reduce_part([encoded(1.0, 2.0), encoded(3.0, 4.0)], [1.0, 3.0], NONE, "t")
-    assert out == encoded(2.5, 3.5)
-    assert reduce_part([encoded(1.0, 2.0), encoded(3.0, 4.0)], [2, 2], NONE, "t") == encoded(2.0, 3.0)
+    assert out.payload == encoded(2.5, 3.5) and out.rejected == {}
+    assert reduce_part([encoded(1.0, 2.0), encoded(3.0, 4.0)], [2, 2], NONE, "t").payload == encoded(2.0, 3.0)
 
 
 def test_reduce_part_accepts_mixed_codecs_and_reencodes() -> None:
     x, y = torch.tensor([0.5, -1.0, 0.25, 1.0]), torch.tensor([1.0, 1.0, 1.0, 1.0])
     payloads = [make_codec("int8").encode("t", x), make_codec("fp16").encode("t", y)]
-    out = reduce_part(payloads, [1.0, 1.0], make_codec("int8"), "t")
-    assert out == reduce_part(payloads, [1.0, 1.0], make_codec("int8"), "t")
+    out = reduce_part(payloads, [1.0, 1.0], make_codec("int8"), "t").payload
+    assert out == reduce_part(payloads, [1.0, 1.0], make_codec("int8"), "t").payload
     expected = (decode(payloads[0]) + decode(payloads[1])) / 2
     torch.testing.assert_close(decode(out), expected, atol=1 / 254, rtol=0)
 
 
 def test_reduce_part_zero_weight_member_is_ignored() -> None:
     out = reduce_part([encoded(1.0), encoded(100.0)], [1.0, 0.0], NONE, "t")
-    assert decode(out).tolist() == [1.0]
+    assert decode(out.payload).tolist() == [1.0]
 
 
 @pytest.mark.parametrize("weights", [[], [1.0, -1.0], [0.0, 0.0], [math.nan, 1.0], [math.inf, 1.0], [1.0]])
@@ -79,6 +79,121 @@ def test_reduce_part_rejects_shape_mismatch_and_bad_payload() -> None:
         reduce_part([encoded(1.0, 2.0), encoded(1.0)], [1.0, 1.0], NONE, "t")
     with pytest.raises(ValueError):
         reduce_part([encoded(1.0), encoded(2.0)[:-1]], [1.0, 1.0], NONE, "t")
+
+
+@pytest.mark.parametrize(
+    "tokens, factor", [([1.0], 10.0), ([1.0, -1.0], 10.0), ([1.0, math.nan], 10.0), ([1.0, 1.0], -1.0)]
+)
+def test_reduce_part_rejects_bad_tokens_and_outlier_factor(tokens: list[float], factor: float) -> None:
+    with pytest.raises(ValueError):
+        reduce_part([encoded(1.0), encoded(2.0)], [1.0, 1.0], NONE, "t", tokens=tokens, outlier_factor=factor)
+
+
+# --- screening ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("poison", [math.nan, math.inf, -math.inf])
+def test_non_finite_payload_is_rejected_with_its_tokens(poison: float) -> None:
+    # Σ weight·Δ / Σ tokens over the two honest payloads only: (100·[1,2] + 100·[3,4]) / 200. Had
+    # the poisoned payload's 100 tokens stayed in the normalizer, the average would be 2/3 of that.
+    payloads = [encoded(1.0, 2.0), encoded(0.5, poison), encoded(3.0, 4.0)]
+    out = reduce_part(payloads, [100.0] * 3, NONE, "t", tokens=[100.0] * 3)
+    assert out.rejected == {1: "non-finite values"}
+    assert out.payload == encoded(2.0, 3.0)
+
+
+def test_non_finite_is_rejected_even_alone_and_with_the_outlier_test_off() -> None:
+    for factor in (0.0, None):
+        out = reduce_part([encoded(1.0, math.nan)], [1.0], NONE, "t", tokens=[1.0], outlier_factor=factor)
+        assert out.rejected == {0: "non-finite values"}
+
+
+def test_a_nan_block_of_a_quantized_payload_is_rejected() -> None:
+    int8 = make_codec("int8")
+    poisoned = torch.ones(200)
+    poisoned[150] = math.nan  # int8 decodes the whole block of 64 holding it to NaN
+    payloads = [int8.encode("t", torch.ones(200)), int8.encode("t", poisoned)]
+    out = reduce_part(payloads, [1.0, 1.0], int8, "t", tokens=[1.0, 1.0])
+    assert out.rejected == {1: "non-finite values"}
+    assert out.payload == payloads[0]  # what is left is one payload, its own average: forwarded
+
+
+def test_outlier_among_three_is_rejected_with_its_tokens() -> None:
+    # Norms 1, 1, 1414: the median is 1, and 1414 > 10 × 1.
+    payloads = [encoded(1.0, 0.0), encoded(1000.0, 1000.0), encoded(0.0, 1.0)]
+    out = reduce_part(payloads, [1.0, 1.0, 1.0], NONE, "t", tokens=[1.0, 1.0, 1.0])
+    assert out.rejected == {1: "norm 1414.2x the median"}
+    assert out.payload == encoded(0.5, 0.5)
+
+
+def test_outlier_threshold_is_factor_times_median() -> None:
+    # Norms 1, 2, f: rejected only above DEFAULT_OUTLIER_FACTOR × 2 (the median of three).
+    limit = 2 * DEFAULT_OUTLIER_FACTOR
+    kept = reduce_part([encoded(1.0), encoded(2.0), encoded(limit)], [1.0] * 3, NONE, "t")
+    assert kept.rejected == {}
+    cut = reduce_part([encoded(1.0), encoded(2.0), encoded(limit + 0.5)], [1.0] * 3, NONE, "t")
+    assert list(cut.rejected) == [2]
+    assert (
+        reduce_part(
+            [encoded(1.0), encoded(2.0), encoded(limit + 0.5)], [1.0] * 3, NONE, "t", outlier_factor=50
+        ).rejected
+        == {}
+    )
+
+
+@pytest.mark.parametrize("factor", [0.0, None])
+def test_outlier_test_can_be_turned_off(factor: float | None) -> None:
+    payloads = [encoded(1.0, 0.0), encoded(1000.0, 1000.0), encoded(0.0, 1.0)]
+    out = reduce_part(payloads, [1.0] * 3, NONE, "t", outlier_factor=factor)
+    assert out.rejected == {}
+    assert decode(out.payload).tolist() == pytest.approx([1001 / 3, 1001 / 3])
+
+
+def test_no_outlier_test_with_fewer_than_three_finite_payloads() -> None:
+    # With two, the median cannot tell which one is off; a non-finite third does not count.
+    two = reduce_part([encoded(1.0), encoded(1000.0)], [1.0, 1.0], NONE, "t")
+    assert two.rejected == {} and two.payload == encoded(500.5)
+    three = reduce_part([encoded(1.0), encoded(1000.0), encoded(math.nan)], [1.0] * 3, NONE, "t")
+    assert three.rejected == {2: "non-finite values"} and three.payload == encoded(500.5)
+
+
+@pytest.mark.parametrize("spec", ["none", "int8", "lowrank:2"])
+def test_every_payload_rejected_gives_zeros(spec: str) -> None:
+    codec = make_codec(spec)
+    payloads = [
+        NONE.encode("t", torch.full((4, 3), math.nan)),
+        NONE.encode("t", torch.full((4, 3), math.inf)),
+    ]
+    out = reduce_part(payloads, [1.0, 1.0], codec, "t", tokens=[5.0, 5.0])
+    assert out.rejected == {0: "non-finite values", 1: "non-finite values"}
+    assert out.payload == make_codec(spec).encode("t", torch.zeros(4, 3))
+    assert decode(out.payload).shape == (4, 3) and not decode(out.payload).any()
+
+
+def _reference_average(payloads: list[bytes], weights: list[float], tokens: list[float], spec: str) -> bytes:
+    """reduce_part as it was before screening existed (Σ w·Δ / Σ t, normalized as (w/Σw)·(Σw/Σt))."""
+    total_weight = math.fsum(weights)
+    scale = total_weight / math.fsum(tokens)
+    tensors = [decode(p) for p in payloads]
+    average = torch.zeros_like(tensors[0])
+    for tensor, weight in zip(tensors, weights, strict=True):
+        average.add_(tensor, alpha=weight / total_weight * scale)
+    return make_codec(spec).encode("t", average)
+
+
+@pytest.mark.parametrize("spec", ["none", "fp16", "int8", "lowrank:2"])
+def test_honest_payloads_give_the_same_bytes_as_before_screening(spec: str) -> None:
+    g = torch.Generator().manual_seed(3)
+    for n in (2, 3, 5):
+        payloads = [
+            make_codec(spec).encode("t", torch.randn(24, 16, generator=g) * (1 + i)) for i in range(n)
+        ]
+        weights = [float(w) for w in torch.randint(1, 1000, (n,), generator=g)]
+        tokens = [float(t) for t in torch.randint(1, 1000, (n,), generator=g)]
+        screened = reduce_part(payloads, weights, make_codec(spec), "t", tokens=tokens)
+        unscreened = reduce_part(payloads, weights, make_codec(spec), "t", tokens=tokens, outlier_factor=None)
+        assert screened.rejected == {}
+        assert screened.payload == unscreened.payload == _reference_average(payloads, weights, tokens, spec)
 
 
 # --- round_traffic ------------------------------------------------------------------------------
