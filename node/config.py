@@ -55,6 +55,13 @@ class TrainConfig:
     b_max: override the probed hardware batch limit (switch mode engages above it).
     memory_budget_gb: CPU memory for b_max probing (default: half of what is available).
     non_iid: give each peer a different part of the corpus (by top-level package).
+    overlap: DiLoCoX one-step-delay overlap. "off": every round starts from the new θ, after the
+        averaging (the synchronous DiLoCo call order train → contribute → apply). "rebase",
+        "overwrite", "mix": the instances train the next round while the last one is averaged, and
+        when its update lands their progress is rebased onto the new θ, dropped, or mixed with it
+        (`overlap_mix` of the local weights). Rebase keeps everything; if the loss oscillates under
+        overlap, try mix. The caller must then apply each update during or after the *next* local
+        round (the swarm and the simulator do).
     """
 
     model: str | None = None
@@ -81,6 +88,8 @@ class TrainConfig:
     max_corpus_mb: float | None = None
     seed: int = 0
     device: str = "auto"
+    overlap: Literal["off", "rebase", "overwrite", "mix"] = "off"
+    overlap_mix: float = 0.5
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "batch_size", "instances", "inner_steps", "val_sequences"):
@@ -106,6 +115,10 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
+        if self.overlap not in ("off", "rebase", "overwrite", "mix"):
+            raise ValueError(f"overlap must be off, rebase, overwrite or mix, got {self.overlap!r}")
+        if not 0 <= self.overlap_mix <= 1:
+            raise ValueError(f"overlap_mix must be in [0, 1], got {self.overlap_mix}")
         if self.device != "auto":
             try:
                 torch.device(self.device)

@@ -4,6 +4,10 @@ Each round an instance starts from the global θ, runs H optimizer steps of micr
 (AdLoCo switch mode, see `adloco.protocol.switch.plan_batch`), and returns its pseudo-gradient
 Δ = θ_start − θ_end together with the gradient statistics the adaptive-batch test needs.
 
+Under one-step-delay overlap (DiLoCoX) a round starts from the instance's own weights instead, and
+when the averaged update of the previous round lands mid-round, `shift` moves the weights and the
+recorded start onto the new θ (rebase, overwrite or mix), so Δ is always measured from a global θ.
+
 The statistics come from the micro-batch gradients of the *first* optimizer step of the round, which
 every instance (and, in a synchronous round, every peer) computes at the same synchronized θ. This is
 the "gradients at the synchronized θ" option of research/algorithms.md §2.10 item 4, at no extra
@@ -84,6 +88,8 @@ class Instance:
             weight_decay=inner.weight_decay,
             betas=(inner.beta1, inner.beta2),
         )
+        # Where the current round started: Δ = start − weights at the end of the round.
+        self.start = [p.detach().clone() for p in self.params]
 
     @property
     def device(self) -> torch.device:
@@ -95,18 +101,50 @@ class Instance:
         for p, t in zip(self.params, theta, strict=True):
             p.copy_(t, non_blocking=True)
 
+    @torch.no_grad()
+    def begin(self, theta: Sequence[torch.Tensor] | None) -> None:
+        """Start a round from θ, or (θ None: overlap) from the instance's own current weights."""
+        if theta is not None:
+            self.load(theta)
+        for s, p in zip(self.start, self.params, strict=True):
+            s.copy_(p)
+
+    @torch.no_grad()
+    def shift(self, theta: Sequence[torch.Tensor], *, mode: str, mix: float = 0.5) -> None:
+        """The global θ changed while this instance trains on (overlap): carry its progress over.
+
+        rebase: weights ← θ + (weights − start), the local progress of the round kept on top of θ.
+        overwrite: weights ← θ, the progress since the round started is dropped.
+        mix: weights ← mix·weights + (1 − mix)·θ (Streaming DiLoCo's α-mixing).
+        In every mode the start becomes θ, so the round's Δ is measured from the global θ.
+        """
+        for p, s, t in zip(self.params, self.start, theta, strict=True):
+            if mode == "rebase":
+                p.add_(t - s)
+            elif mode == "overwrite":
+                p.copy_(t)
+            elif mode == "mix":
+                p.mul_(mix).add_(t, alpha=1 - mix)
+            else:
+                raise ValueError(f"unknown overlap mode {mode!r}")
+            s.copy_(t)
+
     def run_round(
         self,
-        theta: Sequence[torch.Tensor],
+        theta: Sequence[torch.Tensor] | None,
         *,
         plan: BatchPlan,
         steps: int,
         on_step: Callable[[int, float], None] | None = None,
     ) -> InstanceRound:
-        """Start from θ, run `steps` optimizer steps of `plan`, return Δ and the round's statistics."""
-        self.load(theta)
+        """Run `steps` optimizer steps of `plan`; return Δ and the round's statistics.
+
+        With θ the round starts there. With None it continues a round `begin(None)` started, and Δ
+        is measured from the start as `shift` may have moved it meanwhile.
+        """
+        if theta is not None:
+            self.begin(theta)
         self.model.train()
-        start = [t.detach().to(self.device, copy=True) for t in theta]
         t0 = time.perf_counter()
         losses: list[float] = []
         stats: GradStats | None = None
@@ -119,7 +157,7 @@ class Instance:
                 on_step(step, loss)
         compute_s = time.perf_counter() - t0
         with torch.no_grad():
-            delta = pseudo_gradient(start, [p.detach() for p in self.params])
+            delta = pseudo_gradient(self.start, [p.detach() for p in self.params])
         samples = plan.effective * steps
         return InstanceRound(
             delta=delta,

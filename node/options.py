@@ -105,6 +105,17 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     outer.add_argument(
         "--max-rel-error", type=finite_float, default=0.1, help="δ of the adaptive codec chooser"
     )
+    outer.add_argument(
+        "--overlap",
+        choices=("off", "rebase", "overwrite", "mix"),
+        default="mix",
+        help="DiLoCoX one-step-delay overlap: train the next round while this one is averaged, then mix"
+        " the local weights with the new θ (or rebase the local progress onto it, or overwrite it);"
+        " off waits for each update",
+    )
+    outer.add_argument(
+        "--overlap-mix", type=finite_float, default=0.5, help="local weights' share under --overlap mix"
+    )
 
     late = p.add_argument_group("late contributions (HeLoCo)")
     late.add_argument("--no-correction", action="store_true", help="apply late pseudo-gradients uncorrected")
@@ -152,6 +163,8 @@ def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
             max_corpus_mb=args.max_corpus_mb,
             seed=args.seed,
             device=args.device,
+            overlap=args.overlap,
+            overlap_mix=args.overlap_mix,
         )
     except ValueError as e:
         raise config_error(e, args) from None

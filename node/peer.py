@@ -11,13 +11,19 @@ transport between the second and the third differs between the simulator and the
 
 A peer that missed rounds first replays the averaged updates it missed (`catch_up`), so a late
 contribution is corrected against the current momentum (HeLoCo) and weighted by its staleness.
+
+With one-step-delay overlap (`TrainConfig.overlap`, DiLoCoX) the order becomes: contribute round r,
+train round r+1 while r is averaged, apply r's update when it lands (`apply_round` may be called
+from `train_round`'s `on_step` callback, between two inner steps). Every change of θ then moves the
+instances' progress onto the new θ (`Instance.shift`), and MIT merges decided meanwhile wait for the
+local round to end.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +36,7 @@ from adloco.node.errors import UserError
 from adloco.node.instances import Instance
 from adloco.node.model import build_model
 from adloco.protocol.allreduce import Contribution, GroupResult
+from adloco.protocol.batchtest import pool_stats
 from adloco.protocol.codecs import Codec, ErrorFeedback, choose_codec, decode_tensors, make_codec
 from adloco.protocol.heloco import CorrectionReport, correct, dylu_inner_steps, staleness_weight
 from adloco.protocol.merge import merge_weighted
@@ -150,6 +157,11 @@ class Peer:
         self._codecs: dict[str, Codec] = {}
         # DyLU (Async DiLoCo): this peer's speed relative to the fastest; H shrinks in proportion.
         self.dylu_speed_ratio: float | None = None
+        # The round whose θ the instances' current local round is measured from (its base round).
+        self.phase_round = 0
+        self._in_round = False
+        # MIT merges decided while the instances were mid-round: (victim, survivor, batch of then).
+        self._deferred_merges: list[tuple[int, int, tuple[int, ...]]] = []
 
     def _make_instance(self, corpus: Corpus, *, slot: int, index: int, num_peers: int) -> Instance:
         shard = shard_corpus(
@@ -172,30 +184,68 @@ class Peer:
 
     # ---- local phase -------------------------------------------------------------------------
 
-    def train_round(self) -> LocalRound:
-        """Run every instance for one round from θ; the node pseudo-gradient and its statistics."""
+    @property
+    def overlap(self) -> bool:
+        return self.cfg.overlap != "off"
+
+    def train_round(self, on_step: Callable[[int], None] | None = None) -> LocalRound:
+        """Run every instance for one round; the node pseudo-gradient and its statistics.
+
+        Without overlap every instance starts from θ. With overlap they go on from their own weights,
+        and `on_step(samples done so far)` runs after every inner step: the place to apply an update
+        that has landed. The round's base is the θ it is measured from when it ends.
+        """
         schedule = self.state.schedule
         plans = accumulation_for(schedule, self.b_max)
         steps = schedule.inner_steps
         if self.dylu_speed_ratio is not None:
             steps = dylu_inner_steps(steps, self.dylu_speed_ratio, 1.0)
-        results = [
-            inst.run_round(self.state.theta, plan=plan, steps=steps)
-            for inst, plan in zip(self.instances, plans, strict=True)
-        ]
+        if self.overlap:
+            for inst in self.instances:
+                inst.begin(None)
+        else:
+            self.phase_round = self.state.round
+        done = 0
+
+        def step_done(plan_effective: int) -> None:
+            nonlocal done
+            done += plan_effective
+            if on_step is not None:
+                on_step(done)
+
+        self._in_round = True
+        try:
+            results = [
+                inst.run_round(
+                    None if self.overlap else self.state.theta,
+                    plan=plan,
+                    steps=steps,
+                    on_step=lambda _step, _loss, b=plan.effective: step_done(b),
+                )
+                for inst, plan in zip(self.instances, plans, strict=True)
+            ]
+        finally:
+            self._in_round = False
         tokens = sum(r.tokens for r in results)
         delta = weighted_mean([r.delta for r in results], [float(r.tokens) for r in results])
         compute_s = sum(r.compute_s for r in results)
+        slot_stats = [r.stats for r in results]
+        for victim, survivor, batch in self._deferred_merges:
+            # A merge decided while this round ran: the survivor's slot reports both instances.
+            slot_stats[survivor] = pool_stats([slot_stats[survivor], slot_stats[victim]])
+            del slot_stats[victim]
+            self.merge_instances(victim, survivor, batch=batch)
+        self._deferred_merges.clear()
         report = PeerReport(
             peer_id=self.peer_id,
-            slot_stats=tuple(r.stats for r in results),
+            slot_stats=tuple(slot_stats),
             b_max=self.b_max,
             tokens=tokens,
             staleness=0,
             step_time_s=compute_s / max(steps, 1),
         )
         return LocalRound(
-            base_round=self.state.round,
+            base_round=self.phase_round,
             delta=delta,
             tokens=tokens,
             samples=sum(r.samples for r in results),
@@ -309,12 +359,25 @@ class Peer:
         delta = [averaged[n].to(self.device) for n in self.names]
         outer_step(self.state.theta, self.state.momentum, delta, self.cfg.outer)
         if update.merge is not None:
-            self.merge_instances(*update.merge)
+            if self._in_round:
+                # The instances are mid-round (overlap): merge when the round ends.
+                self._deferred_merges.append((*update.merge, self.state.schedule.batch))
+            else:
+                self.merge_instances(*update.merge)
         self.state.schedule = update.schedule
         self.state.round += 1
         self.state.history.append(update)
         # Peers keep the last few averaged updates so a peer a few rounds behind can replay them.
         del self.state.history[:-HISTORY_ROUNDS]
+        if self.overlap:
+            self.rebase_instances()
+
+    def rebase_instances(self) -> None:
+        """Overlap: move the instances' progress onto the current θ (`cfg.overlap` says how); the
+        local round in progress is measured from this θ from now on."""
+        for inst in self.instances:
+            inst.shift(self.state.theta, mode=self.cfg.overlap, mix=self.cfg.overlap_mix)
+        self.phase_round = self.state.round
 
     def catch_up(self, updates: Sequence[Update]) -> int:
         """Replay the averaged updates this peer missed, in order; returns how many were applied."""
@@ -345,11 +408,21 @@ class Peer:
                 range(len(self.instances)), key=lambda k: (self.instances[k].sampler.num_tokens, k)
             )
             self.merge_instances(order[0], order[1], weights=(1.0, 1.0))
+        if self.overlap:
+            self.rebase_instances()
 
-    def merge_instances(self, victim: int, survivor: int, weights: tuple[float, float] | None = None) -> None:
+    def merge_instances(
+        self,
+        victim: int,
+        survivor: int,
+        weights: tuple[float, float] | None = None,
+        *,
+        batch: tuple[int, ...] | None = None,
+    ) -> None:
         """AdLoCo MIT merge: batch-weighted parameters, the survivor keeps its optimizer state and
-        takes over the victim's data stream (its compute share)."""
-        batch = self.state.schedule.batch
+        takes over the victim's data stream (its compute share). `batch` is the schedule the merge
+        was decided under (default: the current one). Round starts merge alike, so Δ stays linear."""
+        batch = batch or self.state.schedule.batch
         w_survivor, w_victim = weights or (float(batch[survivor]), float(batch[victim]))
         a, b = self.instances[survivor], self.instances[victim]
         merged = merge_weighted(
@@ -358,9 +431,17 @@ class Peer:
             weight_a=w_survivor,
             weight_b=w_victim,
         )
+        starts = merge_weighted(
+            {str(i): t for i, t in enumerate(a.start)},
+            {str(i): t for i, t in enumerate(b.start)},
+            weight_a=w_survivor,
+            weight_b=w_victim,
+        )
         with torch.no_grad():
             for name, p in a.model.named_parameters():
                 p.copy_(merged[name])
+            for i, s in enumerate(a.start):
+                s.copy_(starts[str(i)])
         a.sampler = a.sampler.merged_with(b.sampler)
         del self.instances[victim]
         for slot, inst in enumerate(self.instances):

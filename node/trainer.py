@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from adloco.node.config import TrainConfig
 from adloco.node.peer import Peer
@@ -45,7 +45,11 @@ def train_solo(
     on_round: Callable[[SoloRound], None] | None = None,
     should_stop: Callable[[], bool] = lambda: False,
 ) -> tuple[Peer, list[SoloRound]]:
-    """Train alone for `rounds` rounds (0: until `should_stop`); returns the peer and its rounds."""
+    """Train alone for `rounds` rounds (0: until `should_stop`); returns the peer and its rounds.
+
+    Alone there is no transfer to overlap with, so rounds run in the synchronous order (overlap off).
+    """
+    cfg = replace(cfg, overlap="off")
     corpus, tokenizer = load_data(cfg)
     peer = Peer(
         peer_id="local", index=0, num_peers=1, cfg=cfg, corpus=corpus, vocab_size=tokenizer.vocab_size

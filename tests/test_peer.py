@@ -123,3 +123,91 @@ def test_batch_larger_than_the_data_is_a_user_error() -> None:
     corpus, _ = load_data(cfg)
     with pytest.raises(UserError, match="--batch-size"):
         Peer(peer_id="a", index=0, num_peers=1, cfg=cfg, corpus=corpus, vocab_size=ByteTokenizer().vocab_size)
+
+
+# --- one-step-delay overlap -----------------------------------------------------------------------
+
+OVERLAP = replace(
+    CFG, overlap="rebase", schedule=replace(CFG.schedule, merge=replace(CFG.schedule.merge, merge_every=100))
+)
+
+
+@pytest.mark.parametrize("mode", ["rebase", "overwrite", "mix"])
+def test_shift_moves_progress_onto_the_new_theta(corpus: Corpus, mode: str) -> None:
+    inst = _peer(corpus).instances[0]
+    theta_a = [torch.randn_like(p) for p in inst.params]
+    theta_b = [torch.randn_like(p) for p in inst.params]
+    inst.begin(theta_a)
+    with torch.no_grad():
+        for p in inst.params:
+            p.add_(1.0)  # one round's local progress: +1 everywhere
+    inst.shift(theta_b, mode=mode, mix=0.25)
+    for p, s, a, b in zip(inst.params, inst.start, theta_a, theta_b, strict=True):
+        want = {"rebase": b + 1, "overwrite": b, "mix": 0.25 * (a + 1) + 0.75 * b}[mode]
+        torch.testing.assert_close(p.detach(), want)
+        torch.testing.assert_close(s, b)  # Δ is measured from the new θ from now on
+
+
+def test_overlap_update_lands_mid_round_and_progress_is_rebased(corpus: Corpus) -> None:
+    peers = [_peer(corpus, "a", 0, OVERLAP), _peer(corpus, "b", 1, OVERLAP)]
+    contributions = [p.contribute(p.train_round())[0] for p in peers]
+    result = reduce_group(contributions, codec=peers[0].downlink_codec(peers[0].state.schedule.codec))
+    locals_ = []
+    for p in peers:
+        seen: dict[str, list[torch.Tensor]] = {}
+
+        def land(samples: int, p: Peer = p, seen: dict = seen) -> None:
+            if p.state.round == 0:  # after the first inner step of round 1
+                inst = p.instances[0]
+                seen["progress"] = [w.detach() - s for w, s in zip(inst.params, inst.start, strict=True)]
+                p.apply_round(result)
+
+        local = p.train_round(on_step=land)
+        locals_.append(local)
+        assert p.state.round == 1 and p.phase_round == 1 and local.base_round == 1
+        inst = p.instances[0]
+        assert all(torch.equal(s, t) for s, t in zip(inst.start, p.state.theta, strict=True))
+        # Δ of round 1 is measured from θ_1 for every instance, so it is θ_1 − their weighted end.
+        ends = [[t - w.detach() for t, w in zip(p.state.theta, i.params, strict=True)] for i in p.instances]
+        for k, d in enumerate(local.delta):
+            torch.testing.assert_close(d, sum(e[k] for e in ends) / len(ends))
+        assert seen["progress"][0].abs().sum() > 0
+    assert peers[0].state.theta_hash() == peers[1].state.theta_hash()
+    # Round 1 contributes at round 1 with staleness 0.
+    assert all(p.contribute(loc)[1].staleness == 0 for p, loc in zip(peers, locals_, strict=True))
+
+
+def test_overlap_rebase_keeps_the_progress_made_before_landing(corpus: Corpus) -> None:
+    peer = _peer(corpus, cfg=OVERLAP)
+    result = reduce_group([peer.contribute(peer.train_round())[0]], codec=peer.downlink_codec("int8"))
+    before: list[torch.Tensor] = []
+
+    def land(samples: int) -> None:
+        if peer.state.round == 0:
+            inst = peer.instances[0]
+            before.extend(w.detach() - s for w, s in zip(inst.params, inst.start, strict=True))
+            peer.apply_round(result)
+            after = [w.detach() - t for w, t in zip(inst.params, peer.state.theta, strict=True)]
+            for x, y in zip(before, after, strict=True):
+                torch.testing.assert_close(x, y)
+
+    peer.train_round(on_step=land)
+    assert before
+
+
+def test_overlap_defers_a_merge_to_the_end_of_the_local_round(corpus: Corpus) -> None:
+    cfg = replace(OVERLAP, schedule=replace(CFG.schedule, merge=replace(CFG.schedule.merge, merge_every=1)))
+    peer = _peer(corpus, cfg=cfg)
+    result = reduce_group([peer.contribute(peer.train_round())[0]], codec=peer.downlink_codec("int8"))
+    counts: list[int] = []
+
+    def land(samples: int) -> None:
+        if peer.state.round == 0:
+            peer.apply_round(result)
+        counts.append(len(peer.instances))
+
+    local = peer.train_round(on_step=land)
+    assert peer.state.schedule.instances == 1
+    assert set(counts) == {2}  # both instances ran the whole round
+    assert len(peer.instances) == 1 and len(local.report.slot_stats) == 1
+    assert local.report.slot_stats[0] is not None and local.report.slot_stats[0].num_grads == 8

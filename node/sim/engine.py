@@ -11,6 +11,11 @@ Modes:
 - async: a round closes `window` simulated seconds after the first peer is ready; peers still
   training contribute to a later round with staleness τ, after replaying the updates they missed,
   HeLoCo-corrected against the momentum and weighted by ρ(τ) (unless correction is off).
+
+With one-step-delay overlap (`TrainConfig.overlap`) a member starts its next local round as soon as
+it has contributed, and the round's update lands at the first inner step that ends after the
+transfer has (in simulated time); a member that finishes its local round first waits for it.
+`RoundRecord.wait_s` is the members' mean time idle, waiting for the group and its transfer.
 """
 
 from __future__ import annotations
@@ -101,6 +106,7 @@ class RoundRecord:
     corrected_tensors: int
     late_dropped: int
     comm_s: float
+    wait_s: float
     catch_up_bytes: int
     theta_hash: str
     wall_s: float
@@ -112,6 +118,16 @@ class _Pending:
 
     local: LocalRound
     ready_at: float
+    idle_s: float = 0.0  # overlap: how long it waited at the end of this round for the last update
+
+
+@dataclass(frozen=True)
+class _Landing:
+    """A group's result, arriving at its members at simulated time `at`."""
+
+    result: GroupResult
+    byte_budget: float | None
+    at: float
 
 
 class Simulator:
@@ -168,22 +184,42 @@ class Simulator:
                 close = min(fresh) + window
             members = sorted(i for i, p in pending.items() if p.ready_at <= close)
             close = max(pending[i].ready_at for i in members)
-            record, done_at = self._group_round(members, pending, close)
+            record = self._group_round(members, pending, close)
             record.wall_s = time.perf_counter() - t_start
             self.records.append(record)
             if on_round is not None:
                 on_round(record)
-            for i in members:
-                pending[i] = self._start(i, at=done_at)
         return self.records
 
-    def _start(self, index: int, *, at: float) -> _Pending:
-        local = self.peers[index].train_round()
-        return _Pending(local=local, ready_at=at + self.compute_time(index, local))
+    def _start(self, index: int, *, at: float, landing: _Landing | None = None) -> _Pending:
+        """Run peer `index`'s next local round from simulated time `at`; with overlap, `landing`
+        is applied after the first inner step that ends once it has arrived."""
+        peer = self.peers[index]
+        sec_per_sample = self.cfg.sec_per_sample * self.cfg.slowdown_of(index)
+        landed = landing is None
 
-    def _group_round(
-        self, members: list[int], pending: dict[int, _Pending], close: float
-    ) -> tuple[RoundRecord, float]:
+        def on_step(samples_done: int) -> None:
+            nonlocal landed
+            if landing is not None and not landed and at + samples_done * sec_per_sample >= landing.at:
+                self._land(index, landing)
+                landed = True
+
+        local = peer.train_round(on_step=on_step if landing is not None else None)
+        ready_at = at + self.compute_time(index, local)
+        idle = 0.0
+        if landing is not None and not landed:
+            # The local round ended first: wait for the update, apply it, then contribute.
+            self._land(index, landing)
+            local.base_round = peer.phase_round
+            idle = max(0.0, landing.at - ready_at)
+            ready_at += idle
+        return _Pending(local=local, ready_at=ready_at, idle_s=idle)
+
+    def _land(self, index: int, landing: _Landing) -> None:
+        self.peers[index].apply_round(landing.result, byte_budget=landing.byte_budget)
+
+    def _group_round(self, members: list[int], pending: dict[int, _Pending], close: float) -> RoundRecord:
+        """Contribute, reduce and apply one round; the members' next local rounds are started."""
         # The most advanced peer holds the swarm's latest state (in the swarm: what the DHT publishes).
         leader = max(range(len(self.peers)), key=lambda i: (self.peers[i].state.round, -i))
         current = self.peers[leader].state
@@ -208,16 +244,10 @@ class Simulator:
         codec = self.peers[leader].downlink_codec(current.schedule.codec)
         result = reduce_group(contributions, codec=codec)
         budget = overlap_byte_budget([c.metadata for c in contributions], group_size=len(contributions))
-        hashes = set()
-        for i in members:
-            if any(c.peer_id == self.peers[i].peer_id for c in contributions):
-                self.peers[i].apply_round(result, byte_budget=budget)
-                hashes.add(self.peers[i].state.theta_hash())
-            else:
-                # A dropped contributor still takes the round's update, as a listener would.
-                catch_up_bytes[i] += self._catch_up(self.peers[i], leader)
-        if len(hashes) != 1:
-            raise AssertionError(f"members of round {current.round} diverged: {len(hashes)} distinct θ")
+        # A member dropped as too stale takes the round's update as a listener (a replay of it).
+        listeners = [i for i in members if self.peers[i].peer_id not in result.members]
+        for i in listeners:
+            catch_up_bytes[i] += sum(len(p) for p in result.averaged.values())
         # Replaying missed updates (or downloading the state) costs the late member link time too.
         comm = max(
             self.transfer_time(
@@ -227,7 +257,23 @@ class Simulator:
             for i in members
         )
         done_at = close + comm
-        record = self._record(members, pending, infos, result, comm, done_at, hashes.pop())
+        locals_ = [pending[i].local for i in members]
+        landing = _Landing(result=result, byte_budget=budget, at=done_at)
+        if self.cfg.train.overlap != "off":
+            # Each member trains on from the moment it contributed; the update lands mid-round.
+            waits = []
+            for i in members:
+                pending[i] = self._start(i, at=pending[i].ready_at, landing=landing)
+                waits.append(pending[i].idle_s)
+        else:
+            waits = [done_at - pending[i].ready_at for i in members]
+            for i in members:
+                self._land(i, landing)
+        hashes = {self.peers[i].state.theta_hash() for i in members}
+        if len(hashes) != 1:
+            raise AssertionError(f"members of round {current.round} diverged: {len(hashes)} distinct θ")
+        record = self._record(members, locals_, infos, result, comm, done_at, hashes.pop())
+        record.wait_s = statistics.fmean(waits)
         record.catch_up_bytes = sum(catch_up_bytes.values())
         record.wire_bytes += record.catch_up_bytes
         record.wire_bytes_total += record.catch_up_bytes
@@ -236,7 +282,10 @@ class Simulator:
         record.batch_size = max(schedule_used.batch)
         record.instances = schedule_used.instances
         record.inner_steps = schedule_used.inner_steps
-        return record, done_at
+        if self.cfg.train.overlap == "off":
+            for i in members:
+                pending[i] = self._start(i, at=done_at)
+        return record
 
     def _catch_up(self, peer: Peer, leader: int) -> int:
         """Bring `peer` to the leader's round; returns the bytes that took (updates or full state)."""
@@ -253,7 +302,7 @@ class Simulator:
     def _record(
         self,
         members: list[int],
-        pending: dict[int, _Pending],
+        locals_: list[LocalRound],
         infos: list[ContributionInfo],
         result: GroupResult,
         comm: float,
@@ -262,7 +311,6 @@ class Simulator:
     ) -> RoundRecord:
         peer = self.peers[members[0]]
         state = peer.state
-        locals_ = [pending[i].local for i in members]
         wire = sum(result.sent_bytes.values())
         self.wire_total += wire
         self.tokens_total += sum(
@@ -299,6 +347,7 @@ class Simulator:
             ),
             late_dropped=sum(1 for info in infos if info.dropped),
             comm_s=comm,
+            wait_s=0.0,
             catch_up_bytes=0,
             theta_hash=theta_hash,
             wall_s=0.0,
