@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     net.add_argument(
         "--simulate-slowdown", type=float, default=1.0, help="testing: make this node F× slower (idle time)"
     )
+    net.add_argument(
+        "--dylu", action="store_true", help="shorten H to this node's speed relative to the fastest peer"
+    )
     return p
 
 
@@ -95,6 +98,7 @@ def swarm_from_args(args: argparse.Namespace) -> SwarmConfig:
         data_shard=args.data_shard,
         data_shards=args.data_shards,
         simulate_slowdown=args.simulate_slowdown,
+        dylu=args.dylu,
     )
 
 

@@ -10,7 +10,14 @@ and the model's parameter shapes, so a node of another run or another model neve
 The corpus is not in the fingerprint: its train/validation split is by file-path hash, the same on
 every Python version, so volunteers on different Pythons train together (their files differ a bit).
 
-Not yet here (issue 3 continues): one-step-delay overlap, signed schedule/hash records, DyLU.
+With one-step-delay overlap (DiLoCoX, `--overlap`, on by default) the averaging of round r runs on a
+background thread while the instances train round r+1; the update is applied between two inner steps
+as soon as it lands (or, if the local round ends first, after waiting for it), and the instances'
+progress is rebased onto the new θ. Each round's status line says how long the node sat idle waiting
+for communication (`wait_s`), which is what overlap removes.
+
+DyLU (`--dylu`, Async DiLoCo): a node shortens its H to its speed relative to the fastest member of
+its last group (from the gathered step times), so a slow node finishes with the others.
 """
 
 from __future__ import annotations
@@ -21,17 +28,20 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from hivemind.utils import get_dht_time
 
 from adloco.node.config import TrainConfig
+from adloco.node.metrics import NodeMetrics
 from adloco.node.model import model_fingerprint
-from adloco.node.peer import LocalRound, Peer, PeerState, Update
+from adloco.node.peer import ContributionInfo, LocalRound, Peer, PeerState, Update
 from adloco.node.runtime import load_data
+from adloco.protocol.allreduce import Contribution, GroupResult
 from adloco.protocol.dht import NetworkConfig, start_dht, visible_maddrs
 from adloco.protocol.hivemind_averager import HivemindAverager
 from adloco.protocol.pseudograd import tensors_hash
@@ -58,7 +68,8 @@ class SwarmConfig:
         owner waits for parts before dropping a silent member. data_shard / data_shards: which part
         of the corpus this node trains on (default: random). simulate_slowdown: a test and benchmark
         knob that makes this node F× slower (it idles (F−1)× its compute time after each local
-        phase), to study heterogeneous swarms on one machine.
+        phase), to study heterogeneous swarms on one machine. dylu: shorten H to this node's speed
+        relative to the fastest member of its last group.
     """
 
     run_id: str = "default"
@@ -69,6 +80,16 @@ class SwarmConfig:
     data_shard: int | None = None
     data_shards: int = 16
     simulate_slowdown: float = 1.0
+    dylu: bool = False
+
+
+@dataclass
+class _InFlight:
+    """A contribution being averaged on the background thread while the instances train on."""
+
+    local: LocalRound
+    info: ContributionInfo
+    future: Future[GroupResult | None]
 
 
 class StatusLog:
@@ -89,8 +110,11 @@ class StatusLog:
 class SwarmNode:
     """A volunteer node: joins the DHT, trains, averages, publishes; see the module docstring."""
 
-    def __init__(self, cfg: TrainConfig, net: NetworkConfig, swarm: SwarmConfig) -> None:
+    def __init__(
+        self, cfg: TrainConfig, net: NetworkConfig, swarm: SwarmConfig, metrics: NodeMetrics | None = None
+    ) -> None:
         self.cfg, self.net, self.swarm = cfg, net, swarm
+        self.metrics = metrics or NodeMetrics()
         self.status = StatusLog(swarm.status_file)
         self.lock = threading.Lock()  # guards peer.state against the state server's thread
         # Everything that can fail on bad input happens before the DHT (and its p2pd) starts.
@@ -125,8 +149,15 @@ class SwarmNode:
         self.last_group_size = 0
         self.last_staleness = 0
         self.last_heloco: dict[str, int] | None = None
+        self.dropped = 0  # contributions that never made it into an applied round
+        self.rejected_parts = 0  # parts of group members the owners screened out (non-finite, outlier)
         self.on_round: Callable[[dict[str, Any]], None] | None = None
         self._tries: dict[int, int] = {}
+        self._inflight: _InFlight | None = None
+        self._last_info: ContributionInfo | None = None
+        self._raw_bytes = 4 * sum(t.numel() for t in self.peer.state.theta)
+        self._applied = 0
+        self._last_report = time.perf_counter()
 
     @property
     def maddrs(self) -> list[str]:
@@ -154,6 +185,7 @@ class SwarmNode:
         """The latest round any peer published, its majority θ hash, and the peers holding it."""
         found = self.dht.get(state_key(self.prefix), latest=True)
         records = parse_states(None if found is None else found.value)
+        self.metrics.peers.set(len({r.peer_id for r in records}))
         if not records:
             return None
         top = max(r.round for r in records)
@@ -218,6 +250,8 @@ class SwarmNode:
         with self.lock:
             self.peer.catch_up(updates)
             ok = self.peer.state.theta_hash() == expected_hash
+        if ok:
+            self.metrics.replays.inc()
         if not ok:
             logger.warning("replayed θ does not match the published hash; downloading the state instead")
         return ok
@@ -235,6 +269,7 @@ class SwarmNode:
         )
         with self.lock:
             self.peer.adopt_state(state)
+        self.metrics.downloads.inc()
         self.status.write("state_download", round=snap.round, source=holder)
         return True
 
@@ -245,17 +280,122 @@ class SwarmNode:
         self.status.write("start", peer_id=self.peer_id, maddrs=self.maddrs, prefix=self.prefix)
         self.sync_with_swarm()
         self.publish()
-        done = 0
-        while (self.swarm.rounds == 0 or done < self.swarm.rounds) and not should_stop():
-            t0 = time.perf_counter()
-            local = self.peer.train_round()
-            if self.swarm.simulate_slowdown > 1:
-                time.sleep((self.swarm.simulate_slowdown - 1) * local.compute_s)
-            if self.contribute_until_applied(local):
-                done += 1
-                self.report(local, time.perf_counter() - t0)
-        self.status.write("done", rounds=done)
-        return done
+        self._last_report = time.perf_counter()
+        if self.peer.overlap:
+            self._run_overlapped(should_stop)
+        else:
+            while not self._enough(should_stop):
+                local = self._local_round()
+                t0 = time.perf_counter()
+                if self.contribute_until_applied(local):
+                    self._applied += 1
+                    self.report(local, wait_s=time.perf_counter() - t0)
+                else:
+                    self._count_dropped(self.peer.state.round - local.base_round)
+        self.status.write("done", rounds=self._applied)
+        return self._applied
+
+    def _enough(self, should_stop: Callable[[], bool]) -> bool:
+        planned = self._applied + (self._inflight is not None)
+        return should_stop() or (self.swarm.rounds > 0 and planned >= self.swarm.rounds)
+
+    def _local_round(self, on_step: Callable[[int], None] | None = None) -> LocalRound:
+        last = time.perf_counter()
+
+        def step_done(samples: int) -> None:
+            nonlocal last
+            now = time.perf_counter()
+            self.metrics.inner_step.observe(now - last)
+            last = now
+            if on_step is not None:
+                on_step(samples)
+
+        local = self.peer.train_round(on_step=step_done)
+        self.metrics.tokens.inc(local.tokens)
+        self.metrics.samples.inc(local.samples)
+        slowdown = self.swarm.simulate_slowdown
+        if slowdown > 1:
+            time.sleep((slowdown - 1) * local.compute_s)
+            # Report the step time others see (DyLU compares it), slowdown included.
+            local.report = replace(local.report, step_time_s=local.report.step_time_s * slowdown)
+        return local
+
+    # ---- one-step-delay overlap ------------------------------------------------------------------
+
+    def _run_overlapped(self, should_stop: Callable[[], bool]) -> None:
+        """Contribute round r, train round r+1 while it is averaged, apply r when it lands."""
+        pool = ThreadPoolExecutor(1, thread_name_prefix="adloco-averaging")
+        try:
+            while not self._enough(should_stop):
+                local = self._local_round(on_step=self._land_if_done)
+                if self._inflight is not None:
+                    t0 = time.perf_counter()
+                    done = self._wait_inflight(stopping=False)
+                    self._land(done, wait_s=time.perf_counter() - t0)
+                    # Δ is measured from the θ the instances were rebased onto.
+                    local.base_round = self.peer.phase_round
+                if should_stop():
+                    break
+                self.sync_with_swarm()
+                self._inflight = self._launch(local, pool)
+            if self._inflight is not None:
+                t0 = time.perf_counter()
+                done = self._wait_inflight(stopping=should_stop())
+                self._land(done, wait_s=time.perf_counter() - t0)
+        finally:
+            # An averaging call still running is ended by `shutdown` (it stops the averager).
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    def _wait_inflight(self, *, stopping: bool) -> _InFlight:
+        inflight = self._inflight
+        assert inflight is not None
+        try:
+            # When stopping, a round not done within the part timeout is abandoned (shutdown ends it).
+            inflight.future.result(timeout=self.swarm.part_timeout_s if stopping else None)
+        except Exception as e:
+            logger.warning("[%s] averaging did not finish: %r", self.peer_id[-6:], e)
+        return inflight
+
+    def _land_if_done(self, _samples: int) -> None:
+        """`train_round`'s per-step hook: apply the update in flight if it has landed."""
+        if self._inflight is not None and self._inflight.future.done():
+            self._land(self._inflight, wait_s=0.0)
+
+    def _launch(self, local: LocalRound, pool: ThreadPoolExecutor) -> _InFlight | None:
+        current = self.peer.state.round
+        tries = self._tries.get(current, 0)
+        self._tries[current] = tries + 1
+        contribution, info = self.peer.contribute(local)
+        if contribution is None:
+            self._count_dropped(info.staleness)  # too stale
+            return None
+        future = pool.submit(
+            self._average,
+            contribution,
+            round=current * ROUND_ID_STRIDE + tries,
+            codec=self.peer.downlink_codec(self.peer.state.schedule.codec),
+            timeout=self._average_timeout(),
+            join_only=info.staleness > 0,
+        )
+        return _InFlight(local, info, future)
+
+    def _land(self, inflight: _InFlight, *, wait_s: float) -> None:
+        """Apply the update in flight (rebasing the instances), or give its Δ up if it failed."""
+        self._inflight = None
+        result = None
+        if inflight.future.done() and inflight.future.exception() is None:
+            result = inflight.future.result()
+        if result is None:
+            logger.info("[%s round=%d] no group for this round; its Δ is dropped", *self._tag())
+            self._count_dropped(inflight.info.staleness)
+            with self.lock:
+                self.peer.rebase_instances()  # onto the θ we hold; catch-up follows the local round
+            return
+        self._applied_result(result, inflight.info, inflight.local)
+        self._applied += 1
+        self.report(inflight.local, wait_s=wait_s)
+
+    # ---- without overlap ---------------------------------------------------------------------------
 
     def contribute_until_applied(self, local: LocalRound) -> bool:
         """Average `local` in the current round; on failure catch up and retry it (late) a few times."""
@@ -267,45 +407,80 @@ class SwarmNode:
             contribution, info = self.peer.contribute(local)
             if contribution is None:
                 return False  # too stale: dropped, counted in the report
-            spec = self.peer.state.schedule.codec
-            result = self.averager.average(
+            result = self._average(
                 contribution,
                 round=current * ROUND_ID_STRIDE + tries,
-                codec=self.peer.downlink_codec(spec),
-                timeout=self.swarm.window_s + 2 * self.swarm.part_timeout_s + 30,
+                codec=self.peer.downlink_codec(self.peer.state.schedule.codec),
+                timeout=self._average_timeout(),
                 # A late contribution joins a round fresh peers opened; it never opens one alone.
                 join_only=info.staleness > 0,
             )
             if result is None:
-                logger.info(
-                    "[%s round=%d] no group this time (attempt %d)",
-                    self.peer_id[-6:],
-                    self.peer.state.round,
-                    attempt,
-                )
+                logger.info("[%s round=%d] no group this time (attempt %d)", *self._tag(), attempt)
                 continue
-            with self.lock:
-                self.peer.apply_round(result)
-            self.last_group_size = len(result.members)
-            self.last_staleness = info.staleness
-            report = info.correction
-            self.last_heloco = (
-                {"keep": report.keep, "shrink": report.shrink, "rotate": report.rotate, "skip": report.skip}
-                if report is not None
-                else None
-            )
-            self.bytes_sent += result.sent_bytes.get(self.peer_id, 0)
-            self.bytes_received += result.received_bytes.get(self.peer_id, 0)
-            traffic = getattr(result, "traffic", None)
-            if traffic is not None:
-                self.payload_sent += traffic.payload_sent
-                self.payload_received += traffic.payload_received
-            self.publish()
+            self._applied_result(result, info, local)
             return True
         return False
 
-    def report(self, local: LocalRound, round_s: float) -> None:
-        """The round's figures: one status line, and the `on_round` callback (the CLI prints it)."""
+    def _average(self, contribution: Contribution, **kwargs: Any) -> GroupResult | None:
+        t0 = time.perf_counter()
+        try:
+            return self.averager.average(contribution, **kwargs)
+        finally:
+            self.metrics.averaging.observe(time.perf_counter() - t0)
+
+    def _count_dropped(self, staleness: int) -> None:
+        self.dropped += 1
+        if staleness > 0:
+            self.metrics.late.labels("dropped").inc()
+
+    def _average_timeout(self) -> float:
+        return self.swarm.window_s + 2 * self.swarm.part_timeout_s + 30
+
+    def _tag(self) -> tuple[str, int]:
+        return self.peer_id[-6:], self.peer.state.round
+
+    def _applied_result(self, result: GroupResult, info: ContributionInfo, local: LocalRound) -> None:
+        """Apply a group's result and account for it: traffic, staleness, DyLU, publish."""
+        with self.lock:
+            self.peer.apply_round(result)
+        self.last_group_size = len(result.members)
+        self.last_staleness = info.staleness
+        report = info.correction
+        self.last_heloco = (
+            {"keep": report.keep, "shrink": report.shrink, "rotate": report.rotate, "skip": report.skip}
+            if report is not None
+            else None
+        )
+        self._last_info = info
+        rejected = sum(result.rejected.values())
+        self.rejected_parts += rejected
+        self.metrics.rejected.inc(rejected)
+        if info.staleness > 0:
+            corrected = report is not None and report.shrink + report.rotate > 0
+            self.metrics.late.labels("corrected" if corrected else "applied").inc()
+        sent = result.sent_bytes.get(self.peer_id, 0)
+        received = result.received_bytes.get(self.peer_id, 0)
+        self.metrics.sent.inc(sent)
+        self.metrics.received.inc(received)
+        self.bytes_sent += sent
+        self.bytes_received += received
+        traffic = getattr(result, "traffic", None)
+        if traffic is not None:
+            self.payload_sent += traffic.payload_sent
+            self.payload_received += traffic.payload_received
+        if self.swarm.dylu:
+            self.peer.dylu_speed_ratio = dylu_ratio(result.gathered, local.report.step_time_s)
+        self.publish()
+
+    def report(self, local: LocalRound, *, wait_s: float) -> None:
+        """The round's figures: one status line, and the `on_round` callback (the CLI prints it).
+
+        round_s is the time since the previous applied round; wait_s the part of it this node sat
+        idle waiting for the group and its transfer (without overlap: the whole averaging call).
+        """
+        now = time.perf_counter()
+        round_s, self._last_report = now - self._last_report, now
         state = self.peer.state
         fields = {
             "round": state.round,
@@ -321,11 +496,19 @@ class SwarmNode:
             "group_size": self.last_group_size,
             "staleness": self.last_staleness,
             "round_s": round_s,
+            "wait_s": wait_s,
             "compute_s": local.compute_s,
+            "inner_steps": local.inner_steps,
+            "dropped": self.dropped,
+            "rejected_parts": self.rejected_parts,
+            "accum_steps": local.accum_steps,
+            "codec": info.codec if (info := self._last_info) else state.schedule.codec,
+            "contribution_bytes": info.wire_bytes if info else 0,
             "heloco": self.last_heloco,
             "batch_sizes": list(state.schedule.batch),
         }
         self.status.write("round", **fields)
+        self.metrics.round_applied(fields, batch=state.schedule.batch, raw_bytes=self._raw_bytes)
         if self.on_round is not None:
             self.on_round(fields)
 
@@ -344,8 +527,18 @@ def format_round(peer_id: str, f: dict[str, Any]) -> str:
     return (
         f"[{peer_id[-6:]} round={f['round']}] val {f['val_loss']:.3f} inner {f['inner_loss']:.3f}"
         f" {f['tokens_per_s']:.0f} tok/s group={f['group_size']} τ={f['staleness']}"
-        f" sent {f['bytes_sent'] / 1e6:.2f}MB recv {f['bytes_received'] / 1e6:.2f}MB {f['round_s']:.1f}s"
+        f" sent {f['bytes_sent'] / 1e6:.2f}MB recv {f['bytes_received'] / 1e6:.2f}MB"
+        f" {f['round_s']:.1f}s (waited {f['wait_s']:.1f}s)"
     )
+
+
+def dylu_ratio(gathered: Sequence[Mapping[str, Any]], step_time_s: float) -> float | None:
+    """DyLU: this node's speed relative to the fastest member of its group (step times gathered)."""
+    times = [m["report"].get("step_time_s", 0.0) for m in gathered if isinstance(m.get("report"), dict)]
+    fastest = min((t for t in times if t > 0), default=0.0)
+    if fastest <= 0 or step_time_s <= 0:
+        return None
+    return min(1.0, fastest / step_time_s)
 
 
 def _random_shard(shards: int) -> int:

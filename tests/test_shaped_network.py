@@ -1,6 +1,7 @@
 """Real nodes on separate hosts behind 20 Mbit/s links: they agree on θ every round, and the bytes
 each one puts on its streams are the int8 payload the part-ownership plan predicts plus a small
-protocol overhead.
+protocol overhead. Run once without and once with one-step-delay overlap; each prints the seconds
+per round and the share of it the nodes sat idle waiting for communication (`pytest -s` shows it).
 
 Topology (`tests/netns.py`, `Star`): a 'hub' namespace bridging five host namespaces on 10.77.0.0/24
 — .1 the DHT bootstrap, .2-.4 three nodes, .5 a probe sink — each host's veth shaped with tbf at
@@ -25,10 +26,11 @@ pytestmark = [pytest.mark.netns, pytest.mark.timeout(240)]
 
 RATE_MBIT = 20
 NODES = 3
-ROUNDS = 3
+ROUNDS = 4
 BOOTSTRAP, PROBE = 0, NODES + 1  # host indices; nodes are 1..NODES
 
-NODE_ARGS = FAST_NODE_ARGS
+# Local rounds of a few seconds, so there is compute for the transfer to hide behind.
+NODE_ARGS = [*FAST_NODE_ARGS, "--inner-steps", "48"]
 
 # Receives everything on a TCP port, then answers one byte: the sender's clock then covers delivery.
 SINK = """
@@ -103,8 +105,9 @@ def _check_link_is_shaped(star: netns.Star, procs: Procs) -> None:
     assert sink.wait(timeout=10) == 0
 
 
+@pytest.mark.parametrize("overlap", ["off", "mix"])
 def test_nodes_behind_shaped_links_agree_and_send_the_codec_payload(
-    star: netns.Star, procs: Procs, tmp_path: Path
+    star: netns.Star, procs: Procs, tmp_path: Path, overlap: str
 ) -> None:
     t_start = time.monotonic()
     _check_link_is_shaped(star, procs)
@@ -150,6 +153,8 @@ def test_nodes_behind_shaped_links_agree_and_send_the_codec_payload(
             "--data-shard",
             str(host - 1),
             *NODE_ARGS,
+            "--overlap",
+            overlap,
         ]
         proc = star.start(procs, host, f"node{host}", argv)
         netns.wait_exec(proc.pid, "adloco-node")
@@ -194,4 +199,13 @@ def test_nodes_behind_shaped_links_agree_and_send_the_codec_payload(
             assert 0 <= overhead <= 0.02 * want, (sent, want)
             # The exchange cannot beat the shaped uplink.
             assert record["round_s"] >= floor_s
+    # Round 1 includes start-up; the steady state is rounds 2 and later.
+    steady = [r for records in rounds.values() for r in records[1:]]
+    round_s = sorted(r["round_s"] for r in steady)[len(steady) // 2]
+    wait_s = sorted(r["wait_s"] for r in steady)[len(steady) // 2]
+    compute_s = sorted(r["compute_s"] for r in steady)[len(steady) // 2]
+    print(
+        f"overlap={overlap}: median round {round_s:.2f} s, local compute {compute_s:.2f} s, idle waiting for"
+        f" communication {wait_s:.2f} s ({100 * wait_s / round_s:.0f}% of the round)"
+    )
     print(f"total {time.monotonic() - t_start:.1f} s")

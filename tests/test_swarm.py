@@ -150,7 +150,7 @@ def test_slow_node_contributes_late_and_corrected_without_holding_others(
     # than a fast round (train + window + exchange) whatever the machine's load.
     timing = ["--inner-steps", "8", "--window-s", "1"]
     fast = [
-        _start_node(procs, tmp_path, f"fast{i}", peers, "--rounds", "12", "--data-shard", str(i), *timing)
+        _start_node(procs, tmp_path, f"fast{i}", peers, "--rounds", "16", "--data-shard", str(i), *timing)
         for i in range(2)
     ]
     slow, slow_status = _start_node(
@@ -159,11 +159,12 @@ def test_slow_node_contributes_late_and_corrected_without_holding_others(
         "slow",
         peers,
         "--rounds",
-        "2",
+        "3",
         "--data-shard",
         "2",
         "--simulate-slowdown",
         "5",
+        "--dylu",
         *timing,
     )
     for proc, _ in fast:
@@ -183,3 +184,8 @@ def test_slow_node_contributes_late_and_corrected_without_holding_others(
     assert sum(1 for e in fast_rounds if e["group_size"] == 2) >= 3
     slow_phase = 5 * min(e["compute_s"] for e in slow_rounds)
     assert max(e["round_s"] for e in fast_rounds) < slow_phase + 2.0 + 0.5 + 5.0
+    # DyLU: once the slow node has seen the others' step times it shortens H to its speed. Its
+    # second local round was already under way when its first update landed (overlap); the third
+    # is the first with the shorter H.
+    assert slow_rounds[0]["inner_steps"] == 8
+    assert slow_rounds[-1]["inner_steps"] < 8
