@@ -1,0 +1,266 @@
+"""Checkpoints: a bit-identical round trip (the next round equals the one never interrupted), MIT merges,
+crashes mid-save, corrupt files, retention, and the errors a user sees for a wrong directory."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from adloco.node import checkpoint
+from adloco.node.checkpoint import (
+    check_checkpoint_dir,
+    list_checkpoints,
+    load_checkpoint,
+    peek_checkpoint,
+    save_checkpoint,
+)
+from adloco.node.config import TrainConfig
+from adloco.node.data import Corpus
+from adloco.node.errors import UserError
+from adloco.node.peer import Peer
+from adloco.node.runtime import load_data
+from adloco.protocol.allreduce import reduce_group
+
+CFG = TrainConfig(seq_len=32, batch_size=4, instances=2, inner_steps=2, b_max=4, max_corpus_mb=1)
+# Low-rank keeps warm starts in both codecs and a large error-feedback residual: all must survive.
+LOWRANK = replace(CFG, codec="lowrank:2")
+MERGING = replace(
+    CFG, instances=3, schedule=replace(CFG.schedule, merge=replace(CFG.schedule.merge, merge_every=1))
+)
+
+
+@pytest.fixture(scope="module")
+def corpus() -> Corpus:
+    return load_data(CFG)[0]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    # The tiny model gains nothing from two threads, and their spin-waits on a busy 2-core machine
+    # made this file 5x slower.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _peer(corpus: Corpus, cfg: TrainConfig = CFG, *, index: int = 0, vocab_size: int = 256) -> Peer:
+    return Peer(peer_id="a", index=index, num_peers=2, cfg=cfg, corpus=corpus, vocab_size=vocab_size)
+
+
+def _round(peer: Peer) -> None:
+    contribution = peer.contribute(peer.train_round())[0]
+    peer.apply_round(reduce_group([contribution], codec=peer.downlink_codec(peer.state.schedule.codec)))
+
+
+def _trained(corpus: Corpus, cfg: TrainConfig = CFG, rounds: int = 2) -> Peer:
+    peer = _peer(corpus, cfg)
+    for _ in range(rounds):
+        _round(peer)
+    return peer
+
+
+def _assert_same(a: Peer, b: Peer) -> None:
+    """Everything a checkpoint restores, compared exactly."""
+    assert b.state.theta_hash() == a.state.theta_hash()
+    assert all(torch.equal(x, y) for x, y in zip(a.state.momentum, b.state.momentum, strict=True))
+    assert (b.state.round, b.state.schedule) == (a.state.round, a.state.schedule)
+    assert b.state.history == a.state.history  # round, averaged bytes, schedule, merge
+    assert (b.phase_round, b.dylu_speed_ratio, b.b_max) == (a.phase_round, a.dylu_speed_ratio, a.b_max)
+    assert len(b.instances) == len(a.instances)
+    for x, y in zip(a.instances, b.instances, strict=True):
+        assert all(torch.equal(p, q) for p, q in zip(x.params, y.params, strict=True))
+        assert all(torch.equal(p, q) for p, q in zip(x.start, y.start, strict=True))
+        assert torch.equal(x.sampler.stream, y.sampler.stream)
+        assert torch.equal(x.sampler.get_state(), y.sampler.get_state())
+        sx, sy = x.optimizer_state()["state"], y.optimizer_state()["state"]
+        assert sx.keys() == sy.keys()
+        for idx in sx:
+            assert sx[idx].keys() == sy[idx].keys()
+            assert all(torch.equal(sx[idx][f], sy[idx][f]) for f in sx[idx])
+    ea, eb = a.error_feedback.state_dict(), b.error_feedback.state_dict()
+    assert ea.keys() == eb.keys() and all(torch.equal(ea[k], eb[k]) for k in ea)
+
+
+@pytest.mark.parametrize("cfg", [LOWRANK, replace(CFG, overlap="rebase")], ids=["lowrank", "overlap"])
+def test_round_trip_is_exact_and_the_next_round_matches(
+    corpus: Corpus, tmp_path: Path, cfg: TrainConfig
+) -> None:
+    a = _trained(corpus, cfg)
+    a.dylu_speed_ratio = 0.75
+    path = save_checkpoint(tmp_path, a, extra={"applied": 2, "shard": 0})
+    assert path == tmp_path / "round-00000002"
+    assert (tmp_path / "latest").read_text().strip() == path.name
+    b = _peer(corpus, cfg)
+    assert load_checkpoint(tmp_path, b) == {"applied": 2, "shard": 0}
+    _assert_same(a, b)
+    # Nothing the next round depends on was lost: it comes out bit-identical.
+    _round(a)
+    _round(b)
+    assert b.state.theta_hash() == a.state.theta_hash()
+    _assert_same(a, b)
+
+
+def test_round_trip_after_a_merge_rebuilds_the_survivor_stream(corpus: Corpus, tmp_path: Path) -> None:
+    a = _trained(corpus, MERGING, rounds=1)
+    assert len(a.instances) == 2  # one MIT merge happened
+    save_checkpoint(tmp_path, a)
+    b = _peer(corpus, MERGING)
+    assert len(b.instances) == 3
+    assert load_checkpoint(tmp_path, b) == {}
+    _assert_same(a, b)  # the survivor's stream is the concatenation of the merged shards
+    _round(a)
+    _round(b)
+    assert b.state.theta_hash() == a.state.theta_hash()
+
+
+def test_other_data_shard_resumes_with_a_warning(
+    corpus: Corpus, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    a = _trained(corpus, MERGING, rounds=1)
+    save_checkpoint(tmp_path, a)
+    b = _peer(corpus, MERGING, index=1)
+    with caplog.at_level(logging.WARNING, logger=checkpoint.__name__):
+        load_checkpoint(tmp_path, b)
+    assert "do not match this node's data shards" in caplog.text
+    assert len(b.instances) == 2 and b.state.theta_hash() == a.state.theta_hash()
+    _round(b)  # trains on, on its own shards
+
+
+@pytest.mark.parametrize("stage", ["tensors", "manifest", "rename", "latest"])
+def test_crash_during_save_leaves_a_loadable_checkpoint(
+    corpus: Corpus, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stage: str
+) -> None:
+    a = _trained(corpus, rounds=1)
+    save_checkpoint(tmp_path, a)
+    hashes = {1: a.state.theta_hash()}
+    _round(a)
+    hashes[2] = a.state.theta_hash()
+
+    def crash(*args: object) -> None:
+        if stage == "tensors":  # a torn file, then the crash
+            Path(str(args[1])).write_bytes(b"\0" * 100)
+        raise OSError(28, "No space left on device")
+
+    if stage == "manifest":
+        real = checkpoint._write_json
+        monkeypatch.setattr(
+            checkpoint, "_write_json", lambda p, o: crash() if p.name == checkpoint.MANIFEST else real(p, o)
+        )
+    else:
+        module = checkpoint if stage == "tensors" else checkpoint.os
+        name = {"tensors": "save_file", "rename": "rename", "latest": "replace"}[stage]
+        monkeypatch.setattr(module, name, crash)
+    with pytest.raises(OSError, match="No space"):
+        save_checkpoint(tmp_path, a)
+    monkeypatch.undo()
+    # A save killed outright (kill -9) leaves its temporary directory behind as well.
+    leftover = tmp_path / ".tmp-round-00000002-1-dead"
+    leftover.mkdir()
+    (leftover / checkpoint.TENSORS).write_bytes(b"torn")
+    b = _peer(corpus)
+    load_checkpoint(tmp_path, b)
+    # Only a crash after the rename (while repointing `latest`) leaves the new checkpoint in place.
+    expected = 2 if stage == "latest" else 1
+    assert b.state.round == expected and b.state.theta_hash() == hashes[expected]
+    assert len(list_checkpoints(tmp_path)) == (2 if stage == "latest" else 1)
+    latest = save_checkpoint(tmp_path, a)  # the next save cleans up
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != "latest") == sorted(
+        p.name for p in list_checkpoints(tmp_path)
+    )
+    assert (tmp_path / "latest").read_text().strip() == latest.name
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "manifest", "meta"])
+def test_corrupt_newest_falls_back_to_the_previous(
+    corpus: Corpus, tmp_path: Path, caplog: pytest.LogCaptureFixture, damage: str
+) -> None:
+    a = _trained(corpus, rounds=1)
+    save_checkpoint(tmp_path, a, extra={"n": 1})
+    saved_hash = a.state.theta_hash()
+    _round(a)
+    newest = save_checkpoint(tmp_path, a, extra={"n": 2})
+    tensors = newest / checkpoint.TENSORS
+    data = tensors.read_bytes()
+    if damage == "truncate":
+        tensors.write_bytes(data[: len(data) // 2])
+    elif damage == "flip":
+        tensors.write_bytes(data[:-10] + bytes([data[-10] ^ 1]) + data[-9:])
+    elif damage == "manifest":
+        (newest / checkpoint.MANIFEST).write_text('{"format": 1, "fi')
+    else:
+        (newest / checkpoint.META).write_text("{}")
+    b = _peer(corpus)
+    with caplog.at_level(logging.WARNING, logger=checkpoint.__name__):
+        assert load_checkpoint(tmp_path, b) == {"n": 1}
+    assert f"checkpoint {newest} is unusable" in caplog.text
+    assert b.state.round == 1 and b.state.theta_hash() == saved_hash
+
+
+def test_nothing_usable_starts_fresh(corpus: Corpus, tmp_path: Path) -> None:
+    b = _peer(corpus)
+    assert load_checkpoint(tmp_path / "missing", b) is None
+    assert load_checkpoint(tmp_path, b) is None
+    assert peek_checkpoint(tmp_path) is None
+    path = save_checkpoint(tmp_path, b)
+    (path / checkpoint.TENSORS).write_bytes(b"")
+    assert load_checkpoint(tmp_path, b) is None and b.state.round == 0
+
+
+def test_keeps_the_newest_and_drops_stale_ones(corpus: Corpus, tmp_path: Path) -> None:
+    a = _peer(corpus)
+    names = [save_checkpoint(tmp_path, a, keep=2).name for _ in range(3)]
+    assert names == ["round-00000000", "round-00000000.1", "round-00000000.2"]
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["round-00000000.2", "round-00000000.1"]
+    _round(a)
+    save_checkpoint(tmp_path, a, keep=1)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["round-00000001"]
+    info = peek_checkpoint(tmp_path)
+    assert info is not None and info.round == 1 and info.path.name == "round-00000001"
+    # A fresh start in the same directory: the higher round it did not resume from is stale.
+    save_checkpoint(tmp_path, _peer(corpus), keep=2)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["round-00000000"]
+    assert (tmp_path / "latest").read_text().strip() == "round-00000000"
+
+
+def test_checkpoint_of_another_model_or_instance_count_is_refused(corpus: Corpus, tmp_path: Path) -> None:
+    save_checkpoint(tmp_path, _peer(corpus, MERGING))
+    with pytest.raises(UserError, match=r"--checkpoint-dir: .* another model"):
+        load_checkpoint(tmp_path, _peer(corpus, MERGING, vocab_size=300))
+    with pytest.raises(UserError, match=r"--checkpoint-dir: .* 3 MIT instances.* --instances 3"):
+        load_checkpoint(tmp_path, _peer(corpus))
+
+
+def test_unknown_format_is_refused(corpus: Corpus, tmp_path: Path) -> None:
+    path = save_checkpoint(tmp_path, _peer(corpus))
+    manifest = json.loads((path / checkpoint.MANIFEST).read_text())
+    (path / checkpoint.MANIFEST).write_text(json.dumps({**manifest, "format": 99}))
+    with pytest.raises(UserError, match=r"--checkpoint-dir: .* format 99"):
+        load_checkpoint(tmp_path, _peer(corpus))
+
+
+def test_save_refuses_a_non_json_extra_and_a_round_in_progress(corpus: Corpus, tmp_path: Path) -> None:
+    peer = _peer(corpus)
+    with pytest.raises(ValueError, match="JSON"):
+        save_checkpoint(tmp_path, peer, extra={"x": object()})
+    peer._in_round = True
+    with pytest.raises(RuntimeError, match="during a local round"):
+        save_checkpoint(tmp_path, peer)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_checkpoint_dir_must_be_a_writable_directory(tmp_path: Path) -> None:
+    check_checkpoint_dir(tmp_path / "a" / "b")
+    assert (tmp_path / "a" / "b").is_dir() and list((tmp_path / "a" / "b").iterdir()) == []
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(UserError, match=r"--checkpoint-dir: .*not a directory"):
+        check_checkpoint_dir(blocker)
+    with pytest.raises(UserError, match="--checkpoint-dir: cannot create"):
+        check_checkpoint_dir(blocker / "sub")
