@@ -4,7 +4,9 @@
         --announce-maddrs /ip4/203.0.113.7/tcp/31337
 
 It prints the multiaddrs to pass to nodes as --peers, keeps the DHT up until SIGTERM/SIGINT, and
-restarts with the same peer id from the same identity file. Swarm-wide metrics arrive with issue 4.
+restarts with the same peer id from the same identity file. With --metrics-port it exports the
+swarm-wide figures of run --run-id, read from the beacons nodes publish in the DHT after every round
+(`swarm_metrics.SwarmMetrics`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import sys
 import threading
 from pathlib import Path
 
+from adloco.dht_bootstrap.swarm_metrics import SwarmMetrics
 from adloco.protocol.dht import NetworkConfig, parse_maddrs, start_dht, visible_maddrs
 
 logger = logging.getLogger("adloco.bootstrap")
@@ -36,6 +39,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-nat-port-map", action="store_true", help="do not ask the router for a port mapping")
     p.add_argument("--maddrs-file", type=Path, default=None, help="also write the multiaddrs here (JSON)")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    m = p.add_argument_group("swarm metrics (Prometheus)")
+    m.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
+    m.add_argument("--metrics-host", default="0.0.0.0", help="address the metrics endpoint listens on")
+    m.add_argument("--run-id", default="default", help="the run whose nodes the metrics describe")
+    m.add_argument("--poll-s", type=float, default=10.0, help="seconds between two reads of the DHT")
+    m.add_argument(
+        "--alive-s", type=float, default=300.0, help="a node is alive if it reported within this (s)"
+    )
     return p
 
 
@@ -67,6 +78,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        metrics = None
+        if args.metrics_port is not None:
+            if args.poll_s <= 0 or args.alive_s <= 0:
+                raise ValueError("--poll-s and --alive-s must be > 0")
+            metrics = SwarmMetrics(args.run_id, alive_s=args.alive_s)
+            metrics.serve(args.metrics_port, args.metrics_host)
         dht = start_dht(network_from_args(args))
     except ValueError as e:
         print(f"adloco-bootstrap: error: {e}", file=sys.stderr)
@@ -82,7 +99,12 @@ def main(argv: list[str] | None = None) -> int:
         print("  --peers " + " ".join(maddrs), flush=True)
         if args.maddrs_file is not None:
             write_maddrs(args.maddrs_file, maddrs)
-        stop.wait()
+        if metrics is None:
+            stop.wait()
+        else:
+            metrics.attach(dht)
+            while not stop.wait(args.poll_s):
+                metrics.poll(dht)
         logger.info("shutting down")
     finally:
         dht.shutdown()

@@ -16,9 +16,14 @@ import sys
 import threading
 from pathlib import Path
 
+from adloco.node import reachability
+from adloco.node.checkpoint import check_checkpoint_dir
 from adloco.node.config import TrainConfig
+from adloco.node.control import ControlServer, ctl_main, is_loopback
 from adloco.node.errors import UserError
+from adloco.node.metrics import NodeMetrics
 from adloco.node.options import add_train_arguments, set_threads, train_config_from_args
+from adloco.node.settings import EPILOG, add_config_argument, parse_settings
 from adloco.node.swarm import SwarmConfig, SwarmNode
 from adloco.node.swarm import format_round as format_swarm_round
 from adloco.node.trainer import SoloRound, train_solo
@@ -30,14 +35,32 @@ def build_parser() -> argparse.ArgumentParser:
         prog="adloco-node",
         description="Decentralized volunteer training node (DiLoCo + AdLoCo + DiLoCoX + HeLoCo).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog=EPILOG,
     )
+    add_config_argument(p)
     run = p.add_argument_group("run")
     run.add_argument("--rounds", type=int, default=0, help="rounds to train (0: until SIGTERM/Ctrl-C)")
     run.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: all CPUs)")
     run.add_argument("--log-level", default="WARNING", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     run.add_argument("--offline", action="store_true", help="train alone with no networking at all")
     run.add_argument("--status-file", type=Path, default=None, help="append one JSON line per event here")
-    run.add_argument("--checkpoint-dir", type=Path, default=None, help="where checkpoints go (issue 4)")
+
+    ops = p.add_argument_group("operations")
+    ops.add_argument(
+        "--checkpoint-dir", type=Path, default=None, help="write checkpoints here, and resume from them"
+    )
+    ops.add_argument(
+        "--checkpoint-every", type=int, default=10, help="rounds between checkpoints (0: only at the end)"
+    )
+    ops.add_argument(
+        "--control-port", type=int, default=7601, help="local gRPC control service (adloco-node ctl); -1: off"
+    )
+    ops.add_argument("--control-host", default="127.0.0.1", help="address the control service binds")
+    ops.add_argument(
+        "--control-allow-remote", action="store_true", help="allow a non-loopback --control-host (no auth!)"
+    )
+    ops.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
+    ops.add_argument("--metrics-host", default="0.0.0.0", help="address the metrics endpoint listens on")
     add_train_arguments(p)
     net = p.add_argument_group("swarm networking (hivemind)")
     net.add_argument(
@@ -89,6 +112,10 @@ def swarm_from_args(args: argparse.Namespace) -> SwarmConfig:
         raise UserError(f"--simulate-slowdown: must be in [1, 1000), got {args.simulate_slowdown}")
     if args.data_shards < 1 or (args.data_shard is not None and not 0 <= args.data_shard < args.data_shards):
         raise UserError(f"--data-shard: must be in [0, --data-shards={args.data_shards})")
+    if args.checkpoint_every < 0:
+        raise UserError(f"--checkpoint-every: must be >= 0, got {args.checkpoint_every}")
+    if args.checkpoint_dir is not None:
+        check_checkpoint_dir(args.checkpoint_dir)
     return SwarmConfig(
         run_id=args.run_id,
         rounds=args.rounds,
@@ -99,6 +126,8 @@ def swarm_from_args(args: argparse.Namespace) -> SwarmConfig:
         data_shards=args.data_shards,
         simulate_slowdown=args.simulate_slowdown,
         dylu=args.dylu,
+        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every,
     )
 
 
@@ -111,7 +140,14 @@ def format_round(r: SoloRound) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["ctl"]:
+        return ctl_main(argv[1:])
+    try:
+        args = parse_settings(build_parser(), argv)
+    except UserError as e:
+        print(f"adloco-node: error: {e}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
     stop = threading.Event()
     try:
@@ -128,7 +164,10 @@ def main(argv: list[str] | None = None) -> int:
                 should_stop=stop.is_set,
             )
         else:
-            run_swarm_node(cfg, network_from_args(args), swarm_from_args(args), stop)
+            swarm = swarm_from_args(args)
+            check_control(args)
+            metrics = metrics_from_args(args)
+            run_swarm_node(cfg, network_from_args(args), swarm, stop, metrics, args)
     except UserError as e:
         print(f"adloco-node: error: {e}", file=sys.stderr)
         return 2
@@ -138,22 +177,70 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def run_swarm_node(cfg: TrainConfig, net: NetworkConfig, swarm: SwarmConfig, stop: threading.Event) -> None:
-    """Join (or start) the swarm and train until the rounds are done or SIGTERM/SIGINT arrives."""
+def check_control(args: argparse.Namespace) -> None:
+    """The control service's flags, checked before any networking starts."""
+    if args.control_port == -1:
+        return
+    if not 0 <= args.control_port < 65536:
+        raise UserError(f"--control-port: must be in [0, 65535], or -1 for none; got {args.control_port}")
+    if not args.control_allow_remote and not is_loopback(args.control_host.strip("[]")):
+        raise UserError(
+            f"--control-host: {args.control_host!r} is not a loopback address and the control service has"
+            " no authentication; use 127.0.0.1, or pass --control-allow-remote to expose it anyway"
+        )
+
+
+def metrics_from_args(args: argparse.Namespace) -> NodeMetrics:
+    """The node's metrics, served on --metrics-port if given (checked before any networking starts)."""
+    metrics = NodeMetrics()
+    if args.metrics_port is not None:
+        if not 0 <= args.metrics_port < 65536:
+            raise UserError(f"--metrics-port: must be in [0, 65535], got {args.metrics_port}")
+        metrics.serve(args.metrics_port, args.metrics_host)
+    return metrics
+
+
+def run_swarm_node(
+    cfg: TrainConfig,
+    net: NetworkConfig,
+    swarm: SwarmConfig,
+    stop: threading.Event,
+    metrics: NodeMetrics,
+    args: argparse.Namespace,
+) -> None:
+    """Join (or start) the swarm and train until the rounds are done, a drain, or SIGTERM/SIGINT."""
     try:
-        node = SwarmNode(cfg, net, swarm)
+        node = SwarmNode(cfg, net, swarm, metrics)
     except ValueError as e:  # networking failures (port in use, unreachable peers) name the option
         raise UserError(str(e)) from None
     # Only now: the DHT process has forked and must not inherit these handlers (see dht_bootstrap).
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    control = None
     try:
         print("adloco-node: joined as " + node.peer_id + "; others can join with:", flush=True)
         print("  --peers " + " ".join(node.maddrs), flush=True)
+        reach = reachability.check(node.maddrs, client_mode=net.client_mode)
+        print("adloco-node: " + reach.message(port_map=net.nat_port_map, relay=net.use_relay), flush=True)
+        node.status.write("reachability", reachable=reach.reachable, public=list(reach.public))
+        if args.control_port != -1:
+            # After the DHT forked: gRPC's threads and fork do not mix.
+            control = ControlServer(
+                status=node.node_status,
+                drain=node.request_drain,
+                checkpoint=node.request_checkpoint,
+                host=args.control_host,
+                port=args.control_port,
+                allow_remote=args.control_allow_remote,
+            )
+            control.start()
+            print(f"adloco-node: control service on {control.address} (adloco-node ctl status)", flush=True)
         node.on_round = lambda fields: print(format_swarm_round(node.peer_id, fields), flush=True)
         node.run(should_stop=stop.is_set)
     finally:
         node.shutdown()
+        if control is not None:
+            control.stop(grace=1.0)
 
 
 if __name__ == "__main__":

@@ -60,7 +60,9 @@ class TrainConfig:
         "overwrite", "mix": the instances train the next round while the last one is averaged, and
         when its update lands their progress is rebased onto the new θ, dropped, or mixed with it
         (`overlap_mix` of the local weights). Rebase keeps everything; if the loss oscillates under
-        overlap, try mix. The caller must then apply each update during or after the *next* local
+        overlap, try mix. "auto": mix while the exchange fits in a local round (DiLoCoX's condition
+        T_comm ≤ H·t_step, measured), else that round waits (the driver decides, `Peer.train_round(
+        from_theta=True)`). The caller must then apply each update during or after the *next* local
         round (the swarm and the simulator do).
     """
 
@@ -88,7 +90,7 @@ class TrainConfig:
     max_corpus_mb: float | None = None
     seed: int = 0
     device: str = "auto"
-    overlap: Literal["off", "rebase", "overwrite", "mix"] = "off"
+    overlap: Literal["off", "auto", "rebase", "overwrite", "mix"] = "off"
     overlap_mix: float = 0.5
 
     def __post_init__(self) -> None:
@@ -115,8 +117,8 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
-        if self.overlap not in ("off", "rebase", "overwrite", "mix"):
-            raise ValueError(f"overlap must be off, rebase, overwrite or mix, got {self.overlap!r}")
+        if self.overlap not in ("off", "auto", "rebase", "overwrite", "mix"):
+            raise ValueError(f"overlap must be off, auto, rebase, overwrite or mix, got {self.overlap!r}")
         if not 0 <= self.overlap_mix <= 1:
             raise ValueError(f"overlap_mix must be in [0, 1], got {self.overlap_mix}")
         if self.device != "auto":

@@ -107,11 +107,11 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     )
     outer.add_argument(
         "--overlap",
-        choices=("off", "rebase", "overwrite", "mix"),
-        default="mix",
+        choices=("off", "auto", "rebase", "overwrite", "mix"),
+        default="auto",
         help="DiLoCoX one-step-delay overlap: train the next round while this one is averaged, then mix"
-        " the local weights with the new θ (or rebase the local progress onto it, or overwrite it);"
-        " off waits for each update",
+        " the local weights with the new θ (or rebase the local progress onto it, or overwrite it); auto"
+        " overlaps (mix) only while the last exchange fit in a local round; off waits for every update",
     )
     outer.add_argument(
         "--overlap-mix", type=finite_float, default=0.5, help="local weights' share under --overlap mix"

@@ -188,19 +188,23 @@ class Peer:
     def overlap(self) -> bool:
         return self.cfg.overlap != "off"
 
-    def train_round(self, on_step: Callable[[int], None] | None = None) -> LocalRound:
+    def train_round(
+        self, on_step: Callable[[int], None] | None = None, *, from_theta: bool = False
+    ) -> LocalRound:
         """Run every instance for one round; the node pseudo-gradient and its statistics.
 
-        Without overlap every instance starts from θ. With overlap they go on from their own weights,
-        and `on_step(samples done so far)` runs after every inner step: the place to apply an update
-        that has landed. The round's base is the θ it is measured from when it ends.
+        Without overlap (or with `from_theta`: a round that waited for its update) every instance
+        starts from θ. With overlap they go on from their own weights, and `on_step(samples done so
+        far)` runs after every inner step: the place to apply an update that has landed. The round's
+        base is the θ it is measured from when it ends.
         """
         schedule = self.state.schedule
         plans = accumulation_for(schedule, self.b_max)
         steps = schedule.inner_steps
         if self.dylu_speed_ratio is not None:
             steps = dylu_inner_steps(steps, self.dylu_speed_ratio, 1.0)
-        if self.overlap:
+        overlapped = self.overlap and not from_theta
+        if overlapped:
             for inst in self.instances:
                 inst.begin(None)
         else:
@@ -217,7 +221,7 @@ class Peer:
         try:
             results = [
                 inst.run_round(
-                    None if self.overlap else self.state.theta,
+                    None if overlapped else self.state.theta,
                     plan=plan,
                     steps=steps,
                     on_step=lambda _step, _loss, b=plan.effective: step_done(b),
@@ -376,7 +380,8 @@ class Peer:
         """Overlap: move the instances' progress onto the current θ (`cfg.overlap` says how); the
         local round in progress is measured from this θ from now on."""
         for inst in self.instances:
-            inst.shift(self.state.theta, mode=self.cfg.overlap, mix=self.cfg.overlap_mix)
+            mode = "mix" if self.cfg.overlap == "auto" else self.cfg.overlap
+            inst.shift(self.state.theta, mode=mode, mix=self.cfg.overlap_mix)
         self.phase_round = self.state.round
 
     def catch_up(self, updates: Sequence[Update]) -> int:
@@ -461,6 +466,21 @@ class Peer:
 
     def named_theta(self) -> dict[str, torch.Tensor]:
         return dict(zip(self.names, self.state.theta, strict=True))
+
+
+def overlap_this_round(mode: str, *, comm_s: float | None, compute_s: float | None) -> bool:
+    """Whether the next local round trains while the exchange in flight runs.
+
+    off: never; rebase, overwrite, mix: always; auto: when the last exchange took no longer than the
+    last local round (DiLoCoX: T_comm ≤ H·t_step). When the exchange is longer, a round started
+    before the update landed is trained entirely from a θ one update old, which the outer momentum
+    turns into oscillation (docs/results.md), so that round waits for the update instead.
+    """
+    if mode == "off":
+        return False
+    if mode != "auto":
+        return True
+    return comm_s is not None and compute_s is not None and comm_s <= compute_s
 
 
 def overlap_byte_budget(reports: Sequence[Mapping[str, Any]], *, group_size: int) -> float | None:

@@ -10,11 +10,12 @@ and the model's parameter shapes, so a node of another run or another model neve
 The corpus is not in the fingerprint: its train/validation split is by file-path hash, the same on
 every Python version, so volunteers on different Pythons train together (their files differ a bit).
 
-With one-step-delay overlap (DiLoCoX, `--overlap`, on by default) the averaging of round r runs on a
+With one-step-delay overlap (DiLoCoX, `--overlap`; auto by default) the averaging of round r runs on a
 background thread while the instances train round r+1; the update is applied between two inner steps
 as soon as it lands (or, if the local round ends first, after waiting for it), and the instances'
-progress is rebased onto the new θ. Each round's status line says how long the node sat idle waiting
-for communication (`wait_s`), which is what overlap removes.
+progress is moved onto the new θ (mix by default). Under auto a round overlaps only while the last
+averaging call took no longer than the last local round; otherwise it waits for the update first.
+Each round's status line says how long the node sat idle waiting for communication (`wait_s`).
 
 DyLU (`--dylu`, Async DiLoCo): a node shortens its H to its speed relative to the fastest member of
 its last group (from the gathered step times), so a slow node finishes with the others.
@@ -36,17 +37,28 @@ from typing import Any
 
 from hivemind.utils import get_dht_time
 
+from adloco.node.checkpoint import load_checkpoint, peek_checkpoint, save_checkpoint
 from adloco.node.config import TrainConfig
+from adloco.node.control import AveragingInfo, NodeStatus, ScheduleInfo
+from adloco.node.errors import UserError
 from adloco.node.metrics import NodeMetrics
 from adloco.node.model import model_fingerprint
-from adloco.node.peer import ContributionInfo, LocalRound, Peer, PeerState, Update
+from adloco.node.peer import ContributionInfo, LocalRound, Peer, PeerState, Update, overlap_this_round
 from adloco.node.runtime import load_data
 from adloco.protocol.allreduce import Contribution, GroupResult
 from adloco.protocol.dht import NetworkConfig, start_dht, visible_maddrs
 from adloco.protocol.hivemind_averager import HivemindAverager
 from adloco.protocol.pseudograd import tensors_hash
-from adloco.protocol.records import StateRecord, add_run_validators, parse_states, run_prefix, state_key
-from adloco.protocol.schedule import Schedule
+from adloco.protocol.records import (
+    BeaconRecord,
+    StateRecord,
+    add_run_validators,
+    beacon_key,
+    parse_states,
+    run_prefix,
+    state_key,
+)
+from adloco.protocol.schedule import Schedule, accumulation_for
 from adloco.protocol.state_transfer import StateServer, StateSnapshot, UpdateRecord
 
 logger = logging.getLogger(__name__)
@@ -81,6 +93,8 @@ class SwarmConfig:
     data_shards: int = 16
     simulate_slowdown: float = 1.0
     dylu: bool = False
+    checkpoint_dir: Path | None = None
+    checkpoint_every: int = 10
 
 
 @dataclass
@@ -119,7 +133,15 @@ class SwarmNode:
         self.lock = threading.Lock()  # guards peer.state against the state server's thread
         # Everything that can fail on bad input happens before the DHT (and its p2pd) starts.
         corpus, tokenizer = load_data(cfg)
-        shard = swarm.data_shard if swarm.data_shard is not None else _random_shard(swarm.data_shards)
+        shard = swarm.data_shard
+        if shard is None and swarm.checkpoint_dir is not None:
+            # A resumed node keeps the shard its instances' data streams came from.
+            info = peek_checkpoint(swarm.checkpoint_dir)
+            saved = None if info is None else info.extra.get("data_shard")
+            shard = saved if isinstance(saved, int) and 0 <= saved < swarm.data_shards else None
+        if shard is None:
+            shard = _random_shard(swarm.data_shards)
+        self.data_shard = shard
         self.peer = Peer(
             peer_id="",
             index=shard,
@@ -132,7 +154,7 @@ class SwarmNode:
         self.dht = start_dht(net)
         try:
             self.peer_id = self.peer.peer_id = self.dht.peer_id.to_base58()
-            self.signing_key = add_run_validators(self.dht, self.prefix)
+            self.signing_key = add_run_validators(self.dht, self.prefix, swarm.run_id)
             self.averager = HivemindAverager(
                 self.dht, prefix=self.prefix, window_s=swarm.window_s, part_timeout_s=swarm.part_timeout_s
             )
@@ -155,9 +177,24 @@ class SwarmNode:
         self._tries: dict[int, int] = {}
         self._inflight: _InFlight | None = None
         self._last_info: ContributionInfo | None = None
+        self._last_comm_s: float | None = None  # the last averaging call, start to result
+        self._last_compute_s: float | None = None  # the last local round (simulated slowdown included)
+        self.tokens_total = 0
+        self.tokens_per_s = 0.0
         self._raw_bytes = 4 * sum(t.numel() for t in self.peer.state.theta)
         self._applied = 0
         self._last_report = time.perf_counter()
+        # Operations (the control plane reads these from its own threads).
+        self.phase = "starting"
+        self.draining = threading.Event()
+        self.last_averaging: AveragingInfo | None = None
+        self.last_checkpoint: tuple[int, str] | None = None
+        self.peers_visible = 0
+        self._report_fields: dict[str, Any] = {}
+        self._started = time.monotonic()
+        self._saved_at = -1
+        self._requests_lock = threading.Lock()
+        self._checkpoint_requests: list[Future[tuple[int, str]]] = []
 
     @property
     def maddrs(self) -> list[str]:
@@ -174,18 +211,27 @@ class SwarmNode:
             theta_hash=state.theta_hash(),
             schedule=json.dumps(state.schedule.to_dict(), sort_keys=True),
         )
+        now = get_dht_time()
         self.dht.store(
-            state_key(self.prefix),
-            record.dict(),
-            expiration_time=get_dht_time() + RECORD_TTL_S,
+            state_key(self.prefix), record.dict(), expiration_time=now + RECORD_TTL_S, subkey=self.signing_key
+        )
+        beacon = BeaconRecord(
+            round=state.round, tokens=self.tokens_total, tokens_per_s=float(self.tokens_per_s), updated=now
+        )
+        self.dht.store(
+            beacon_key(self.swarm.run_id),
+            beacon.dict(),
+            expiration_time=now + RECORD_TTL_S,
             subkey=self.signing_key,
+            return_future=True,  # metrics only: never wait for it
         )
 
     def swarm_head(self) -> tuple[int, str, list[str]] | None:
         """The latest round any peer published, its majority θ hash, and the peers holding it."""
         found = self.dht.get(state_key(self.prefix), latest=True)
         records = parse_states(None if found is None else found.value)
-        self.metrics.peers.set(len({r.peer_id for r in records}))
+        self.peers_visible = len({r.peer_id for r in records})
+        self.metrics.peers.set(self.peers_visible)
         if not records:
             return None
         top = max(r.round for r in records)
@@ -276,22 +322,36 @@ class SwarmNode:
     # ---- the round --------------------------------------------------------------------------------
 
     def run(self, should_stop: Callable[[], bool] = lambda: False) -> int:
-        """Train until `swarm.rounds` rounds are applied (0: until stopped); returns rounds applied."""
+        """Train until `swarm.rounds` rounds are applied (0: until stopped or drained); returns the
+        rounds applied. Checkpoints: resumed from at start, written every `checkpoint_every` rounds,
+        on request between rounds, and at the end."""
+        stop = lambda: should_stop() or self.draining.is_set()  # noqa: E731
         self.status.write("start", peer_id=self.peer_id, maddrs=self.maddrs, prefix=self.prefix)
+        self.resume()
         self.sync_with_swarm()
         self.publish()
         self._last_report = time.perf_counter()
-        if self.peer.overlap:
-            self._run_overlapped(should_stop)
-        else:
-            while not self._enough(should_stop):
-                local = self._local_round()
-                t0 = time.perf_counter()
-                if self.contribute_until_applied(local):
-                    self._applied += 1
-                    self.report(local, wait_s=time.perf_counter() - t0)
-                else:
-                    self._count_dropped(self.peer.state.round - local.base_round)
+        try:
+            if self.peer.overlap:
+                self._run_overlapped(stop)
+            else:
+                while not self._enough(stop):
+                    local = self._local_round()
+                    t0 = time.perf_counter()
+                    self.phase = "averaging"
+                    if self.contribute_until_applied(local):
+                        self._applied += 1
+                        self.report(local, wait_s=time.perf_counter() - t0)
+                    else:
+                        self._count_dropped(self.peer.state.round - local.base_round)
+                    self._between_rounds()
+            try:
+                self.save(final=True)
+            except OSError as e:
+                logger.warning("[%s round=%d] final checkpoint failed: %s", *self._tag(), e)
+        finally:
+            self.phase = "stopped"
+            self._fail_checkpoint_requests("the node stopped")
         self.status.write("done", rounds=self._applied)
         return self._applied
 
@@ -299,7 +359,114 @@ class SwarmNode:
         planned = self._applied + (self._inflight is not None)
         return should_stop() or (self.swarm.rounds > 0 and planned >= self.swarm.rounds)
 
-    def _local_round(self, on_step: Callable[[int], None] | None = None) -> LocalRound:
+    # ---- operations: checkpoints, drain, status ---------------------------------------------------
+
+    def resume(self) -> None:
+        """Continue from the newest usable checkpoint in --checkpoint-dir, if there is one."""
+        if self.swarm.checkpoint_dir is None:
+            return
+        with self.lock:
+            extra = load_checkpoint(self.swarm.checkpoint_dir, self.peer)
+        if extra is None:
+            return
+        self.tokens_total = int(extra.get("tokens_total", 0))
+        self.last_checkpoint = (self.peer.state.round, str(self.swarm.checkpoint_dir))
+        logger.warning(
+            "[%s] resumed from the checkpoint of round %d", self.peer_id[-6:], self.peer.state.round
+        )
+        self.status.write("resumed", round=self.peer.state.round, theta_hash=self.peer.state.theta_hash())
+
+    def save(self, *, final: bool = False) -> tuple[int, str] | None:
+        """Write a checkpoint now (call between rounds, on the training thread)."""
+        if self.swarm.checkpoint_dir is None:
+            return None
+        with self.lock:
+            path = save_checkpoint(
+                self.swarm.checkpoint_dir,
+                self.peer,
+                extra={"tokens_total": self.tokens_total, "data_shard": self.data_shard},
+            )
+        self.last_checkpoint = (self.peer.state.round, str(path))
+        self.status.write("checkpoint", round=self.peer.state.round, path=str(path), final=final)
+        return self.last_checkpoint
+
+    def _between_rounds(self) -> None:
+        """The round boundary: periodic checkpoints and the ones operators asked for."""
+        every = self.swarm.checkpoint_every
+        due = (
+            every > 0 and self._applied > 0 and self._applied % every == 0 and self._saved_at != self._applied
+        )
+        with self._requests_lock:
+            requests, self._checkpoint_requests = self._checkpoint_requests, []
+        if not (due or requests):
+            return
+        try:
+            written = self.save()
+            self._saved_at = self._applied
+        except OSError as e:  # disk full, volume gone: keep training, say so, retry next time
+            logger.warning("[%s round=%d] checkpoint failed: %s", *self._tag(), e)
+            self.status.write("checkpoint_failed", round=self.peer.state.round, error=str(e))
+            for request in requests:
+                request.set_exception(UserError(f"checkpoint failed: {e}"))
+            return
+        for request in requests:
+            request.set_result(written or (self.peer.state.round, ""))
+
+    def _fail_checkpoint_requests(self, why: str) -> None:
+        with self._requests_lock:
+            requests, self._checkpoint_requests = self._checkpoint_requests, []
+        for request in requests:
+            request.set_exception(UserError(f"checkpoint: {why}"))
+
+    def request_checkpoint(self, timeout: float | None = None) -> tuple[int, str]:
+        """Control plane: a checkpoint at the next round boundary; blocks until it is written."""
+        if self.swarm.checkpoint_dir is None:
+            raise UserError("checkpoint: --checkpoint-dir is not set")
+        if self.phase == "stopped":
+            raise UserError("checkpoint: the node has stopped")
+        with self._requests_lock:
+            if not self._checkpoint_requests:
+                self._checkpoint_requests.append(Future())
+            request = self._checkpoint_requests[0]
+        return request.result(timeout)
+
+    def request_drain(self) -> str:
+        """Control plane: finish the round, checkpoint, leave."""
+        if self.phase in ("draining", "stopped"):
+            raise UserError(f"drain: the node is already {self.phase}")
+        self.draining.set()
+        return f"draining: finishing round {self.peer.state.round + 1}, then checkpoint and leave"
+
+    def node_status(self) -> NodeStatus:
+        """Control plane: what the node is doing (cheap; read without the training thread's help)."""
+        state = self.peer.state
+        schedule = state.schedule
+        last = self._report_fields
+        checkpoint_round, checkpoint_path = self.last_checkpoint or (None, "")
+        return NodeStatus(
+            peer_id=self.peer_id,
+            run_id=self.swarm.run_id,
+            round=state.round,
+            phase="draining" if self.draining.is_set() and self.phase != "stopped" else self.phase,
+            peers_visible=self.peers_visible,
+            last_averaging=self.last_averaging,
+            schedule=ScheduleInfo(
+                batch_sizes=schedule.batch,
+                inner_steps=schedule.inner_steps,
+                accumulation=tuple(p.accum for p in accumulation_for(schedule, self.peer.b_max)),
+                codec=schedule.codec,
+            ),
+            val_loss=last.get("val_loss"),
+            inner_loss=last.get("inner_loss"),
+            tokens_per_s=float(last.get("tokens_per_s", 0.0)),
+            uptime_s=time.monotonic() - self._started,
+            last_checkpoint_round=checkpoint_round,
+            last_checkpoint_path=checkpoint_path,
+        )
+
+    def _local_round(
+        self, on_step: Callable[[int], None] | None = None, *, from_theta: bool = False
+    ) -> LocalRound:
         last = time.perf_counter()
 
         def step_done(samples: int) -> None:
@@ -310,12 +477,16 @@ class SwarmNode:
             if on_step is not None:
                 on_step(samples)
 
-        local = self.peer.train_round(on_step=step_done)
+        self.phase = "training"
+        local = self.peer.train_round(on_step=step_done, from_theta=from_theta)
+        self.tokens_total += local.tokens
         self.metrics.tokens.inc(local.tokens)
         self.metrics.samples.inc(local.samples)
         slowdown = self.swarm.simulate_slowdown
         if slowdown > 1:
             time.sleep((slowdown - 1) * local.compute_s)
+        self._last_compute_s = local.compute_s * slowdown
+        if slowdown > 1:
             # Report the step time others see (DyLU compares it), slowdown included.
             local.report = replace(local.report, step_time_s=local.report.step_time_s * slowdown)
         return local
@@ -327,20 +498,33 @@ class SwarmNode:
         pool = ThreadPoolExecutor(1, thread_name_prefix="adloco-averaging")
         try:
             while not self._enough(should_stop):
-                local = self._local_round(on_step=self._land_if_done)
+                from_theta = False
+                if self._inflight is not None and not overlap_this_round(
+                    self.cfg.overlap, comm_s=self._last_comm_s, compute_s=self._last_compute_s
+                ):
+                    # auto: the exchange outlasts a local round, so this round waits for the update.
+                    t0 = time.perf_counter()
+                    self.phase = "waiting"
+                    self._land(self._wait_inflight(stopping=False), wait_s=time.perf_counter() - t0)
+                    from_theta = True
+                local = self._local_round(on_step=self._land_if_done, from_theta=from_theta)
                 if self._inflight is not None:
                     t0 = time.perf_counter()
+                    self.phase = "waiting"
                     done = self._wait_inflight(stopping=False)
                     self._land(done, wait_s=time.perf_counter() - t0)
                     # Δ is measured from the θ the instances were rebased onto.
                     local.base_round = self.peer.phase_round
+                self._between_rounds()
                 if should_stop():
                     break
                 self.sync_with_swarm()
                 self._inflight = self._launch(local, pool)
             if self._inflight is not None:
                 t0 = time.perf_counter()
-                done = self._wait_inflight(stopping=should_stop())
+                self.phase = "waiting"
+                # A drain finishes the round; SIGTERM may abandon it to exit in time.
+                done = self._wait_inflight(stopping=should_stop() and not self.draining.is_set())
                 self._land(done, wait_s=time.perf_counter() - t0)
         finally:
             # An averaging call still running is ended by `shutdown` (it stops the averager).
@@ -424,10 +608,31 @@ class SwarmNode:
 
     def _average(self, contribution: Contribution, **kwargs: Any) -> GroupResult | None:
         t0 = time.perf_counter()
+        result, error = None, ""
+        spec = self.peer.state.schedule.codec
         try:
-            return self.averager.average(contribution, **kwargs)
+            result = self.averager.average(contribution, **kwargs)
+            if result is None:
+                error = "no complete group this round"
+            return result
+        except Exception as e:
+            error = repr(e)
+            raise
         finally:
-            self.metrics.averaging.observe(time.perf_counter() - t0)
+            seconds = time.perf_counter() - t0
+            self._last_comm_s = seconds
+            self.metrics.averaging.observe(seconds)
+            self.last_averaging = AveragingInfo(
+                round=int(kwargs["round"]) // ROUND_ID_STRIDE,
+                ok=result is not None,
+                group_size=len(result.members) if result is not None else 0,
+                staleness=int(contribution.metadata.get("report", {}).get("staleness", 0)),
+                bytes_sent=result.sent_bytes.get(self.peer_id, 0) if result is not None else 0,
+                bytes_received=result.received_bytes.get(self.peer_id, 0) if result is not None else 0,
+                codec=spec,
+                seconds=seconds,
+                error=error,
+            )
 
     def _count_dropped(self, staleness: int) -> None:
         self.dropped += 1
@@ -481,6 +686,7 @@ class SwarmNode:
         """
         now = time.perf_counter()
         round_s, self._last_report = now - self._last_report, now
+        self.tokens_per_s = local.tokens / max(round_s, 1e-9)
         state = self.peer.state
         fields = {
             "round": state.round,
@@ -507,6 +713,7 @@ class SwarmNode:
             "heloco": self.last_heloco,
             "batch_sizes": list(state.schedule.batch),
         }
+        self._report_fields = fields
         self.status.write("round", **fields)
         self.metrics.round_applied(fields, batch=state.schedule.batch, raw_bytes=self._raw_bytes)
         if self.on_round is not None:

@@ -56,6 +56,7 @@ MANAGED_NODE_FLAGS = (
     "--no-nat-port-map",
     "--status-file",
     "--checkpoint-dir",
+    "--control-port",
     "--data-shard",
     "--data-shards",
 )
@@ -172,7 +173,10 @@ def node_argv(opts: SwarmOptions, index: int, peers: Sequence[str], *, threads: 
         "--status-file",
         str(node_dir / "status.jsonl"),
         "--checkpoint-dir",
-        str(node_dir),
+        str(node_dir / "checkpoints"),
+        # Any free port: the nodes share this machine (`adloco-node ctl --address` from the log).
+        "--control-port",
+        "0",
         # Node i trains shard i of N: together the nodes cover the corpus, without overlap.
         "--data-shard",
         str(index),
@@ -544,12 +548,14 @@ class Swarm:
         self.last_output = time.monotonic()
 
     def prepare_out(self) -> None:
-        """Remove what a previous run in the same folder left, so no stale record is read as new."""
+        """Remove what a previous run in the same folder left, so no stale record is read as new and
+        no node resumes from an old checkpoint (every launch is a new swarm)."""
         out = self.opts.out
         for stale in [out / "bootstrap.json", out / "summary.json", *(t.path for t in self.tails)]:
             stale.unlink(missing_ok=True)
         for i in range(self.opts.nodes):
             (out / f"node{i}").mkdir(exist_ok=True)
+            shutil.rmtree(out / f"node{i}" / "checkpoints", ignore_errors=True)
 
     def start_bootstrap(self) -> None:
         argv = [find_script("adloco-bootstrap"), *bootstrap_argv(self.opts)]

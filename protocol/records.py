@@ -10,17 +10,20 @@ Record kinds:
 - `{prefix}_state`: per peer, the round it reached, θ's hash after that round and the schedule it
   holds; joiners and laggards pick the latest round's majority hash and verify what they download
   against it.
+- `{beacon prefix}_beacon`: per peer, its round, tokens trained and recent tokens/s, and when it
+  wrote that. The beacon prefix holds the run id but no model fingerprint, so a bootstrap peer,
+  which builds no model, can read the swarm's figures for its metrics.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any
+from typing import Any, TypeVar
 
 import hivemind
 from hivemind.dht.schema import BytesWithPublicKey, RSASignatureValidator, SchemaValidator
-from pydantic.v1 import BaseModel, StrictStr, conint, constr
+from pydantic.v1 import BaseModel, StrictStr, confloat, conint, constr
 
 PROTOCOL_VERSION = 1
 
@@ -49,6 +52,30 @@ class StateRecord(BaseModel):
         return value
 
 
+class BeaconRecord(BaseModel):
+    """One peer's progress, for swarm-wide metrics: round, tokens trained, tokens/s, written at."""
+
+    round: conint(ge=0, strict=True)  # type: ignore[valid-type]
+    tokens: conint(ge=0, strict=True)  # type: ignore[valid-type]
+    tokens_per_s: confloat(ge=0, strict=True)  # type: ignore[valid-type]
+    updated: confloat(strict=True)  # type: ignore[valid-type]
+
+    class Config:
+        extra = "forbid"
+
+
+class BeaconSchema(BaseModel):
+    beacon: dict[BytesWithPublicKey, BeaconRecord | None]
+
+
+def beacon_prefix(run_id: str) -> str:
+    return f"adloco.{run_id}.v{PROTOCOL_VERSION}"
+
+
+def beacon_key(run_id: str) -> str:
+    return f"{beacon_prefix(run_id)}_beacon"
+
+
 class RunSchema(BaseModel):
     """The run's DHT keys (field name = key suffix) and what their subkeys may hold."""
 
@@ -59,21 +86,44 @@ def state_key(prefix: str) -> str:
     return f"{prefix}_state"
 
 
-def add_run_validators(dht: hivemind.DHT, prefix: str) -> bytes:
+def add_run_validators(dht: hivemind.DHT, prefix: str, run_id: str) -> bytes:
     """Install the schema and signature validators for this run; returns this peer's signing subkey."""
     signer = RSASignatureValidator()
-    dht.add_validators([SchemaValidator(RunSchema, prefix=prefix), signer])
+    dht.add_validators(
+        [
+            SchemaValidator(RunSchema, prefix=prefix),
+            SchemaValidator(BeaconSchema, prefix=beacon_prefix(run_id)),
+            signer,
+        ]
+    )
     return signer.local_public_key  # type: ignore[no-any-return]
+
+
+def add_beacon_validators(dht: hivemind.DHT, run_id: str) -> None:
+    """What a reader of the beacons (the bootstrap) installs: the beacon schema and signatures."""
+    dht.add_validators([SchemaValidator(BeaconSchema, prefix=beacon_prefix(run_id)), RSASignatureValidator()])
 
 
 def parse_states(value: Any) -> list[StateRecord]:
     """The valid state records in a DHT `get` result (a dict subkey -> ValueWithExpiration)."""
+    return _parse(value, StateRecord)
+
+
+def parse_beacons(value: Any) -> list[BeaconRecord]:
+    """The valid beacon records in a DHT `get` result."""
+    return _parse(value, BeaconRecord)
+
+
+_R = TypeVar("_R", bound=BaseModel)
+
+
+def _parse(value: Any, model: type[_R]) -> list[_R]:
     if not isinstance(value, dict):
         return []
     records = []
     for item in value.values():
         try:
-            records.append(StateRecord.parse_obj(item.value))
+            records.append(model.parse_obj(item.value))
         except Exception:  # already validated by the DHT; anything else is ignored
             continue
     return records

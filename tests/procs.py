@@ -22,6 +22,7 @@ from adloco.node.swarm_launcher import group_members
 FAST_NODE_ARGS = [
     *("--inner-steps", "3", "--seq-len", "64", "--batch-size", "4", "--max-corpus-mb", "2"),
     *("--threads", "1", "--window-s", "2", "--no-nat-port-map", "--data-shards", "4"),
+    *("--control-port", "0"),  # several nodes share the machine
 ]
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -129,7 +130,19 @@ SIM_CASES = [
     ("--sec-per-sample", ["--sec-per-sample", "-1"]),
     ("--window-s", ["--mode", "async", "--window-s", "-5"]),
 ]
-NODE_CASES = [("--rounds", ["--rounds", "-1"])]
+NODE_CASES = [
+    ("--rounds", ["--rounds", "-1"]),
+    ("--checkpoint-dir", ["--checkpoint-dir", "{d}/tiny.txt/ckpt"]),  # under a regular file
+    ("--checkpoint-dir", ["--checkpoint-dir", "{d}/tiny.txt"]),
+    ("--checkpoint-every", ["--checkpoint-every", "-1"]),
+    ("--control-port", ["--control-port", "70000"]),
+    ("--control-host", ["--control-host", "0.0.0.0"]),  # no auth: loopback unless allowed
+    ("--metrics-port", ["--metrics-port", "70000"]),
+    ("--peers", ["--peers", "/ip4/1.2.3.4/tcp/notaport"]),
+    ("--host-maddrs", ["--host-maddrs", "not-a-multiaddr"]),
+    ("--config", ["--config", "{d}/missing.yaml"]),
+    ("--config", ["--config", "{d}/broken.jsonl"]),
+]
 ARGPARSE_CASES = [
     ("--rounds", ["--rounds", "abc"]),
     ("--seq-len", ["--seq-len", "1.5"]),
@@ -137,6 +150,29 @@ ARGPARSE_CASES = [
     ("--outer-lr", ["--outer-lr", "inf"]),
     ("--batch-test", ["--batch-test", "bogus"]),
 ]
+
+
+def test_metrics_port_in_use(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        argv = [*TINY, "--metrics-port", port, "--metrics-host", "127.0.0.1"]
+        rc, err = run_main("adloco-node", argv, capsys)
+    assert rc == 2, err
+    assert_one_line("adloco-node", err, "--metrics-port")
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"), [("ADLOCO_BATCH_SIZE", "lots"), ("ADLOCO_OVERLAP", "always"), ("ADLOCO_DYLU", "2")]
+)
+def test_bad_environment_variable(
+    variable: str, value: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv(variable, value)
+    rc, err = run_main("adloco-node", TINY, capsys)
+    assert rc == 2, err
+    assert_one_line("adloco-node", err, variable)
 
 
 def case_id(case: tuple[str, list[str]]) -> str:

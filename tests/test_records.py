@@ -38,8 +38,8 @@ def test_only_the_writer_can_write_its_entry_and_malformed_entries_never_arrive(
     writer, reader, attacker = dhts
     prefix = run_prefix("r", "fingerprint")
     key = state_key(prefix)
-    writer_key = add_run_validators(writer, prefix)
-    add_run_validators(reader, prefix)
+    writer_key = add_run_validators(writer, prefix, "r")
+    add_run_validators(reader, prefix, "r")
     assert writer.store(key, _record(3).dict(), get_dht_time() + 60, subkey=writer_key)
     # The attacker runs no validators locally, but every validating peer refuses what it sends:
     # an entry under the writer's key without the writer's signature, and a malformed entry.

@@ -184,8 +184,7 @@ def test_slow_node_contributes_late_and_corrected_without_holding_others(
     assert sum(1 for e in fast_rounds if e["group_size"] == 2) >= 3
     slow_phase = 5 * min(e["compute_s"] for e in slow_rounds)
     assert max(e["round_s"] for e in fast_rounds) < slow_phase + 2.0 + 0.5 + 5.0
-    # DyLU: once the slow node has seen the others' step times it shortens H to its speed. Its
-    # second local round was already under way when its first update landed (overlap); the third
-    # is the first with the shorter H.
+    # DyLU: once the slow node has seen the others' step times (its first applied round) it shortens
+    # H to its speed for the rounds after.
     assert slow_rounds[0]["inner_steps"] == 8
     assert slow_rounds[-1]["inner_steps"] < 8

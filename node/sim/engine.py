@@ -32,7 +32,7 @@ import torch
 
 from adloco.node.config import TrainConfig
 from adloco.node.data import Corpus
-from adloco.node.peer import ContributionInfo, LocalRound, Peer, overlap_byte_budget
+from adloco.node.peer import ContributionInfo, LocalRound, Peer, overlap_byte_budget, overlap_this_round
 from adloco.protocol.allreduce import Contribution, GroupResult, reduce_group
 
 logger = logging.getLogger(__name__)
@@ -191,7 +191,9 @@ class Simulator:
                 on_round(record)
         return self.records
 
-    def _start(self, index: int, *, at: float, landing: _Landing | None = None) -> _Pending:
+    def _start(
+        self, index: int, *, at: float, landing: _Landing | None = None, from_theta: bool = False
+    ) -> _Pending:
         """Run peer `index`'s next local round from simulated time `at`; with overlap, `landing`
         is applied after the first inner step that ends once it has arrived."""
         peer = self.peers[index]
@@ -204,7 +206,7 @@ class Simulator:
                 self._land(index, landing)
                 landed = True
 
-        local = peer.train_round(on_step=on_step if landing is not None else None)
+        local = peer.train_round(on_step=on_step if landing is not None else None, from_theta=from_theta)
         ready_at = at + self.compute_time(index, local)
         idle = 0.0
         if landing is not None and not landed:
@@ -259,16 +261,18 @@ class Simulator:
         done_at = close + comm
         locals_ = [pending[i].local for i in members]
         landing = _Landing(result=result, byte_budget=budget, at=done_at)
-        if self.cfg.train.overlap != "off":
-            # Each member trains on from the moment it contributed; the update lands mid-round.
-            waits = []
-            for i in members:
+        waits = []
+        for i in members:
+            # The exchange is known exactly here; a real node judges by its last one.
+            compute = self.compute_time(i, pending[i].local)
+            if overlap_this_round(self.cfg.train.overlap, comm_s=comm, compute_s=compute):
+                # The member trains on from the moment it contributed; the update lands mid-round.
                 pending[i] = self._start(i, at=pending[i].ready_at, landing=landing)
                 waits.append(pending[i].idle_s)
-        else:
-            waits = [done_at - pending[i].ready_at for i in members]
-            for i in members:
+            else:
                 self._land(i, landing)
+                waits.append(done_at - pending[i].ready_at)
+                pending[i] = self._start(i, at=done_at, from_theta=True)
         hashes = {self.peers[i].state.theta_hash() for i in members}
         if len(hashes) != 1:
             raise AssertionError(f"members of round {current.round} diverged: {len(hashes)} distinct θ")
@@ -282,9 +286,6 @@ class Simulator:
         record.batch_size = max(schedule_used.batch)
         record.instances = schedule_used.instances
         record.inner_steps = schedule_used.inner_steps
-        if self.cfg.train.overlap == "off":
-            for i in members:
-                pending[i] = self._start(i, at=done_at)
         return record
 
     def _catch_up(self, peer: Peer, leader: int) -> int:

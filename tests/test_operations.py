@@ -1,0 +1,113 @@
+"""Running a node unattended: SIGTERM, kill -9 and resume, the control plane, against real processes.
+
+Each test starts real `adloco-node` processes (with their DHT and p2pd) as process-group leaders;
+the `procs` fixture reaps every group afterwards and fails if anything of it survives.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from adloco.node.swarm_launcher import group_members
+
+from procs import FAST_NODE_ARGS, Procs, wait_for
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _events(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _rounds(path: Path) -> list[dict]:
+    return [e for e in _events(path) if e["event"] == "round"]
+
+
+def _node(procs: Procs, tmp_path: Path, name: str, *extra: str) -> tuple[subprocess.Popen[bytes], Path]:
+    status = tmp_path / f"{name}.jsonl"
+    argv = [
+        "adloco-node",
+        *("--run-id", f"ops-{name}", "--status-file", str(status), "--data-shard", "0"),
+        *("--checkpoint-dir", str(tmp_path / f"{name}-ckpt"), "--checkpoint-every", "1"),
+        *FAST_NODE_ARGS,
+        *extra,
+    ]
+    return procs.start(name, argv), status
+
+
+def _control_address(procs: Procs, name: str) -> str:
+    wait_for(lambda: "control service on" in procs.log(name), timeout=120, what="control service")
+    line = next(line for line in procs.log(name).splitlines() if "control service on" in line)
+    return line.split("control service on ")[1].split()[0]
+
+
+def _ctl(address: str, *args: str) -> subprocess.CompletedProcess[str]:
+    script = str(Path(sys.executable).parent / "adloco-node")
+    return subprocess.run(
+        [script, "ctl", "--address", address, *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def test_sigterm_checkpoints_and_exits_0_within_30_s(procs: Procs, tmp_path: Path) -> None:
+    proc, status = _node(procs, tmp_path, "term", "--rounds", "0")
+    wait_for(lambda: len(_rounds(status)) >= 2, timeout=180, what="2 rounds")
+    t0 = time.monotonic()
+    os.kill(proc.pid, signal.SIGTERM)
+    code = proc.wait(timeout=60)
+    took = time.monotonic() - t0
+    print(f"\nSIGTERM to exit: {took:.1f} s")
+    assert code == 0, procs.log("term")
+    assert took < 30
+    final = [e for e in _events(status) if e["event"] == "checkpoint" and e["final"]]
+    assert final and final[-1]["round"] == _rounds(status)[-1]["round"]
+    assert not group_members(proc.pid), "p2pd or the DHT process outlived the node"
+
+
+def test_kill_9_resumes_losing_at_most_the_current_round(procs: Procs, tmp_path: Path) -> None:
+    proc, status = _node(procs, tmp_path, "crash", "--rounds", "0")
+    wait_for(lambda: len(_rounds(status)) >= 3, timeout=180, what="3 rounds")
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    before = _rounds(status)
+    last = before[-1]["round"]
+    hashes = {e["round"]: e["theta_hash"] for e in before}
+    again, _ = _node(procs, tmp_path, "crash", "--rounds", "1")
+    assert again.wait(timeout=180) == 0, procs.log("crash")
+    resumed = [e for e in _events(status) if e["event"] == "resumed"]
+    assert resumed, procs.log("crash")
+    assert resumed[0]["round"] >= last - 1  # at most the round in progress is lost
+    assert resumed[0]["theta_hash"] == hashes[resumed[0]["round"]]  # exactly the state of that round
+    after = _rounds(status)[len(before) :]
+    assert [e["round"] for e in after] == [resumed[0]["round"] + 1]
+
+
+def test_control_plane_status_checkpoint_and_drain(procs: Procs, tmp_path: Path) -> None:
+    proc, status = _node(procs, tmp_path, "ctl", "--rounds", "0")
+    address = _control_address(procs, "ctl")
+    wait_for(lambda: len(_rounds(status)) >= 1, timeout=180, what="a round")
+    shown = _ctl(address, "status", "--json")
+    assert shown.returncode == 0, shown.stderr
+    fields = json.loads(shown.stdout)
+    assert fields["round"] >= 1 and fields["phase"] in ("training", "averaging", "waiting")
+    assert fields["schedule"]["inner_steps"] == 3 and fields["run_id"] == "ops-ctl"
+    human = _ctl(address, "status")
+    assert human.returncode == 0 and "phase" in human.stdout
+    saved = _ctl(address, "checkpoint")
+    assert saved.returncode == 0, saved.stderr
+    assert any(e["event"] == "checkpoint" for e in _events(status))
+    drained = _ctl(address, "drain")
+    assert drained.returncode == 0, drained.stderr
+    assert proc.wait(timeout=120) == 0, procs.log("ctl")
+    final = [e for e in _events(status) if e["event"] == "checkpoint" and e["final"]]
+    assert final, "drain did not write the final checkpoint"
+    assert _ctl(address, "--timeout", "2", "status").returncode == 1  # gone: unhealthy
