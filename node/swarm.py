@@ -500,7 +500,7 @@ class SwarmNode:
             while not self._enough(should_stop):
                 from_theta = False
                 if self._inflight is not None and not overlap_this_round(
-                    self.cfg.overlap, comm_s=self._last_comm_s, compute_s=self._last_compute_s
+                    self.cfg.overlap, comm_s=self._comm_estimate(), compute_s=self._last_compute_s
                 ):
                     # auto: the exchange outlasts a local round, so this round waits for the update.
                     t0 = time.perf_counter()
@@ -529,6 +529,18 @@ class SwarmNode:
         finally:
             # An averaging call still running is ended by `shutdown` (it stops the averager).
             pool.shutdown(wait=False, cancel_futures=True)
+
+    def _comm_estimate(self) -> float | None:
+        """How long an averaging call takes from contribution to result, for `auto` overlap.
+
+        At least the matchmaking window and grace: the last peer to register waits less than that,
+        but judged by its own short wait it would overlap while the others wait, and the swarm's
+        contributions would drift apart in time (we saw a round split that way). With the floor,
+        every member judges the exchange alike.
+        """
+        if self._last_comm_s is None:
+            return None
+        return max(self._last_comm_s, self.swarm.window_s + self.averager.grace_s)
 
     def _wait_inflight(self, *, stopping: bool) -> _InFlight:
         inflight = self._inflight
