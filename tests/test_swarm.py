@@ -121,6 +121,10 @@ def test_joiner_downloads_verified_state_and_contributes(procs: Procs, tmp_path:
     # It contributed: some round after it joined had all four peers in the group.
     groups = {e["round"]: e["group_size"] for e in _events(first[0][1]) if e["event"] == "round"}
     assert any(groups[r] == 4 for r in mine)
+    print(
+        f"\njoiner: {synced[0]['event']} at round {synced[0]['round']}; its rounds {sorted(mine)};"
+        f" group sizes then {[groups[r] for r in sorted(mine)]}"
+    )
 
 
 def test_killed_node_does_not_stop_the_others(procs: Procs, tmp_path: Path) -> None:
@@ -172,6 +176,11 @@ def test_slow_node_contributes_late_and_corrected_without_holding_others(
     assert slow.wait(timeout=240) == 0, procs.log("slow")
 
     slow_rounds = [e for e in _events(slow_status) if e["event"] == "round"]
+    for e in slow_rounds:
+        print(
+            f"slow node round {e['round']}: τ={e['staleness']} HeLoCo {e['heloco']} H={e['inner_steps']}"
+            f" group={e['group_size']} round {e['round_s']:.1f} s"
+        )
     late = [e for e in slow_rounds if e["staleness"] > 0]
     assert late, f"the 5x slower node was never late: {slow_rounds}"
     for e in late:  # its late Δ went through HeLoCo against the current momentum
