@@ -152,15 +152,19 @@ ARGPARSE_CASES = [
 ]
 
 
-def test_metrics_port_in_use(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("option", ["--metrics-port", "--host-maddrs"])
+def test_port_in_use(option: str, capsys: pytest.CaptureFixture[str]) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = str(taken.getsockname()[1])
-        argv = [*TINY, "--metrics-port", port, "--metrics-host", "127.0.0.1"]
-        rc, err = run_main("adloco-node", argv, capsys)
+        flags = {
+            "--metrics-port": ["--metrics-port", port, "--metrics-host", "127.0.0.1"],
+            "--host-maddrs": ["--host-maddrs", f"/ip4/127.0.0.1/tcp/{port}"],
+        }[option]
+        rc, err = run_main("adloco-node", [*TINY, *flags], capsys)
     assert rc == 2, err
-    assert_one_line("adloco-node", err, "--metrics-port")
+    assert_one_line("adloco-node", err, option)
 
 
 @pytest.mark.parametrize(
