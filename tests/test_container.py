@@ -57,9 +57,16 @@ pytestmark = pytest.mark.container
 
 
 def build_tool() -> Path | None:
-    default = ROOT.parent / "shared" / "tools" / "container-build"
-    path = Path(os.environ.get("ADLOCO_CONTAINER_BUILD") or default)
-    return path if path.is_file() else None
+    if os.environ.get("ADLOCO_CONTAINER_BUILD"):
+        path = Path(os.environ["ADLOCO_CONTAINER_BUILD"])
+        return path if path.is_file() else None
+    # Beside the repository (the workspace layout), or the workspace's shared folder for a clone
+    # made elsewhere (CI clones into a fresh folder).
+    candidates = [
+        ROOT.parent / "shared" / "tools" / "container-build",
+        Path("/work/shared/tools/container-build"),
+    ]
+    return next((path for path in candidates if path.is_file()), None)
 
 
 def podman_env() -> dict[str, str]:
