@@ -21,7 +21,9 @@ import threading
 from pathlib import Path
 
 from adloco.dht_bootstrap.swarm_metrics import SwarmMetrics
+from adloco.errors import UserError
 from adloco.protocol.dht import NetworkConfig, parse_maddrs, start_dht, visible_maddrs
+from adloco.settings import EPILOG, add_config_argument, parse_settings
 
 logger = logging.getLogger("adloco.bootstrap")
 
@@ -31,7 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="adloco-bootstrap",
         description="Bootstrap peer for an adloco swarm: prints the --peers multiaddrs for nodes.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog=EPILOG,
     )
+    add_config_argument(p)
     p.add_argument("--identity-path", default="bootstrap.id", help="private key file (created if missing)")
     p.add_argument("--host-maddrs", nargs="+", default=["/ip4/0.0.0.0/tcp/31337"], help="listen multiaddrs")
     p.add_argument("--announce-maddrs", nargs="*", default=[], help="public multiaddrs to announce")
@@ -75,7 +79,11 @@ def write_maddrs(path: Path, maddrs: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = parse_settings(build_parser(), argv)
+    except UserError as e:
+        print(f"adloco-bootstrap: error: {e}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         metrics = None

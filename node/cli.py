@@ -23,11 +23,11 @@ from adloco.node.control import ControlServer, ctl_main, is_loopback
 from adloco.node.errors import UserError
 from adloco.node.metrics import NodeMetrics
 from adloco.node.options import add_train_arguments, set_threads, train_config_from_args
-from adloco.node.settings import EPILOG, add_config_argument, parse_settings
 from adloco.node.swarm import SwarmConfig, SwarmNode
 from adloco.node.swarm import format_round as format_swarm_round
 from adloco.node.trainer import SoloRound, train_solo
 from adloco.protocol.dht import NetworkConfig, parse_maddrs
+from adloco.settings import EPILOG, add_config_argument, parse_settings
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,12 +1,8 @@
-"""Errors the node reports to the user instead of a traceback.
-
-A `UserError` means the input was wrong (a flag, a path, a dataset name), not the code. The CLI catches
-it, prints `error: <message>` on one line and exits with status 2, so the message must stand alone:
-name the option it concerns, say what was wrong and, where there is one, how to fix it.
-"""
+"""`UserError`, re-exported where the node's modules have always found it (it lives in adloco.errors,
+which the bootstrap shares)."""
 
 from __future__ import annotations
 
+from adloco.errors import UserError
 
-class UserError(Exception):
-    """Bad user input; the message names the option, e.g. ``--model: no such file or model type 'lama'``."""
+__all__ = ["UserError"]

@@ -10,7 +10,7 @@ import pytest
 
 from adloco.node.cli import build_parser
 from adloco.node.errors import UserError
-from adloco.node.settings import parse_settings
+from adloco.settings import parse_settings
 
 
 def _parse(argv: list[str], env: dict[str, str] | None = None):  # type: ignore[no-untyped-def]
@@ -90,3 +90,15 @@ def test_missing_config_file_is_a_one_line_error_with_exit_2(tmp_path: Path) -> 
     assert done.returncode == 2
     assert done.stderr.strip().count("\n") == 0 and "--config: cannot read" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_the_bootstrap_reads_the_same_variables_and_config(tmp_path: Path) -> None:
+    from adloco.dht_bootstrap.main import build_parser as bootstrap_parser
+
+    config = tmp_path / "bootstrap.yaml"
+    config.write_text("run-id: from-file\npoll-s: 2.5\n")
+    env = {"ADLOCO_RUN_ID": "from-env", "ADLOCO_METRICS_PORT": "9401", "ADLOCO_CHECKPOINT_DIR": "/ignored"}
+    args = parse_settings(bootstrap_parser(), ["--config", str(config)], environ=env)
+    assert (args.run_id, args.metrics_port, args.poll_s) == ("from-env", 9401, 2.5)
+    with pytest.raises(UserError, match="ADLOCO_POLL_S: invalid value"):
+        parse_settings(bootstrap_parser(), [], environ={"ADLOCO_POLL_S": "soon"})

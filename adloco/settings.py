@@ -21,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from adloco.node.errors import UserError
+from adloco.errors import UserError
 
 ENV_PREFIX = "ADLOCO_"
 TRUE = {"1", "true", "yes", "on"}
@@ -30,8 +30,8 @@ FALSE = {"0", "false", "no", "off", ""}
 NOT_SETTINGS = {"help", "config"}
 
 EPILOG = (
-    "Every option can also be set as an environment variable ADLOCO_<OPTION> (e.g. --batch-size as"
-    " ADLOCO_BATCH_SIZE) or in a YAML file given with --config (batch-size: 16). A flag beats the"
+    "Every option can also be set as an environment variable ADLOCO_<OPTION> (e.g. --run-id as"
+    " ADLOCO_RUN_ID) or in a YAML file given with --config (run-id: my-run). A flag beats the"
     " environment, which beats the file."
 )
 
