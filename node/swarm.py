@@ -228,6 +228,10 @@ class SwarmNode:
 
     def swarm_head(self) -> tuple[int, str, list[str]] | None:
         """The latest round any peer published, its majority θ hash, and the peers holding it."""
+        head = self._read_head()
+        return None if head is None else head[:3]
+
+    def _read_head(self) -> tuple[int, str, list[str], Counter[str]] | None:
         found = self.dht.get(state_key(self.prefix), latest=True)
         records = parse_states(None if found is None else found.value)
         self.peers_visible = len({r.peer_id for r in records})
@@ -235,10 +239,12 @@ class SwarmNode:
         if not records:
             return None
         top = max(r.round for r in records)
-        hashes = Counter(r.theta_hash for r in records if r.round == top)
+        hashes = Counter(r.theta_hash for r in records if r.round == top and r.peer_id != self.peer_id)
+        if not hashes:
+            return top, "", [], hashes
         best = hashes.most_common(1)[0][0]
         holders = sorted({r.peer_id for r in records if r.round == top and r.theta_hash == best})
-        return top, best, [p for p in holders if p != self.peer_id]
+        return top, best, [p for p in holders if p != self.peer_id], hashes
 
     # ---- serving state (called on the state server's thread) ---------------------------------------
 
@@ -265,27 +271,46 @@ class SwarmNode:
     # ---- catching up ------------------------------------------------------------------------------
 
     def sync_with_swarm(self) -> int:
-        """Reach the swarm's published round: replay kept updates, else download the state."""
-        head = self.swarm_head()
+        """Reach the swarm's published round: replay kept updates, else download the state.
+
+        Also heals a fork: if this node holds the swarm's round with another θ than most peers (it
+        averaged that round in a group apart from theirs, e.g. a joiner whose fresh DHT view missed
+        their registrations), it downloads the majority's state.
+        """
+        head = self._read_head()
         if head is None:
             return 0
-        top, expected, holders = head
+        top, expected, holders, others = head
         behind = top - self.peer.state.round
-        if behind <= 0 or not holders:
+        if not holders:
             return 0
+        if behind <= 0:
+            mine = self.peer.state.theta_hash()
+            if behind < 0 or expected == mine or others[expected] <= others[mine] + 1:
+                return 0
+            return self._heal_fork(holders, expected)
         for holder in holders:
             try:
                 if self._replay_from(holder, expected) or self._download_from(holder, expected):
                     self.status.write("catch_up", round=self.peer.state.round, behind=behind, source=holder)
                     return behind
             except Exception as e:  # a holder that left or answered badly: try the next one
-                logger.warning(
-                    "[%s round=%d] catch-up from %s failed: %s",
-                    self.peer_id[-6:],
-                    self.peer.state.round,
-                    holder[-6:],
-                    e,
-                )
+                logger.warning("[%s round=%d] catch-up from %s failed: %s", *self._tag(), holder[-6:], e)
+        return 0
+
+    def _heal_fork(self, holders: list[str], expected: str) -> int:
+        logger.warning(
+            "[%s round=%d] θ differs from %d peers' at the same round: taking theirs",
+            *self._tag(),
+            len(holders),
+        )
+        for holder in holders:
+            try:
+                if self._download_from(holder, expected):
+                    self.status.write("fork_healed", round=self.peer.state.round, source=holder)
+                    return 0
+            except Exception as e:
+                logger.warning("[%s round=%d] fork repair from %s failed: %s", *self._tag(), holder[-6:], e)
         return 0
 
     def _replay_from(self, holder: str, expected_hash: str) -> bool:

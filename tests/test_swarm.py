@@ -116,14 +116,18 @@ def test_joiner_downloads_verified_state_and_contributes(procs: Procs, tmp_path:
     assert synced and synced[0]["round"] >= 3, "the joiner did not take the swarm's state first"
     theirs = _rounds(first[0][1])
     mine = _rounds(status)
-    assert mine and all(theirs[r] == h for r, h in mine.items())  # same θ as the swarm, every round
+    # Same θ as the swarm every round, except a round it averaged apart from the others (its fresh
+    # DHT view can miss their registrations once) that it then repaired by taking the majority's θ.
+    healed = {e["round"] for e in events if e["event"] == "fork_healed"}
+    assert mine and all(theirs[r] == h or r in healed for r, h in mine.items()), (mine, healed)
+    assert theirs[max(mine)] == mine[max(mine)] or max(mine) in healed
     assert min(mine) > 3
     # It contributed: some round after it joined had all four peers in the group.
     groups = {e["round"]: e["group_size"] for e in _events(first[0][1]) if e["event"] == "round"}
     assert any(groups[r] == 4 for r in mine)
     print(
         f"\njoiner: {synced[0]['event']} at round {synced[0]['round']}; its rounds {sorted(mine)};"
-        f" group sizes then {[groups[r] for r in sorted(mine)]}"
+        f" group sizes then {[groups[r] for r in sorted(mine)]}; forks healed at {sorted(healed)}"
     )
 
 
