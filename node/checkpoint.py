@@ -111,7 +111,7 @@ def save_checkpoint(
     """
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
-    if peer._in_round or peer._deferred_merges:
+    if peer.in_round:
         raise RuntimeError("cannot checkpoint during a local round; save between rounds")
     try:
         extra_json = json.loads(json.dumps(dict(extra or {}), allow_nan=False))
@@ -264,8 +264,7 @@ def _put_instance(tensors: dict[str, torch.Tensor], prefix: str, inst: Instance)
 def _put_codecs(tensors: dict[str, torch.Tensor], peer: Peer) -> list[list[Any]]:
     """Each codec's key in the peer's table and the names of its warm-start state (low-rank Q)."""
     codecs = []
-    # Peer has no public accessor for its codec table yet; the low-rank warm starts live there.
-    for c, (key, codec) in enumerate(peer._codecs.items()):
+    for c, (key, codec) in enumerate(peer.codecs.items()):
         state = codec.state_dict() if hasattr(codec, "state_dict") else {}
         _put_all(tensors, f"codec/{c}", state.values())
         codecs.append([key, list(state)])

@@ -19,7 +19,7 @@ from pathlib import Path
 from adloco.node import reachability
 from adloco.node.checkpoint import check_checkpoint_dir
 from adloco.node.config import TrainConfig
-from adloco.node.control import ControlServer, ctl_main, is_loopback
+from adloco.node.control import ControlServer, check_bind, ctl_main
 from adloco.node.errors import UserError
 from adloco.node.metrics import NodeMetrics
 from adloco.node.options import add_train_arguments, set_threads, train_config_from_args
@@ -178,16 +178,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def check_control(args: argparse.Namespace) -> None:
-    """The control service's flags, checked before any networking starts."""
-    if args.control_port == -1:
-        return
-    if not 0 <= args.control_port < 65536:
-        raise UserError(f"--control-port: must be in [0, 65535], or -1 for none; got {args.control_port}")
-    if not args.control_allow_remote and not is_loopback(args.control_host.strip("[]")):
-        raise UserError(
-            f"--control-host: {args.control_host!r} is not a loopback address and the control service has"
-            " no authentication; use 127.0.0.1, or pass --control-allow-remote to expose it anyway"
-        )
+    """The control service's flags, checked before any networking starts (-1: no service)."""
+    if args.control_port != -1:
+        check_bind(args.control_host, args.control_port, allow_remote=args.control_allow_remote)
 
 
 def metrics_from_args(args: argparse.Namespace) -> NodeMetrics:

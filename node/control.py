@@ -269,15 +269,7 @@ class ControlServer:
         allow_remote: bool = False,
         max_workers: int = 4,
     ) -> None:
-        host = host.strip("[]")
-        if not allow_remote and not is_loopback(host):
-            raise UserError(
-                f"--control-host: {host!r} is not a loopback address, and the control service has no"
-                " authentication (anyone who reaches it can drain the node); use 127.0.0.1, or pass"
-                " --control-allow-remote to expose it anyway"
-            )
-        if not 0 <= port <= 65535:
-            raise UserError(f"--control-port: must be in [0, 65535] (0: any free port), got {port}")
+        host = check_bind(host, port, allow_remote=allow_remote)
         self.host = host
         self.port = port
         self._servicer = _Servicer(status, drain, checkpoint)
@@ -329,6 +321,23 @@ class ControlServer:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.stop()
+
+
+def check_bind(host: str, port: int, *, allow_remote: bool) -> str:
+    """The host to bind (brackets of an IPv6 literal removed); UserError naming the flag otherwise.
+
+    Called by the node's CLI before any networking starts, and again by `ControlServer`.
+    """
+    host = host.strip("[]")
+    if not allow_remote and not is_loopback(host):
+        raise UserError(
+            f"--control-host: {host!r} is not a loopback address, and the control service has no"
+            " authentication (anyone who reaches it can drain the node); use 127.0.0.1, or pass"
+            " --control-allow-remote to expose it anyway"
+        )
+    if not 0 <= port <= 65535:
+        raise UserError(f"--control-port: must be in [0, 65535] (0: any free port), got {port}")
+    return host
 
 
 def is_loopback(host: str) -> bool:

@@ -188,6 +188,16 @@ class Peer:
     def overlap(self) -> bool:
         return self.cfg.overlap != "off"
 
+    @property
+    def in_round(self) -> bool:
+        """A local round is running, or its deferred MIT merges are not done yet."""
+        return self._in_round or bool(self._deferred_merges)
+
+    @property
+    def codecs(self) -> Mapping[str, Codec]:
+        """The codecs this peer has built, by key ("int8", "int8/avg"): their warm starts are state."""
+        return self._codecs
+
     def train_round(
         self, on_step: Callable[[int], None] | None = None, *, from_theta: bool = False
     ) -> LocalRound:

@@ -226,12 +226,9 @@ class SwarmNode:
             return_future=True,  # metrics only: never wait for it
         )
 
-    def swarm_head(self) -> tuple[int, str, list[str]] | None:
-        """The latest round any peer published, its majority θ hash, and the peers holding it."""
-        head = self._read_head()
-        return None if head is None else head[:3]
-
-    def _read_head(self) -> tuple[int, str, list[str], Counter[str]] | None:
+    def swarm_head(self) -> tuple[int, str, list[str], Counter[str]] | None:
+        """The latest round any peer published, the other peers' majority θ hash at it, those
+        holding it, and how many others hold each hash there (None: no records yet)."""
         found = self.dht.get(state_key(self.prefix), latest=True)
         records = parse_states(None if found is None else found.value)
         self.peers_visible = len({r.peer_id for r in records})
@@ -277,7 +274,7 @@ class SwarmNode:
         averaged that round in a group apart from theirs, e.g. a joiner whose fresh DHT view missed
         their registrations), it downloads the majority's state.
         """
-        head = self._read_head()
+        head = self.swarm_head()
         if head is None:
             return 0
         top, expected, holders, others = head
@@ -528,16 +525,11 @@ class SwarmNode:
                     self.cfg.overlap, comm_s=self._comm_estimate(), compute_s=self._last_compute_s
                 ):
                     # auto: the exchange outlasts a local round, so this round waits for the update.
-                    t0 = time.perf_counter()
-                    self.phase = "waiting"
-                    self._land(self._wait_inflight(stopping=False), wait_s=time.perf_counter() - t0)
+                    self._wait_and_land(stopping=False)
                     from_theta = True
                 local = self._local_round(on_step=self._land_if_done, from_theta=from_theta)
                 if self._inflight is not None:
-                    t0 = time.perf_counter()
-                    self.phase = "waiting"
-                    done = self._wait_inflight(stopping=False)
-                    self._land(done, wait_s=time.perf_counter() - t0)
+                    self._wait_and_land(stopping=False)
                     # Δ is measured from the θ the instances were rebased onto.
                     local.base_round = self.peer.phase_round
                 self._between_rounds()
@@ -546,11 +538,8 @@ class SwarmNode:
                 self.sync_with_swarm()
                 self._inflight = self._launch(local, pool)
             if self._inflight is not None:
-                t0 = time.perf_counter()
-                self.phase = "waiting"
                 # A drain finishes the round; SIGTERM may abandon it to exit in time.
-                done = self._wait_inflight(stopping=should_stop() and not self.draining.is_set())
-                self._land(done, wait_s=time.perf_counter() - t0)
+                self._wait_and_land(stopping=should_stop() and not self.draining.is_set())
         finally:
             # An averaging call still running is ended by `shutdown` (it stops the averager).
             pool.shutdown(wait=False, cancel_futures=True)
@@ -567,15 +556,18 @@ class SwarmNode:
             return None
         return max(self._last_comm_s, self.swarm.window_s + self.averager.grace_s)
 
-    def _wait_inflight(self, *, stopping: bool) -> _InFlight:
+    def _wait_and_land(self, *, stopping: bool) -> None:
+        """Block until the update in flight lands (the time counts as idle), then apply it."""
         inflight = self._inflight
         assert inflight is not None
+        t0 = time.perf_counter()
+        self.phase = "waiting"
         try:
             # When stopping, a round not done within the part timeout is abandoned (shutdown ends it).
             inflight.future.result(timeout=self.swarm.part_timeout_s if stopping else None)
         except Exception as e:
             logger.warning("[%s] averaging did not finish: %r", self.peer_id[-6:], e)
-        return inflight
+        self._land(inflight, wait_s=time.perf_counter() - t0)
 
     def _land_if_done(self, _samples: int) -> None:
         """`train_round`'s per-step hook: apply the update in flight if it has landed."""

@@ -55,7 +55,7 @@ def namespaces() -> list[str]:
     return [line.split()[0] for line in ip("netns", "list").splitlines() if line.strip()]
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -82,7 +82,7 @@ def remove_stale() -> list[str]:
         if not ns.startswith(BASE):
             continue
         pid = ns[len(BASE) :].split("-", 1)[0]
-        if pid.isdigit() and not _pid_alive(int(pid)):
+        if pid.isdigit() and not pid_alive(int(pid)):
             stale.append(ns)
     for ns in sorted(stale, key=lambda n: n.endswith("-hub")):  # hosts first, then their hub
         delete(ns)

@@ -35,6 +35,7 @@ from typing import Any
 import pytest
 import yaml
 
+from netns import pid_alive
 from procs import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -183,16 +184,6 @@ def check_image_config(image: str) -> None:
 
 
 # ---- leftovers and cleanup ------------------------------------------------------------------------
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def remove_leftovers() -> None:
