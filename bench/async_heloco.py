@@ -44,16 +44,16 @@ from typing import Any, Literal
 
 import torch
 
-from adloco.node.config import TrainConfig
-from adloco.node.data import Corpus, evaluate, shard_corpus
-from adloco.node.model import build_model
-from adloco.node.peer import ContributionInfo, LocalRound, Peer
-from adloco.node.runtime import load_data
 from adloco.node.sim.engine import RoundRecord, SimConfig, Simulator, initial_val_loss, records_as_dicts
-from adloco.protocol.heloco import HelocoConfig
-from adloco.protocol.outer import OuterConfig
-from adloco.protocol.pseudograd import tensors_hash
-from adloco.protocol.schedule import ScheduleConfig
+from adloco.node.training.config import TrainConfig
+from adloco.node.training.data import Corpus, evaluate, shard_corpus
+from adloco.node.training.model import build_model
+from adloco.node.training.peer import ContributionInfo, LocalRound, Peer
+from adloco.node.training.runtime import load_data
+from adloco.protocol.algorithms.heloco import HelocoConfig
+from adloco.protocol.algorithms.outer import OuterConfig
+from adloco.protocol.algorithms.pseudograd import tensors_hash
+from adloco.protocol.algorithms.schedule import ScheduleConfig
 
 Row = dict[str, Any]
 Theta = list[torch.Tensor]

@@ -40,13 +40,13 @@ from typing import Any
 
 import torch
 
-from adloco.node.config import TrainConfig
-from adloco.node.data import Corpus
-from adloco.node.peer import Peer
-from adloco.node.runtime import load_data
 from adloco.node.sim.engine import RoundRecord, SimConfig, Simulator, initial_val_loss
-from adloco.protocol import codecs
-from adloco.protocol.allreduce import reduce_group
+from adloco.node.training.config import TrainConfig
+from adloco.node.training.data import Corpus
+from adloco.node.training.peer import Peer
+from adloco.node.training.runtime import load_data
+from adloco.protocol.algorithms import codecs
+from adloco.protocol.algorithms.allreduce import reduce_group
 
 Deltas = dict[str, torch.Tensor]
 Row = dict[str, Any]

@@ -20,10 +20,10 @@ import sys
 import threading
 from pathlib import Path
 
-from adloco.dht_bootstrap.swarm_metrics import SwarmMetrics
-from adloco.errors import UserError
-from adloco.protocol.dht import NetworkConfig, parse_maddrs, start_dht, visible_maddrs
-from adloco.settings import EPILOG, add_config_argument, parse_settings
+from ..errors import UserError
+from ..protocol.transport.dht import NetworkConfig, parse_maddrs, start_dht, visible_maddrs
+from ..settings import EPILOG, add_config_argument, parse_settings
+from .swarm_metrics import SwarmMetrics
 
 logger = logging.getLogger("adloco.bootstrap")
 

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import logging
 
-import hivemind
-from hivemind.utils import get_dht_time
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
-from adloco.protocol.records import add_beacon_validators, beacon_key, parse_beacons
+from ..protocol.transport.dht import DHT
+from ..protocol.transport.records import add_beacon_validators, live_beacons
 
 logger = logging.getLogger(__name__)
 
@@ -42,22 +41,18 @@ class SwarmMetrics:
         except OSError as e:
             raise ValueError(f"--metrics-port: cannot listen on {host}:{port}: {e.strerror}") from None
 
-    def attach(self, dht: hivemind.DHT) -> None:
+    def attach(self, dht: DHT) -> None:
         add_beacon_validators(dht, self.run_id)
         self.poll(dht)
 
-    def poll(self, dht: hivemind.DHT) -> None:
+    def poll(self, dht: DHT) -> None:
         try:
-            found = dht.get(beacon_key(self.run_id), latest=True)
+            alive = live_beacons(dht, self.run_id, alive_s=self.alive_s)
         except Exception as e:  # the DHT process is busy or restarting: report it, keep the old figures
             self.polls_failed.inc()
             logger.warning("reading the swarm's beacons failed: %r", e)
             return
         self.polls_failed.set(0)
-        now = get_dht_time()
-        alive = [
-            b for b in parse_beacons(None if found is None else found.value) if now - b.updated < self.alive_s
-        ]
         self.peers.set(len(alive))
         self.round.set(max((b.round for b in alive), default=0))
         self.tokens_per_s.set(sum(b.tokens_per_s for b in alive))

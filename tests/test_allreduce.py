@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from adloco.protocol.allreduce import Contribution, reduce_group
-from adloco.protocol.codecs import decode_tensors, encode_tensors, make_codec
+from adloco.protocol.algorithms.allreduce import Contribution, reduce_group
+from adloco.protocol.algorithms.codecs import decode_tensors, encode_tensors, make_codec
 
 
 def _contributions(spec: str, n: int = 3) -> list[Contribution]:

@@ -30,9 +30,9 @@ from typing import Any
 import pytest
 import torch
 
-from adloco.protocol.allreduce import Contribution, reduce_group
-from adloco.protocol.averager import Averager, MemberResult, MemoryAverager, MemoryHub
-from adloco.protocol.codecs import decode_tensors, encode_tensors, make_codec
+from adloco.protocol.algorithms.allreduce import Contribution, reduce_group
+from adloco.protocol.algorithms.codecs import decode_tensors, encode_tensors, make_codec
+from adloco.protocol.transport.averager import Averager, MemberResult, MemoryAverager, MemoryHub
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -121,7 +121,7 @@ class Swarm:
     def averager(self, node: int, prefix: str = "run-a") -> Averager:
         averager: Averager
         if self.kind == "hivemind":
-            from adloco.protocol.hivemind_averager import HivemindAverager
+            from adloco.protocol.transport.hivemind_averager import HivemindAverager
 
             averager = HivemindAverager(
                 self.dhts[node],
@@ -345,9 +345,9 @@ def test_alone_timeouts_and_misuse(swarm: Swarm) -> None:
 _VICTIM = """
 import sys, time
 import hivemind, torch
-from adloco.protocol.allreduce import Contribution
-from adloco.protocol.codecs import encode_tensors, make_codec
-from adloco.protocol.hivemind_averager import HivemindAverager
+from adloco.protocol.algorithms.allreduce import Contribution
+from adloco.protocol.algorithms.codecs import encode_tensors, make_codec
+from adloco.protocol.transport.hivemind_averager import HivemindAverager
 
 peer, prefix = sys.argv[1], sys.argv[2]
 kwargs, shapes, timing = (eval(arg) for arg in sys.argv[3:6])
@@ -500,7 +500,7 @@ def test_an_owner_answering_a_malformed_rejected_field_fails_the_round_for_its_m
     ],
 )
 def test_rejected_field_parsing(field: Any, ok: bool) -> None:
-    from adloco.protocol.hivemind_averager import _parse_rejected
+    from adloco.protocol.transport.hivemind_averager import _parse_rejected
 
     parsed = _parse_rejected(field, ("a", "b"), 2)
     assert (parsed is not None) == ok

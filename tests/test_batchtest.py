@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from adloco.protocol.batchtest import (
+from adloco.protocol.algorithms.batchtest import (
     GradStats,
     augmented_ip_test,
     grad_stats,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from adloco.node.bmax import cpu_b_max, cuda_b_max, saved_activation_bytes
-from adloco.node.model import build_model
+from adloco.node.training.bmax import cpu_b_max, cuda_b_max, saved_activation_bytes
+from adloco.node.training.model import build_model
 
 
 @pytest.fixture(scope="module")

@@ -12,20 +12,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from adloco.node import checkpoint
-from adloco.node.checkpoint import (
+from adloco.errors import UserError
+from adloco.node.operations import checkpoint
+from adloco.node.operations.checkpoint import (
     check_checkpoint_dir,
     list_checkpoints,
     load_checkpoint,
     peek_checkpoint,
     save_checkpoint,
 )
-from adloco.node.config import TrainConfig
-from adloco.node.data import Corpus
-from adloco.node.errors import UserError
-from adloco.node.peer import Peer
-from adloco.node.runtime import load_data
-from adloco.protocol.allreduce import reduce_group
+from adloco.node.training.config import TrainConfig
+from adloco.node.training.data import Corpus
+from adloco.node.training.peer import Peer
+from adloco.node.training.runtime import load_data
+from adloco.protocol.algorithms.allreduce import reduce_group
 
 CFG = TrainConfig(seq_len=32, batch_size=4, instances=2, inner_steps=2, b_max=4, max_corpus_mb=1)
 # Low-rank keeps warm starts in both codecs and a large error-feedback residual: all must survive.

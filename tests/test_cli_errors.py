@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from adloco.node import cli as node_cli
-from adloco.node.sim import cli as sim_cli
+from adloco.node.cli import node as node_cli
+from adloco.node.cli import sim as sim_cli
 
 BIN = Path(sys.executable).parent
 MAINS = {"adloco-node": node_cli.main, "adloco-sim": sim_cli.main}

@@ -9,7 +9,7 @@ import struct
 import pytest
 import torch
 
-from adloco.protocol.codecs import (
+from adloco.protocol.algorithms.codecs import (
     DEFAULT_CANDIDATES,
     REASON_LOWEST_ERROR,
     REASON_MEETS_BOTH,

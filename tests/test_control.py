@@ -19,7 +19,8 @@ from typing import Any
 
 import pytest
 
-from adloco.node.control import (
+from adloco.errors import UserError
+from adloco.node.operations.control import (
     ADDRESS_ENV,
     PORT_ENV,
     AveragingInfo,
@@ -29,8 +30,7 @@ from adloco.node.control import (
     ctl_main,
     format_status,
 )
-from adloco.node.errors import UserError
-from adloco.protocol import control_pb2 as pb
+from adloco.protocol.control import control_pb2 as pb
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -325,19 +325,22 @@ def test_status_proto_round_trip_and_unknown_phase() -> None:
 
 @pytest.mark.skipif(importlib.util.find_spec("grpc_tools") is None, reason="grpcio-tools not installed")
 def test_generated_code_matches_the_proto(tmp_path: Path) -> None:
-    from adloco.protocol.gen_control import OUTPUTS, generate
+    from adloco.protocol.control.gen import OUTPUTS, generate
 
     generate(tmp_path)
-    stale = [n for n in OUTPUTS if (tmp_path / n).read_text() != (ROOT / "protocol" / n).read_text()]
-    assert not stale, f"{stale} differ from control.proto: run `python -m adloco.protocol.gen_control`"
+    stale = [
+        n for n in OUTPUTS if (tmp_path / n).read_text() != (ROOT / "protocol" / "control" / n).read_text()
+    ]
+    assert not stale, f"{stale} differ from control.proto: run `python -m adloco.protocol.control.gen`"
 
 
 def test_generated_code_loads_next_to_hivemind() -> None:
     """Both register files in protobuf's default descriptor pool; the runtime must accept our gencode."""
     code = (
-        "import hivemind, google.protobuf as p; from adloco.protocol import control_pb2, control_pb2_grpc;"
+        "import hivemind, google.protobuf as p;"
+        "from adloco.protocol.control import control_pb2, control_pb2_grpc;"
         "print(p.__version__, control_pb2.DESCRIPTOR.name)"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=25)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split()[1] == "adloco/protocol/control.proto"
+    assert result.stdout.split()[1] == "adloco/protocol/control/control.proto"

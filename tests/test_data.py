@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from adloco.node.data import (
+from adloco.errors import UserError
+from adloco.node.training.data import (
     Corpus,
     Document,
     TokenSampler,
@@ -18,8 +19,7 @@ from adloco.node.data import (
     stdlib_files,
     validation_batches,
 )
-from adloco.node.errors import UserError
-from adloco.node.tokenizer import ByteTokenizer, load_tokenizer
+from adloco.node.training.tokenizer import ByteTokenizer, load_tokenizer
 
 ROWS = [{"text": f"row {i}: " + "the quick brown fox " * (i % 5 + 1), "id": i} for i in range(120)]
 

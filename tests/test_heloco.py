@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from adloco.protocol.heloco import (
+from adloco.protocol.algorithms.heloco import (
     CorrectionReport,
     HelocoConfig,
     correct,

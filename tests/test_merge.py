@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from adloco.protocol.merge import MergePolicy, choose_merge, merge_weighted
+from adloco.protocol.algorithms.merge import MergePolicy, choose_merge, merge_weighted
 
 
 def test_merge_weighted_hand_values():

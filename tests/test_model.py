@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from adloco.node import model as model_module
-from adloco.node.data import evaluate
-from adloco.node.errors import UserError
-from adloco.node.model import (
+from adloco.errors import UserError
+from adloco.node.training import model as model_module
+from adloco.node.training.data import evaluate
+from adloco.node.training.model import (
     DEFAULT_MODEL,
     PRESETS,
     build_model,

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from adloco.protocol.outer import OuterConfig, outer_step
+from adloco.protocol.algorithms.outer import OuterConfig, outer_step
 
 
 def test_n1_matches_torch_sgd_nesterov():

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from adloco.protocol.codecs import decode, make_codec
-from adloco.protocol.parts import DEFAULT_OUTLIER_FACTOR, assign_parts, reduce_part, round_traffic
+from adloco.protocol.algorithms.codecs import decode, make_codec
+from adloco.protocol.algorithms.parts import DEFAULT_OUTLIER_FACTOR, assign_parts, reduce_part, round_traffic
 
 NONE = make_codec("none")
 

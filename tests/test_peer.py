@@ -7,14 +7,14 @@ from dataclasses import replace
 import pytest
 import torch
 
-from adloco.node.config import TrainConfig
-from adloco.node.data import Corpus
-from adloco.node.errors import UserError
-from adloco.node.peer import Peer
-from adloco.node.runtime import load_data
-from adloco.node.tokenizer import ByteTokenizer
-from adloco.protocol.allreduce import reduce_group
-from adloco.protocol.switch import BatchPlan
+from adloco.errors import UserError
+from adloco.node.training.config import TrainConfig
+from adloco.node.training.data import Corpus
+from adloco.node.training.peer import Peer
+from adloco.node.training.runtime import load_data
+from adloco.node.training.tokenizer import ByteTokenizer
+from adloco.protocol.algorithms.allreduce import reduce_group
+from adloco.protocol.algorithms.switch import BatchPlan
 
 CFG = TrainConfig(seq_len=32, batch_size=4, instances=2, inner_steps=2, b_max=4, max_corpus_mb=1)
 

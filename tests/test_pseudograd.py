@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from adloco.protocol.pseudograd import flat_norm, pseudo_gradient, tensors_hash, weighted_mean
+from adloco.protocol.algorithms.pseudograd import flat_norm, pseudo_gradient, tensors_hash, weighted_mean
 
 
 def test_pseudo_gradient_has_gradient_sign():

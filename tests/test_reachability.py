@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from adloco.node.reachability import check
+from adloco.node.operations.reachability import check
 
 PEER = "/p2p/12D3KooWKRj8d4q31DeK5hKFN9GQaZVSLik8vph7qCMaYHZvTa8c"
 

@@ -9,7 +9,13 @@ import hivemind
 import pytest
 from hivemind.utils import get_dht_time
 
-from adloco.protocol.records import StateRecord, add_run_validators, parse_states, run_prefix, state_key
+from adloco.protocol.transport.records import (
+    StateRecord,
+    add_run_validators,
+    parse_states,
+    run_prefix,
+    state_key,
+)
 
 pytestmark = pytest.mark.timeout(120)
 KW = {"host_maddrs": ["/ip4/127.0.0.1/tcp/0"], "nat_port_map": False, "start": True}

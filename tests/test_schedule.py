@@ -7,9 +7,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from adloco.protocol.batchtest import GradStats, grad_stats
-from adloco.protocol.merge import MergePolicy
-from adloco.protocol.schedule import (
+from adloco.protocol.algorithms.batchtest import GradStats, grad_stats
+from adloco.protocol.algorithms.merge import MergePolicy
+from adloco.protocol.algorithms.schedule import (
     PeerReport,
     Schedule,
     ScheduleConfig,
@@ -17,7 +17,7 @@ from adloco.protocol.schedule import (
     next_schedule,
     swarm_accumulation,
 )
-from adloco.protocol.switch import BatchPlan
+from adloco.protocol.algorithms.switch import BatchPlan
 
 # n = 4, M = 2, S = 2.5, ||ḡ||² = 1.25 (the g1 = [2, 0], g2 = [0, 1] example of test_batchtest.py)
 HAND = GradStats(

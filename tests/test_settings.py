@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from adloco.node.cli import build_parser
-from adloco.node.errors import UserError
+from adloco.errors import UserError
+from adloco.node.cli.node import build_parser
 from adloco.settings import parse_settings
 
 

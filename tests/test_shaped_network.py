@@ -78,9 +78,9 @@ def _events(path: Path) -> list[dict]:
 
 def _expected_sent() -> tuple[list[int], int]:
     """Payload bytes member i (in peer-id order) sends in a round of NODES, and one Δ's int8 size."""
-    from adloco.node.model import build_model
-    from adloco.protocol.codecs import make_codec
-    from adloco.protocol.parts import assign_parts, round_traffic
+    from adloco.node.training.model import build_model
+    from adloco.protocol.algorithms.codecs import make_codec
+    from adloco.protocol.algorithms.parts import assign_parts, round_traffic
 
     codec = make_codec("int8")
     model = build_model(None)

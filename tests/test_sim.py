@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from adloco.node.config import TrainConfig
-from adloco.node.sim.cli import run
+from adloco.node.cli.sim import run
 from adloco.node.sim.engine import RoundRecord, SimConfig
-from adloco.protocol.heloco import HelocoConfig
-from adloco.protocol.merge import MergePolicy
-from adloco.protocol.schedule import ScheduleConfig
+from adloco.node.training.config import TrainConfig
+from adloco.protocol.algorithms.heloco import HelocoConfig
+from adloco.protocol.algorithms.merge import MergePolicy
+from adloco.protocol.algorithms.schedule import ScheduleConfig
 
 SMALL = TrainConfig(
     seq_len=64,

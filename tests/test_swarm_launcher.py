@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from adloco.node import swarm_launcher as sl
+from adloco.node.cli import launcher as sl
 
 from procs import Procs, group_members, wait_for
 

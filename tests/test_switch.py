@@ -2,7 +2,7 @@
 
 import pytest
 
-from adloco.protocol.switch import BatchPlan, plan_batch
+from adloco.protocol.algorithms.switch import BatchPlan, plan_batch
 
 
 def test_hand_examples():

@@ -26,14 +26,14 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
-from adloco.node.config import TrainConfig
-from adloco.node.data import Corpus
-from adloco.node.peer import ContributionInfo, LocalRound, Peer, overlap_byte_budget, overlap_this_round
-from adloco.protocol.allreduce import Contribution, GroupResult, reduce_group
+from ...protocol.algorithms.allreduce import Contribution, GroupResult, reduce_group
+from ..training.config import TrainConfig
+from ..training.data import Corpus
+from ..training.peer import ContributionInfo, LocalRound, Peer, overlap_byte_budget, overlap_this_round
 
 logger = logging.getLogger(__name__)
 
@@ -361,5 +361,5 @@ def initial_val_loss(sim: Simulator) -> float:
         return sim.peers[0].validation_loss()
 
 
-def records_as_dicts(records: list[RoundRecord]) -> list[dict]:
+def records_as_dicts(records: list[RoundRecord]) -> list[dict[str, Any]]:
     return [asdict(r) for r in records]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 
@@ -18,7 +19,7 @@ AXES = (
 
 
 def plot_runs(
-    runs: Mapping[str, Sequence[Mapping]], out_dir: Path, *, initial_loss: float | None = None
+    runs: Mapping[str, Sequence[Mapping[str, Any]]], out_dir: Path, *, initial_loss: float | None = None
 ) -> list[Path]:
     """One PNG per x axis, one line per run (label → records); returns the files written."""
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,240 @@
+"""`adloco-node`: the volunteer process.
+
+    adloco-node --peers /ip4/1.2.3.4/tcp/31337/p2p/Qm... --run-id my-run
+
+joins a swarm (`node/swarm.py`); with no --peers it starts a new swarm as its first peer and trains
+alone until others join, printing the multiaddrs they can use. `--offline` trains alone without
+any networking (`node/trainer.py`). Bad input ends with one line naming the option and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from ...errors import UserError
+from ...protocol.transport.dht import NetworkConfig, parse_maddrs
+from ...settings import EPILOG, add_config_argument, parse_settings
+from ..operations import reachability
+from ..operations.checkpoint import check_checkpoint_dir
+from ..operations.control import ControlServer, check_bind, ctl_main
+from ..operations.metrics import NodeMetrics
+from ..solo.trainer import SoloRound, train_solo
+from ..swarm.node import SwarmConfig, SwarmNode
+from ..swarm.node import format_round as format_swarm_round
+from ..training.config import TrainConfig
+from .options import add_train_arguments, set_threads, train_config_from_args
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="adloco-node",
+        description="Decentralized volunteer training node (DiLoCo + AdLoCo + DiLoCoX + HeLoCo).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog=EPILOG,
+    )
+    add_config_argument(p)
+    run = p.add_argument_group("run")
+    run.add_argument("--rounds", type=int, default=0, help="rounds to train (0: until SIGTERM/Ctrl-C)")
+    run.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: all CPUs)")
+    run.add_argument("--log-level", default="WARNING", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    run.add_argument("--offline", action="store_true", help="train alone with no networking at all")
+    run.add_argument("--status-file", type=Path, default=None, help="append one JSON line per event here")
+
+    ops = p.add_argument_group("operations")
+    ops.add_argument(
+        "--checkpoint-dir", type=Path, default=None, help="write checkpoints here, and resume from them"
+    )
+    ops.add_argument(
+        "--checkpoint-every", type=int, default=10, help="rounds between checkpoints (0: only at the end)"
+    )
+    ops.add_argument(
+        "--control-port", type=int, default=7601, help="local gRPC control service (adloco-node ctl); -1: off"
+    )
+    ops.add_argument("--control-host", default="127.0.0.1", help="address the control service binds")
+    ops.add_argument(
+        "--control-allow-remote", action="store_true", help="allow a non-loopback --control-host (no auth!)"
+    )
+    ops.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
+    ops.add_argument("--metrics-host", default="0.0.0.0", help="address the metrics endpoint listens on")
+    add_train_arguments(p)
+    net = p.add_argument_group("swarm networking (hivemind)")
+    net.add_argument(
+        "--peers", nargs="*", default=[], help="multiaddrs of peers to join; none: start a swarm"
+    )
+    net.add_argument("--run-id", default="default", help="swarms with different run ids never mix")
+    net.add_argument("--host-maddrs", nargs="+", default=["/ip4/0.0.0.0/tcp/0"], help="listen multiaddrs")
+    net.add_argument("--announce-maddrs", nargs="*", default=[], help="public multiaddrs to announce")
+    net.add_argument("--identity-path", default=None, help="private key file: same peer id across restarts")
+    net.add_argument("--client-mode", action="store_true", help="accept no incoming connections (behind NAT)")
+    net.add_argument("--no-relay", action="store_true", help="do not use libp2p circuit relays")
+    net.add_argument("--use-auto-relay", action="store_true", help="look for relays to become reachable")
+    net.add_argument(
+        "--no-nat-port-map", action="store_true", help="do not ask the router for a port mapping"
+    )
+    net.add_argument("--window-s", type=float, default=3.0, help="matchmaking window per round (s)")
+    net.add_argument("--part-timeout-s", type=float, default=15.0, help="wait for a silent member (s)")
+    net.add_argument("--data-shard", type=int, default=None, help="this node's data shard (default: random)")
+    net.add_argument("--data-shards", type=int, default=16, help="number of data shards of the run")
+    net.add_argument(
+        "--simulate-slowdown", type=float, default=1.0, help="testing: make this node F× slower (idle time)"
+    )
+    net.add_argument(
+        "--dylu", action="store_true", help="shorten H to this node's speed relative to the fastest peer"
+    )
+    return p
+
+
+def network_from_args(args: argparse.Namespace) -> NetworkConfig:
+    try:
+        return NetworkConfig(
+            peers=parse_maddrs(args.peers, option="--peers"),
+            host_maddrs=parse_maddrs(args.host_maddrs, option="--host-maddrs"),
+            announce_maddrs=parse_maddrs(args.announce_maddrs, option="--announce-maddrs"),
+            identity_path=args.identity_path,
+            client_mode=args.client_mode,
+            use_relay=not args.no_relay,
+            use_auto_relay=args.use_auto_relay,
+            nat_port_map=not args.no_nat_port_map,
+        )
+    except ValueError as e:
+        raise UserError(str(e)) from None
+
+
+def swarm_from_args(args: argparse.Namespace) -> SwarmConfig:
+    if args.window_s < 0 or args.part_timeout_s <= 0:
+        raise UserError("--window-s must be >= 0 and --part-timeout-s > 0")
+    if not 1.0 <= args.simulate_slowdown < 1000:
+        raise UserError(f"--simulate-slowdown: must be in [1, 1000), got {args.simulate_slowdown}")
+    if args.data_shards < 1 or (args.data_shard is not None and not 0 <= args.data_shard < args.data_shards):
+        raise UserError(f"--data-shard: must be in [0, --data-shards={args.data_shards})")
+    if args.checkpoint_every < 0:
+        raise UserError(f"--checkpoint-every: must be >= 0, got {args.checkpoint_every}")
+    if args.checkpoint_dir is not None:
+        check_checkpoint_dir(args.checkpoint_dir)
+    return SwarmConfig(
+        run_id=args.run_id,
+        rounds=args.rounds,
+        window_s=args.window_s,
+        part_timeout_s=args.part_timeout_s,
+        status_file=args.status_file,
+        data_shard=args.data_shard,
+        data_shards=args.data_shards,
+        simulate_slowdown=args.simulate_slowdown,
+        dylu=args.dylu,
+        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every,
+    )
+
+
+def format_round(r: SoloRound) -> str:
+    return (
+        f"[local round={r.round}] val {r.val_loss:.3f} inner {r.inner_loss:.3f} {r.tokens_per_s:.0f} tok/s"
+        f" b={list(r.batch_sizes)} a={r.accum_steps} K={r.instances} {r.codec} {r.wire_bytes / 1e6:.2f}MB"
+        f" {r.round_s:.1f}s"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["ctl"]:
+        return ctl_main(argv[1:])
+    try:
+        args = parse_settings(build_parser(), argv)
+    except UserError as e:
+        print(f"adloco-node: error: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
+    stop = threading.Event()
+    try:
+        if args.rounds < 0:
+            raise UserError(f"--rounds: must be >= 0 (0 trains until stopped), got {args.rounds}")
+        set_threads(args.threads)
+        cfg = train_config_from_args(args)
+        if args.offline:
+            signal.signal(signal.SIGTERM, lambda *_: stop.set())
+            train_solo(
+                cfg,
+                rounds=args.rounds,
+                on_round=lambda r: print(format_round(r), flush=True),
+                should_stop=stop.is_set,
+            )
+        else:
+            swarm = swarm_from_args(args)
+            check_control(args)
+            metrics = metrics_from_args(args)
+            run_swarm_node(cfg, network_from_args(args), swarm, stop, metrics, args)
+    except UserError as e:
+        print(f"adloco-node: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("adloco-node: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+def check_control(args: argparse.Namespace) -> None:
+    """The control service's flags, checked before any networking starts (-1: no service)."""
+    if args.control_port != -1:
+        check_bind(args.control_host, args.control_port, allow_remote=args.control_allow_remote)
+
+
+def metrics_from_args(args: argparse.Namespace) -> NodeMetrics:
+    """The node's metrics, served on --metrics-port if given (checked before any networking starts)."""
+    metrics = NodeMetrics()
+    if args.metrics_port is not None:
+        if not 0 <= args.metrics_port < 65536:
+            raise UserError(f"--metrics-port: must be in [0, 65535], got {args.metrics_port}")
+        metrics.serve(args.metrics_port, args.metrics_host)
+    return metrics
+
+
+def run_swarm_node(
+    cfg: TrainConfig,
+    net: NetworkConfig,
+    swarm: SwarmConfig,
+    stop: threading.Event,
+    metrics: NodeMetrics,
+    args: argparse.Namespace,
+) -> None:
+    """Join (or start) the swarm and train until the rounds are done, a drain, or SIGTERM/SIGINT."""
+    try:
+        node = SwarmNode(cfg, net, swarm, metrics)
+    except ValueError as e:  # networking failures (port in use, unreachable peers) name the option
+        raise UserError(str(e)) from None
+    # Only now: the DHT process has forked and must not inherit these handlers (see dht_bootstrap).
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    control = None
+    try:
+        print("adloco-node: joined as " + node.peer_id + "; others can join with:", flush=True)
+        print("  --peers " + " ".join(node.maddrs), flush=True)
+        reach = reachability.check(node.maddrs, client_mode=net.client_mode)
+        print("adloco-node: " + reach.message(port_map=net.nat_port_map, relay=net.use_relay), flush=True)
+        node.status.write("reachability", reachable=reach.reachable, public=list(reach.public))
+        if args.control_port != -1:
+            # After the DHT forked: gRPC's threads and fork do not mix.
+            control = ControlServer(
+                status=node.node_status,
+                drain=node.request_drain,
+                checkpoint=node.request_checkpoint,
+                host=args.control_host,
+                port=args.control_port,
+                allow_remote=args.control_allow_remote,
+            )
+            control.start()
+            print(f"adloco-node: control service on {control.address} (adloco-node ctl status)", flush=True)
+        node.on_round = lambda fields: print(format_swarm_round(node.peer_id, fields), flush=True)
+        node.run(should_stop=stop.is_set)
+    finally:
+        node.shutdown()
+        if control is not None:
+            control.stop(grace=1.0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,172 @@
+"""Command-line flags for the training configuration, shared by `adloco-node` and `adloco-sim`."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+from dataclasses import replace
+
+import torch
+
+from ...errors import UserError
+from ..training.config import TrainConfig
+
+
+def finite_float(text: str) -> float:
+    """argparse type for float flags: nan and inf pass float() but no knob means anything with them."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
+def config_error(e: ValueError, args: argparse.Namespace) -> UserError:
+    """A config validation error as a UserError that names the flag first, as every UserError does.
+
+    Validation messages start with the field they reject ("seq_len must be >= 1", "outer lr must be
+    > 0", "codec: unknown codec spec"); when that field (one or two words) is a flag's destination,
+    the message is prefixed with the flag.
+    """
+    msg = str(e)
+    words = re.match(r"([a-z_]+)(?: ([a-z_]+))?", msg)
+    candidates = ["_".join(w for w in words.groups() if w), words[1]] if words else []
+    for dest in candidates:
+        if dest in vars(args):
+            flag = "--" + dest.replace("_", "-")
+            rest = msg[len(dest) :]
+            return UserError(f"{flag}{rest}" if rest.startswith(":") else f"{flag}: {msg}")
+    return UserError(msg)
+
+
+def set_threads(threads: int | None) -> None:
+    """Apply --threads (None: torch's default, all CPUs)."""
+    if threads is None:
+        return
+    if threads < 1:
+        raise UserError(f"--threads: must be >= 1, got {threads}")
+    torch.set_num_threads(threads)
+
+
+def check_device(spec: str) -> None:
+    """Fail fast on a --device this machine does not have (torch would fail deep in model setup)."""
+    if spec == "auto":
+        return
+    device = torch.device(spec)  # the syntax is checked by TrainConfig
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device.type == "cuda" and (device.index or 0) >= count:
+        raise UserError(f"--device: {spec!r} is not available here ({count} CUDA devices); use auto or cpu")
+
+
+def add_train_arguments(p: argparse.ArgumentParser) -> None:
+    """The model/data, local-training (AdLoCo) and outer-step/communication flag groups."""
+    model = p.add_argument_group("model and data")
+    model.add_argument("--model", default=None, help="preset, transformers model type, or config.json path")
+    model.add_argument(
+        "--dataset", default=None, help="local files or datasets name (default: embedded corpus)"
+    )
+    model.add_argument("--text-field", default="text", help="text column of a json/parquet/datasets source")
+    model.add_argument("--seq-len", type=int, default=128, help="tokens per training sequence")
+    model.add_argument("--non-iid", action="store_true", help="each peer gets a different part of the corpus")
+    model.add_argument("--max-corpus-mb", type=finite_float, default=None, help="cap on the corpus read")
+    model.add_argument("--seed", type=int, default=0, help="model init and data order seed")
+    model.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N")
+
+    local = p.add_argument_group("local training (AdLoCo)")
+    local.add_argument("--instances", type=int, default=2, help="K_0, MIT instances per peer")
+    local.add_argument("--batch-size", type=int, default=8, help="b_0, initial per-instance batch")
+    local.add_argument("--inner-steps", type=int, default=10, help="H, optimizer steps per round")
+    local.add_argument("--inner-lr", type=finite_float, default=4e-4, help="AdamW lr of the instances")
+    local.add_argument("--b-max", type=int, default=None, help="hardware batch limit (default: probed)")
+    local.add_argument(
+        "--memory-budget-gb", type=finite_float, default=None, help="CPU memory for b_max probing"
+    )
+    local.add_argument("--batch-test", choices=("norm", "augmented", "none"), default="norm")
+    local.add_argument("--eta", type=finite_float, default=0.8, help="η of the norm test")
+    local.add_argument("--batch-cap", type=int, default=64, help="largest per-instance batch")
+    local.add_argument("--merge-every", type=int, default=2, help="rounds between MIT merges")
+    local.add_argument("--min-instances", type=int, default=1, help="MIT merges stop at this count")
+
+    outer = p.add_argument_group("outer step and compression")
+    outer.add_argument(
+        "--outer-lr",
+        type=finite_float,
+        default=None,
+        help="outer Nesterov lr η (default 0.7; async runs use less)",
+    )
+    outer.add_argument("--outer-momentum", type=finite_float, default=0.9)
+    outer.add_argument(
+        "--nesterov", choices=("n1", "n2"), default="n1", help="N1 PyTorch or N2 dampened form"
+    )
+    outer.add_argument("--codec", default="int8", help="none|fp16|int8|int4|lowrank:R[:fp16|int4]|adaptive")
+    outer.add_argument(
+        "--max-rel-error", type=finite_float, default=0.1, help="δ of the adaptive codec chooser"
+    )
+    outer.add_argument(
+        "--overlap",
+        choices=("off", "auto", "rebase", "overwrite", "mix"),
+        default="auto",
+        help="DiLoCoX one-step-delay overlap: train the next round while this one is averaged, then mix"
+        " the local weights with the new θ (or rebase the local progress onto it, or overwrite it); auto"
+        " overlaps (mix) only while the last exchange fit in a local round; off waits for every update",
+    )
+    outer.add_argument(
+        "--overlap-mix", type=finite_float, default=0.5, help="local weights' share under --overlap mix"
+    )
+
+    late = p.add_argument_group("late contributions (HeLoCo)")
+    late.add_argument("--no-correction", action="store_true", help="apply late pseudo-gradients uncorrected")
+    late.add_argument("--staleness-weight", choices=("constant", "inv_sqrt", "tokens"), default="inv_sqrt")
+    late.add_argument("--max-staleness", type=int, default=16, help="drop contributions older than this")
+
+
+def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """The typed config from parsed flags; a contradiction raises UserError with the fix."""
+    base = TrainConfig()
+    try:
+        cfg = replace(
+            base,
+            model=args.model,
+            dataset=args.dataset,
+            text_field=args.text_field,
+            seq_len=args.seq_len,
+            batch_size=args.batch_size,
+            instances=args.instances,
+            inner_steps=args.inner_steps,
+            inner=replace(base.inner, lr=args.inner_lr),
+            outer=replace(
+                base.outer,
+                lr=base.outer.lr if args.outer_lr is None else args.outer_lr,
+                momentum=args.outer_momentum,
+                convention=args.nesterov,
+            ),
+            schedule=replace(
+                base.schedule,
+                test=args.batch_test,
+                eta=args.eta,
+                batch_cap=args.batch_cap,
+                merge=replace(
+                    base.schedule.merge, merge_every=args.merge_every, min_instances=args.min_instances
+                ),
+            ),
+            codec=args.codec,
+            max_rel_error=args.max_rel_error,
+            correct_late=not args.no_correction,
+            staleness_weight=args.staleness_weight,
+            max_staleness=args.max_staleness,
+            b_max=args.b_max,
+            memory_budget_gb=args.memory_budget_gb,
+            non_iid=args.non_iid,
+            max_corpus_mb=args.max_corpus_mb,
+            seed=args.seed,
+            device=args.device,
+            overlap=args.overlap,
+            overlap_mix=args.overlap_mix,
+        )
+    except ValueError as e:
+        raise config_error(e, args) from None
+    check_device(cfg.device)
+    return cfg

@@ -1,0 +1,130 @@
+"""The typed training configuration shared by the node, the swarm and the simulator.
+
+Each knob is documented where it is declared, with the paper's name for it and the symptom that
+tells you to change it. The algorithm parts are the protocol/ config classes themselves
+(`OuterConfig`, `ScheduleConfig`, `HelocoConfig`), nested here so there is one tree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from ...protocol.algorithms.codecs import make_codec
+from ...protocol.algorithms.heloco import HelocoConfig
+from ...protocol.algorithms.outer import OuterConfig
+from ...protocol.algorithms.schedule import ScheduleConfig
+from .instances import InnerConfig
+
+DEFAULT_CODEC_CANDIDATES: tuple[str, ...] = (
+    "fp16",
+    "int8",
+    "int4",
+    "lowrank:4",
+    "lowrank:8",
+    "lowrank:16",
+    "lowrank:32",
+)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything that decides what one peer computes in a round.
+
+    model: a preset name ("tiny-llama", ...), a transformers model type, or a config.json path.
+    dataset: None for the embedded corpus (the Python standard library's source), a local file or
+        folder, or a `datasets` name.
+    seq_len: tokens per training sequence.
+    batch_size: b_0, the initial per-instance batch (AdLoCo `initial_batch_size`). The norm test grows
+        it; start small so the test, not this number, decides.
+    instances: K_0, MIT instances per node (AdLoCo `num_init_trainers`). More instances give the
+        variance test more samples and more data diversity per round, at K× the optimizer memory.
+    inner_steps: H, optimizer steps per round (DiLoCo H). Larger H means fewer communications; if the
+        validation loss stalls while the inner loss falls, the instances drift: lower H.
+    codec: the pseudo-gradient codec ("none", "fp16", "int8", "int4", "lowrank:R[:fp16|int4]") or
+        "adaptive" (DiLoCoX adaptive compression: cheapest of `codec_candidates` meeting
+        `max_rel_error` and the byte budget the overlap window allows).
+    max_rel_error: δ, the relative compression error bound of the adaptive chooser. If the loss
+        lags an uncompressed run, lower it.
+    heloco: HeLoCo correction of late pseudo-gradients; `correct_late=False` applies them as they are.
+    staleness_weight: ρ(τ) for late contributions: "constant", "inv_sqrt" (Async DiLoCo), "tokens".
+    max_staleness: contributions older than this many rounds are dropped rather than corrected
+        (HeLoCo reports dropping can beat correcting beyond ~15).
+    b_max: override the probed hardware batch limit (switch mode engages above it).
+    memory_budget_gb: CPU memory for b_max probing (default: half of what is available).
+    non_iid: give each peer a different part of the corpus (by top-level package).
+    overlap: DiLoCoX one-step-delay overlap. "off": every round starts from the new θ, after the
+        averaging (the synchronous DiLoCo call order train → contribute → apply). "rebase",
+        "overwrite", "mix": the instances train the next round while the last one is averaged, and
+        when its update lands their progress is rebased onto the new θ, dropped, or mixed with it
+        (`overlap_mix` of the local weights). Rebase keeps everything; if the loss oscillates under
+        overlap, try mix. "auto": mix while the exchange fits in a local round (DiLoCoX's condition
+        T_comm ≤ H·t_step, measured), else that round waits (the driver decides, `Peer.train_round(
+        from_theta=True)`). The caller must then apply each update during or after the *next* local
+        round (the swarm and the simulator do).
+    """
+
+    model: str | None = None
+    dataset: str | None = None
+    text_field: str = "text"
+    seq_len: int = 128
+    batch_size: int = 8
+    instances: int = 2
+    inner_steps: int = 10
+    inner: InnerConfig = field(default_factory=InnerConfig)
+    outer: OuterConfig = field(default_factory=OuterConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    codec: str = "int8"
+    codec_candidates: tuple[str, ...] = DEFAULT_CODEC_CANDIDATES
+    max_rel_error: float = 0.1
+    heloco: HelocoConfig = field(default_factory=HelocoConfig)
+    correct_late: bool = True
+    staleness_weight: Literal["constant", "inv_sqrt", "tokens"] = "inv_sqrt"
+    max_staleness: int = 16
+    b_max: int | None = None
+    memory_budget_gb: float | None = None
+    non_iid: bool = False
+    val_sequences: int = 32
+    max_corpus_mb: float | None = None
+    seed: int = 0
+    device: str = "auto"
+    overlap: Literal["off", "auto", "rebase", "overwrite", "mix"] = "off"
+    overlap_mix: float = 0.5
+
+    def __post_init__(self) -> None:
+        for name in ("seq_len", "batch_size", "instances", "inner_steps", "val_sequences"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.instances < self.schedule.merge.min_instances:
+            raise ValueError(
+                f"instances ({self.instances}) is below min_instances ({self.schedule.merge.min_instances}):"
+                " raise instances or lower min_instances"
+            )
+        if self.b_max is not None and self.b_max < 1:
+            raise ValueError(f"b_max must be >= 1, got {self.b_max}")
+        for spec in (self.codec,) if self.codec != "adaptive" else self.codec_candidates:
+            try:
+                make_codec(spec)
+            except ValueError as e:
+                raise ValueError(f"codec: {e}") from None
+        if not self.max_rel_error > 0:
+            raise ValueError(f"max_rel_error must be > 0, got {self.max_rel_error}")
+        if self.max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
+        for name in ("max_corpus_mb", "memory_budget_gb"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
+        if self.overlap not in ("off", "auto", "rebase", "overwrite", "mix"):
+            raise ValueError(f"overlap must be off, auto, rebase, overwrite or mix, got {self.overlap!r}")
+        if not 0 <= self.overlap_mix <= 1:
+            raise ValueError(f"overlap_mix must be in [0, 1], got {self.overlap_mix}")
+        if self.device != "auto":
+            try:
+                torch.device(self.device)
+            except RuntimeError:
+                raise ValueError(
+                    f"device: {self.device!r} is not a torch device; use auto, cpu, cuda or cuda:N"
+                ) from None

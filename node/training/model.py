@@ -1,0 +1,206 @@
+"""The model every peer trains: a transformers causal LM built from a config, randomly initialised.
+
+`build_model` accepts a preset name (the embedded default `tiny-llama` and two larger Llama sizes that
+train on a CPU), a local `config.json` (or a directory holding one), or a bare transformers model type
+such as "gpt2", which takes that library's default config. Nothing is downloaded: weights come from
+`torch.manual_seed(seed)`, so every peer given the same spec and seed starts from bit-identical
+parameters. `model_fingerprint` identifies the architecture so peers of different models never mix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ...errors import UserError
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "tiny-llama"
+
+# Llama sizes measured on this project's 2-core reference machine (docs: DESIGN.md §5). The MLP is
+# 4·d wide so the counts match the measured 0.6M / 4.3M / 14M; untied embeddings as in Llama.
+PRESETS: dict[str, dict[str, int]] = {
+    "tiny-llama": {"hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4},
+    "small-llama": {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 8},
+    "base-llama": {"hidden_size": 384, "num_hidden_layers": 6, "num_attention_heads": 6},
+}
+
+# Shown in the error for an unknown --model; any key of transformers' causal-LM mapping works.
+EXAMPLE_MODEL_TYPES = ("llama", "gpt2", "mistral", "qwen2", "gpt_neox", "opt", "bloom")
+
+# Training in fp32 with AdamW holds ~16 bytes per parameter (weights, grads, two moments); building
+# alone holds 4. Refusing a model whose weights alone exceed half the host memory turns a bare
+# "llama" (transformers' default is 6.5B parameters) into a clear error instead of an OOM kill.
+_MAX_WEIGHT_SHARE_OF_RAM = 0.5
+
+# CPU, 2 threads, AdamW, batch 8x128, best of 6 alternating runs: tiny-llama sdpa 36.5 vs eager
+# 39.0 ms/step, small-llama 196 vs 208 ms/step. Architectures without sdpa fall back to eager.
+ATTN_IMPLEMENTATION = "sdpa"
+
+
+def build_model(
+    spec: str | None = None, *, vocab_size: int = 256, seed: int = 0, max_seq_len: int = 1024
+) -> PreTrainedModel:
+    """Build a randomly initialised causal LM in fp32 on the CPU.
+
+    Args:
+        spec: None or a preset name (`PRESETS`), a path to a config.json or a directory holding one,
+            or a transformers model type ("llama", "gpt2", ...) for that type's default config.
+        vocab_size: the tokenizer's vocabulary size; presets and bare types use it, a config file
+            keeps its own vocabulary unless that is smaller.
+        seed: the same seed gives bit-identical weights on every machine with the same torch.
+        max_seq_len: the longest sequence a preset must support (its position limit).
+
+    Raises:
+        UserError: unknown spec, unreadable config, or a model too large for this host.
+    """
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    config = resolve_config(spec, vocab_size=vocab_size, max_seq_len=max_seq_len)
+    # fp32 master weights whatever a config.json says; mixed precision is the trainer's business.
+    config.dtype = torch.float32
+    _check_size(config, spec)
+    from transformers import AutoModelForCausalLM
+
+    # fork_rng keeps the caller's global RNG stream untouched by the initialisation.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        try:
+            model: PreTrainedModel = AutoModelForCausalLM.from_config(
+                config, attn_implementation=ATTN_IMPLEMENTATION
+            )
+        except ValueError:  # an architecture without sdpa support
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    logger.info(
+        "model %s: %s, %.2fM parameters",
+        spec or DEFAULT_MODEL,
+        config.model_type,
+        count_parameters(model) / 1e6,
+    )
+    return model
+
+
+def resolve_config(spec: str | None, *, vocab_size: int = 256, max_seq_len: int = 1024) -> PretrainedConfig:
+    """Return the transformers config `build_model` would use for `spec` (see there)."""
+    name = spec or DEFAULT_MODEL
+    if name in PRESETS:
+        return _preset_config(name, vocab_size=vocab_size, max_seq_len=max_seq_len)
+    path = Path(name).expanduser()
+    if path.exists():
+        config = _config_from_path(path, spec=name)
+        if config.vocab_size < vocab_size:
+            config.vocab_size = vocab_size
+        return config
+    config = _config_from_type(name)
+    config.vocab_size = vocab_size
+    _drop_out_of_vocab_token_ids(config)
+    return config
+
+
+def _preset_config(name: str, *, vocab_size: int, max_seq_len: int) -> PretrainedConfig:
+    from transformers import LlamaConfig
+
+    sizes = PRESETS[name]
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=sizes["hidden_size"],
+        intermediate_size=4 * sizes["hidden_size"],
+        num_hidden_layers=sizes["num_hidden_layers"],
+        num_attention_heads=sizes["num_attention_heads"],
+        num_key_value_heads=sizes["num_attention_heads"],
+        max_position_embeddings=max_seq_len,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+
+
+def _config_from_path(path: Path, *, spec: str) -> PretrainedConfig:
+    from transformers import AutoConfig
+
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise UserError(f"--model: directory {spec!r} has no config.json")
+    try:
+        config: PretrainedConfig = AutoConfig.from_pretrained(str(path), local_files_only=True)
+        return config
+    except (OSError, ValueError, KeyError, json.JSONDecodeError) as exc:
+        raise UserError(
+            f"--model: cannot read a transformers config from {spec!r}: {_one_line(exc)}"
+        ) from exc
+
+
+def _config_from_type(model_type: str) -> PretrainedConfig:
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise UserError(
+            f"--model: no such file or transformers model type {model_type!r}; presets: "
+            f"{', '.join(PRESETS)}; known types include {', '.join(EXAMPLE_MODEL_TYPES)}, ...; "
+            "or pass a path to a config.json"
+        )
+    return AutoConfig.for_model(model_type)
+
+
+def _drop_out_of_vocab_token_ids(config: PretrainedConfig) -> None:
+    # A default config's special ids (gpt2: 50256) point outside a shrunk vocabulary.
+    for attr in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        value = getattr(config, attr, None)
+        if isinstance(value, int) and value >= config.vocab_size:
+            setattr(config, attr, None)
+
+
+def _check_size(config: PretrainedConfig, spec: str | None) -> None:
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(config)
+    params = count_parameters(meta)
+    ram = _physical_memory_bytes()
+    if ram and params * 4 > _MAX_WEIGHT_SHARE_OF_RAM * ram:
+        raise UserError(
+            f"--model: {spec!r} ({config.model_type}) has {params / 1e6:.0f}M parameters, "
+            f"{params * 4 / 2**30:.1f} GiB in fp32, too large for this host's {ram / 2**30:.0f} GiB; "
+            f"use a preset ({', '.join(PRESETS)}) or a config.json with smaller sizes"
+        )
+
+
+def _physical_memory_bytes() -> int:
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def model_fingerprint(model: torch.nn.Module) -> str:
+    """Return a sha256 hex digest of the model type and every parameter's name, shape and dtype.
+
+    Peers compare it before they average: a different architecture, size or vocabulary gives a
+    different fingerprint. Values are not included, so it is stable while training.
+    """
+    config: Any = getattr(model, "config", None)
+    digest = hashlib.sha256(str(getattr(config, "model_type", type(model).__name__)).encode())
+    for name, param in sorted(model.named_parameters()):
+        digest.update(f"|{name}:{tuple(param.shape)}:{param.dtype}".encode())
+    return digest.hexdigest()
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    """Return the number of parameter elements (shared tensors counted once)."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text[:300] or type(exc).__name__

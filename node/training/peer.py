@@ -1,0 +1,515 @@
+"""One peer's side of a round, the same code for the simulator and for the real swarm.
+
+A `Peer` holds the state every peer of a run holds (θ, outer momentum m, round r, schedule S_r, the
+error-feedback residual e) and its local MIT instances. A round is three calls, and only the
+transport between the second and the third differs between the simulator and the swarm:
+
+    local = peer.train_round()                       # DESIGN §3 steps 1-3
+    contribution = peer.contribute(local)            # steps 4 and 9: correct, weight, compress
+    ... transport averages the group's contributions (protocol.allreduce semantics) ...
+    peer.apply_round(result)                         # steps 7-8: outer step, schedule, merge
+
+A peer that missed rounds first replays the averaged updates it missed (`catch_up`), so a late
+contribution is corrected against the current momentum (HeLoCo) and weighted by its staleness.
+
+With one-step-delay overlap (`TrainConfig.overlap`, DiLoCoX) the order becomes: contribute round r,
+train round r+1 while r is averaged, apply r's update when it lands (`apply_round` may be called
+from `train_round`'s `on_step` callback, between two inner steps). Every change of θ then moves the
+instances' progress onto the new θ (`Instance.shift`), and MIT merges decided meanwhile wait for the
+local round to end.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import torch
+
+from ...errors import UserError
+from ...protocol.algorithms.allreduce import Contribution, GroupResult
+from ...protocol.algorithms.batchtest import pool_stats
+from ...protocol.algorithms.codecs import Codec, ErrorFeedback, choose_codec, decode_tensors, make_codec
+from ...protocol.algorithms.heloco import CorrectionReport, correct, dylu_inner_steps, staleness_weight
+from ...protocol.algorithms.merge import merge_weighted
+from ...protocol.algorithms.outer import outer_step
+from ...protocol.algorithms.pseudograd import tensors_hash, weighted_mean
+from ...protocol.algorithms.schedule import PeerReport, Schedule, accumulation_for, next_schedule
+from .bmax import probe_b_max
+from .config import TrainConfig
+from .data import Corpus, TokenSampler, evaluate, shard_corpus, validation_batches
+from .instances import Instance
+from .model import build_model
+
+logger = logging.getLogger(__name__)
+
+HISTORY_ROUNDS = 8
+
+
+@dataclass
+class LocalRound:
+    """A peer's local result for one round, before compression."""
+
+    base_round: int
+    delta: list[torch.Tensor]
+    tokens: int
+    samples: int
+    mean_loss: float
+    report: PeerReport
+    compute_s: float
+    accum_steps: int
+    inner_steps: int
+
+
+@dataclass(frozen=True)
+class Update:
+    """An applied round, kept so a peer that missed it can replay it (catch-up)."""
+
+    round: int
+    averaged: Mapping[str, bytes]
+    schedule: Schedule
+    merge: tuple[int, int] | None
+
+
+@dataclass
+class ContributionInfo:
+    """What `contribute` decided, for metrics and the simulator's records."""
+
+    staleness: int
+    weight: float
+    correction: CorrectionReport | None
+    wire_bytes: int
+    codec: str
+    dropped: bool = False
+
+
+@dataclass
+class PeerState:
+    """θ, m, r and S_r: what all peers of a run hold identically after every round."""
+
+    theta: list[torch.Tensor]
+    momentum: list[torch.Tensor]
+    round: int
+    schedule: Schedule
+    history: list[Update] = field(default_factory=list)
+
+    def theta_hash(self) -> str:
+        return tensors_hash(self.theta)
+
+
+def resolve_device(spec: str) -> torch.device:
+    """'auto' → CUDA when present, else CPU."""
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(spec)
+
+
+class Peer:
+    """A peer's state, its MIT instances, and the local half of every round."""
+
+    def __init__(
+        self,
+        *,
+        peer_id: str,
+        index: int,
+        num_peers: int,
+        cfg: TrainConfig,
+        corpus: Corpus,
+        vocab_size: int,
+    ) -> None:
+        self.peer_id = peer_id
+        self.cfg = cfg
+        self.device = resolve_device(cfg.device)
+        self.vocab_size = vocab_size
+        # Every peer builds the same seeded model, so θ_0 is identical without a download.
+        # (typed as a Module: transformers types `PreTrainedModel.to` too narrowly for a device)
+        self.eval_model = cast(
+            torch.nn.Module,
+            build_model(cfg.model, vocab_size=vocab_size, seed=cfg.seed, max_seq_len=max(1024, cfg.seq_len)),
+        ).to(self.device)
+        self.names = [n for n, p in self.eval_model.named_parameters() if p.requires_grad]
+        theta = [p.detach().clone() for p in self.eval_model.parameters() if p.requires_grad]
+        self.state = PeerState(
+            theta=theta,
+            momentum=[torch.zeros_like(t) for t in theta],
+            round=0,
+            schedule=Schedule(
+                round=0,
+                batch=(cfg.batch_size,) * cfg.instances,
+                inner_steps=cfg.inner_steps,
+                codec=cfg.codec_candidates[1] if cfg.codec == "adaptive" else cfg.codec,
+            ),
+        )
+        self.instances = [
+            self._make_instance(corpus, slot=k, index=index, num_peers=num_peers)
+            for k in range(cfg.instances)
+        ]
+        self.b_max = cfg.b_max or probe_b_max(
+            self.instances[0].model,
+            seq_len=cfg.seq_len,
+            vocab_size=vocab_size,
+            instances=cfg.instances,
+            memory_budget_bytes=int(cfg.memory_budget_gb * 2**30) if cfg.memory_budget_gb else None,
+        )
+        self.val_batches = validation_batches(corpus, seq_len=cfg.seq_len, num_sequences=cfg.val_sequences)
+        self.error_feedback = ErrorFeedback()
+        self._codecs: dict[str, Codec] = {}
+        # DyLU (Async DiLoCo): this peer's speed relative to the fastest; H shrinks in proportion.
+        self.dylu_speed_ratio: float | None = None
+        # The round whose θ the instances' current local round is measured from (its base round).
+        self.phase_round = 0
+        self._in_round = False
+        # MIT merges decided while the instances were mid-round: (victim, survivor, batch of then).
+        self._deferred_merges: list[tuple[int, int, tuple[int, ...]]] = []
+
+    def _make_instance(self, corpus: Corpus, *, slot: int, index: int, num_peers: int) -> Instance:
+        shard = shard_corpus(
+            corpus,
+            peer_index=index,
+            num_peers=num_peers,
+            instance_index=slot,
+            num_instances=self.cfg.instances,
+            non_iid=self.cfg.non_iid,
+            seed=self.cfg.seed,
+        )
+        sampler = TokenSampler(shard, seq_len=self.cfg.seq_len, seed=self.cfg.seed * 1000 + index * 31 + slot)
+        if self.cfg.batch_size * self.cfg.seq_len > sampler.num_tokens:
+            raise UserError(
+                f"--batch-size: a batch of {self.cfg.batch_size}×{self.cfg.seq_len} tokens is larger than"
+                f" this peer's data shard ({sampler.num_tokens} tokens); use a smaller batch or more data"
+            )
+        model = copy.deepcopy(self.eval_model)
+        return Instance(slot=slot, model=model, sampler=sampler, inner=self.cfg.inner)
+
+    # ---- local phase -------------------------------------------------------------------------
+
+    @property
+    def overlap(self) -> bool:
+        return self.cfg.overlap != "off"
+
+    @property
+    def in_round(self) -> bool:
+        """A local round is running, or its deferred MIT merges are not done yet."""
+        return self._in_round or bool(self._deferred_merges)
+
+    @property
+    def codecs(self) -> Mapping[str, Codec]:
+        """The codecs this peer has built, by key ("int8", "int8/avg"): their warm starts are state."""
+        return self._codecs
+
+    def train_round(
+        self, on_step: Callable[[int], None] | None = None, *, from_theta: bool = False
+    ) -> LocalRound:
+        """Run every instance for one round; the node pseudo-gradient and its statistics.
+
+        Without overlap (or with `from_theta`: a round that waited for its update) every instance
+        starts from θ. With overlap they go on from their own weights, and `on_step(samples done so
+        far)` runs after every inner step: the place to apply an update that has landed. The round's
+        base is the θ it is measured from when it ends.
+        """
+        schedule = self.state.schedule
+        plans = accumulation_for(schedule, self.b_max)
+        steps = schedule.inner_steps
+        if self.dylu_speed_ratio is not None:
+            steps = dylu_inner_steps(steps, self.dylu_speed_ratio, 1.0)
+        overlapped = self.overlap and not from_theta
+        if overlapped:
+            for inst in self.instances:
+                inst.begin(None)
+        else:
+            self.phase_round = self.state.round
+        done = 0
+
+        def counter(samples_per_step: int) -> Callable[[int, float], None]:
+            def step_done(_step: int, _loss: float) -> None:
+                nonlocal done
+                done += samples_per_step
+                if on_step is not None:
+                    on_step(done)
+
+            return step_done
+
+        self._in_round = True
+        try:
+            results = [
+                inst.run_round(
+                    None if overlapped else self.state.theta,
+                    plan=plan,
+                    steps=steps,
+                    on_step=counter(plan.effective),
+                )
+                for inst, plan in zip(self.instances, plans, strict=True)
+            ]
+        finally:
+            self._in_round = False
+        tokens = sum(r.tokens for r in results)
+        delta = weighted_mean([r.delta for r in results], [float(r.tokens) for r in results])
+        compute_s = sum(r.compute_s for r in results)
+        slot_stats = [r.stats for r in results]
+        for victim, survivor, batch in self._deferred_merges:
+            # A merge decided while this round ran: the survivor's slot reports both instances.
+            slot_stats[survivor] = pool_stats([slot_stats[survivor], slot_stats[victim]])
+            del slot_stats[victim]
+            self.merge_instances(victim, survivor, batch=batch)
+        self._deferred_merges.clear()
+        report = PeerReport(
+            peer_id=self.peer_id,
+            slot_stats=tuple(slot_stats),
+            b_max=self.b_max,
+            tokens=tokens,
+            staleness=0,
+            step_time_s=compute_s / max(steps, 1),
+        )
+        return LocalRound(
+            base_round=self.phase_round,
+            delta=delta,
+            tokens=tokens,
+            samples=sum(r.samples for r in results),
+            mean_loss=sum(r.mean_loss * r.tokens for r in results) / max(tokens, 1),
+            report=report,
+            compute_s=compute_s,
+            accum_steps=max(p.accum for p in plans),
+            inner_steps=steps,
+        )
+
+    # ---- contribution --------------------------------------------------------------------------
+
+    def codec(self, spec: str) -> Codec:
+        """The uplink codec for a spec, kept across rounds (low-rank warm-starts its Q from the last)."""
+        if spec not in self._codecs:
+            self._codecs[spec] = make_codec(spec)
+        return self._codecs[spec]
+
+    def downlink_codec(self, spec: str) -> Codec:
+        """The codec this peer encodes averages with for the parts it owns; separate from the uplink
+        codec so the two low-rank warm starts (own Δ, group average) never mix."""
+        key = f"{spec}/avg"
+        if key not in self._codecs:
+            self._codecs[key] = make_codec(spec)
+        return self._codecs[key]
+
+    def contribute(
+        self, local: LocalRound, *, extra: Mapping[str, Any] | None = None
+    ) -> tuple[Contribution | None, ContributionInfo]:
+        """Correct (if late), weight and compress the local pseudo-gradient for the current round.
+
+        Call after `catch_up`, so θ and m are the current round's. Returns None as the contribution
+        when it is too stale to use (it is then dropped, and counted).
+        """
+        tau = self.state.round - local.base_round
+        spec = self.state.schedule.codec
+        if tau > self.cfg.max_staleness:
+            return None, ContributionInfo(tau, 0.0, None, 0, spec, dropped=True)
+        delta, report = local.delta, None
+        if tau > 0 and self.cfg.correct_late:
+            # HeLoCo option (a) of algorithms.md §5.4: each peer corrects its own Δ against the
+            # replicated momentum, which every caught-up peer holds identically.
+            delta, report = correct(delta, self.momentum_reference(), self.cfg.heloco)
+        weight = local.tokens * staleness_weight(
+            tau, kind=self.cfg.staleness_weight, tokens=local.tokens, ref_tokens=self._ref_tokens()
+        )
+        payloads = self.error_feedback.compress(self.codec(spec), dict(zip(self.names, delta, strict=True)))
+        wire = sum(len(p) for p in payloads.values())
+        metadata: dict[str, Any] = {
+            "report": {**local.report.to_dict(), "staleness": tau},
+            "base_round": local.base_round,
+            **(extra or {}),
+        }
+        contribution = Contribution(
+            peer_id=self.peer_id,
+            payloads=payloads,
+            weight=weight,
+            tokens=float(local.tokens),
+            metadata=metadata,
+        )
+        return contribution, ContributionInfo(tau, weight, report, wire, spec)
+
+    def momentum_reference(self) -> list[torch.Tensor]:
+        """The momentum HeLoCo compares late Δ against, on the scale of one pseudo-gradient.
+
+        HeLoCo's formula uses the dampened (N2) buffer, whose norm is that of a typical Δ, so its κ
+        weighs ‖Δ‖ against ‖m‖ on equal terms. Under N1 the buffer is about 1/(1−μ) larger; we
+        compare against (1−μ)·m so κ keeps its meaning (same direction, so the cosines are equal).
+        """
+        if self.cfg.outer.convention == "n2":
+            return self.state.momentum
+        return [(1 - self.cfg.outer.momentum) * m for m in self.state.momentum]
+
+    def _ref_tokens(self) -> int:
+        schedule = self.state.schedule
+        return sum(schedule.batch) * schedule.inner_steps * self.cfg.seq_len
+
+    # ---- apply -----------------------------------------------------------------------------------
+
+    def apply_round(self, result: GroupResult, *, byte_budget: float | None = None) -> Update:
+        """Outer step with the group's average, then the next schedule; returns the update applied."""
+        reports = [
+            PeerReport.from_dict(m["report"])
+            for m in result.gathered
+            if m["report"]["staleness"] == 0
+            and len(m["report"]["slot_stats"]) == self.state.schedule.instances
+        ]
+        codec = self._next_codec(result, byte_budget)
+        schedule, merge = next_schedule(self.state.schedule, reports, self.cfg.schedule, codec=codec)
+        update = Update(round=self.state.round, averaged=result.averaged, schedule=schedule, merge=merge)
+        self._apply(update)
+        return update
+
+    def _next_codec(self, result: GroupResult, byte_budget: float | None) -> str | None:
+        if self.cfg.codec != "adaptive":
+            return None
+        # Chosen from the averaged Δ̄, which every member holds bit-identically, so every member
+        # picks the same codec without another message.
+        choice = choose_codec(
+            result.decoded(),
+            candidates=self.cfg.codec_candidates,
+            max_rel_error=self.cfg.max_rel_error,
+            byte_budget=byte_budget,
+        )
+        return choice.spec
+
+    def _apply(self, update: Update) -> None:
+        if update.round != self.state.round:
+            raise ValueError(f"update for round {update.round} applied at round {self.state.round}")
+        averaged = decode_tensors(dict(update.averaged))
+        delta = [averaged[n].to(self.device) for n in self.names]
+        outer_step(self.state.theta, self.state.momentum, delta, self.cfg.outer)
+        if update.merge is not None:
+            if self._in_round:
+                # The instances are mid-round (overlap): merge when the round ends.
+                self._deferred_merges.append((*update.merge, self.state.schedule.batch))
+            else:
+                self.merge_instances(*update.merge)
+        self.state.schedule = update.schedule
+        self.state.round += 1
+        self.state.history.append(update)
+        # Peers keep the last few averaged updates so a peer a few rounds behind can replay them.
+        del self.state.history[:-HISTORY_ROUNDS]
+        if self.overlap:
+            self.rebase_instances()
+
+    def rebase_instances(self) -> None:
+        """Overlap: move the instances' progress onto the current θ (`cfg.overlap` says how); the
+        local round in progress is measured from this θ from now on."""
+        for inst in self.instances:
+            mode = "mix" if self.cfg.overlap == "auto" else self.cfg.overlap
+            inst.shift(self.state.theta, mode=mode, mix=self.cfg.overlap_mix)
+        self.phase_round = self.state.round
+
+    def catch_up(self, updates: Sequence[Update]) -> int:
+        """Replay the averaged updates this peer missed, in order; returns how many were applied."""
+        applied = 0
+        for update in updates:
+            if update.round < self.state.round:
+                continue
+            self._apply(update)
+            applied += 1
+        return applied
+
+    def adopt_state(self, other: PeerState) -> None:
+        """Full state transfer for a peer too far behind to replay: θ, m, r and S_r from another
+        peer, checked against the sender's θ hash. Instances beyond S_r's count are merged away."""
+        expected = other.theta_hash()
+        self.state = PeerState(
+            theta=[t.detach().clone().to(self.device) for t in other.theta],
+            momentum=[t.detach().clone().to(self.device) for t in other.momentum],
+            round=other.round,
+            schedule=other.schedule,
+            history=list(other.history),
+        )
+        if self.state.theta_hash() != expected:
+            raise ValueError("downloaded state does not match the published θ hash")
+        while len(self.instances) > self.state.schedule.instances:
+            # The two slots with the smallest data streams merge, as a missed MIT merge would have.
+            order = sorted(
+                range(len(self.instances)), key=lambda k: (self.instances[k].sampler.num_tokens, k)
+            )
+            self.merge_instances(order[0], order[1], weights=(1.0, 1.0))
+        if self.overlap:
+            self.rebase_instances()
+
+    def merge_instances(
+        self,
+        victim: int,
+        survivor: int,
+        weights: tuple[float, float] | None = None,
+        *,
+        batch: tuple[int, ...] | None = None,
+    ) -> None:
+        """AdLoCo MIT merge: batch-weighted parameters, the survivor keeps its optimizer state and
+        takes over the victim's data stream (its compute share). `batch` is the schedule the merge
+        was decided under (default: the current one). Round starts merge alike, so Δ stays linear."""
+        batch = batch or self.state.schedule.batch
+        w_survivor, w_victim = weights or (float(batch[survivor]), float(batch[victim]))
+        a, b = self.instances[survivor], self.instances[victim]
+        merged = merge_weighted(
+            dict(a.model.named_parameters()),
+            dict(b.model.named_parameters()),
+            weight_a=w_survivor,
+            weight_b=w_victim,
+        )
+        starts = merge_weighted(
+            {str(i): t for i, t in enumerate(a.start)},
+            {str(i): t for i, t in enumerate(b.start)},
+            weight_a=w_survivor,
+            weight_b=w_victim,
+        )
+        with torch.no_grad():
+            for name, p in a.model.named_parameters():
+                p.copy_(merged[name])
+            for i, s in enumerate(a.start):
+                s.copy_(starts[str(i)])
+        a.sampler = a.sampler.merged_with(b.sampler)
+        del self.instances[victim]
+        for slot, inst in enumerate(self.instances):
+            inst.slot = slot
+
+    # ---- evaluation ------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def validation_loss(self) -> float:
+        """Mean validation loss of θ on the fixed validation windows (identical on every peer)."""
+        for p, t in zip(
+            (p for p in self.eval_model.parameters() if p.requires_grad), self.state.theta, strict=True
+        ):
+            p.copy_(t)
+        self.eval_model.eval()
+        return evaluate(self.eval_model, self.val_batches, micro_batch=16)
+
+    def named_theta(self) -> dict[str, torch.Tensor]:
+        return dict(zip(self.names, self.state.theta, strict=True))
+
+
+def overlap_this_round(mode: str, *, comm_s: float | None, compute_s: float | None) -> bool:
+    """Whether the next local round trains while the exchange in flight runs.
+
+    off: never; rebase, overwrite, mix: always; auto: when the last exchange took no longer than the
+    last local round (DiLoCoX: T_comm ≤ H·t_step). When the exchange is longer, a round started
+    before the update landed is trained entirely from a θ one update old, which the outer momentum
+    turns into oscillation (docs/results.md), so that round waits for the update instead.
+    """
+    if mode == "off":
+        return False
+    if mode != "auto":
+        return True
+    return comm_s is not None and compute_s is not None and comm_s <= compute_s
+
+
+def overlap_byte_budget(reports: Sequence[Mapping[str, Any]], *, group_size: int) -> float | None:
+    """The payload bytes each member may send so one round's transfer fits in the overlap window.
+
+    DiLoCoX: T_comm ≤ H·t_step. Each member sends about 2(n−1)/n of its payload (its parts to their
+    owners, then the averaged parts it owns), so the payload budget is the slowest member's
+    bandwidth × its round compute time divided by that factor.
+    """
+    budgets = [
+        float(m["bandwidth_bps"]) / 8 * float(m["round_compute_s"])
+        for m in reports
+        if m.get("bandwidth_bps") and m.get("round_compute_s")
+    ]
+    if not budgets or group_size < 2:
+        return None
+    return min(budgets) / (2 * (group_size - 1) / group_size)

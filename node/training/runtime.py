@@ -1,0 +1,27 @@
+"""Shared start-up for every entry point: offline hub settings, corpus and tokenizer from a TrainConfig."""
+
+from __future__ import annotations
+
+import os
+
+from .config import TrainConfig
+from .data import Corpus, load_corpus
+from .tokenizer import ByteTokenizer
+
+
+def offline_hub() -> None:
+    """No model or dataset is ever downloaded at run time: make transformers/datasets fail fast."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    # A bad data file is reported as one UserError line; datasets would also log its own ERROR lines.
+    os.environ.setdefault("DATASETS_VERBOSITY", "critical")
+
+
+def load_data(cfg: TrainConfig) -> tuple[Corpus, ByteTokenizer]:
+    """The tokenizer (byte-level, needs no download) and the corpus the config names."""
+    offline_hub()
+    tokenizer = ByteTokenizer()
+    max_bytes = max(1, int(cfg.max_corpus_mb * 1e6)) if cfg.max_corpus_mb else None
+    corpus = load_corpus(cfg.dataset, tokenizer=tokenizer, text_field=cfg.text_field, max_bytes=max_bytes)
+    return corpus, tokenizer

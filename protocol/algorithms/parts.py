@@ -1,0 +1,211 @@
+"""Splitting one all-reduce among the members of an averaging group.
+
+Each tensor ("part") of the pseudo-gradient is owned by one member: every other member sends it
+their encoded copy, the owner decodes and averages them (`reduce_part`) and sends the same encoded
+average back to everyone. `assign_parts` balances owners by bytes deterministically, so all
+members derive the same assignment from the same sizes without talking; `round_traffic` counts the
+exact bytes each member sends and receives in such a round.
+
+Screening (DESIGN §3 step 5): before averaging, the owner rejects, part by part, every payload that
+decodes to a NaN or inf, and, when at least `MIN_OUTLIER_GROUP` finite payloads remain, every one
+whose L2 norm exceeds `DEFAULT_OUTLIER_FACTOR` (configurable) × their median norm (`screen_part`).
+A rejected payload is left out of the weighted sum and its tokens out of the normalizer; if nothing
+is left the part averages to zeros. Rejection is per part: the member stays a contributor.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .codecs import Codec, decode
+
+DEFAULT_OUTLIER_FACTOR = 10.0
+"""How far above the part's median L2 norm a payload's norm may be before its owner rejects it.
+
+Honest Δs of one round differ by data noise and by the work behind them (in the simulator's sync
+and async tests the largest is at most 1.5× the median); a scaled or corrupted one (a bit flip in
+an exponent, a diverged peer) is off by orders of magnitude. Lower it if poisoned rounds get
+through (watch the owners' "rejected" warnings and the loss spikes); raise it, or set 0 / None to
+disable the test, if honest peers with unequal work per round (very different H or batch size)
+get rejected. Non-finite payloads are rejected regardless.
+"""
+MIN_OUTLIER_GROUP = 3
+"""The outlier test needs this many finite payloads of a part: with two, the median cannot say
+which of them is off."""
+
+
+def assign_parts(sizes: Sequence[int], num_members: int) -> list[int]:
+    """Owner member index per tensor: greedy largest-first onto the least-loaded member.
+
+    Tensors are taken by size descending (ties: lower index first) and each goes to the member
+    with the smallest load so far (ties: lower member index). Depends on nothing but the inputs.
+    """
+    if num_members < 1:
+        raise ValueError(f"num_members must be >= 1, got {num_members}")
+    if any(size < 0 for size in sizes):
+        raise ValueError("tensor sizes must be non-negative")
+    loads = [0] * num_members
+    owners = [0] * len(sizes)
+    for index in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        member = min(range(num_members), key=lambda j: (loads[j], j))
+        owners[index] = member
+        loads[member] += sizes[index]
+    return owners
+
+
+def check_outlier_factor(factor: float | None) -> float | None:
+    """`factor` if it is a valid outlier factor (None or >= 0, finite); ValueError otherwise."""
+    if factor is not None and not (math.isfinite(factor) and factor >= 0):
+        raise ValueError(f"outlier_factor must be None or a finite number >= 0, got {factor}")
+    return factor
+
+
+def screen_part(tensors: Sequence[torch.Tensor], outlier_factor: float | None) -> dict[int, str]:
+    """Why each rejected tensor of one part is rejected, by index: the screening rule above.
+
+    A tensor holding any NaN or inf is rejected. Among the finite ones, when there are at least
+    `MIN_OUTLIER_GROUP` of them and `outlier_factor` is neither None nor 0, a tensor whose L2 norm
+    exceeds `outlier_factor` × their median L2 norm is rejected too (with a median of 0, any tensor
+    that is not all zeros).
+    """
+    # One pass per tensor: in float64 the L2 norm of finite float32 values cannot overflow, so it is
+    # finite exactly when every value is.
+    norms = [float(torch.linalg.vector_norm(t, dtype=torch.float64)) for t in tensors]
+    rejected = {i: "non-finite values" for i, norm in enumerate(norms) if not math.isfinite(norm)}
+    finite = {i: norm for i, norm in enumerate(norms) if i not in rejected}
+    if not outlier_factor or len(finite) < MIN_OUTLIER_GROUP:
+        return rejected
+    median = statistics.median(finite.values())
+    for i, norm in finite.items():
+        if norm > outlier_factor * median:
+            rejected[i] = (
+                f"norm {norm / median:.1f}x the median"
+                if median > 0
+                else f"norm {norm:.3g} while the median is 0"
+            )
+    return dict(sorted(rejected.items()))
+
+
+@dataclass(frozen=True)
+class ReducedPart:
+    """One part as its owner reduced it: the bytes sent to every member, and what was left out.
+
+    `rejected` maps the index of each payload left out of the average to the reason.
+    """
+
+    payload: bytes
+    rejected: dict[int, str]
+
+
+def reduce_part(
+    payloads: Sequence[bytes],
+    weights: Sequence[float],
+    codec: Codec,
+    key: str,
+    *,
+    tokens: Sequence[float] | None = None,
+    outlier_factor: float | None = DEFAULT_OUTLIER_FACTOR,
+) -> ReducedPart:
+    """Decode every member's payload of one tensor, screen them, average the rest, re-encode.
+
+    Payloads that `screen_part` rejects are left out of the sum and of its normalizer. The weighted
+    sum runs in float32 in the order given; the returned payload is what the owner sends to every
+    member. The sum is divided by the accepted payloads' Σ weights, or, when `tokens` is given and
+    every accepted payload has tokens > 0, by their Σ tokens: the weights are then tokens ×
+    staleness weight, so a down-weighted late contribution is smaller in absolute terms, not only
+    relative to the others. When nothing is left (every payload rejected, or the accepted ones all
+    weigh 0) the average is zeros. A single accepted payload that is its own average is forwarded
+    unchanged. Raises ValueError on empty, negative, non-finite or zero-sum weights, on negative or
+    non-finite tokens, on a count mismatch, on an undecodable payload and on differing shapes.
+    """
+    _check_inputs(payloads, weights, tokens)
+    check_outlier_factor(outlier_factor)
+    tensors = [decode(payload) for payload in payloads]
+    shapes = {tuple(t.shape) for t in tensors}
+    if len(shapes) != 1:
+        raise ValueError(f"{key}: payload shapes differ: {sorted(shapes)}")
+    rejected = screen_part(tensors, outlier_factor)
+    accepted = [i for i in range(len(tensors)) if i not in rejected]
+    normalized = _normalized(
+        [weights[i] for i in accepted], None if tokens is None else [tokens[i] for i in accepted]
+    )
+    if normalized is None:
+        return ReducedPart(codec.encode(key, torch.zeros_like(tensors[0])), rejected)
+    if normalized == [1.0]:
+        # The average of one contribution is that contribution: forward its bytes rather than
+        # re-encode them and add a second compression error.
+        return ReducedPart(bytes(payloads[accepted[0]]), rejected)
+    average = torch.zeros_like(tensors[0])
+    for i, weight in zip(accepted, normalized, strict=True):
+        average.add_(tensors[i], alpha=weight)
+    return ReducedPart(codec.encode(key, average), rejected)
+
+
+def _check_inputs(
+    payloads: Sequence[bytes], weights: Sequence[float], tokens: Sequence[float] | None
+) -> None:
+    if not weights:
+        raise ValueError("reduce_part needs at least one weight")
+    if any(not math.isfinite(w) or w < 0 for w in weights):
+        raise ValueError(f"weights must be finite and non-negative, got {list(weights)}")
+    if math.fsum(weights) <= 0:
+        raise ValueError("weights sum to 0")
+    if len(payloads) != len(weights):
+        raise ValueError(f"{len(payloads)} payloads but {len(weights)} weights")
+    if tokens is not None:
+        if len(tokens) != len(weights):
+            raise ValueError(f"{len(tokens)} token counts but {len(weights)} weights")
+        if any(not math.isfinite(t) or t < 0 for t in tokens):
+            raise ValueError(f"tokens must be finite and non-negative, got {list(tokens)}")
+
+
+def _normalized(weights: Sequence[float], tokens: Sequence[float] | None) -> list[float] | None:
+    """Per-payload factors of the average (w / Σ weights, or w / Σ tokens); None if nothing weighs."""
+    total = math.fsum(weights)
+    if total <= 0:
+        return None
+    normalized = [w / total for w in weights]
+    if tokens is not None and all(t > 0 for t in tokens):
+        # (w / Σw) · (Σw / Σt) rather than w / Σt: the arithmetic of the first release, kept so that
+        # a round with nothing rejected gives the same bytes as it always did.
+        scale = total / math.fsum(tokens)
+        normalized = [w * scale for w in normalized]
+    return normalized
+
+
+def round_traffic(
+    owners: Sequence[int], up_sizes: Sequence[Sequence[int]], down_sizes: Sequence[int], num_members: int
+) -> tuple[list[int], list[int]]:
+    """Exact (sent, received) bytes per member for one owner-reduces all-reduce round.
+
+    Member i sends its payload of tensor t (`up_sizes[i][t]` bytes) to `owners[t]` unless it is
+    the owner; the owner sends the reduced payload (`down_sizes[t]` bytes) to every other member.
+    """
+    _check_traffic_shapes(owners, up_sizes, down_sizes, num_members)
+    sent = [0] * num_members
+    received = [0] * num_members
+    for part, owner in enumerate(owners):
+        for member in range(num_members):
+            if member == owner:
+                continue
+            sent[member] += up_sizes[member][part]
+            received[owner] += up_sizes[member][part]
+            sent[owner] += down_sizes[part]
+            received[member] += down_sizes[part]
+    return sent, received
+
+
+def _check_traffic_shapes(
+    owners: Sequence[int], up_sizes: Sequence[Sequence[int]], down_sizes: Sequence[int], num_members: int
+) -> None:
+    if len(up_sizes) != num_members:
+        raise ValueError(f"up_sizes has {len(up_sizes)} rows for {num_members} members")
+    if any(len(row) != len(owners) for row in up_sizes) or len(down_sizes) != len(owners):
+        raise ValueError(f"every size list must have one entry per tensor ({len(owners)})")
+    if any(not 0 <= owner < num_members for owner in owners):
+        raise ValueError(f"owners must be member indices in [0, {num_members})")

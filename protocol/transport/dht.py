@@ -1,0 +1,107 @@
+"""Starting a hivemind DHT peer with our defaults, and turning its failures into clear messages.
+
+Shared by the node and the bootstrap peer. hivemind's P2P daemon (p2pd) is a child process of the
+DHT process; `hivemind.DHT.shutdown()` stops it. A peer killed with SIGKILL leaves p2pd behind
+(hivemind sets no parent-death signal), so launchers start peers in their own session and reap the
+whole process group (`adloco.node.swarm_launcher`, tests/conftest.py).
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import hivemind
+from hivemind.utils.multiaddr import Multiaddr
+
+DHT = hivemind.DHT  # the handle the layers above hold, without importing hivemind themselves
+
+
+@dataclass(frozen=True)
+class NetworkConfig:
+    """hivemind-style networking options (same names as hivemind's CLIs, with dashes).
+
+    peers: multiaddrs of peers to join (`/ip4/1.2.3.4/tcp/31337/p2p/12D3Koo...`); none starts a new swarm.
+    host_maddrs: where to listen; announce_maddrs: what to tell others when behind NAT/port forwarding.
+    identity_path: a private key file; the same file gives the same peer id across restarts.
+    client_mode: do not accept incoming connections (peers behind NAT that cannot open a port).
+    use_relay / use_auto_relay: libp2p circuit relays (reach, or be reached through, relays).
+    nat_port_map: ask the router for a port mapping (UPnP/NAT-PMP); off in tests.
+    """
+
+    peers: tuple[str, ...] = ()
+    host_maddrs: tuple[str, ...] = ("/ip4/0.0.0.0/tcp/0",)
+    announce_maddrs: tuple[str, ...] = ()
+    identity_path: str | None = None
+    client_mode: bool = False
+    use_relay: bool = True
+    use_auto_relay: bool = False
+    nat_port_map: bool = True
+    extra: dict[str, object] = field(default_factory=dict)
+
+
+def parse_maddrs(values: Sequence[str], *, option: str) -> tuple[str, ...]:
+    """Validate multiaddrs; raises ValueError naming the option on the first malformed one."""
+    parsed = []
+    for value in values:
+        try:
+            Multiaddr(value)
+        except Exception as e:  # multiaddr raises several exception types for bad input
+            raise ValueError(f"{option}: malformed multiaddr {value!r} ({e})") from None
+        parsed.append(value)
+    return tuple(parsed)
+
+
+def check_ports_free(host_maddrs: Sequence[str], *, option: str = "--host-maddrs") -> None:
+    """Fail early with a clear message when a fixed TCP port in host_maddrs is already taken."""
+    for value in host_maddrs:
+        addr = Multiaddr(value)
+        protocols = {p.name for p in addr.protocols()}
+        if "tcp" not in protocols:
+            continue
+        port = int(addr.value_for_protocol("tcp"))
+        if port == 0:
+            continue
+        family = socket.AF_INET6 if "ip6" in protocols else socket.AF_INET
+        host = (
+            addr.value_for_protocol("ip6" if "ip6" in protocols else "ip4")
+            if protocols & {"ip4", "ip6"}
+            else ""
+        )
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, port))
+            except OSError as e:
+                raise ValueError(f"{option}: cannot listen on {value}: {e.strerror}") from None
+
+
+def start_dht(net: NetworkConfig) -> hivemind.DHT:
+    """Start (and join) a DHT peer; configuration errors become ValueError with the option named."""
+    check_ports_free(net.host_maddrs)
+    try:
+        return hivemind.DHT(
+            initial_peers=list(net.peers),
+            host_maddrs=list(net.host_maddrs),
+            announce_maddrs=list(net.announce_maddrs) or None,
+            identity_path=net.identity_path,
+            client_mode=net.client_mode,
+            use_relay=net.use_relay,
+            use_auto_relay=net.use_auto_relay,
+            nat_port_map=net.nat_port_map,
+            start=True,
+            **net.extra,
+        )
+    except Exception as e:
+        text = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if net.peers and (
+            "bootstrap" in text.lower() or "initial" in text.lower() or "connect" in text.lower()
+        ):
+            raise ValueError(f"--peers: could not join the swarm through {list(net.peers)}: {text}") from None
+        raise ValueError(f"networking: could not start the DHT peer: {text}") from None
+
+
+def visible_maddrs(dht: hivemind.DHT) -> list[str]:
+    """The multiaddrs other peers can pass as --peers (with the /p2p/<peer id> suffix)."""
+    return [str(m) for m in dht.get_visible_maddrs()]

@@ -1,0 +1,177 @@
+"""DHT keys and signed record schemas of a run, validated at the DHT boundary.
+
+Every key of a run is built here from the run prefix (`run_prefix`: run id + protocol version +
+model fingerprint). Records are strict pydantic models (hivemind's `SchemaValidator`: no type
+coercion) stored under a subkey that carries the writer's RSA public key, so hivemind's
+`RSASignatureValidator` signs them on store and drops, on every read, any record whose signature
+does not match: a peer can only write its own entry, and a malformed entry never reaches our code.
+
+Record kinds:
+- `{prefix}_state`: per peer, the round it reached, θ's hash after that round and the schedule it
+  holds; joiners and laggards pick the latest round's majority hash and verify what they download
+  against it.
+- `{beacon prefix}_beacon`: per peer, its round, tokens trained and recent tokens/s, and when it
+  wrote that. The beacon prefix holds the run id but no model fingerprint, so a bootstrap peer,
+  which builds no model, can read the swarm's figures for its metrics.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, TypeVar
+
+import hivemind
+from hivemind.dht.schema import BytesWithPublicKey, RSASignatureValidator, SchemaValidator
+from hivemind.utils import get_dht_time
+from pydantic.v1 import BaseModel, StrictStr, confloat, conint, constr
+
+PROTOCOL_VERSION = 1
+
+
+def run_prefix(run_id: str, fingerprint: str) -> str:
+    """The namespace of a run: keys and stream handlers of other runs or models never match."""
+    digest = hashlib.sha256(f"{PROTOCOL_VERSION}|{run_id}|{fingerprint}".encode()).hexdigest()[:16]
+    return f"adloco.{run_id}.{digest}"
+
+
+class StateRecord(BaseModel):
+    """One peer's position: the libp2p id to fetch from, round, θ hash, schedule (JSON text)."""
+
+    peer_id: StrictStr
+    round: conint(ge=0, strict=True)  # type: ignore[valid-type]
+    theta_hash: constr(regex=r"^[0-9a-f]{64}$", strict=True)  # type: ignore[valid-type]
+    schedule: StrictStr
+
+    class Config:
+        extra = "forbid"
+
+    def schedule_dict(self) -> dict[str, Any]:
+        value = json.loads(self.schedule)
+        if not isinstance(value, dict):
+            raise ValueError("schedule is not a JSON object")
+        return value
+
+
+class BeaconRecord(BaseModel):
+    """One peer's progress, for swarm-wide metrics: round, tokens trained, tokens/s, written at."""
+
+    round: conint(ge=0, strict=True)  # type: ignore[valid-type]
+    tokens: conint(ge=0, strict=True)  # type: ignore[valid-type]
+    tokens_per_s: confloat(ge=0, strict=True)  # type: ignore[valid-type]
+    updated: confloat(strict=True)  # type: ignore[valid-type]
+
+    class Config:
+        extra = "forbid"
+
+
+class BeaconSchema(BaseModel):
+    beacon: dict[BytesWithPublicKey, BeaconRecord | None]
+
+
+def beacon_prefix(run_id: str) -> str:
+    return f"adloco.{run_id}.v{PROTOCOL_VERSION}"
+
+
+def beacon_key(run_id: str) -> str:
+    return f"{beacon_prefix(run_id)}_beacon"
+
+
+class RunSchema(BaseModel):
+    """The run's DHT keys (field name = key suffix) and what their subkeys may hold."""
+
+    state: dict[BytesWithPublicKey, StateRecord | None]
+
+
+def state_key(prefix: str) -> str:
+    return f"{prefix}_state"
+
+
+def add_run_validators(dht: hivemind.DHT, prefix: str, run_id: str) -> bytes:
+    """Install the schema and signature validators for this run; returns this peer's signing subkey."""
+    signer = RSASignatureValidator()
+    dht.add_validators(
+        [
+            SchemaValidator(RunSchema, prefix=prefix),
+            SchemaValidator(BeaconSchema, prefix=beacon_prefix(run_id)),
+            signer,
+        ]
+    )
+    return signer.local_public_key  # type: ignore[no-any-return]
+
+
+def add_beacon_validators(dht: hivemind.DHT, run_id: str) -> None:
+    """What a reader of the beacons (the bootstrap) installs: the beacon schema and signatures."""
+    dht.add_validators([SchemaValidator(BeaconSchema, prefix=beacon_prefix(run_id)), RSASignatureValidator()])
+
+
+def parse_states(value: Any) -> list[StateRecord]:
+    """The valid state records in a DHT `get` result (a dict subkey -> ValueWithExpiration)."""
+    return _parse(value, StateRecord)
+
+
+def parse_beacons(value: Any) -> list[BeaconRecord]:
+    """The valid beacon records in a DHT `get` result."""
+    return _parse(value, BeaconRecord)
+
+
+_R = TypeVar("_R", bound=BaseModel)
+
+
+def _parse(value: Any, model: type[_R]) -> list[_R]:
+    if not isinstance(value, dict):
+        return []
+    records = []
+    for item in value.values():
+        try:
+            records.append(model.parse_obj(item.value))
+        except Exception:  # already validated by the DHT; anything else is ignored
+            continue
+    return records
+
+
+class RunRecords:
+    """This peer's view of a run's records in the DHT: it writes its own (signed), reads everyone's.
+
+    Installs the run's validators on construction (`add_run_validators`); `ttl_s` is how long a
+    record lives without being rewritten.
+    """
+
+    def __init__(self, dht: hivemind.DHT, *, prefix: str, run_id: str, ttl_s: float) -> None:
+        self._dht = dht
+        self._prefix, self._run_id, self._ttl_s = prefix, run_id, ttl_s
+        self._subkey = add_run_validators(dht, prefix, run_id)
+
+    def publish_state(self, record: StateRecord) -> None:
+        """Store this peer's state record (blocks until the DHT has answered)."""
+        now = get_dht_time()
+        self._dht.store(
+            state_key(self._prefix), record.dict(), expiration_time=now + self._ttl_s, subkey=self._subkey
+        )
+
+    def publish_beacon(self, record: BeaconRecord) -> None:
+        """Store this peer's beacon without waiting (metrics only)."""
+        self._dht.store(
+            beacon_key(self._run_id),
+            record.dict(),
+            expiration_time=get_dht_time() + self._ttl_s,
+            subkey=self._subkey,
+            return_future=True,
+        )
+
+    def states(self) -> list[StateRecord]:
+        """Every peer's valid state record, as the DHT returns them now."""
+        found = self._dht.get(state_key(self._prefix), latest=True)
+        return parse_states(None if found is None else found.value)
+
+
+def live_beacons(dht: hivemind.DHT, run_id: str, *, alive_s: float) -> list[BeaconRecord]:
+    """The beacons of a run written within the last `alive_s` seconds (DHT time); raises on DHT failure."""
+    found = dht.get(beacon_key(run_id), latest=True)
+    now = get_dht_time()
+    return [b for b in parse_beacons(None if found is None else found.value) if now - b.updated < alive_s]
+
+
+def dht_time() -> float:
+    """The DHT's clock (the wall clock, which every record's times are in)."""
+    return float(get_dht_time())
