@@ -67,17 +67,17 @@ DEFAULT_OUT = Path("bench/results/async_heloco.json")
 RECORD_FIELDS: tuple[str, ...] = (
     "round",
     "sim_time_s",
-    "tokens",
+    "tokens_total",
     "val_loss",
     "inner_loss",
     "group_size",
     "staleness_mean",
-    "staleness_max",
+    "staleness",
     "late_corrected",
     "corrected_tensors",
     "late_dropped",
     "comm_s",
-    "wire_bytes",
+    "round_bytes",
     "theta_hash",
 )
 
@@ -127,6 +127,7 @@ def train_config(s: Scenario, seed: int) -> TrainConfig:
         correct_late=s.correct_late,
         heloco=s.heloco,
         staleness_weight=s.staleness_weight,
+        dylu=s.dylu,
         seed=seed,
     )
 
@@ -139,7 +140,6 @@ def sim_config(s: Scenario, seed: int, bandwidth_mbps: float) -> SimConfig:
         train=train_config(s, seed),
         slowdown=SLOWDOWN,
         bandwidth_mbps=bandwidth_mbps,
-        dylu=s.dylu,
     )
 
 
@@ -239,10 +239,15 @@ def record_contributions(sim: Simulator, log: list[Row]) -> None:
         original = peer.contribute
 
         def logged(
-            local: LocalRound, *, extra: Any = None, _p: Peer = peer, _i: int = index, _f: Callable = original
+            local: LocalRound,
+            *,
+            bandwidth_bps: float = 0.0,
+            _p: Peer = peer,
+            _i: int = index,
+            _f: Callable = original,
         ) -> tuple[Any, ContributionInfo]:
             cosines = _tensor_cosines(local.delta, _p.state.momentum)
-            contribution, info = _f(local, extra=extra)
+            contribution, info = _f(local, bandwidth_bps=bandwidth_bps)
             report = info.correction
             log.append(
                 {
@@ -318,7 +323,7 @@ def point(run: Run, index: int, evaluator: Evaluator) -> Row:
     rec = run.records[index] if index >= 0 else None
     return {
         "rounds": 0 if rec is None else index + 1,
-        "tokens": 0 if rec is None else rec.tokens,
+        "tokens": 0 if rec is None else rec.tokens_total,
         "sim_time_s": 0.0 if rec is None else rec.sim_time_s,
         "val_loss": full,
         "domain_val_loss": domain,
@@ -358,11 +363,11 @@ def _mean(values: Sequence[float]) -> float:
 
 def summarize_seed(runs: Sequence[Run], evaluator: Evaluator, time_budget: float) -> tuple[list[Row], int]:
     """Per-run summary rows for one seed, and that seed's common token budget B."""
-    token_budget = min(r.records[-1].tokens if r.records else 0 for r in runs)
+    token_budget = min(r.records[-1].tokens_total if r.records else 0 for r in runs)
     rows = []
     for run in runs:
         at_t = point(run, len(run.records) - 1, evaluator)
-        at_b = point(run, last_index(run, lambda r: r.tokens <= token_budget), evaluator)
+        at_b = point(run, last_index(run, lambda r: r.tokens_total <= token_budget), evaluator)
         rows.append(
             {
                 "scenario": run.scenario.name,

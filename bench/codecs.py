@@ -186,8 +186,8 @@ def run_one(spec: str, rounds: int, corpus: Corpus, vocab_size: int) -> Row:
     return {
         "codec": spec,
         "codecs_used": dict(Counter(r.codec for r in records)),
-        "bytes_per_round_per_peer": statistics.fmean(r.wire_bytes / r.group_size for r in records),
-        "total_wire_bytes": records[-1].wire_bytes_total,
+        "bytes_per_round_per_peer": statistics.fmean(r.round_bytes / r.group_size for r in records),
+        "total_wire_bytes": records[-1].bytes_sent,
         "initial_val_loss": initial,
         "val_loss": [r.val_loss for r in records],
         "batch_sizes": [r.batch_sizes for r in records],

@@ -11,6 +11,11 @@ import torch
 
 from adloco.protocol.algorithms.allreduce import Contribution, reduce_group
 from adloco.protocol.algorithms.codecs import decode_tensors, encode_tensors, make_codec
+from adloco.protocol.algorithms.report import PeerReport
+
+
+def _report(peer: str, tokens: int = 0) -> bytes:
+    return PeerReport(peer_id=peer, slot_stats=(None,), b_max=4, tokens=tokens).encode()
 
 
 def _contributions(spec: str, n: int = 3) -> list[Contribution]:
@@ -19,7 +24,8 @@ def _contributions(spec: str, n: int = 3) -> list[Contribution]:
     for i in range(n):
         tensors = {"w": torch.randn(16, 12, generator=g), "b": torch.randn(12, generator=g)}
         payloads = encode_tensors(make_codec(spec), tensors)
-        out.append(Contribution(peer_id=f"p{i}", payloads=payloads, weight=float(i + 1), metadata={"i": i}))
+        metadata = _report(f"p{i}", tokens=i)
+        out.append(Contribution(peer_id=f"p{i}", payloads=payloads, weight=float(i + 1), metadata=metadata))
     return out
 
 
@@ -32,7 +38,7 @@ def test_identical_result_for_every_arrival_order(spec: str) -> None:
     first = results[0]
     for r in results[1:]:
         assert r.averaged == first.averaged
-        assert r.gathered == first.gathered
+        assert r.reports == first.reports and r.malformed == first.malformed == {}
         assert r.sent_bytes == first.sent_bytes
 
 
@@ -106,3 +112,30 @@ def test_poisoned_parts_are_rejected_per_part_and_reported(caplog: pytest.LogCap
     screened_off = reduce_group(contributions, codec=make_codec("none"), outlier_factor=None)
     assert screened_off.rejected == {"p1": 1}
     assert reduce_group(_contributions("none"), codec=make_codec("none")).rejected == {}
+
+
+@pytest.mark.parametrize(
+    ("metadata", "reason"),
+    [
+        (b"{}", "missing"),
+        (b"\xff\x00 not json", "not a JSON report"),
+        (b'{"peer_id": "p1", "slot_stats": [], "b_max": 4, "tokens": NaN}', "NaN"),
+        (_report("p2"), "claims peer id"),
+        (b"x" * (65 << 10), "bytes (at most"),
+    ],
+    ids=["empty-object", "garbage", "nan", "another-peer", "oversized"],
+)
+def test_a_malformed_report_is_dropped_alike_and_the_round_completes(metadata: bytes, reason: str) -> None:
+    contributions = _contributions("int8")
+    contributions[1] = Contribution(
+        peer_id="p1", payloads=contributions[1].payloads, weight=contributions[1].weight, metadata=metadata
+    )
+    results = [
+        reduce_group(list(order), codec=make_codec("int8")) for order in itertools.permutations(contributions)
+    ]
+    first = results[0]
+    assert first.members == ("p0", "p1", "p2")  # its Δ still counts: only the report is dropped
+    assert [r.peer_id for r in first.reports] == ["p0", "p2"]
+    assert list(first.malformed) == ["p1"] and reason in first.malformed["p1"]
+    assert all(r.reports == first.reports and r.malformed == first.malformed for r in results)
+    assert all(r.averaged == first.averaged for r in results)

@@ -32,7 +32,9 @@ import torch
 
 from adloco.protocol.algorithms.allreduce import Contribution, reduce_group
 from adloco.protocol.algorithms.codecs import decode_tensors, encode_tensors, make_codec
-from adloco.protocol.transport.averager import Averager, MemberResult, MemoryAverager, MemoryHub
+from adloco.protocol.algorithms.report import PeerReport
+from adloco.protocol.transport.averager import Averager, MemberResult
+from adloco.protocol.transport.memory import MemoryAverager, MemoryHub
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -170,7 +172,9 @@ def _contributions(
                 payloads=encode_tensors(make_codec(spec), tensors),
                 weight=100.0 * (i + 1),
                 tokens=100.0,
-                metadata={"report": {"slot_stats": (1.5, (2, 3)), "b": i}, "base_round": 7},
+                metadata=PeerReport(
+                    peer_id=averager.peer_id, slot_stats=(None,), b_max=4, tokens=100 * i, base_round=7
+                ).encode(),
             )
         )
     return out
@@ -216,7 +220,7 @@ def _assert_matches_reduce_group(
         assert r is not None
         assert r.averaged == expected.averaged
         assert r.members == expected.members == tuple(sorted(c.peer_id for c in contributions))
-        assert r.gathered == expected.gathered
+        assert r.reports == expected.reports and r.malformed == expected.malformed == {}
         assert r.owners == expected.owners
         assert r.rejected == expected.rejected
         # Exact traffic: the payload bytes are reduce_group's count for this member; what went on the
@@ -317,6 +321,37 @@ def test_a_poisoned_contribution_is_screened_out_identically(swarm: Swarm, poiso
         assert o.result.averaged == honest.averaged  # bit-identical to the honest members' average
         assert o.result.rejected == {bad.peer_id: len(SHAPES)}
         assert bad.peer_id in o.result.members  # rejection is per part: still a contributor
+
+
+@pytest.mark.parametrize(
+    "metadata",
+    [b"{}", b"\x93\x01\x02", b'{"peer_id": "x", "slot_stats": [], "b_max": 1, "tokens": -5}', b"{" * 70_000],
+    ids=["empty-object", "not-json", "out-of-bounds", "oversized"],
+)
+@pytest.mark.parametrize("bad_index", [0, 2])
+def test_a_malformed_report_is_dropped_by_every_member_and_the_round_completes(
+    swarm: Swarm, metadata: bytes, bad_index: int
+) -> None:
+    """One member of three sends a report that does not parse: every member drops that entry with
+    the same decision and completes the round with all three Δs (the first member in peer-id order
+    also owns the first tensor, so it relays everyone's reports; both positions are tried)."""
+    swarm.add_nodes(3)
+    averagers = sorted((swarm.averager(i) for i in range(3)), key=lambda a: a.peer_id)
+    contributions = _contributions(averagers, "int8", seed=10)
+    bad = contributions[bad_index]
+    contributions[bad_index] = dataclasses.replace(bad, metadata=metadata)
+    outcomes = _average_together(averagers, contributions, round=0, spec="int8")
+    expected = reduce_group(contributions, codec=make_codec("int8"))
+    for o in outcomes:
+        r = o.result
+        assert r is not None, "a malformed report must not fail the round for anyone"
+        assert r.averaged == expected.averaged
+        assert r.members == expected.members and bad.peer_id in r.members
+        assert [rep.peer_id for rep in r.reports] == [
+            c.peer_id for c in contributions if c is not contributions[bad_index]
+        ]
+        assert list(r.malformed) == [bad.peer_id]
+    assert len({tuple(o.result.malformed.items()) for o in outcomes if o.result is not None}) == 1
 
 
 def test_alone_timeouts_and_misuse(swarm: Swarm) -> None:
@@ -450,7 +485,7 @@ def test_member_killed_mid_round_never_stalls_the_others(tmp_path: Path, victim_
             assert first.members == second.members == tuple(sorted(a.peer_id for a in survivors))
             expected = reduce_group(contributions, codec=make_codec("int8"))
             assert first.averaged == expected.averaged
-            assert first.gathered == second.gathered == expected.gathered
+            assert first.reports == second.reports == expected.reports
             # The owners held the round open for the victim until the part timeout, not longer.
             assert all(o.elapsed_s >= PART_TIMEOUT_S for o in outcomes)
     finally:
@@ -468,7 +503,7 @@ def test_an_owner_answering_a_malformed_rejected_field_fails_the_round_for_its_m
         swarm.add_nodes(3)
         averagers = [swarm.averager(i) for i in range(3)]
         owner: Any = min(averagers, key=lambda a: a.peer_id)  # owns "embed", the largest part
-        answer = owner._answer
+        answer = owner._handler._answer
 
         async def answer_malformed(writer: Any, session: Any, meter: Any) -> None:
             lying = copy.copy(session)  # the owner's own result stays intact
@@ -476,7 +511,7 @@ def test_an_owner_answering_a_malformed_rejected_field_fails_the_round_for_its_m
                 lying.result = dataclasses.replace(session.result, rejected={"not-a-member": 1})
             await answer(writer, lying, meter)
 
-        owner._answer = answer_malformed
+        owner._handler._answer = answer_malformed
         contributions = _contributions(averagers, "int8", seed=9)
         outcomes = _average_together(averagers, contributions, round=0, spec="int8")
         assert [o.result is None for o in outcomes] == [a is not owner for a in averagers]
@@ -500,9 +535,9 @@ def test_an_owner_answering_a_malformed_rejected_field_fails_the_round_for_its_m
     ],
 )
 def test_rejected_field_parsing(field: Any, ok: bool) -> None:
-    from adloco.protocol.transport.hivemind_averager import _parse_rejected
+    from adloco.protocol.transport.member import parse_rejected
 
-    parsed = _parse_rejected(field, ("a", "b"), 2)
+    parsed = parse_rejected(field, ("a", "b"), 2)
     assert (parsed is not None) == ok
     if ok:
         assert parsed == (field or {})

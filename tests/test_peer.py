@@ -10,7 +10,7 @@ import torch
 from adloco.errors import UserError
 from adloco.node.training.config import TrainConfig
 from adloco.node.training.data import Corpus
-from adloco.node.training.peer import Peer
+from adloco.node.training.peer import Peer, PeerState
 from adloco.node.training.runtime import load_data
 from adloco.node.training.tokenizer import ByteTokenizer
 from adloco.protocol.algorithms.allreduce import reduce_group
@@ -40,6 +40,7 @@ def test_first_step_statistics_and_tokens(corpus: Corpus) -> None:
     inst = _peer(corpus).instances[0]
     theta = [p.detach().clone() for p in inst.params]
     result = inst.run_round(theta, plan=BatchPlan(micro=4, accum=1), steps=3)
+    end_of_first = [p.detach().clone() for p in inst.params]
     # accum=1: the first step is cut into stats_chunks=4 micro-batches of one sample each.
     assert result.stats is not None and result.stats.num_grads == 4 and result.stats.samples_per_grad == 1
     assert result.tokens == 4 * 3 * CFG.seq_len
@@ -47,9 +48,11 @@ def test_first_step_statistics_and_tokens(corpus: Corpus) -> None:
     step = float(next(iter(inst.optimizer.state.values()))["step"])
     inst.run_round(theta, plan=BatchPlan(micro=2, accum=3), steps=2)
     assert next(iter(inst.optimizer.state.values()))["step"] == step + 2
-    # Δ = θ_start − θ_end: applying it to θ_start recovers the instance's weights.
-    for t, d, p in zip(theta, result.delta, inst.params, strict=True):
-        assert t.shape == d.shape == p.shape
+    # Δ = θ_start − θ_end: applying it to θ_start recovers the instance's weights (as they were at the
+    # end of the first round, before the second round above moved them on).
+    for t, d, p in zip(theta, result.delta, end_of_first, strict=True):
+        torch.testing.assert_close(t - d, p, rtol=0, atol=1e-6)
+    assert any(float(d.abs().max()) > 0 for d in result.delta)  # the round did move the weights
 
 
 def test_accumulated_step_statistics_come_from_its_micro_batches(corpus: Corpus) -> None:
@@ -104,8 +107,23 @@ def test_full_state_download_is_hash_checked_and_merges_extra_instances(corpus: 
     a, newcomer = _peer(corpus, "a", 0, cfg), _peer(corpus, "n", 1, cfg)
     _round([a])
     assert a.state.schedule.instances == 2
-    newcomer.adopt_state(a.state)
-    assert newcomer.state.theta_hash() == a.state.theta_hash()
+    published = a.state.theta_hash()
+    # A donor whose θ differs from the published hash by one value is refused, and nothing changes.
+    forged = PeerState(
+        theta=[t.clone() for t in a.state.theta],
+        momentum=a.state.momentum,
+        round=a.state.round,
+        schedule=a.state.schedule,
+    )
+    forged.theta[0].view(-1)[0] += 1e-3
+    before = newcomer.state.theta_hash()
+    with pytest.raises(ValueError, match="published"):
+        newcomer.adopt_state(forged, expected_hash=published)
+    assert newcomer.state.theta_hash() == before and newcomer.state.round == 0
+    assert len(newcomer.instances) == 3
+    newcomer.adopt_state(a.state, expected_hash=published)
+    assert newcomer.state.theta_hash() == published
+    assert newcomer.state.round == a.state.round
     assert len(newcomer.instances) == 2
 
 

@@ -23,10 +23,10 @@ from ..operations import reachability
 from ..operations.checkpoint import check_checkpoint_dir
 from ..operations.control import ControlServer, check_bind, ctl_main
 from ..operations.metrics import NodeMetrics
-from ..solo.trainer import SoloRound, train_solo
+from ..solo.trainer import train_solo
 from ..swarm.node import SwarmConfig, SwarmNode
-from ..swarm.node import format_round as format_swarm_round
 from ..training.config import TrainConfig
+from ..training.rounds import format_round
 from .options import add_train_arguments, set_threads, train_config_from_args
 
 
@@ -83,9 +83,6 @@ def build_parser() -> argparse.ArgumentParser:
     net.add_argument(
         "--simulate-slowdown", type=float, default=1.0, help="testing: make this node F× slower (idle time)"
     )
-    net.add_argument(
-        "--dylu", action="store_true", help="shorten H to this node's speed relative to the fastest peer"
-    )
     return p
 
 
@@ -125,17 +122,8 @@ def swarm_from_args(args: argparse.Namespace) -> SwarmConfig:
         data_shard=args.data_shard,
         data_shards=args.data_shards,
         simulate_slowdown=args.simulate_slowdown,
-        dylu=args.dylu,
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every,
-    )
-
-
-def format_round(r: SoloRound) -> str:
-    return (
-        f"[local round={r.round}] val {r.val_loss:.3f} inner {r.inner_loss:.3f} {r.tokens_per_s:.0f} tok/s"
-        f" b={list(r.batch_sizes)} a={r.accum_steps} K={r.instances} {r.codec} {r.wire_bytes / 1e6:.2f}MB"
-        f" {r.round_s:.1f}s"
     )
 
 
@@ -160,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
             train_solo(
                 cfg,
                 rounds=args.rounds,
-                on_round=lambda r: print(format_round(r), flush=True),
+                on_round=lambda r: print(format_round("local", r), flush=True),
                 should_stop=stop.is_set,
             )
         else:
@@ -219,16 +207,16 @@ def run_swarm_node(
         if args.control_port != -1:
             # After the DHT forked: gRPC's threads and fork do not mix.
             control = ControlServer(
-                status=node.node_status,
-                drain=node.request_drain,
-                checkpoint=node.request_checkpoint,
+                status=node.ops.node_status,
+                drain=node.ops.request_drain,
+                checkpoint=node.ops.request_checkpoint,
                 host=args.control_host,
                 port=args.control_port,
                 allow_remote=args.control_allow_remote,
             )
             control.start()
             print(f"adloco-node: control service on {control.address} (adloco-node ctl status)", flush=True)
-        node.on_round = lambda fields: print(format_swarm_round(node.peer_id, fields), flush=True)
+        node.on_round = lambda record: print(format_round(node.peer_id[-6:], record), flush=True)
         node.run(should_stop=stop.is_set)
     finally:
         node.shutdown()

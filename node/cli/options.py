@@ -121,6 +121,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     late.add_argument("--no-correction", action="store_true", help="apply late pseudo-gradients uncorrected")
     late.add_argument("--staleness-weight", choices=("constant", "inv_sqrt", "tokens"), default="inv_sqrt")
     late.add_argument("--max-staleness", type=int, default=16, help="drop contributions older than this")
+    late.add_argument(
+        "--dylu", action="store_true", help="shorten H to this peer's speed relative to the fastest peer"
+    )
 
 
 def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -157,6 +160,7 @@ def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
             correct_late=not args.no_correction,
             staleness_weight=args.staleness_weight,
             max_staleness=args.max_staleness,
+            dylu=args.dylu,
             b_max=args.b_max,
             memory_budget_gb=args.memory_budget_gb,
             non_iid=args.non_iid,

@@ -19,8 +19,9 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from ...errors import UserError
-from ..sim.engine import RoundRecord, SimConfig, Simulator, records_as_dicts
+from ..sim.engine import SimConfig, Simulator, records_as_dicts
 from ..sim.plots import plot_runs
+from ..training.rounds import RoundRecord, format_round
 from ..training.runtime import load_data
 from .options import (
     add_train_arguments,
@@ -57,7 +58,6 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument(
         "--window-s", type=finite_float, default=None, help="async matchmaking window (sim seconds)"
     )
-    sim.add_argument("--dylu", action="store_true", help="slow peers shorten H by their speed")
     return p
 
 
@@ -90,19 +90,9 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
             bandwidth_mbps=args.bandwidth_mbps,
             latency_s=args.latency_s,
             window_s=args.window_s,
-            dylu=args.dylu,
         )
     except ValueError as e:
         raise config_error(e, args) from None
-
-
-def format_record(r: RoundRecord) -> str:
-    return (
-        f"[sim round={r.round}] val {r.val_loss:.3f} inner {r.inner_loss:.3f}"
-        f" b={r.batch_sizes} a={r.accum_steps}"
-        f" K={r.instances} {r.codec} {r.wire_bytes / 1e6:.2f}MB group={r.group_size} τ={r.staleness_mean:.1f}"
-        f" t_sim={r.sim_time_s:.1f}s wall={r.wall_s:.0f}s"
-    )
 
 
 def run(cfg: SimConfig, out: Path, *, quiet: bool = False) -> list[RoundRecord]:
@@ -118,7 +108,7 @@ def run(cfg: SimConfig, out: Path, *, quiet: bool = False) -> list[RoundRecord]:
             f" b_max={sim.peers[0].b_max}, initial val loss {initial:.3f}",
             flush=True,
         )
-    records = sim.run(on_round=None if quiet else lambda r: print(format_record(r), flush=True))
+    records = sim.run(on_round=None if quiet else lambda r: print(format_round("sim", r), flush=True))
     (out / "results.json").write_text(json.dumps(records_as_dicts(records), indent=1))
     summary = {
         "config": asdict(cfg),

@@ -78,6 +78,9 @@ class NodeMetrics:
         self.rejected = counter(
             "rejected_parts", "Parts of group members the owners screened out (non-finite, outlier)"
         )
+        self.malformed = counter(
+            "malformed_reports", "Group members' round reports every member dropped as malformed"
+        )
         self.peers = gauge("peers_visible", "Peers of this run with a state record in the DHT")
         self.current_round = gauge("round", "Rounds applied to θ (the swarm's round counter)")
         self.downloads = counter("state_downloads", "Full state downloads (joining, far behind)")

@@ -1,10 +1,11 @@
 """The simulator: N virtual peers in one process, running the real peer code over an in-memory transport.
 
-Each virtual peer is a `adloco.node.peer.Peer`, exactly what a swarm node runs; the group reduction is
-`adloco.protocol.allreduce.reduce_group`, exactly the semantics of the network all-reduce. What is
-simulated is time: compute time comes from a per-peer cost model (seconds per sample × the peer's
-slowdown), communication time from the exact wire bytes each member sends and receives over its
-modelled link. Training itself is real.
+Each virtual peer is a `Peer`, exactly what a swarm node runs, and averages through an `Averager`
+as a swarm node does (the in-process `MemoryAverager`, with the reduction of the network all-reduce
+and each part encoded by its owner's codec); catch-up, DyLU and the adaptive codec's byte budget are
+the swarm's code too. What is simulated is time: compute time comes from a per-peer cost model
+(seconds per sample × the peer's slowdown), communication time from the exact wire bytes each
+member sends and receives over its modelled link. Training itself is real.
 
 Modes:
 - sync: every round waits for every peer (DiLoCo / AdLoCo).
@@ -24,18 +25,26 @@ import logging
 import math
 import statistics
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 
-from ...protocol.algorithms.allreduce import Contribution, GroupResult, reduce_group
+from ...protocol.algorithms.allreduce import Contribution
+from ...protocol.transport.averager import MemberResult
+from ...protocol.transport.memory import MemoryAverager, MemoryHub
+from ..training.catchup import catch_up
 from ..training.config import TrainConfig
 from ..training.data import Corpus
-from ..training.peer import ContributionInfo, LocalRound, Peer, overlap_byte_budget, overlap_this_round
+from ..training.peer import ContributionInfo, LocalRound, Peer, PeerState, Update, overlap_this_round
+from ..training.rounds import RoundRecord
 
 logger = logging.getLogger(__name__)
+
+# In process a round's averaging is a few reductions: far below this, unless something is wrong.
+AVERAGE_TIMEOUT_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -46,8 +55,8 @@ class SimConfig:
         five times slower. sec_per_sample: modelled compute seconds for one training sample (one
         sequence) at slowdown 1; 0.004 matches the tiny default model on this 2-core machine.
     bandwidth_mbps / latency_s: each peer's symmetric link. window_s: async matchmaking window in
-        simulated seconds (None: a quarter of the fastest peer's first round). dylu: slow peers
-        shorten H in proportion to their speed (Async DiLoCo DyLU).
+        simulated seconds (None: a quarter of the fastest peer's first round). DyLU is
+        `train.dylu`, as on a node.
     """
 
     peers: int = 4
@@ -59,7 +68,6 @@ class SimConfig:
     bandwidth_mbps: float = 20.0
     latency_s: float = 0.05
     window_s: float | None = None
-    dylu: bool = False
 
     def __post_init__(self) -> None:
         if self.peers < 1:
@@ -82,37 +90,6 @@ class SimConfig:
 
 
 @dataclass
-class RoundRecord:
-    """One applied round of the simulated swarm (one line of results.json)."""
-
-    round: int
-    sim_time_s: float
-    tokens: int
-    wire_bytes: int
-    wire_bytes_total: int
-    val_loss: float
-    inner_loss: float
-    batch_size: int
-    batch_sizes: list[int]
-    accum_steps: int
-    instances: int
-    inner_steps: int
-    codec: str
-    group_size: int
-    staleness_mean: float
-    staleness_max: int
-    late_contributions: int
-    late_corrected: int
-    corrected_tensors: int
-    late_dropped: int
-    comm_s: float
-    wait_s: float
-    catch_up_bytes: int
-    theta_hash: str
-    wall_s: float
-
-
-@dataclass
 class _Pending:
     """A virtual peer's local round in flight: ready at `ready_at` simulated seconds."""
 
@@ -125,9 +102,32 @@ class _Pending:
 class _Landing:
     """A group's result, arriving at its members at simulated time `at`."""
 
-    result: GroupResult
-    byte_budget: float | None
+    result: MemberResult
     at: float
+
+
+@dataclass(frozen=True)
+class _LocalSource:
+    """The most advanced virtual peer as a catch-up source (in the swarm: a peer over the network)."""
+
+    peer: Peer
+
+    def updates(self, from_round: int) -> Sequence[Update]:
+        return [u for u in self.peer.state.history if u.round >= from_round]
+
+    def state(self) -> PeerState:
+        return self.peer.state
+
+
+@dataclass
+class _Exchange:
+    """One round's contributions and what averaging them gave."""
+
+    members: list[int]
+    infos: list[ContributionInfo]
+    result: MemberResult
+    catch_up_bytes: dict[int, int]
+    comm_s: float
 
 
 class Simulator:
@@ -146,12 +146,14 @@ class Simulator:
             )
             for i in range(cfg.peers)
         ]
-        fastest = min(cfg.slowdown_of(i) for i in range(cfg.peers))
-        if cfg.dylu:
-            for i, peer in enumerate(self.peers):
-                peer.dylu_speed_ratio = fastest / cfg.slowdown_of(i)
+        # The simulator decides each group itself (`MemoryHub.expect`); the window only bounds a
+        # round that somehow lost a member.
+        self.hub = MemoryHub(window_s=AVERAGE_TIMEOUT_S)
+        self.averagers = [MemoryAverager(self.hub, peer.peer_id) for peer in self.peers]
+        self._pool = ThreadPoolExecutor(max_workers=cfg.peers, thread_name_prefix="adloco-sim")
+        self._round_ids = 0
         self.records: list[RoundRecord] = []
-        self.wire_total = 0
+        self.bytes_total = 0
         self.tokens_total = 0
 
     # ---- time model --------------------------------------------------------------------------
@@ -173,23 +175,30 @@ class Simulator:
         if window is None:
             window = 0.25 * min(p.ready_at for p in pending.values())
         t_start = time.perf_counter()
-        while len(self.records) < self.cfg.rounds:
-            if self.cfg.mode == "sync":
-                close = max(p.ready_at for p in pending.values())
-            else:
-                # A round opens when the first *fresh* peer is ready and closes `window` later; late
-                # peers never open a round alone, they join the next one (and are corrected there).
-                latest = max(peer.state.round for peer in self.peers)
-                fresh = [p.ready_at for p in pending.values() if p.local.base_round == latest]
-                close = min(fresh) + window
-            members = sorted(i for i, p in pending.items() if p.ready_at <= close)
-            close = max(pending[i].ready_at for i in members)
-            record = self._group_round(members, pending, close)
-            record.wall_s = time.perf_counter() - t_start
-            self.records.append(record)
-            if on_round is not None:
-                on_round(record)
+        try:
+            while len(self.records) < self.cfg.rounds:
+                members, close = self._next_group(pending, window)
+                record = self._group_round(members, pending, close)
+                record.wall_s = time.perf_counter() - t_start
+                self.records.append(record)
+                if on_round is not None:
+                    on_round(record)
+        finally:
+            self._pool.shutdown(wait=False, cancel_futures=True)
         return self.records
+
+    def _next_group(self, pending: dict[int, _Pending], window: float) -> tuple[list[int], float]:
+        """The members of the next round and when it closes (simulated seconds)."""
+        if self.cfg.mode == "sync":
+            close = max(p.ready_at for p in pending.values())
+        else:
+            # A round opens when the first *fresh* peer is ready and closes `window` later; late
+            # peers never open a round alone, they join the next one (and are corrected there).
+            latest = max(peer.state.round for peer in self.peers)
+            fresh = [p.ready_at for p in pending.values() if p.local.base_round == latest]
+            close = min(fresh) + window
+        members = sorted(i for i, p in pending.items() if p.ready_at <= close)
+        return members, max(pending[i].ready_at for i in members)
 
     def _start(
         self, index: int, *, at: float, landing: _Landing | None = None, from_theta: bool = False
@@ -203,53 +212,58 @@ class Simulator:
         def on_step(samples_done: int) -> None:
             nonlocal landed
             if landing is not None and not landed and at + samples_done * sec_per_sample >= landing.at:
-                self._land(index, landing)
+                peer.apply_round(landing.result)
                 landed = True
 
         local = peer.train_round(on_step=on_step if landing is not None else None, from_theta=from_theta)
+        # What the group sees of this round is the modelled time, not this machine's (DyLU, budget).
+        local.report_time(self.compute_time(index, local))
         ready_at = at + self.compute_time(index, local)
         idle = 0.0
         if landing is not None and not landed:
             # The local round ended first: wait for the update, apply it, then contribute.
-            self._land(index, landing)
+            peer.apply_round(landing.result)
             local.base_round = peer.phase_round
             idle = max(0.0, landing.at - ready_at)
             ready_at += idle
         return _Pending(local=local, ready_at=ready_at, idle_s=idle)
 
-    def _land(self, index: int, landing: _Landing) -> None:
-        self.peers[index].apply_round(landing.result, byte_budget=landing.byte_budget)
-
     def _group_round(self, members: list[int], pending: dict[int, _Pending], close: float) -> RoundRecord:
-        """Contribute, reduce and apply one round; the members' next local rounds are started."""
-        # The most advanced peer holds the swarm's latest state (in the swarm: what the DHT publishes).
-        leader = max(range(len(self.peers)), key=lambda i: (self.peers[i].state.round, -i))
-        current = self.peers[leader].state
-        schedule_used = current.schedule
-        contributions: list[Contribution] = []
-        infos: list[ContributionInfo] = []
-        catch_up_bytes: dict[int, int] = {}
-        for i in members:
-            peer = self.peers[i]
-            catch_up_bytes[i] = self._catch_up(peer, leader)
-            local = pending[i].local
-            extra = {
-                "bandwidth_bps": self.cfg.bandwidth_mbps * 1e6,
-                "round_compute_s": self.compute_time(i, local),
-            }
-            contribution, info = peer.contribute(local, extra=extra)
-            infos.append(info)
-            if contribution is not None:
-                contributions.append(contribution)
-        if not contributions:
+        """Contribute, average and apply one round; the members' next local rounds are started."""
+        schedule_used = max(self.peers, key=lambda p: p.state.round).state.schedule
+        exchange = self._exchange(members, pending)
+        done_at = close + exchange.comm_s
+        landing = _Landing(result=exchange.result, at=done_at)
+        locals_ = [pending[i].local for i in members]
+        waits = [self._land_and_restart(i, pending, landing, exchange.comm_s) for i in members]
+        hashes = {self.peers[i].state.theta_hash() for i in members}
+        if len(hashes) != 1:
+            raise AssertionError(f"members of round {schedule_used.round} diverged: {len(hashes)} distinct θ")
+        return self._record(exchange, locals_, done_at, hashes.pop(), waits, schedule_used.batch)
+
+    def _exchange(self, members: list[int], pending: dict[int, _Pending]) -> _Exchange:
+        """Catch the members up, average their contributions through their averagers, time it."""
+        leader = max(self.peers, key=lambda p: p.state.round)
+        source, expected = _LocalSource(leader), leader.state.theta_hash()
+        catch_up_bytes = {
+            i: catch_up(self.peers[i], source, expected_hash=expected).bytes
+            if self.peers[i].state.round < leader.state.round
+            else 0
+            for i in members
+        }
+        offers = [
+            self.peers[i].contribute(pending[i].local, bandwidth_bps=self.cfg.bandwidth_mbps * 1e6)
+            for i in members
+        ]
+        infos = [info for _, info in offers]
+        contributing = [(i, c) for i, (c, _) in zip(members, offers, strict=True) if c is not None]
+        if not contributing:
             raise RuntimeError("every contribution of the round was dropped as too stale")
-        codec = self.peers[leader].downlink_codec(current.schedule.codec)
-        result = reduce_group(contributions, codec=codec)
-        budget = overlap_byte_budget([c.metadata for c in contributions], group_size=len(contributions))
-        # A member dropped as too stale takes the round's update as a listener (a replay of it).
-        listeners = [i for i in members if self.peers[i].peer_id not in result.members]
-        for i in listeners:
-            catch_up_bytes[i] += sum(len(p) for p in result.averaged.values())
+        result = self._average(contributing)
+        for i in members:
+            if self.peers[i].peer_id not in result.members:
+                # Dropped as too stale: it takes the round's update as a listener (a replay of it).
+                catch_up_bytes[i] += sum(len(p) for p in result.averaged.values())
         # Replaying missed updates (or downloading the state) costs the late member link time too.
         comm = max(
             self.transfer_time(
@@ -258,100 +272,100 @@ class Simulator:
             )
             for i in members
         )
-        done_at = close + comm
-        locals_ = [pending[i].local for i in members]
-        landing = _Landing(result=result, byte_budget=budget, at=done_at)
-        waits = []
-        for i in members:
-            # The exchange is known exactly here; a real node judges by its last one.
-            compute = self.compute_time(i, pending[i].local)
-            if overlap_this_round(self.cfg.train.overlap, comm_s=comm, compute_s=compute):
-                # The member trains on from the moment it contributed; the update lands mid-round.
-                pending[i] = self._start(i, at=pending[i].ready_at, landing=landing)
-                waits.append(pending[i].idle_s)
-            else:
-                self._land(i, landing)
-                waits.append(done_at - pending[i].ready_at)
-                pending[i] = self._start(i, at=done_at, from_theta=True)
-        hashes = {self.peers[i].state.theta_hash() for i in members}
-        if len(hashes) != 1:
-            raise AssertionError(f"members of round {current.round} diverged: {len(hashes)} distinct θ")
-        record = self._record(members, locals_, infos, result, comm, done_at, hashes.pop())
-        record.wait_s = statistics.fmean(waits)
-        record.catch_up_bytes = sum(catch_up_bytes.values())
-        record.wire_bytes += record.catch_up_bytes
-        record.wire_bytes_total += record.catch_up_bytes
-        self.wire_total += record.catch_up_bytes
-        record.batch_sizes = list(schedule_used.batch)
-        record.batch_size = max(schedule_used.batch)
-        record.instances = schedule_used.instances
-        record.inner_steps = schedule_used.inner_steps
-        return record
+        return _Exchange(members, infos, result, catch_up_bytes, comm)
 
-    def _catch_up(self, peer: Peer, leader: int) -> int:
-        """Bring `peer` to the leader's round; returns the bytes that took (updates or full state)."""
-        source = self.peers[leader].state
-        if peer.state.round == source.round:
-            return 0
-        missed = [u for u in source.history if u.round >= peer.state.round]
-        if missed and missed[0].round == peer.state.round:
-            peer.catch_up(missed)
-            return sum(len(p) for u in missed for p in u.averaged.values())
-        peer.adopt_state(source)
-        return sum(2 * t.numel() * t.element_size() for t in source.theta)  # θ and m
+    def _average(self, contributing: Sequence[tuple[int, Contribution]]) -> MemberResult:
+        """Every contributor calls its averager on its own thread, as a swarm node would; returns the
+        (identical) result they get."""
+        round_id = self._round_ids
+        self._round_ids += 1
+        self.hub.expect("", round_id, [c.peer_id for _, c in contributing])
+        calls = [
+            self._pool.submit(
+                self.averagers[i].average,
+                c,
+                round=round_id,
+                codec=self.peers[i].downlink_codec(self.peers[i].state.schedule.codec),
+                timeout=AVERAGE_TIMEOUT_S,
+            )
+            for i, c in contributing
+        ]
+        results = [call.result() for call in calls]
+        first = results[0]
+        if first is None or any(r is None for r in results):
+            raise RuntimeError(f"round {round_id}: a virtual peer got no result from the in-process averager")
+        return first
+
+    def _land_and_restart(
+        self, i: int, pending: dict[int, _Pending], landing: _Landing, comm_s: float
+    ) -> float:
+        """Apply the round to member `i` (mid-round under overlap) and start its next local round;
+        returns how long it sat idle waiting for the update."""
+        # The exchange is known exactly here; a real node judges by its last one.
+        compute = self.compute_time(i, pending[i].local)
+        if overlap_this_round(self.cfg.train.overlap, comm_s=comm_s, compute_s=compute):
+            # The member trains on from the moment it contributed; the update lands mid-round.
+            pending[i] = self._start(i, at=pending[i].ready_at, landing=landing)
+            return pending[i].idle_s
+        self.peers[i].apply_round(landing.result)
+        wait = landing.at - pending[i].ready_at
+        pending[i] = self._start(i, at=landing.at, from_theta=True)
+        return wait
 
     def _record(
         self,
-        members: list[int],
+        exchange: _Exchange,
         locals_: list[LocalRound],
-        infos: list[ContributionInfo],
-        result: GroupResult,
-        comm: float,
         done_at: float,
         theta_hash: str,
+        waits: list[float],
+        batch: tuple[int, ...],
     ) -> RoundRecord:
-        peer = self.peers[members[0]]
+        peer = self.peers[exchange.members[0]]
         state = peer.state
-        wire = sum(result.sent_bytes.values())
-        self.wire_total += wire
-        self.tokens_total += sum(
-            loc.tokens for loc, info in zip(locals_, infos, strict=True) if not info.dropped
-        )
+        result, infos = exchange.result, exchange.infos
+        catch_up_bytes = sum(exchange.catch_up_bytes.values())
+        sent = sum(result.sent_bytes.values()) + catch_up_bytes
+        self.bytes_total += sent
+        tokens = sum(loc.tokens for loc, info in zip(locals_, infos, strict=True) if not info.dropped)
+        self.tokens_total += tokens
         staleness = [info.staleness for info in infos]
+        corrections = [info.correction for info in infos if info.correction is not None]
+        previous = self.records[-1].sim_time_s if self.records else None
+        round_s = done_at - (previous or 0.0)
         return RoundRecord(
             round=state.round,
-            sim_time_s=done_at,
-            tokens=self.tokens_total,
-            wire_bytes=wire,
-            wire_bytes_total=self.wire_total,
             val_loss=peer.validation_loss(),
             inner_loss=statistics.fmean(loc.mean_loss for loc in locals_),
-            batch_size=max(state.schedule.batch),
-            batch_sizes=list(state.schedule.batch),
+            theta_hash=theta_hash,
+            tokens=tokens,
+            tokens_total=self.tokens_total,
+            tokens_per_s=tokens / max(round_s, 1e-9),
+            batch_sizes=list(batch),
             accum_steps=max(loc.accum_steps for loc in locals_),
-            instances=state.schedule.instances,
-            inner_steps=state.schedule.inner_steps,
+            instances=len(batch),
+            inner_steps=max(loc.inner_steps for loc in locals_),
             codec=infos[0].codec,
             group_size=len(result.members),
+            staleness=max(staleness),
+            # Every byte one member sends another receives; catch-up bytes are received from a peer.
+            bytes_sent=self.bytes_total,
+            bytes_received=self.bytes_total,
+            round_bytes=sent,
+            round_s=round_s,
+            wait_s=statistics.fmean(waits),
+            compute_s=statistics.fmean(loc.report.round_compute_s for loc in locals_),
+            contribution_bytes=infos[0].wire_bytes,
+            rejected_parts=sum(result.rejected.values()),
+            malformed_reports=len(result.malformed),
+            sim_time_s=done_at,
             staleness_mean=statistics.fmean(staleness),
-            staleness_max=max(staleness),
             late_contributions=sum(1 for info in infos if info.staleness > 0 and not info.dropped),
-            late_corrected=sum(
-                1
-                for info in infos
-                if info.correction is not None and info.correction.shrink + info.correction.rotate
-            ),
-            corrected_tensors=sum(
-                info.correction.shrink + info.correction.rotate
-                for info in infos
-                if info.correction is not None
-            ),
+            late_corrected=sum(1 for c in corrections if c.shrink + c.rotate),
+            corrected_tensors=sum(c.shrink + c.rotate for c in corrections),
             late_dropped=sum(1 for info in infos if info.dropped),
-            comm_s=comm,
-            wait_s=0.0,
-            catch_up_bytes=0,
-            theta_hash=theta_hash,
-            wall_s=0.0,
+            comm_s=exchange.comm_s,
+            catch_up_bytes=catch_up_bytes,
         )
 
 
@@ -362,4 +376,4 @@ def initial_val_loss(sim: Simulator) -> float:
 
 
 def records_as_dicts(records: list[RoundRecord]) -> list[dict[str, Any]]:
-    return [asdict(r) for r in records]
+    return [r.to_dict() for r in records]

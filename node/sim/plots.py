@@ -12,9 +12,9 @@ matplotlib.use("Agg")  # no display on volunteer machines or CI
 import matplotlib.pyplot as plt
 
 AXES = (
-    ("tokens", "tokens trained", "val_loss_vs_tokens.png"),
+    ("tokens_total", "tokens trained", "val_loss_vs_tokens.png"),
     ("sim_time_s", "simulated time (s)", "val_loss_vs_time.png"),
-    ("wire_bytes_total", "wire bytes sent (all peers)", "val_loss_vs_bytes.png"),
+    ("bytes_sent", "wire bytes sent (all peers)", "val_loss_vs_bytes.png"),
 )
 
 

@@ -1,8 +1,9 @@
 """The single-node AdLoCo trainer: one peer that trains alone, averaging in a group of one.
 
-This is what `adloco-node` runs when it has no peers: the MIT instances, adaptive batch, switch mode
-and compression with error feedback all run exactly as in a swarm, and the one-member all-reduce
-still goes through the codec (so the update applied is what a swarm would have applied).
+This is what `adloco-node --offline` runs: the MIT instances, adaptive batch, switch mode and
+compression with error feedback all run exactly as in a swarm, and the round goes through the same
+`Averager` interface as every other driver (an in-process one with no window), so the update
+applied is what a swarm of one would have applied, encoded bytes included.
 """
 
 from __future__ import annotations
@@ -10,41 +11,26 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
-from ...protocol.algorithms.allreduce import reduce_group
+from ...protocol.transport.memory import MemoryAverager, MemoryHub
 from ..training.config import TrainConfig
 from ..training.peer import Peer
+from ..training.rounds import RoundRecord
 from ..training.runtime import load_data
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True)
-class SoloRound:
-    """One applied round of a node training alone."""
-
-    round: int
-    inner_loss: float
-    val_loss: float
-    tokens: int
-    tokens_per_s: float
-    batch_sizes: tuple[int, ...]
-    accum_steps: int
-    instances: int
-    codec: str
-    wire_bytes: int
-    round_s: float
-    theta_hash: str
+PEER_ID = "local"
 
 
 def train_solo(
     cfg: TrainConfig,
     *,
     rounds: int,
-    on_round: Callable[[SoloRound], None] | None = None,
+    on_round: Callable[[RoundRecord], None] | None = None,
     should_stop: Callable[[], bool] = lambda: False,
-) -> tuple[Peer, list[SoloRound]]:
+) -> tuple[Peer, list[RoundRecord]]:
     """Train alone for `rounds` rounds (0: until `should_stop`); returns the peer and its rounds.
 
     Alone there is no transfer to overlap with, so rounds run in the synchronous order (overlap off).
@@ -52,35 +38,51 @@ def train_solo(
     cfg = replace(cfg, overlap="off")
     corpus, tokenizer = load_data(cfg)
     peer = Peer(
-        peer_id="local", index=0, num_peers=1, cfg=cfg, corpus=corpus, vocab_size=tokenizer.vocab_size
+        peer_id=PEER_ID, index=0, num_peers=1, cfg=cfg, corpus=corpus, vocab_size=tokenizer.vocab_size
     )
-    done: list[SoloRound] = []
-    tokens = 0
-    while (rounds == 0 or len(done) < rounds) and not should_stop():
-        t0 = time.perf_counter()
-        schedule = peer.state.schedule
-        local = peer.train_round()
-        contribution, info = peer.contribute(local)
-        assert contribution is not None  # a solo peer is never stale
-        result = reduce_group([contribution], codec=peer.downlink_codec(schedule.codec))
-        peer.apply_round(result)
-        tokens += local.tokens
-        elapsed = time.perf_counter() - t0
-        record = SoloRound(
-            round=peer.state.round,
-            inner_loss=local.mean_loss,
-            val_loss=peer.validation_loss(),
-            tokens=tokens,
-            tokens_per_s=local.tokens / max(local.compute_s, 1e-9),
-            batch_sizes=schedule.batch,
-            accum_steps=local.accum_steps,
-            instances=schedule.instances,
-            codec=info.codec,
-            wire_bytes=info.wire_bytes,
-            round_s=elapsed,
-            theta_hash=peer.state.theta_hash(),
-        )
-        done.append(record)
-        if on_round is not None:
-            on_round(record)
+    done: list[RoundRecord] = []
+    with MemoryAverager(MemoryHub(window_s=0.0), PEER_ID) as averager:
+        while (rounds == 0 or len(done) < rounds) and not should_stop():
+            record = _round(peer, averager, done[-1] if done else None)
+            done.append(record)
+            if on_round is not None:
+                on_round(record)
     return peer, done
+
+
+def _round(peer: Peer, averager: MemoryAverager, previous: RoundRecord | None) -> RoundRecord:
+    t0 = time.perf_counter()
+    schedule = peer.state.schedule
+    local = peer.train_round()
+    contribution, info = peer.contribute(local)
+    assert contribution is not None  # a solo peer is never stale
+    result = averager.average(
+        contribution, round=peer.state.round, codec=peer.downlink_codec(schedule.codec), timeout=60.0
+    )
+    if result is None:
+        raise RuntimeError("a group of one failed to average")  # in process this is a bug, not a fault
+    peer.apply_round(result)
+    sent = result.traffic.wire_sent
+    return RoundRecord(
+        round=peer.state.round,
+        val_loss=peer.validation_loss(),
+        inner_loss=local.mean_loss,
+        theta_hash=peer.state.theta_hash(),
+        tokens=local.tokens,
+        tokens_total=local.tokens + (previous.tokens_total if previous else 0),
+        tokens_per_s=local.tokens / max(local.compute_s, 1e-9),
+        batch_sizes=list(schedule.batch),
+        accum_steps=local.accum_steps,
+        instances=schedule.instances,
+        inner_steps=local.inner_steps,
+        codec=info.codec,
+        group_size=len(result.members),
+        staleness=info.staleness,
+        bytes_sent=sent + (previous.bytes_sent if previous else 0),
+        bytes_received=result.traffic.wire_received + (previous.bytes_received if previous else 0),
+        round_bytes=sent,
+        round_s=time.perf_counter() - t0,
+        wait_s=0.0,
+        compute_s=local.compute_s,
+        contribution_bytes=info.wire_bytes,
+    )

@@ -52,6 +52,10 @@ class TrainConfig:
     staleness_weight: ρ(τ) for late contributions: "constant", "inv_sqrt" (Async DiLoCo), "tokens".
     max_staleness: contributions older than this many rounds are dropped rather than corrected
         (HeLoCo reports dropping can beat correcting beyond ~15).
+    dylu: DyLU (Async DiLoCo's dynamic local updates): after each round a peer shortens its H to its
+        speed relative to the fastest member of the group (from the step times every member
+        reports), so a slow peer finishes with the others instead of arriving stale. Turn it on
+        when a slow peer's contributions keep arriving late (τ > 0 every round).
     b_max: override the probed hardware batch limit (switch mode engages above it).
     memory_budget_gb: CPU memory for b_max probing (default: half of what is available).
     non_iid: give each peer a different part of the corpus (by top-level package).
@@ -83,6 +87,7 @@ class TrainConfig:
     correct_late: bool = True
     staleness_weight: Literal["constant", "inv_sqrt", "tokens"] = "inv_sqrt"
     max_staleness: int = 16
+    dylu: bool = False
     b_max: int | None = None
     memory_budget_gb: float | None = None
     non_iid: bool = False

@@ -24,8 +24,8 @@ from __future__ import annotations
 import copy
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, cast
+from dataclasses import dataclass, field, replace
+from typing import cast
 
 import torch
 
@@ -37,7 +37,8 @@ from ...protocol.algorithms.heloco import CorrectionReport, correct, dylu_inner_
 from ...protocol.algorithms.merge import merge_weighted
 from ...protocol.algorithms.outer import outer_step
 from ...protocol.algorithms.pseudograd import tensors_hash, weighted_mean
-from ...protocol.algorithms.schedule import PeerReport, Schedule, accumulation_for, next_schedule
+from ...protocol.algorithms.report import PeerReport, dylu_ratio, overlap_byte_budget
+from ...protocol.algorithms.schedule import Schedule, accumulation_for, next_schedule
 from .bmax import probe_b_max
 from .config import TrainConfig
 from .data import Corpus, TokenSampler, evaluate, shard_corpus, validation_batches
@@ -62,6 +63,13 @@ class LocalRound:
     compute_s: float
     accum_steps: int
     inner_steps: int
+
+    def report_time(self, compute_s: float) -> None:
+        """Report this round as having taken `compute_s` seconds of compute (the simulator's modelled
+        time, or a slowed-down node's): the step time DyLU compares and the round time of the byte
+        budget, as the group sees them. `compute_s` itself stays what was measured."""
+        steps = max(self.inner_steps, 1)
+        self.report = replace(self.report, step_time_s=compute_s / steps, round_compute_s=compute_s)
 
 
 @dataclass(frozen=True)
@@ -260,8 +268,9 @@ class Peer:
             slot_stats=tuple(slot_stats),
             b_max=self.b_max,
             tokens=tokens,
-            staleness=0,
             step_time_s=compute_s / max(steps, 1),
+            base_round=self.phase_round,
+            round_compute_s=compute_s,
         )
         return LocalRound(
             base_round=self.phase_round,
@@ -292,40 +301,39 @@ class Peer:
         return self._codecs[key]
 
     def contribute(
-        self, local: LocalRound, *, extra: Mapping[str, Any] | None = None
+        self, local: LocalRound, *, bandwidth_bps: float = 0.0
     ) -> tuple[Contribution | None, ContributionInfo]:
         """Correct (if late), weight and compress the local pseudo-gradient for the current round.
 
         Call after `catch_up`, so θ and m are the current round's. Returns None as the contribution
-        when it is too stale to use (it is then dropped, and counted).
+        when it is too stale to use (it is then dropped, and counted). `bandwidth_bps`: this peer's
+        measured link (0: unknown), reported for the adaptive codec's byte budget.
         """
         tau = self.state.round - local.base_round
         spec = self.state.schedule.codec
         if tau > self.cfg.max_staleness:
             return None, ContributionInfo(tau, 0.0, None, 0, spec, dropped=True)
-        delta, report = local.delta, None
+        delta, correction = local.delta, None
         if tau > 0 and self.cfg.correct_late:
             # HeLoCo option (a) of algorithms.md §5.4: each peer corrects its own Δ against the
             # replicated momentum, which every caught-up peer holds identically.
-            delta, report = correct(delta, self.momentum_reference(), self.cfg.heloco)
+            delta, correction = correct(delta, self.momentum_reference(), self.cfg.heloco)
         weight = local.tokens * staleness_weight(
             tau, kind=self.cfg.staleness_weight, tokens=local.tokens, ref_tokens=self._ref_tokens()
         )
         payloads = self.error_feedback.compress(self.codec(spec), dict(zip(self.names, delta, strict=True)))
         wire = sum(len(p) for p in payloads.values())
-        metadata: dict[str, Any] = {
-            "report": {**local.report.to_dict(), "staleness": tau},
-            "base_round": local.base_round,
-            **(extra or {}),
-        }
+        report = replace(
+            local.report, staleness=tau, base_round=local.base_round, bandwidth_bps=bandwidth_bps
+        )
         contribution = Contribution(
             peer_id=self.peer_id,
             payloads=payloads,
             weight=weight,
             tokens=float(local.tokens),
-            metadata=metadata,
+            metadata=report.encode(),
         )
-        return contribution, ContributionInfo(tau, weight, report, wire, spec)
+        return contribution, ContributionInfo(tau, weight, correction, wire, spec)
 
     def momentum_reference(self) -> list[torch.Tensor]:
         """The momentum HeLoCo compares late Δ against, on the scale of one pseudo-gradient.
@@ -344,30 +352,34 @@ class Peer:
 
     # ---- apply -----------------------------------------------------------------------------------
 
-    def apply_round(self, result: GroupResult, *, byte_budget: float | None = None) -> Update:
-        """Outer step with the group's average, then the next schedule; returns the update applied."""
-        reports = [
-            PeerReport.from_dict(m["report"])
-            for m in result.gathered
-            if m["report"]["staleness"] == 0
-            and len(m["report"]["slot_stats"]) == self.state.schedule.instances
+    def apply_round(self, result: GroupResult) -> Update:
+        """Outer step with the group's average, then what the group's reports decide: the next
+        schedule (fresh reports of the current slot count), the next codec when adaptive (within
+        the byte budget of the members' links), and this peer's DyLU ratio; returns the update."""
+        fresh = [
+            r
+            for r in result.reports
+            if r.staleness == 0 and len(r.slot_stats) == self.state.schedule.instances
         ]
-        codec = self._next_codec(result, byte_budget)
-        schedule, merge = next_schedule(self.state.schedule, reports, self.cfg.schedule, codec=codec)
+        codec = self._next_codec(result)
+        schedule, merge = next_schedule(self.state.schedule, fresh, self.cfg.schedule, codec=codec)
         update = Update(round=self.state.round, averaged=result.averaged, schedule=schedule, merge=merge)
         self._apply(update)
+        if self.cfg.dylu:
+            # Every member sees every member's step time, so each shortens its own H alike.
+            self.dylu_speed_ratio = dylu_ratio(result.reports, self.peer_id) or self.dylu_speed_ratio
         return update
 
-    def _next_codec(self, result: GroupResult, byte_budget: float | None) -> str | None:
+    def _next_codec(self, result: GroupResult) -> str | None:
         if self.cfg.codec != "adaptive":
             return None
-        # Chosen from the averaged Δ̄, which every member holds bit-identically, so every member
-        # picks the same codec without another message.
+        # Chosen from the averaged Δ̄ and the gathered reports, which every member holds
+        # bit-identically, so every member picks the same codec without another message.
         choice = choose_codec(
             result.decoded(),
             candidates=self.cfg.codec_candidates,
             max_rel_error=self.cfg.max_rel_error,
-            byte_budget=byte_budget,
+            byte_budget=overlap_byte_budget(result.reports, group_size=len(result.members)),
         )
         return choice.spec
 
@@ -409,10 +421,16 @@ class Peer:
             applied += 1
         return applied
 
-    def adopt_state(self, other: PeerState) -> None:
+    def adopt_state(self, other: PeerState, *, expected_hash: str) -> None:
         """Full state transfer for a peer too far behind to replay: θ, m, r and S_r from another
-        peer, checked against the sender's θ hash. Instances beyond S_r's count are merged away."""
-        expected = other.theta_hash()
+        peer. `expected_hash` is the θ hash this peer trusts for that state (the swarm's published
+        one), never one the sender computed: a state whose θ does not hash to it raises ValueError
+        and changes nothing. Instances beyond S_r's count are merged away."""
+        shapes = [t.shape for t in self.state.theta]
+        if [t.shape for t in other.theta] != shapes or [t.shape for t in other.momentum] != shapes:
+            raise ValueError("downloaded state does not have this model's tensor shapes")
+        if tensors_hash(other.theta) != expected_hash:
+            raise ValueError("downloaded θ does not match the published θ hash")
         self.state = PeerState(
             theta=[t.detach().clone().to(self.device) for t in other.theta],
             momentum=[t.detach().clone().to(self.device) for t in other.momentum],
@@ -420,8 +438,6 @@ class Peer:
             schedule=other.schedule,
             history=list(other.history),
         )
-        if self.state.theta_hash() != expected:
-            raise ValueError("downloaded state does not match the published θ hash")
         while len(self.instances) > self.state.schedule.instances:
             # The two slots with the smallest data streams merge, as a missed MIT merge would have.
             order = sorted(
@@ -496,20 +512,3 @@ def overlap_this_round(mode: str, *, comm_s: float | None, compute_s: float | No
     if mode != "auto":
         return True
     return comm_s is not None and compute_s is not None and comm_s <= compute_s
-
-
-def overlap_byte_budget(reports: Sequence[Mapping[str, Any]], *, group_size: int) -> float | None:
-    """The payload bytes each member may send so one round's transfer fits in the overlap window.
-
-    DiLoCoX: T_comm ≤ H·t_step. Each member sends about 2(n−1)/n of its payload (its parts to their
-    owners, then the averaged parts it owns), so the payload budget is the slowest member's
-    bandwidth × its round compute time divided by that factor.
-    """
-    budgets = [
-        float(m["bandwidth_bps"]) / 8 * float(m["round_compute_s"])
-        for m in reports
-        if m.get("bandwidth_bps") and m.get("round_compute_s")
-    ]
-    if not budgets or group_size < 2:
-        return None
-    return min(budgets) / (2 * (group_size - 1) / group_size)

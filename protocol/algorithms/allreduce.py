@@ -1,15 +1,16 @@
 """The semantics of our all-reduce, independent of any transport.
 
 A group of members each contributes encoded pseudo-gradient tensors, a weight (tokens × staleness
-weight) and metadata. Each tensor ("part") is owned by one member (`parts.assign_parts`): the owner
-decodes every member's copy of it, takes the weighted average, encodes that average once, and sends
-the *same bytes* to every member, itself included. Every member therefore decodes identical bytes
-and applies an identical outer update, whatever the codec, which is what keeps θ identical across
-the group (hivemind's averager, which adds a compressed delta to each member's own exact values,
-does not have this property for lossy codecs).
+weight) and its encoded `PeerReport` (report.py). Each tensor ("part") is owned by one member
+(`parts.assign_parts`): the owner decodes every member's copy of it, takes the weighted average,
+encodes that average once, and sends the *same bytes* to every member, itself included. Every
+member therefore decodes identical bytes and applies an identical outer update, whatever the codec,
+which is what keeps θ identical across the group (hivemind's averager, which adds a compressed
+delta to each member's own exact values, does not have this property for lossy codecs).
 
-`reduce_group` is that computation done in one place; the in-memory transport of the simulator calls
-it directly, and the network transport performs the same steps part by part across peers.
+`reduce_group` is that computation done in one place; the in-memory transport calls it directly,
+and the network transport's owners run the same `parts.reduce_parts` on the parts they own. The
+gathered reports come back parsed by `report.parse_reports`, so every member keeps the same ones.
 """
 
 from __future__ import annotations
@@ -20,48 +21,63 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .codecs import Codec, decode_tensors
-from .parts import DEFAULT_OUTLIER_FACTOR, assign_parts, reduce_part, round_traffic
+from .parts import DEFAULT_OUTLIER_FACTOR, assign_parts, reduce_parts, round_traffic
+from .report import PeerReport, parse_reports
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class Contribution:
-    """One member's input to a round: encoded tensors, averaging weight, gathered metadata.
+    """One member's input to a round: encoded tensors, averaging weight, its encoded report.
 
     weight is tokens × staleness weight ρ(τ); tokens is the unweighted count. When every member
     gives its tokens, the group average is Σ weight·Δ / Σ tokens, so ρ(τ) < 1 shrinks a late
     contribution even in a group of one (Async DiLoCo applies ρ to each arrival the same way).
+    `metadata` is `PeerReport.encode()`: bytes to the transport, parsed by whoever gathers them.
     """
 
     peer_id: str
     payloads: Mapping[str, bytes]
     weight: float
     tokens: float = 0.0
-    metadata: Mapping[str, Any] = field(default_factory=dict)
+    metadata: bytes = b""
 
 
 @dataclass(frozen=True)
 class GroupResult:
     """What every member of the group receives (identical for all) and the traffic it cost each.
 
-    `rejected`: peer id -> number of its parts the owners left out of the average this round
-    (non-finite or outlier, see `parts.screen_part`); empty when none. A peer with rejected parts
-    stays in `members`: rejection is per part.
+    `reports`: the members' reports that parsed (member order); `malformed`: member -> why its
+    report was dropped (it still contributed its Δ). `rejected`: peer id -> number of its parts the
+    owners left out of the average this round (non-finite or outlier, see `parts.screen_part`);
+    empty when none. A peer with rejected parts stays in `members`: rejection is per part.
     """
 
     averaged: dict[str, bytes]
-    gathered: tuple[Mapping[str, Any], ...]
+    reports: tuple[PeerReport, ...]
     members: tuple[str, ...]
     owners: dict[str, str]
     sent_bytes: dict[str, int]
     received_bytes: dict[str, int]
     # Keyword-only: a positional field with a default would forbid MemberResult's fields without one.
     rejected: dict[str, int] = field(default_factory=dict, kw_only=True)
+    malformed: dict[str, str] = field(default_factory=dict, kw_only=True)
 
     def decoded(self) -> dict[str, Any]:
         """The averaged tensors, decoded."""
         return decode_tensors(self.averaged)
+
+
+def gather_reports(
+    members: Sequence[str], raw: Sequence[bytes]
+) -> tuple[tuple[PeerReport, ...], dict[str, str]]:
+    """`report.parse_reports`, with each dropped entry logged: what every transport calls on the
+    gathered metadata."""
+    reports, malformed = parse_reports(members, raw)
+    for peer, reason in malformed.items():
+        logger.warning("dropped the report of %s: %s", peer[-8:], reason)
+    return reports, malformed
 
 
 def reduce_group(
@@ -74,7 +90,7 @@ def reduce_group(
 
     Members are ordered by peer id, so every member computes the same part ownership and the same
     reduction whatever order the contributions arrived in. Each part is screened by its owner
-    (`parts.reduce_part`; `outlier_factor` 0 or None turns the norm test off, never the non-finite
+    (`parts.reduce_parts`; `outlier_factor` 0 or None turns the norm test off, never the non-finite
     one); every rejection is logged and counted in `GroupResult.rejected`. Raises ValueError on an
     empty group, mismatched tensor names, or invalid weights.
     """
@@ -89,27 +105,28 @@ def reduce_group(
     owner_index = assign_parts(sizes, len(members))
     ids = [c.peer_id for c in members]
     owners = {k: ids[i] for k, i in zip(keys, owner_index, strict=True)}
-    weights = [c.weight for c in members]
-    tokens = [c.tokens for c in members]
-    averaged: dict[str, bytes] = {}
-    rejected: dict[str, int] = {}
-    for k in keys:
-        part = reduce_part(
-            [c.payloads[k] for c in members], weights, codec, k, tokens=tokens, outlier_factor=outlier_factor
-        )
-        averaged[k] = part.payload
-        for i, reason in part.rejected.items():
-            logger.warning("owner %s rejected part %r of %s: %s", owners[k][-8:], k, ids[i][-8:], reason)
-            rejected[ids[i]] = rejected.get(ids[i], 0) + 1
+    reduced = reduce_parts(
+        keys,
+        ids,
+        lambda i, k: members[i].payloads[k],
+        [c.weight for c in members],
+        [c.tokens for c in members],
+        codec,
+        outlier_factor=outlier_factor,
+    )
+    for k, peer, reason in reduced.rejections:
+        logger.warning("owner %s rejected part %r of %s: %s", owners[k][-8:], k, peer[-8:], reason)
     up_sizes = [[len(c.payloads[k]) for k in keys] for c in members]
-    down_sizes = [len(averaged[k]) for k in keys]
+    down_sizes = [len(reduced.averaged[k]) for k in keys]
     sent, received = round_traffic(owner_index, up_sizes, down_sizes, len(members))
+    reports, malformed = gather_reports(ids, [c.metadata for c in members])
     return GroupResult(
-        averaged=averaged,
-        gathered=tuple(c.metadata for c in members),
+        averaged=reduced.averaged,
+        reports=reports,
         members=tuple(ids),
         owners=owners,
         sent_bytes=dict(zip(ids, sent, strict=True)),
         received_bytes=dict(zip(ids, received, strict=True)),
-        rejected=dict(sorted(rejected.items())),
+        rejected=reduced.rejected,
+        malformed=malformed,
     )

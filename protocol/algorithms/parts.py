@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -144,6 +144,63 @@ def reduce_part(
     for i, weight in zip(accepted, normalized, strict=True):
         average.add_(tensors[i], alpha=weight)
     return ReducedPart(codec.encode(key, average), rejected)
+
+
+@dataclass(frozen=True)
+class ReducedParts:
+    """Several parts as one owner reduced them over the same contributors.
+
+    `averaged`: part -> the bytes sent to every member. `rejected`: contributor -> how many of its
+    payloads the screening left out. `rejections`: (part, contributor, reason) for each of them.
+    """
+
+    averaged: dict[str, bytes]
+    rejected: dict[str, int]
+    rejections: list[tuple[str, str, str]]
+
+
+def reduce_parts(
+    keys: Sequence[str],
+    contributors: Sequence[str],
+    payloads: Callable[[int, str], bytes],
+    weights: Sequence[float],
+    tokens: Sequence[float],
+    codec: Codec,
+    *,
+    outlier_factor: float | None = DEFAULT_OUTLIER_FACTOR,
+) -> ReducedParts:
+    """`reduce_part` for each of `keys` over the same contributors: the one reduction every transport
+    runs (the in-process `allreduce.reduce_group` for all parts, a network owner for its own).
+
+    `payloads(i, key)` is contributor i's payload of `key`; `weights[i]` / `tokens[i]` its averaging
+    weight and tokens. Raises ValueError as `reduce_part` does.
+    """
+    averaged: dict[str, bytes] = {}
+    rejections: list[tuple[str, str, str]] = []
+    for key in keys:
+        part = reduce_part(
+            [payloads(i, key) for i in range(len(contributors))],
+            weights,
+            codec,
+            key,
+            tokens=tokens,
+            outlier_factor=outlier_factor,
+        )
+        averaged[key] = part.payload
+        rejections += [(key, contributors[i], reason) for i, reason in part.rejected.items()]
+    rejected: dict[str, int] = {}
+    for _, peer, _ in rejections:
+        rejected[peer] = rejected.get(peer, 0) + 1
+    return ReducedParts(averaged, dict(sorted(rejected.items())), rejections)
+
+
+def merge_rejected(counts: Sequence[Mapping[str, int]]) -> dict[str, int]:
+    """Sum per-contributor rejection counts (e.g. over the owners of a round), sorted by peer."""
+    total: dict[str, int] = {}
+    for count in counts:
+        for peer, n in count.items():
+            total[peer] = total.get(peer, 0) + n
+    return dict(sorted(total.items()))
 
 
 def _check_inputs(

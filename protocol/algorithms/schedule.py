@@ -1,7 +1,7 @@
 """Schedule consensus: every peer computes the next round's schedule from the same gathered reports.
 
 The schedule S_r holds, per MIT instance slot, the agreed batch b (AdLoCo stage 2), plus the inner
-steps H and the codec. At the end of round r each peer gathers one `PeerReport` per group member
+steps H and the codec. At the end of round r each peer gathers one `PeerReport` (report.py) per group member
 (batch-test statistics per slot, its b_max, tokens, staleness) as all-reduce metadata, and calls
 `next_schedule`, a deterministic function of (S_r, reports, config) that ignores report order, so
 peers agree on S_{r+1} without another message (DESIGN.md §3 step 8). Switch mode (micro-batch and
@@ -18,10 +18,10 @@ from typing import Any, Literal
 
 from .batchtest import BatchTest, GradStats, next_batch, pool_stats
 from .merge import MergePolicy, choose_merge
+from .report import PeerReport
 from .switch import BatchPlan, plan_batch
 
 __all__ = [
-    "PeerReport",
     "Schedule",
     "ScheduleConfig",
     "accumulation_for",
@@ -82,67 +82,6 @@ class Schedule:
         if not isinstance(data["batch"], (list, tuple)):
             raise ValueError(f"Schedule.batch must be a list, got {type(data['batch']).__name__}")
         return cls(**{**data, "batch": tuple(data["batch"])})
-
-
-@dataclass(frozen=True, kw_only=True)
-class PeerReport:
-    """One peer's end-of-round metadata, gathered by every member of the averaging group.
-
-    slot_stats: batch-test statistics per instance slot of the schedule the peer ran (None where it
-    has none, e.g. only one gradient). b_max: its largest micro-batch. tokens: tokens it trained on
-    this round. staleness: τ, rounds its contribution is behind. step_time_s: seconds per inner step.
-    """
-
-    peer_id: str
-    slot_stats: tuple[GradStats | None, ...]
-    b_max: int
-    tokens: int
-    staleness: int = 0
-    step_time_s: float = 0.0
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "slot_stats", tuple(self.slot_stats))
-        if not isinstance(self.peer_id, str) or not self.peer_id:
-            raise ValueError(f"PeerReport.peer_id must be a non-empty string, got {self.peer_id!r}")
-        for s in self.slot_stats:
-            if s is not None and not isinstance(s, GradStats):
-                raise ValueError(f"PeerReport.slot_stats entries must be GradStats or None, got {s!r}")
-        _require_int("PeerReport.b_max", self.b_max, minimum=1)
-        _require_int("PeerReport.tokens", self.tokens, minimum=0)
-        _require_int("PeerReport.staleness", self.staleness, minimum=0)
-        t = self.step_time_s
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
-            raise ValueError(f"PeerReport.step_time_s must be a finite number >= 0, got {t!r}")
-        object.__setattr__(self, "step_time_s", float(t))
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain dict for gathered metadata (JSON and msgpack safe)."""
-        return {
-            "peer_id": self.peer_id,
-            "slot_stats": [None if s is None else s.to_dict() for s in self.slot_stats],
-            "b_max": self.b_max,
-            "tokens": self.tokens,
-            "staleness": self.staleness,
-            "step_time_s": self.step_time_s,
-        }
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> PeerReport:
-        """Inverse of `to_dict`; raises ValueError on missing, unknown or invalid fields."""
-        _check_keys(
-            "PeerReport",
-            data,
-            required={"peer_id", "slot_stats", "b_max", "tokens"},
-            optional={"staleness", "step_time_s"},
-        )
-        raw = data["slot_stats"]
-        if not isinstance(raw, (list, tuple)):
-            raise ValueError(f"PeerReport.slot_stats must be a list, got {type(raw).__name__}")
-        for s in raw:
-            if s is not None and not isinstance(s, Mapping):
-                raise ValueError(f"PeerReport.slot_stats entries must be dicts or None, got {s!r}")
-        stats = tuple(None if s is None else GradStats.from_dict(s) for s in raw)
-        return cls(**{**data, "slot_stats": stats})
 
 
 @dataclass(frozen=True, kw_only=True)

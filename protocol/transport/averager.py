@@ -1,36 +1,28 @@
-"""The averaging interface the node's outer loop talks to, and its in-process implementation.
+"""The averaging interface every driver of a round talks to, and what a member gets back.
 
 A peer calls `Averager.average` once per round with its encoded `Contribution` and gets back the
 group's result, a `MemberResult` (a `GroupResult` plus the bytes this member moved), or None when no
 group could be formed or the round failed for it. Every member that returns a result holds
-bit-identical `averaged` bytes: each part is reduced once by its owner, with `reduce_group`'s
-semantics (`protocol/allreduce.py`), non-finite and outlier parts screened out, and the same
-`rejected` count per peer. Group rule, shared by every implementation: the members are the peers
-that call `average` for the same (prefix, round) within `window_s` of the first call; a call after
-the window gets None at once and nobody waits beyond the window. A round number is single-use:
-retry a failed round under a new number. None never proves that the others did not apply the round
-(they may have, with or without this member's Δ): a peer that gets None must re-check its θ
-against the group's (catch-up) before it trusts it. `MemoryAverager` (threads meeting in a
-`MemoryHub`, reducing with `reduce_group`) and `HivemindAverager` (hivemind_averager.py, peers on
-hivemind's P2P) keep the same contract, tested once for both in tests/test_averager_contract.py.
+bit-identical `averaged` bytes and the same parsed `reports`: each part is reduced once by its owner
+with `parts.reduce_parts` (`protocol/algorithms/allreduce.py` has the semantics), non-finite and
+outlier parts screened out, the same `rejected` count per peer. Group rule, shared by every
+implementation: the members are the peers that call `average` for the same (prefix, round) within
+the matchmaking window of the first call; a call after the window gets None at once and nobody
+waits beyond the window. A round number is single-use: retry a failed round under a new number.
+None never proves that the others did not apply the round (they may have, with or without this
+member's Δ): a peer that gets None must re-check its θ against the group's (catch-up) before it
+trusts it. Implementations: `memory.MemoryAverager` (threads of one process: the solo trainer, the
+simulator, tests) and `hivemind_averager.HivemindAverager` (peers on hivemind's P2P); one contract
+test covers both (tests/test_averager_contract.py).
 """
 
 from __future__ import annotations
 
-import logging
-import threading
-import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-import torch
-
-from ..algorithms.allreduce import Contribution, GroupResult, reduce_group
+from ..algorithms.allreduce import Contribution, GroupResult
 from ..algorithms.codecs import Codec
-from ..algorithms.parts import DEFAULT_OUTLIER_FACTOR, assign_parts, check_outlier_factor
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -40,13 +32,16 @@ class Traffic:
     `wire_*` counts every byte this member wrote to or read from its streams (payloads, headers,
     metadata, length prefixes); `payload_*` only the encoded tensor bytes. Their difference is the
     protocol's own overhead. The transport beneath the streams (libp2p framing, encryption, TCP) is
-    not counted.
+    not counted. `exchange_s`: seconds from the group's formation to the last answer (the transfer
+    and the reductions, without matchmaking; 0 in process): the bytes over it bound this member's
+    link from below.
     """
 
     payload_sent: int
     payload_received: int
     wire_sent: int
     wire_received: int
+    exchange_s: float = 0.0
 
     @property
     def overhead(self) -> int:
@@ -58,9 +53,10 @@ class Traffic:
 class MemberResult(GroupResult):
     """A `GroupResult` as one member received it.
 
-    `averaged`, `gathered`, `members`, `owners` and `rejected` are identical on every member of the
-    group; `sent_bytes[peer_id]` / `received_bytes[peer_id]` are exactly the wire bytes this member
-    moved (other entries, where present, are the in-process model's count), `traffic` splits them.
+    `averaged`, `reports`, `malformed`, `members`, `owners` and `rejected` are identical on every
+    member of the group; `sent_bytes[peer_id]` / `received_bytes[peer_id]` are exactly the wire
+    bytes this member moved (other entries, where present, are the in-process model's count),
+    `traffic` splits them.
     """
 
     peer_id: str
@@ -78,7 +74,7 @@ class Averager(Protocol):
 
     def average(
         self, contribution: Contribution, *, round: int, codec: Codec, timeout: float, join_only: bool = False
-    ) -> GroupResult | None:
+    ) -> MemberResult | None:
         """Average `contribution` with the peers ready for `round`; None if no group / failed.
 
         `codec` encodes the averages of the parts this peer owns (its downlink codec). Returns
@@ -88,216 +84,12 @@ class Averager(Protocol):
         """
         ...
 
+    @property
+    def matchmaking_s(self) -> float:
+        """The least time a call spends forming its group (window, plus grace where there is one):
+        a driver estimating how long an exchange takes never estimates less."""
+        ...
+
     def shutdown(self) -> None:
         """Stop serving; later calls to `average` raise RuntimeError."""
         ...
-
-
-class _OwnerCodecs(Codec):
-    """Encodes each part with its owner's codec, as the network transport does.
-
-    Owners keep their own (stateful, e.g. low-rank warm-started) downlink codec, so in-process
-    reduction must route every part through the codec of the member that owns it.
-    """
-
-    name = "owners"
-
-    def __init__(self, by_key: Mapping[str, Codec]) -> None:
-        self._by_key = dict(by_key)
-
-    def encode(self, key: str, tensor: torch.Tensor) -> bytes:
-        """Encode with the owner's codec."""
-        return self._by_key[key].encode(key, tensor)
-
-    def wire_bytes(self, shape: tuple[int, ...]) -> int:
-        """Not defined: the size depends on which owner's codec a shape goes through."""
-        raise NotImplementedError("_OwnerCodecs routes by key; ask the owner's codec")
-
-
-def owner_codecs(contributions: Sequence[Contribution], codecs: Mapping[str, Codec]) -> Codec:
-    """A codec that encodes each part with the codec of its owner under `reduce_group`'s assignment.
-
-    Falls back to any member's codec when the contributions disagree on their tensors (then
-    `reduce_group` raises anyway).
-    """
-    members = sorted(contributions, key=lambda c: c.peer_id)
-    keys = list(members[0].payloads)
-    if any(list(c.payloads) != keys for c in members):
-        return codecs[members[0].peer_id]
-    sizes = [max(len(c.payloads[k]) for c in members) for k in keys]
-    owner_index = assign_parts(sizes, len(members))
-    return _OwnerCodecs({k: codecs[members[i].peer_id] for k, i in zip(keys, owner_index, strict=True)})
-
-
-@dataclass
-class _Gathering:
-    """One (prefix, round) on a hub: who joined before `closes_at`, and the reduction once done."""
-
-    closes_at: float
-    entries: dict[str, tuple[Contribution, Codec]] = field(default_factory=dict)
-    seen: set[str] = field(default_factory=set)  # every peer that called, including those who left
-    reducing: bool = False
-    reduced: bool = False
-    result: GroupResult | None = None
-
-
-class MemoryHub:
-    """Where `MemoryAverager` threads of one process meet: one group per (prefix, round).
-
-    The first call for a (prefix, round) opens it for `window_s` seconds; calls within the window
-    join, a later call gets None at once. At the close the first thread to wake reduces the group
-    with `reduce_group` (each part encoded by its owner's codec) and every member receives the same
-    result. Rounds older than `ttl_s` are forgotten (a call after that opens a new group).
-    `outlier_factor` is the owners' outlier test (`parts.DEFAULT_OUTLIER_FACTOR`; 0 or None turns
-    it off): in process one hub reduces for every owner, so the knob lives here.
-    """
-
-    def __init__(
-        self,
-        *,
-        window_s: float = 3.0,
-        ttl_s: float = 600.0,
-        clock: Callable[[], float] = time.monotonic,
-        outlier_factor: float | None = DEFAULT_OUTLIER_FACTOR,
-    ) -> None:
-        if window_s < 0:
-            raise ValueError(f"window_s must be >= 0, got {window_s}")
-        self.window_s = window_s
-        self.ttl_s = ttl_s
-        self.outlier_factor = check_outlier_factor(outlier_factor)
-        self._clock = clock
-        self._cond = threading.Condition()
-        self._rounds: dict[tuple[str, int], _Gathering] = {}
-
-    def join(
-        self,
-        prefix: str,
-        round: int,
-        contribution: Contribution,
-        codec: Codec,
-        *,
-        timeout: float,
-        join_only: bool = False,
-    ) -> MemberResult | None:
-        """Join (or open) the group of (prefix, round); block until it is reduced or `timeout`.
-
-        With `join_only`, wait (within `timeout`) until another peer has opened the round.
-        """
-        deadline = self._clock() + timeout
-        peer = contribution.peer_id
-        with self._cond:
-            if join_only and not self._cond.wait_for(
-                lambda: (prefix, round) in self._rounds, timeout=max(0.0, deadline - self._clock())
-            ):
-                return None
-            gathering, opened = self._open(prefix, round)
-            if peer in gathering.seen:
-                raise ValueError(f"peer {peer} already called round {round}; rounds are single-use")
-            gathering.seen.add(peer)
-            if not opened and self._clock() >= gathering.closes_at:
-                logger.info("[%s round=%d] arrived after the window closed; not in the group", peer, round)
-                return None
-            gathering.entries[peer] = (contribution, codec)
-            if not self._wait_for_close(gathering, deadline):
-                del gathering.entries[peer]  # gave up before the close: leave the group cleanly
-                return None
-            must_reduce = not gathering.reducing
-            gathering.reducing = True
-        if must_reduce:
-            self._reduce(gathering)
-        with self._cond:
-            if not self._cond.wait_for(lambda: gathering.reduced, timeout=max(0.0, deadline - self._clock())):
-                return None
-            result = gathering.result
-        if result is None or peer not in result.members:
-            return None
-        return _member_view(result, peer)
-
-    def _open(self, prefix: str, round: int) -> tuple[_Gathering, bool]:
-        """The gathering of (prefix, round), and whether this call opened it."""
-        now = self._clock()
-        for key in [k for k, g in self._rounds.items() if now - g.closes_at > self.ttl_s]:
-            del self._rounds[key]
-        gathering = self._rounds.get((prefix, round))
-        if gathering is not None:
-            return gathering, False
-        gathering = self._rounds[(prefix, round)] = _Gathering(closes_at=now + self.window_s)
-        self._cond.notify_all()  # join_only callers wait for a round to be opened
-        return gathering, True
-
-    def _wait_for_close(self, gathering: _Gathering, deadline: float) -> bool:
-        """Wait (lock held) until the window closes; False if the caller's deadline comes first."""
-        while True:
-            now = self._clock()
-            if now >= gathering.closes_at or gathering.reducing:
-                return True
-            if now >= deadline:
-                return False
-            self._cond.wait(min(gathering.closes_at, deadline) - now)
-
-    def _reduce(self, gathering: _Gathering) -> None:
-        contributions = [c for c, _ in gathering.entries.values()]
-        codecs = {peer: codec for peer, (_, codec) in gathering.entries.items()}
-        result: GroupResult | None
-        try:
-            result = reduce_group(
-                contributions, codec=owner_codecs(contributions, codecs), outlier_factor=self.outlier_factor
-            )
-        except ValueError as e:  # a malformed contribution fails the round for everyone
-            logger.warning("round failed: %s", e)
-            result = None
-        with self._cond:
-            gathering.result = result
-            gathering.reduced = True
-            self._cond.notify_all()
-
-
-def _member_view(result: GroupResult, peer: str) -> MemberResult:
-    sent, received = result.sent_bytes[peer], result.received_bytes[peer]
-    return MemberResult(
-        averaged=result.averaged,
-        gathered=result.gathered,
-        members=result.members,
-        owners=result.owners,
-        sent_bytes=result.sent_bytes,
-        received_bytes=result.received_bytes,
-        rejected=result.rejected,
-        peer_id=peer,
-        # In process nothing is framed: the wire carries exactly the payloads.
-        traffic=Traffic(payload_sent=sent, payload_received=received, wire_sent=sent, wire_received=received),
-    )
-
-
-class MemoryAverager:
-    """An `Averager` for threads of one process (simulator, tests): members meet in a `MemoryHub`."""
-
-    def __init__(self, hub: MemoryHub, peer_id: str, *, prefix: str = "") -> None:
-        self._hub = hub
-        self._peer_id = peer_id
-        self._prefix = prefix
-        self._closed = False
-
-    @property
-    def peer_id(self) -> str:
-        """The id given at construction."""
-        return self._peer_id
-
-    def average(
-        self, contribution: Contribution, *, round: int, codec: Codec, timeout: float, join_only: bool = False
-    ) -> MemberResult | None:
-        """Join the hub's group for (prefix, `round`); see `MemoryHub.join`."""
-        if self._closed:
-            raise RuntimeError("average() after shutdown()")
-        if contribution.peer_id != self._peer_id:
-            raise ValueError(f"contribution of {contribution.peer_id!r} given to averager {self._peer_id!r}")
-        return self._hub.join(self._prefix, round, contribution, codec, timeout=timeout, join_only=join_only)
-
-    def shutdown(self) -> None:
-        """Refuse further rounds (there is nothing to release in process)."""
-        self._closed = True
-
-    def __enter__(self) -> MemoryAverager:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.shutdown()

@@ -40,8 +40,10 @@ class Meter:
         self.wire_sent += other.wire_sent
         self.wire_received += other.wire_received
 
-    def traffic(self) -> Traffic:
-        return Traffic(self.payload_sent, self.payload_received, self.wire_sent, self.wire_received)
+    def traffic(self, exchange_s: float = 0.0) -> Traffic:
+        return Traffic(
+            self.payload_sent, self.payload_received, self.wire_sent, self.wire_received, exchange_s
+        )
 
 
 async def write_frame(

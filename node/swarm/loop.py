@@ -1,0 +1,374 @@
+"""A swarm node's round loop: train, contribute, average through the `Averager`, apply, report.
+
+Without overlap a round is: train locally, catch up if the swarm moved on meanwhile, contribute
+(HeLoCo-corrected and staleness-weighted when late), average with the peers ready within the
+matchmaking window, apply, publish; a failed round is retried (late) a few times after catching up.
+With one-step-delay overlap (DiLoCoX, `--overlap`; auto by default) the averaging of round r runs on a
+background thread while the instances train round r+1; the update is applied between two inner steps
+as soon as it lands (or, if the local round ends first, after waiting for it), and the instances'
+progress is moved onto the new θ. Under auto a round overlaps only while the last averaging call
+took no longer than the last local round; otherwise it waits for the update first. Each round's
+record says how long the node sat idle waiting for communication (`wait_s`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+from ...protocol.algorithms.allreduce import Contribution
+from ...protocol.transport.averager import Averager, MemberResult
+from ..operations.control import AveragingInfo
+from ..operations.metrics import NodeMetrics
+from ..training.peer import ContributionInfo, LocalRound, Peer, overlap_this_round
+from ..training.rounds import RoundRecord
+from .ops import NodeOps
+from .sync import SwarmSync
+
+logger = logging.getLogger(__name__)
+
+MAX_ATTEMPTS = 3
+# Averager round ids are single-use: id = round × stride + the number of earlier tries at that round.
+# Peers that reach a round meet at its first id; after a round failed everywhere they meet at the next.
+ROUND_ID_STRIDE = 1000
+
+
+@dataclass(frozen=True)
+class LoopConfig:
+    """The loop's knobs (from `SwarmConfig`): rounds to apply (0: until stopped), the averaging
+    part timeout, and the test knob that makes this node `simulate_slowdown`× slower."""
+
+    rounds: int
+    part_timeout_s: float
+    average_timeout_s: float
+    simulate_slowdown: float = 1.0
+
+
+@dataclass
+class _InFlight:
+    """A contribution being averaged on the background thread while the instances train on."""
+
+    local: LocalRound
+    info: ContributionInfo
+    future: Future[MemberResult | None]
+
+
+class RoundLoop:
+    """Drives one node's rounds (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        peer: Peer,
+        lock: threading.Lock,
+        averager: Averager,
+        sync: SwarmSync,
+        ops: NodeOps,
+        metrics: NodeMetrics,
+        cfg: LoopConfig,
+    ) -> None:
+        self.peer, self.lock, self.averager, self.sync = peer, lock, averager, sync
+        self.ops, self.metrics, self.cfg = ops, metrics, cfg
+        self.on_round: Callable[[RoundRecord], None] | None = None
+        self._tries: dict[int, int] = {}
+        self._inflight: _InFlight | None = None
+        self._last_comm_s: float | None = None  # the last averaging call, start to result
+        self._last_compute_s: float | None = None  # the last local round (simulated slowdown included)
+        self._link_bps = 0.0  # this node's link as its last exchange measured it (0: not yet)
+        self._last: tuple[ContributionInfo, MemberResult] | None = None
+        self._last_report = time.perf_counter()
+
+    def run(self, should_stop: Callable[[], bool]) -> None:
+        """Apply rounds until `cfg.rounds` are done (0: never) or `should_stop()`."""
+        self._last_report = time.perf_counter()
+        if self.peer.overlap:
+            self._run_overlapped(should_stop)
+        else:
+            self._run_in_order(should_stop)
+
+    def _enough(self, should_stop: Callable[[], bool]) -> bool:
+        planned = self.ops.counters.applied + (self._inflight is not None)
+        return should_stop() or (self.cfg.rounds > 0 and planned >= self.cfg.rounds)
+
+    # ---- without overlap ---------------------------------------------------------------------
+
+    def _run_in_order(self, should_stop: Callable[[], bool]) -> None:
+        while not self._enough(should_stop):
+            local = self._local_round()
+            t0 = time.perf_counter()
+            self.ops.phase = "averaging"
+            if self._contribute_until_applied(local):
+                self._report(local, wait_s=time.perf_counter() - t0)
+            else:
+                self._count_dropped(self.peer.state.round - local.base_round)
+            self.ops.between_rounds()
+
+    def _contribute_until_applied(self, local: LocalRound) -> bool:
+        """Average `local` in the current round; on failure catch up and retry it (late) a few times."""
+        for attempt in range(MAX_ATTEMPTS):
+            self.sync.sync()
+            contribution, info = self.peer.contribute(local, bandwidth_bps=self._link_bps)
+            if contribution is None:
+                return False  # too stale: dropped, counted by the caller
+            result = self._average(contribution, info, self._next_round_id())
+            if result is None:
+                logger.info("[%s round=%d] no group this time (attempt %d)", *self._tag(), attempt)
+                continue
+            self._applied(result, info)
+            return True
+        return False
+
+    # ---- one-step-delay overlap --------------------------------------------------------------
+
+    def _run_overlapped(self, should_stop: Callable[[], bool]) -> None:
+        """Contribute round r, train round r+1 while it is averaged, apply r when it lands."""
+        pool = ThreadPoolExecutor(1, thread_name_prefix="adloco-averaging")
+        try:
+            while not self._enough(should_stop):
+                from_theta = False
+                if self._inflight is not None and not overlap_this_round(
+                    self.peer.cfg.overlap, comm_s=self._comm_estimate(), compute_s=self._last_compute_s
+                ):
+                    # auto: the exchange outlasts a local round, so this round waits for the update.
+                    self._wait_and_land(stopping=False)
+                    from_theta = True
+                local = self._local_round(on_step=self._land_if_done, from_theta=from_theta)
+                if self._inflight is not None:
+                    self._wait_and_land(stopping=False)
+                    # Δ is measured from the θ the instances were rebased onto.
+                    local.base_round = self.peer.phase_round
+                self.ops.between_rounds()
+                if should_stop():
+                    break
+                self.sync.sync()
+                self._inflight = self._launch(local, pool)
+            if self._inflight is not None:
+                # A drain finishes the round; SIGTERM may abandon it to exit in time.
+                self._wait_and_land(stopping=should_stop() and not self.ops.draining.is_set())
+        finally:
+            # An averaging call still running is ended by `shutdown` (it stops the averager).
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    def _comm_estimate(self) -> float | None:
+        """How long an averaging call takes from contribution to result, for `auto` overlap.
+
+        At least the averager's matchmaking time: the last peer to register waits less than that,
+        but judged by its own short wait it would overlap while the others wait, and the swarm's
+        contributions would drift apart in time (we saw a round split that way). With the floor,
+        every member judges the exchange alike.
+        """
+        if self._last_comm_s is None:
+            return None
+        return max(self._last_comm_s, self.averager.matchmaking_s)
+
+    def _launch(self, local: LocalRound, pool: ThreadPoolExecutor) -> _InFlight | None:
+        contribution, info = self.peer.contribute(local, bandwidth_bps=self._link_bps)
+        if contribution is None:
+            self._count_dropped(info.staleness)  # too stale
+            return None
+        return _InFlight(local, info, pool.submit(self._average, contribution, info, self._next_round_id()))
+
+    def _wait_and_land(self, *, stopping: bool) -> None:
+        """Block until the update in flight lands (the time counts as idle), then apply it."""
+        inflight = self._inflight
+        assert inflight is not None
+        t0 = time.perf_counter()
+        self.ops.phase = "waiting"
+        try:
+            # When stopping, a round not done within the part timeout is abandoned (shutdown ends it).
+            inflight.future.result(timeout=self.cfg.part_timeout_s if stopping else None)
+        except Exception as e:
+            logger.warning("[%s] averaging did not finish: %r", self.peer.peer_id[-6:], e)
+        self._land(inflight, wait_s=time.perf_counter() - t0)
+
+    def _land_if_done(self, _samples: int) -> None:
+        """`train_round`'s per-step hook: apply the update in flight if it has landed."""
+        if self._inflight is not None and self._inflight.future.done():
+            self._land(self._inflight, wait_s=0.0)
+
+    def _land(self, inflight: _InFlight, *, wait_s: float) -> None:
+        """Apply the update in flight (rebasing the instances), or give its Δ up if it failed."""
+        self._inflight = None
+        result = None
+        if inflight.future.done() and inflight.future.exception() is None:
+            result = inflight.future.result()
+        if result is None:
+            logger.info("[%s round=%d] no group for this round; its Δ is dropped", *self._tag())
+            self._count_dropped(inflight.info.staleness)
+            with self.lock:
+                self.peer.rebase_instances()  # onto the θ we hold; catch-up follows the local round
+            return
+        self._applied(result, inflight.info)
+        self._report(inflight.local, wait_s=wait_s)
+
+    # ---- one round's steps -------------------------------------------------------------------
+
+    def _local_round(
+        self, on_step: Callable[[int], None] | None = None, *, from_theta: bool = False
+    ) -> LocalRound:
+        last = time.perf_counter()
+
+        def step_done(samples: int) -> None:
+            nonlocal last
+            now = time.perf_counter()
+            self.metrics.inner_step.observe(now - last)
+            last = now
+            if on_step is not None:
+                on_step(samples)
+
+        self.ops.phase = "training"
+        local = self.peer.train_round(on_step=step_done, from_theta=from_theta)
+        self.ops.counters.tokens_total += local.tokens
+        self.metrics.tokens.inc(local.tokens)
+        self.metrics.samples.inc(local.samples)
+        slowdown = self.cfg.simulate_slowdown
+        if slowdown > 1:
+            time.sleep((slowdown - 1) * local.compute_s)
+            # Others see this node as slow as it is made to be (DyLU compares step times).
+            local.report_time(local.compute_s * slowdown)
+        self._last_compute_s = local.compute_s * slowdown
+        return local
+
+    def _next_round_id(self) -> int:
+        """The averager's id for the next try at the current round (called on the loop's thread)."""
+        current = self.peer.state.round
+        tries = self._tries.get(current, 0)
+        self._tries[current] = tries + 1
+        return current * ROUND_ID_STRIDE + tries
+
+    def _average(
+        self, contribution: Contribution, info: ContributionInfo, round_id: int
+    ) -> MemberResult | None:
+        """One averaging call (on the averaging thread under overlap), accounted for."""
+        t0 = time.perf_counter()
+        result, error = None, ""
+        try:
+            result = self.averager.average(
+                contribution,
+                round=round_id,
+                codec=self.peer.downlink_codec(info.codec),
+                timeout=self.cfg.average_timeout_s,
+                # A late contribution joins a round fresh peers opened; it never opens one alone.
+                join_only=info.staleness > 0,
+            )
+            error = "" if result is not None else "no complete group this round"
+            return result
+        except Exception as e:
+            error = repr(e)
+            raise
+        finally:
+            self._averaged(round_id // ROUND_ID_STRIDE, info, result, time.perf_counter() - t0, error)
+
+    def _averaged(
+        self, round: int, info: ContributionInfo, result: MemberResult | None, seconds: float, error: str
+    ) -> None:
+        """Account for an averaging call: its time, the link it measured, what `ctl status` shows."""
+        self._last_comm_s = seconds
+        self.metrics.averaging.observe(seconds)
+        traffic = None if result is None else result.traffic
+        if traffic is not None and traffic.exchange_s > 0:
+            moved = max(traffic.wire_sent, traffic.wire_received)
+            if moved > 0:
+                self._link_bps = 8 * moved / traffic.exchange_s
+        self.ops.last_averaging = AveragingInfo(
+            round=round,
+            ok=result is not None,
+            group_size=0 if result is None else len(result.members),
+            staleness=info.staleness,
+            bytes_sent=0 if traffic is None else traffic.wire_sent,
+            bytes_received=0 if traffic is None else traffic.wire_received,
+            codec=info.codec,
+            seconds=seconds,
+            error=error,
+        )
+
+    def _applied(self, result: MemberResult, info: ContributionInfo) -> None:
+        """Apply a group's result and account for it: traffic, rejections, late outcome, publish."""
+        with self.lock:
+            self.peer.apply_round(result)
+        counters = self.ops.counters
+        counters.applied += 1
+        rejected = sum(result.rejected.values())
+        counters.rejected_parts += rejected
+        counters.malformed_reports += len(result.malformed)
+        self.metrics.rejected.inc(rejected)
+        self.metrics.malformed.inc(len(result.malformed))
+        if info.staleness > 0:
+            c = info.correction
+            corrected = c is not None and c.shrink + c.rotate > 0
+            self.metrics.late.labels("corrected" if corrected else "applied").inc()
+        traffic = result.traffic
+        counters.bytes_sent += traffic.wire_sent
+        counters.bytes_received += traffic.wire_received
+        counters.payload_sent += traffic.payload_sent
+        counters.payload_received += traffic.payload_received
+        self.metrics.sent.inc(traffic.wire_sent)
+        self.metrics.received.inc(traffic.wire_received)
+        self._last = (info, result)
+        self.sync.publish()
+
+    def _count_dropped(self, staleness: int) -> None:
+        self.ops.counters.dropped += 1
+        if staleness > 0:
+            self.metrics.late.labels("dropped").inc()
+
+    def _report(self, local: LocalRound, *, wait_s: float) -> None:
+        """The applied round's record: status event, metrics, the `on_round` callback (CLI line).
+
+        round_s is the time since the previous applied round; wait_s the part of it this node sat
+        idle waiting for the group and its transfer (without overlap: the whole averaging call).
+        """
+        assert self._last is not None
+        info, result = self._last
+        now = time.perf_counter()
+        round_s, self._last_report = now - self._last_report, now
+        counters = self.ops.counters
+        counters.tokens_per_s = local.tokens / max(round_s, 1e-9)
+        state = self.peer.state
+        c = info.correction
+        record = RoundRecord(
+            round=state.round,
+            val_loss=self.peer.validation_loss(),
+            inner_loss=local.mean_loss,
+            theta_hash=state.theta_hash(),
+            tokens=local.tokens,
+            tokens_total=counters.tokens_total,
+            tokens_per_s=counters.tokens_per_s,
+            batch_sizes=list(state.schedule.batch),
+            accum_steps=local.accum_steps,
+            instances=state.schedule.instances,
+            inner_steps=local.inner_steps,
+            codec=info.codec,
+            group_size=len(result.members),
+            staleness=info.staleness,
+            bytes_sent=counters.bytes_sent,
+            bytes_received=counters.bytes_received,
+            round_bytes=result.traffic.wire_sent,
+            round_s=round_s,
+            wait_s=wait_s,
+            compute_s=local.compute_s,
+            contribution_bytes=info.wire_bytes,
+            payload_sent=counters.payload_sent,
+            payload_received=counters.payload_received,
+            heloco=None
+            if c is None
+            else {"keep": c.keep, "shrink": c.shrink, "rotate": c.rotate, "skip": c.skip},
+            dropped=counters.dropped,
+            rejected_parts=counters.rejected_parts,
+            malformed_reports=counters.malformed_reports,
+        )
+        self.ops.last_record = record
+        self.ops.status.write("round", **record.to_dict())
+        self.metrics.round_applied(record.to_dict(), batch=state.schedule.batch, raw_bytes=self._raw_bytes())
+        if self.on_round is not None:
+            self.on_round(record)
+
+    def _raw_bytes(self) -> int:
+        return 4 * sum(t.numel() for t in self.peer.state.theta)
+
+    def _tag(self) -> tuple[str, int]:
+        return self.peer.peer_id[-6:], self.peer.state.round

@@ -1,0 +1,73 @@
+"""Catching up with the swarm: replay the averaged updates a peer missed, else download the state.
+
+A peer that missed rounds reaches the swarm's round before it contributes, so a late Δ is corrected
+against the current momentum (HeLoCo) and its θ matches everyone's. The simulator and the swarm run
+this same function; only the `StateSource` differs: in the simulator the most advanced virtual peer,
+in the swarm a peer that holds the swarm's published state, reached over the network. What the
+result is checked against, `expected_hash`, is always the θ hash the caller trusts (the swarm's
+published majority), never one the source states about itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+from .peer import Peer, PeerState, Update
+
+
+class StateSource(Protocol):
+    """Where a lagging peer takes the rounds it missed from."""
+
+    def updates(self, from_round: int) -> Sequence[Update]:
+        """The averaged updates the source keeps from `from_round` on, in order (possibly none)."""
+        ...
+
+    def state(self) -> PeerState:
+        """The source's replicated state (θ, m, round, schedule), to adopt whole."""
+        ...
+
+
+@dataclass(frozen=True)
+class CatchUp:
+    """How a peer reached the source's round: `rounds` advanced, `bytes` moved to get there."""
+
+    how: Literal["replay", "download"]
+    rounds: int
+    bytes: int
+
+
+def catch_up(
+    peer: Peer,
+    source: StateSource,
+    *,
+    expected_hash: str,
+    replay: bool = True,
+    lock: AbstractContextManager[object] | None = None,
+) -> CatchUp:
+    """Bring `peer` to the source's state: replay the kept updates if they start at the peer's round
+    and end at `expected_hash`, otherwise (or with `replay` False: a fork) download the full state.
+
+    Fetching runs outside `lock`, changing the peer inside it (the swarm's state server reads the
+    peer from another thread). Raises ValueError when the downloaded θ does not match
+    `expected_hash` (the peer is then unchanged by the download), and whatever the source raises.
+    """
+    guard = lock if lock is not None else contextlib.nullcontext()
+    start = peer.state.round
+    if replay:
+        updates = [u for u in source.updates(start) if u.round >= start]
+        if updates and updates[0].round == start:
+            with guard:
+                peer.catch_up(updates)
+                matches = peer.state.theta_hash() == expected_hash
+            if matches:
+                moved = sum(len(p) for u in updates for p in u.averaged.values())
+                return CatchUp("replay", peer.state.round - start, moved)
+    state = source.state()
+    with guard:
+        peer.adopt_state(state, expected_hash=expected_hash)
+    moved = sum(t.numel() * t.element_size() for t in (*state.theta, *state.momentum))
+    return CatchUp("download", peer.state.round - start, moved)

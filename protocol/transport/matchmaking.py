@@ -1,0 +1,166 @@
+"""Forming one round's group through the DHT, with no leader and a bounded wait.
+
+`Matchmaker.matchmake(round)` stores a readiness record under the DHT key f"{prefix}.round{r}",
+subkey = this peer id, value = (registration time, peer id) in DHT time, expiring after
+`record_ttl_s`. It reads the key back: the round closes at T = (earliest registration seen) +
+`window_s`; a peer registered after T is late and gets None at once. At T + `grace_s` the peer reads
+the key again and takes as the group the peers registered at a time <= T (T recomputed from this
+read), sorted by peer id; group_id = hash(prefix, r, members, tensor layout). Peers whose reads
+agree compute the same group without talking; clocks are assumed synchronized to well within
+`grace_s` (hivemind's DHT time is the wall clock). A late contribution matchmakes with `join_only`:
+it waits until another peer has registered and never opens a round itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import hivemind
+from hivemind.utils import get_dht_time
+from hivemind.utils.serializer import MSGPackSerializer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Group:
+    """The members of one round as this peer sees them; peers with equal group_id agree on all of it."""
+
+    round: int
+    members: tuple[str, ...]
+    group_id: bytes
+
+
+class RoundFailed(Exception):
+    """This member cannot return a result for the round (the reason is logged)."""
+
+
+def close_and_members(records: Mapping[str, float], window_s: float) -> tuple[float, tuple[str, ...]]:
+    """Close time T = earliest registration + window, and the peers registered at or before T, sorted."""
+    if not records:
+        raise ValueError("no registrations")
+    close = min(records.values()) + window_s
+    return close, tuple(sorted(peer for peer, t in records.items() if t <= close))
+
+
+def layout_of(payloads: Mapping[str, bytes]) -> bytes:
+    """Digest of the tensor names, their order and payload sizes: part ownership depends on them."""
+    spec = [[key, len(payload)] for key, payload in payloads.items()]
+    return hashlib.sha256(MSGPackSerializer.dumps(spec)).digest()[:16]
+
+
+def group_id_of(prefix: str, round: int, members: Sequence[str], layout: bytes) -> bytes:
+    """Identifier of a group: equal on two peers iff they agree on run, round, members and layout."""
+    return hashlib.sha256(MSGPackSerializer.dumps([prefix, round, list(members), layout])).digest()[:16]
+
+
+def parse_registrations(value: Any) -> dict[str, float]:
+    """Registration time per peer from a DHT dictionary value; malformed entries are ignored."""
+    records: dict[str, float] = {}
+    if not isinstance(value, dict):
+        return records
+    for subkey, item in value.items():
+        record = getattr(item, "value", None)
+        if (
+            isinstance(subkey, str)
+            and isinstance(record, (list, tuple))
+            and len(record) == 2
+            and isinstance(record[0], (int, float))
+            and math.isfinite(record[0])
+            and record[1] == subkey
+        ):
+            records[subkey] = float(record[0])
+    return records
+
+
+class Matchmaker:
+    """One peer's side of matchmaking on a DHT (see the module docstring); runs on the averager's loop.
+
+    `on_stage(stage, round)` is the fault-injection hook, called at "registered" (record stored).
+    """
+
+    def __init__(
+        self,
+        dht: hivemind.DHT,
+        *,
+        peer_id: str,
+        prefix: str,
+        window_s: float,
+        grace_s: float,
+        record_ttl_s: float,
+        on_stage: Callable[[str, int], None] | None = None,
+        log: Callable[..., None],
+    ) -> None:
+        self.dht, self.peer_id, self.prefix = dht, peer_id, prefix
+        self.window_s, self.grace_s, self.record_ttl_s = window_s, grace_s, record_ttl_s
+        self._on_stage = on_stage
+        self._log = log
+
+    async def matchmake(self, round: int, layout: bytes, *, join_only: bool = False) -> Group | None:
+        """This peer's group for `round`, or None when it came too late; RoundFailed on DHT errors."""
+        key = f"{self.prefix}.round{round}"
+        if join_only:
+            await self._await_opened(key)
+        registered = await self._register(key, round)
+        records = await self._registrations(key, registered)
+        close, _ = close_and_members(records, self.window_s)
+        if registered > close:
+            self._log(round, "late: the round closed %.2f s before this peer registered", registered - close)
+            return None
+        await asyncio.sleep(max(0.0, close + self.grace_s - get_dht_time()))
+        _, members = close_and_members(await self._registrations(key, registered), self.window_s)
+        if self.peer_id not in members:
+            self._log(round, "late: an earlier registration closed the round before this peer's")
+            return None
+        return Group(round, members, group_id_of(self.prefix, round, members, layout))
+
+    async def _register(self, key: str, round: int) -> float:
+        registered = float(get_dht_time())
+        try:
+            stored = await self.dht.store(
+                key,
+                (registered, self.peer_id),
+                expiration_time=registered + self.record_ttl_s,
+                subkey=self.peer_id,
+                return_future=True,
+            )
+        except Exception as e:  # the DHT process failed the call; this round cannot be joined
+            raise RoundFailed(f"storing the readiness record failed: {e!r}") from e
+        if not stored:
+            # hivemind returns the answer of the last replica to reply, and a replica refuses a record
+            # it already holds with the same expiration; we saw False in ~1 of 20 test rounds with the
+            # record stored. So False does not mean "not stored": the reads decide, and a record that
+            # nobody sees only makes the group ids differ (a safe failure).
+            self._log(round, "the DHT reported the readiness record as not stored", level=logging.DEBUG)
+        if self._on_stage is not None:
+            self._on_stage("registered", round)
+        return registered
+
+    async def _await_opened(self, key: str) -> None:
+        """Poll until another peer has registered for the round (bounded by the caller's timeout)."""
+        while True:
+            records = await self._read(key)
+            records.pop(self.peer_id, None)
+            if records:
+                return
+            # Poll fast: the joiner must register within the window that this registration opened.
+            await asyncio.sleep(0.05)
+
+    async def _registrations(self, key: str, registered: float) -> dict[str, float]:
+        records = await self._read(key)
+        # Our own record may not be visible yet; we know it exists.
+        records.setdefault(self.peer_id, registered)
+        return records
+
+    async def _read(self, key: str) -> dict[str, float]:
+        try:
+            found = await self.dht.get(key, latest=True, return_future=True)
+        except Exception as e:
+            raise RoundFailed(f"reading the registrations failed: {e!r}") from e
+        return parse_registrations(None if found is None else found.value)

@@ -1,0 +1,141 @@
+"""The member's side of a round: send each owner its parts, gather the answers, assemble the result.
+
+Every member opens one stream to each other owner and sends its payloads of that owner's parts,
+weight and tokens; the owner of the first tensor also receives its encoded report. A member returns
+a result only if it received every part, all parts name the same contributor set, that set contains
+itself and lies within its group, and the reports came back for every contributor; otherwise
+`RoundFailed`. Members that return results therefore share one group id and hold the bytes each
+owner sent to all; the gathered reports are parsed once here (`allreduce.gather_reports`), the same
+bytes by the same function on every member.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from hivemind.p2p import P2P, PeerID
+
+from ..algorithms.allreduce import Contribution, gather_reports
+from ..algorithms.parts import merge_rejected
+from .averager import MemberResult
+from .matchmaking import RoundFailed
+from .owner import Answer, RoundState, str_list
+from .wire import PROTOCOL_VERSION, read_frame, write_frame
+
+
+def parse_rejected(value: Any, contributors: Sequence[str], num_parts: int) -> dict[str, int] | None:
+    """An owner's "x" field: rejected parts per contributor, or None if it is malformed.
+
+    Absent (an owner from before screening) means none. Every key must be a contributor and every
+    count in 1..num_parts (the owner cannot reject more parts than it owns).
+    """
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        return None
+    for peer, count in value.items():
+        if peer not in contributors or type(count) is not int or not 1 <= count <= num_parts:
+            return None
+    return dict(value)
+
+
+async def fetch(
+    p2p: P2P,
+    handler: str,
+    state: RoundState,
+    *,
+    peer_id: str,
+    owner: str,
+    keys: list[str],
+    contribution: Contribution,
+    with_metadata: bool,
+) -> Answer:
+    """Send `owner` our payloads of `keys` (and our report if `with_metadata`); return its answer."""
+    header = {
+        "v": PROTOCOL_VERSION,
+        "r": state.group.round,
+        "g": state.group.group_id,
+        "p": peer_id,
+        "w": float(contribution.weight),
+        "t": float(contribution.tokens),
+        "k": keys,
+        "m": bytes(contribution.metadata) if with_metadata else None,
+    }
+    try:
+        _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(owner), handler)
+    except Exception as e:
+        raise RoundFailed(f"cannot reach owner {owner[-8:]}: {e}") from e
+    try:
+        await write_frame(writer, header, [contribution.payloads[k] for k in keys], state.meter)
+        response, body = await read_frame(reader, state.meter)
+    except (OSError, EOFError, asyncio.IncompleteReadError, ValueError) as e:
+        raise RoundFailed(f"exchange with owner {owner[-8:]} broke: {e!r}") from e
+    finally:
+        writer.close()
+    return _parse_answer(response, body, owner=owner, keys=keys, with_metadata=with_metadata)
+
+
+def _parse_answer(
+    response: dict[str, Any], body: list[bytes], *, owner: str, keys: list[str], with_metadata: bool
+) -> Answer:
+    if not response.get("ok"):
+        raise RoundFailed(f"owner {owner[-8:]} refused: {response.get('e')}")
+    gathered = response.get("gm")
+    try:
+        answered_keys = str_list(response.get("k"))
+        contributors = tuple(str_list(response.get("c")))
+    except ValueError as e:
+        raise RoundFailed(f"owner {owner[-8:]} answered with a malformed header: {e}") from e
+    metadata_ok = isinstance(gathered, list) and all(isinstance(m, bytes) for m in gathered)
+    if answered_keys != keys or len(body) != len(keys) or (with_metadata and not metadata_ok):
+        raise RoundFailed(f"owner {owner[-8:]} answered with the wrong parts")
+    rejected = parse_rejected(response.get("x"), contributors, len(keys))
+    if rejected is None:
+        raise RoundFailed(f"owner {owner[-8:]} answered with a malformed list of rejected parts")
+    metadata = tuple(gathered) if with_metadata and gathered is not None else None
+    return Answer(contributors, dict(zip(keys, body, strict=True)), metadata, rejected)
+
+
+async def assemble(
+    state: RoundState,
+    *,
+    peer_id: str,
+    keys: list[str],
+    owners: Mapping[str, str],
+    answers: Mapping[str, Answer],
+    idle_timeout_s: float,
+    exchange_s: float,
+) -> MemberResult:
+    """The round's result from every owner's answer; RoundFailed when they do not fit together."""
+    contributor_sets = {answer.contributors for answer in answers.values()}
+    if len(contributor_sets) != 1:
+        raise RoundFailed(f"owners included different contributors: {sorted(contributor_sets)}")
+    (contributors,) = contributor_sets
+    if peer_id not in contributors:
+        raise RoundFailed("our contribution was not included")
+    if not set(contributors) <= set(state.group.members):
+        raise RoundFailed("an owner included peers outside the group")
+    metadata = answers[owners[keys[0]]].metadata
+    if metadata is None or len(metadata) != len(contributors):
+        raise RoundFailed("metadata missing or incomplete")
+    reports, malformed = gather_reports(contributors, metadata)
+    if state.session is not None:
+        # Wait until our answers to the other members are written, so the byte counts are final.
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(state.session.idle.wait(), timeout=idle_timeout_s)
+    traffic = state.meter.traffic(exchange_s)
+    return MemberResult(
+        averaged={k: answers[owners[k]].payloads[k] for k in keys},
+        reports=reports,
+        members=contributors,
+        owners=dict(owners),
+        sent_bytes={peer_id: traffic.wire_sent},
+        received_bytes={peer_id: traffic.wire_received},
+        rejected=merge_rejected([answer.rejected for answer in answers.values()]),
+        malformed=malformed,
+        peer_id=peer_id,
+        traffic=traffic,
+    )
