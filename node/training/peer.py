@@ -39,10 +39,11 @@ from ...protocol.algorithms.outer import outer_step
 from ...protocol.algorithms.pseudograd import tensors_hash, weighted_mean
 from ...protocol.algorithms.report import PeerReport, dylu_ratio, overlap_byte_budget
 from ...protocol.algorithms.schedule import Schedule, accumulation_for, next_schedule
+from ...protocol.algorithms.switch import BatchPlan
 from .bmax import probe_b_max
 from .config import TrainConfig
 from .data import Corpus, TokenSampler, evaluate, shard_corpus, validation_batches
-from .instances import Instance
+from .instances import Instance, InstanceRound
 from .model import build_model
 
 logger = logging.getLogger(__name__)
@@ -108,6 +109,22 @@ class PeerState:
         return tensors_hash(self.theta)
 
 
+def _initial_state(model: torch.nn.Module, cfg: TrainConfig) -> PeerState:
+    """θ_0 (the seeded model's weights, identical on every peer), m = 0, r = 0, S_0 from the config."""
+    theta = [p.detach().clone() for p in model.parameters() if p.requires_grad]
+    return PeerState(
+        theta=theta,
+        momentum=[torch.zeros_like(t) for t in theta],
+        round=0,
+        schedule=Schedule(
+            round=0,
+            batch=(cfg.batch_size,) * cfg.instances,
+            inner_steps=cfg.inner_steps,
+            codec=cfg.codec_candidates[1] if cfg.codec == "adaptive" else cfg.codec,
+        ),
+    )
+
+
 def resolve_device(spec: str) -> torch.device:
     """'auto' → CUDA when present, else CPU."""
     if spec == "auto":
@@ -139,18 +156,7 @@ class Peer:
             build_model(cfg.model, vocab_size=vocab_size, seed=cfg.seed, max_seq_len=max(1024, cfg.seq_len)),
         ).to(self.device)
         self.names = [n for n, p in self.eval_model.named_parameters() if p.requires_grad]
-        theta = [p.detach().clone() for p in self.eval_model.parameters() if p.requires_grad]
-        self.state = PeerState(
-            theta=theta,
-            momentum=[torch.zeros_like(t) for t in theta],
-            round=0,
-            schedule=Schedule(
-                round=0,
-                batch=(cfg.batch_size,) * cfg.instances,
-                inner_steps=cfg.inner_steps,
-                codec=cfg.codec_candidates[1] if cfg.codec == "adaptive" else cfg.codec,
-            ),
-        )
+        self.state = _initial_state(self.eval_model, cfg)
         self.instances = [
             self._make_instance(corpus, slot=k, index=index, num_peers=num_peers)
             for k in range(cfg.instances)
@@ -218,9 +224,8 @@ class Peer:
         far)` runs after every inner step: the place to apply an update that has landed. The round's
         base is the θ it is measured from when it ends.
         """
-        schedule = self.state.schedule
-        plans = accumulation_for(schedule, self.b_max)
-        steps = schedule.inner_steps
+        plans = accumulation_for(self.state.schedule, self.b_max)
+        steps = self.state.schedule.inner_steps
         if self.dylu_speed_ratio is not None:
             steps = dylu_inner_steps(steps, self.dylu_speed_ratio, 1.0)
         overlapped = self.overlap and not from_theta
@@ -229,6 +234,22 @@ class Peer:
                 inst.begin(None)
         else:
             self.phase_round = self.state.round
+        self._in_round = True
+        try:
+            results = self._run_instances(plans, steps, from_theta=not overlapped, on_step=on_step)
+        finally:
+            self._in_round = False
+        return self._local_round(results, plans, steps)
+
+    def _run_instances(
+        self,
+        plans: Sequence[BatchPlan],
+        steps: int,
+        *,
+        from_theta: bool,
+        on_step: Callable[[int], None] | None,
+    ) -> list[InstanceRound]:
+        """Each instance's round in turn; `on_step(samples done by all so far)` after every step."""
         done = 0
 
         def counter(samples_per_step: int) -> Callable[[int, float], None]:
@@ -240,19 +261,16 @@ class Peer:
 
             return step_done
 
-        self._in_round = True
-        try:
-            results = [
-                inst.run_round(
-                    None if overlapped else self.state.theta,
-                    plan=plan,
-                    steps=steps,
-                    on_step=counter(plan.effective),
-                )
-                for inst, plan in zip(self.instances, plans, strict=True)
-            ]
-        finally:
-            self._in_round = False
+        theta = self.state.theta if from_theta else None
+        return [
+            inst.run_round(theta, plan=plan, steps=steps, on_step=counter(plan.effective))
+            for inst, plan in zip(self.instances, plans, strict=True)
+        ]
+
+    def _local_round(
+        self, results: Sequence[InstanceRound], plans: Sequence[BatchPlan], steps: int
+    ) -> LocalRound:
+        """The node's Δ (token-weighted over its instances) and report; deferred merges happen here."""
         tokens = sum(r.tokens for r in results)
         delta = weighted_mean([r.delta for r in results], [float(r.tokens) for r in results])
         compute_s = sum(r.compute_s for r in results)
