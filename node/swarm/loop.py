@@ -323,14 +323,30 @@ class RoundLoop:
         idle waiting for the group and its transfer (without overlap: the whole averaging call).
         """
         assert self._last is not None
-        info, result = self._last
         now = time.perf_counter()
         round_s, self._last_report = now - self._last_report, now
+        self.ops.counters.tokens_per_s = local.tokens / max(round_s, 1e-9)
+        record = self._record(local, *self._last, round_s=round_s, wait_s=wait_s)
+        self.ops.last_record = record
+        self.ops.status.write("round", **record.to_dict())
+        batch = self.peer.state.schedule.batch
+        self.metrics.round_applied(record.to_dict(), batch=batch, raw_bytes=self._raw_bytes())
+        if self.on_round is not None:
+            self.on_round(record)
+
+    def _record(
+        self,
+        local: LocalRound,
+        info: ContributionInfo,
+        result: MemberResult,
+        *,
+        round_s: float,
+        wait_s: float,
+    ) -> RoundRecord:
         counters = self.ops.counters
-        counters.tokens_per_s = local.tokens / max(round_s, 1e-9)
         state = self.peer.state
         c = info.correction
-        record = RoundRecord(
+        return RoundRecord(
             round=state.round,
             val_loss=self.peer.validation_loss(),
             inner_loss=local.mean_loss,
@@ -361,11 +377,6 @@ class RoundLoop:
             rejected_parts=counters.rejected_parts,
             malformed_reports=counters.malformed_reports,
         )
-        self.ops.last_record = record
-        self.ops.status.write("round", **record.to_dict())
-        self.metrics.round_applied(record.to_dict(), batch=state.schedule.batch, raw_bytes=self._raw_bytes())
-        if self.on_round is not None:
-            self.on_round(record)
 
     def _raw_bytes(self) -> int:
         return 4 * sum(t.numel() for t in self.peer.state.theta)

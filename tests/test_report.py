@@ -1,0 +1,121 @@
+"""The round report: typed, bounded, parsed once where it enters; what the group derives from it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from adloco.protocol.algorithms.batchtest import GradStats
+from adloco.protocol.algorithms.report import (
+    MAX_REPORT_BYTES,
+    MAX_SLOTS,
+    PeerReport,
+    dylu_ratio,
+    overlap_byte_budget,
+    parse_reports,
+)
+
+STATS = GradStats(
+    num_grads=2, samples_per_grad=4, sq_dev_sum=2.5, mean_sq_norm=1.25, ip_dev_sum=1.125, ortho_dev_sum=1.6
+)
+REPORT = PeerReport(
+    peer_id="a",
+    slot_stats=(STATS, None),
+    b_max=8,
+    tokens=100,
+    staleness=2,
+    step_time_s=0.5,
+    base_round=7,
+    bandwidth_bps=2e7,
+    round_compute_s=5.0,
+)
+
+
+def test_encode_decode_round_trip_is_exact_and_deterministic() -> None:
+    data = REPORT.encode()
+    assert PeerReport.decode(data) == REPORT
+    assert PeerReport.decode(data).encode() == data
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"peer_id": ""},
+        {"peer_id": "x" * 129},
+        {"peer_id": 7},
+        {"b_max": 0},
+        {"b_max": 2**60},
+        {"b_max": True},
+        {"tokens": -1},
+        {"tokens": 1.5},
+        {"staleness": 1.5},
+        {"base_round": -1},
+        {"step_time_s": -0.1},
+        {"step_time_s": 1e9},
+        {"bandwidth_bps": 1e20},
+        {"round_compute_s": "5"},
+        {"slot_stats": [{"num_grads": 1}]},
+        {"slot_stats": [1]},
+        {"slot_stats": "none"},
+        {"slot_stats": [None] * (MAX_SLOTS + 1)},
+        {"slot_stats": [{**STATS.to_dict(), "num_grads": 2**60}]},
+        {"slot_stats": [{**STATS.to_dict(), "sq_dev_sum": -1.0}]},
+        {"bogus": 1},
+    ],
+)
+def test_out_of_bounds_or_mistyped_fields_are_refused(change: dict[str, object]) -> None:
+    data = json.dumps({**REPORT.to_dict(), **change}).encode()
+    with pytest.raises(ValueError):
+        PeerReport.decode(data)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"",
+        b"[]",
+        b"null",
+        b"\xff\xfe",
+        b'{"peer_id": "a", "slot_stats": [], "b_max": 1, "tokens": 1, "step_time_s": NaN}',
+        b'{"peer_id": "a", "slot_stats": [], "b_max": 1, "tokens": 1, "step_time_s": Infinity}',
+        b" " * (MAX_REPORT_BYTES + 1),
+    ],
+)
+def test_undecodable_bytes_are_refused(data: bytes) -> None:
+    with pytest.raises(ValueError):
+        PeerReport.decode(data)
+
+
+def test_parse_keeps_the_valid_reports_and_names_why_the_others_went() -> None:
+    b = PeerReport(peer_id="b", slot_stats=(), b_max=1, tokens=1)
+    raw = [REPORT.encode(), b"{}", b.encode(), REPORT.encode()]
+    reports, malformed = parse_reports(["a", "x", "b", "c"], raw)
+    assert [r.peer_id for r in reports] == ["a", "b"]
+    assert set(malformed) == {"x", "c"}
+    assert "missing" in malformed["x"] and "claims peer id" in malformed["c"]
+    with pytest.raises(ValueError):
+        parse_reports(["a"], [])
+
+
+def test_dylu_ratio_is_own_speed_against_the_fastest() -> None:
+    fast = PeerReport(peer_id="f", slot_stats=(), b_max=1, tokens=1, step_time_s=0.1)
+    slow = PeerReport(peer_id="s", slot_stats=(), b_max=1, tokens=1, step_time_s=0.4)
+    silent = PeerReport(peer_id="q", slot_stats=(), b_max=1, tokens=1)
+    assert dylu_ratio([fast, slow, silent], "s") == pytest.approx(0.25)
+    assert dylu_ratio([fast, slow], "f") == 1.0
+    assert dylu_ratio([fast, slow], "nobody") is None
+    assert dylu_ratio([silent], "q") is None
+
+
+def test_byte_budget_is_the_slowest_link_over_the_round_time() -> None:
+    def report(peer: str, bps: float, seconds: float) -> PeerReport:
+        return PeerReport(
+            peer_id=peer, slot_stats=(), b_max=1, tokens=1, bandwidth_bps=bps, round_compute_s=seconds
+        )
+
+    reports = [report("a", 8e6, 2.0), report("b", 80e6, 2.0), report("c", 0.0, 2.0)]
+    # 1 MB/s × 2 s = 2 MB in the window; each member sends 2(n−1)/n = 4/3 of its payload.
+    assert overlap_byte_budget(reports, group_size=3) == pytest.approx(2e6 / (4 / 3))
+    assert overlap_byte_budget(reports[:1], group_size=1) is None
+    assert overlap_byte_budget([report("c", 0.0, 2.0)], group_size=2) is None
