@@ -9,13 +9,15 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from adloco.node.cli.sim import run
-from adloco.node.sim.engine import SimConfig
+from adloco.node.sim.engine import SimConfig, Simulator
 from adloco.node.training.config import TrainConfig
 from adloco.node.training.rounds import RoundRecord
+from adloco.node.training.runtime import load_data
 from adloco.protocol.algorithms.heloco import HelocoConfig
 from adloco.protocol.algorithms.merge import MergePolicy
 from adloco.protocol.algorithms.schedule import ScheduleConfig
@@ -179,3 +181,36 @@ def test_overlap_with_late_peers_agrees_and_corrects(overlap_runs: dict[str, lis
     records = overlap_runs["async"]  # the engine itself asserts that members hold identical θ
     assert any(r.staleness > 0 for r in records)
     assert records[-1].val_loss < records[0].val_loss
+
+
+def test_dylu_shortens_the_slow_peers_rounds_from_the_reported_step_times() -> None:
+    """DyLU in the simulator is the swarm's: each member takes its speed from the step times the
+    group reported (modelled here), so the 4x slower peer runs a quarter of H after its first round."""
+    schedule = replace(SMALL.schedule, test="none")
+    train = replace(SMALL, instances=1, inner_steps=8, dylu=True, schedule=schedule)
+    cfg = SimConfig(peers=3, rounds=3, mode="sync", slowdown=(1.0, 1.0, 4.0), train=train)
+    corpus, tokenizer = load_data(train)
+    steps: dict[int, list[int]] = {0: [], 1: [], 2: []}
+
+    def run(config: SimConfig) -> Simulator:
+        sim = Simulator(config, corpus, vocab_size=tokenizer.vocab_size)
+        for i, peer in enumerate(sim.peers):
+            original = peer.train_round
+
+            def counted(*args: Any, _i: int = i, _f: Any = original, **kwargs: Any) -> Any:
+                local = _f(*args, **kwargs)
+                steps[_i].append(local.inner_steps)
+                return local
+
+            peer.train_round = counted  # type: ignore[method-assign]
+        sim.run()
+        return sim
+
+    sim = run(cfg)
+    assert [p.dylu_speed_ratio for p in sim.peers] == pytest.approx([1.0, 1.0, 0.25])
+    assert steps[0] == steps[1] == [8] * 4  # the first round of each, then one per applied round
+    assert steps[2] == [8, 2, 2, 2]
+    steps.update({0: [], 1: [], 2: []})
+    without = run(replace(cfg, train=replace(train, dylu=False)))
+    assert all(p.dylu_speed_ratio is None for p in without.peers)
+    assert steps[2] == [8] * 4
