@@ -1,6 +1,7 @@
-"""The control service (node/control.py): a real gRPC server on loopback, port 0, driven through
-`ctl_main` exactly as `adloco-node ctl` and the HEALTHCHECK call it; the node behind it is a few
-callbacks. Also: the generated code in protocol/ is what control.proto generates (no drift).
+"""The control service (node/operations/control.py) and its client (node/operations/ctl.py): a
+real gRPC server on loopback, port 0, driven through `ctl_main` exactly as `adloco-node ctl` and the
+HEALTHCHECK call it; the node behind it is a few callbacks. Also: the generated code in protocol/ is
+what control.proto generates (no drift).
 """
 
 from __future__ import annotations
@@ -20,16 +21,8 @@ from typing import Any
 import pytest
 
 from adloco.errors import UserError
-from adloco.node.operations.control import (
-    ADDRESS_ENV,
-    PORT_ENV,
-    AveragingInfo,
-    ControlServer,
-    NodeStatus,
-    ScheduleInfo,
-    ctl_main,
-    format_status,
-)
+from adloco.node.operations.control import AveragingInfo, ControlServer, NodeStatus, ScheduleInfo
+from adloco.node.operations.ctl import ADDRESS_ENV, PORT_ENV, ctl_main, format_status
 from adloco.protocol.control import control_pb2 as pb
 
 pytestmark = pytest.mark.timeout(30)
@@ -277,6 +270,11 @@ def test_default_address_comes_from_the_environment(
     monkeypatch.setenv(PORT_ENV, address.rpartition(":")[2])
     assert ctl_main(["status", "--json"]) == 0
     assert json.loads(capsys.readouterr().out.splitlines()[-1])["round"] == 12
+
+
+def test_ctl_imports_no_torch() -> None:
+    code = "import sys, adloco.node.operations.ctl; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], timeout=25).returncode == 0
 
 
 # ---- binding ------------------------------------------------------------------------------------

@@ -21,7 +21,8 @@ from ...protocol.transport.dht import NetworkConfig, parse_maddrs
 from ...settings import EPILOG, add_config_argument, parse_settings
 from ..operations import reachability
 from ..operations.checkpoint import check_checkpoint_dir
-from ..operations.control import ControlServer, check_bind, ctl_main
+from ..operations.control import ControlServer, check_bind
+from ..operations.ctl import ctl_main
 from ..operations.metrics import NodeMetrics
 from ..solo.trainer import train_solo
 from ..swarm.node import SwarmConfig, SwarmNode
