@@ -16,7 +16,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from adloco.node.cli.launcher import group_members
+from adloco.node.cli.processes import group_members
 
 # A node that trains fast enough for multi-process tests on 2 cores (tiny model, short rounds).
 FAST_NODE_ARGS = [

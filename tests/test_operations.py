@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from adloco.node.cli.launcher import group_members
+from adloco.node.cli.processes import group_members
 
 from procs import FAST_NODE_ARGS, Procs, wait_for
 

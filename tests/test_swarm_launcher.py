@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from adloco.node.cli import launcher as sl
+from adloco.node.cli import processes, progress
 
 from procs import Procs, group_members, wait_for
 
@@ -60,7 +61,7 @@ def jsonl(*records: dict[str, object]) -> bytes:
 
 def test_parse_keeps_the_unterminated_rest_and_reports_malformed_lines() -> None:
     data = jsonl({"event": "start", "peer_id": "A"}) + b"\n{not json\n[1, 2]\n" + b'{"event": "ro'
-    records, bad, rest = sl.parse_status_lines(data)
+    records, bad, rest = progress.parse_status_lines(data)
     assert records == [{"event": "start", "peer_id": "A"}]
     assert bad == ["{not json", "[1, 2]"]
     assert rest == b'{"event": "ro'
@@ -68,7 +69,7 @@ def test_parse_keeps_the_unterminated_rest_and_reports_malformed_lines() -> None
 
 def test_tail_reads_only_what_was_appended_and_waits_for_the_newline(tmp_path: Path) -> None:
     path = tmp_path / "status.jsonl"
-    tail = sl.StatusTail(path)
+    tail = progress.StatusTail(path)
     assert tail.read() == ([], [])  # the node has not created it yet
 
     line = jsonl(round_record(1, "h1"))
@@ -86,7 +87,7 @@ def test_tail_reads_only_what_was_appended_and_waits_for_the_newline(tmp_path: P
 def test_tail_finish_reports_a_torn_last_line(tmp_path: Path) -> None:
     path = tmp_path / "status.jsonl"
     path.write_bytes(b'{"event": "round", "rou')
-    tail = sl.StatusTail(path)
+    tail = progress.StatusTail(path)
     assert tail.read() == ([], [])
     assert tail.finish() == ([], ['{"event": "round", "rou'])
 
@@ -94,14 +95,14 @@ def test_tail_finish_reports_a_torn_last_line(tmp_path: Path) -> None:
 def test_tail_starts_over_when_the_file_is_replaced(tmp_path: Path) -> None:
     path = tmp_path / "status.jsonl"
     path.write_bytes(jsonl(round_record(1, "h1"), round_record(2, "h2")))
-    tail = sl.StatusTail(path)
+    tail = progress.StatusTail(path)
     assert len(tail.read()[0]) == 2
     path.write_bytes(jsonl({"event": "start", "peer_id": "B"}))
     assert tail.read() == ([{"event": "start", "peer_id": "B"}], [])
 
 
 def test_view_prints_one_line_for_the_latest_round_and_counts_rounds() -> None:
-    view = sl.NodeView("node2")
+    view = progress.NodeView("node2")
     lines = view.apply([{"event": "start", "peer_id": "QmA"}])
     assert lines == ["[node2] started as QmA"]
     assert view.apply([]) == []
@@ -115,7 +116,7 @@ def test_view_prints_one_line_for_the_latest_round_and_counts_rounds() -> None:
 
 
 def test_round_line_tolerates_missing_and_odd_fields() -> None:
-    line = sl.format_round(
+    line = progress.format_round(
         "node0", {"event": "round", "round": 1, "val_loss": float("nan"), "bytes_sent": 999}
     )
     assert line == "[node0 round=1] val ? inner ? ? tok/s sent 999B recv ? group=? τ=? ?s θ=?"
@@ -124,10 +125,10 @@ def test_round_line_tolerates_missing_and_odd_fields() -> None:
 # ---- summary -------------------------------------------------------------------------------------
 
 
-def views_of(*rounds_per_node: list[dict[str, object]]) -> list[sl.NodeView]:
+def views_of(*rounds_per_node: list[dict[str, object]]) -> list[progress.NodeView]:
     views = []
     for i, rounds in enumerate(rounds_per_node):
-        view = sl.NodeView(f"node{i}")
+        view = progress.NodeView(f"node{i}")
         view.apply([{"event": "start", "peer_id": f"peer{i}"}, *rounds])
         views.append(view)
     return views
@@ -139,7 +140,7 @@ def test_hashes_agree_per_round_among_the_nodes_that_applied_it() -> None:
         [round_record(1, "a"), round_record(2, "X")],  # diverged at round 2, then crashed
         [round_record(1, "a"), round_record(2, "b"), round_record(3, "c")],
     )
-    assert sl.hashes_agree(views) == {1: True, 2: False, 3: True}
+    assert progress.hashes_agree(views) == {1: True, 2: False, 3: True}
 
 
 def test_summary_has_every_field_per_node_and_round() -> None:
@@ -148,7 +149,7 @@ def test_summary_has_every_field_per_node_and_round() -> None:
         [round_record(1, "a")],
     )
     views[0].exit_code, views[1].exit_code = 0, -9
-    summary = sl.build_summary(
+    summary = progress.build_summary(
         run_id="r1",
         views=views,
         pids=[101, 102],
@@ -187,14 +188,14 @@ def test_summary_has_every_field_per_node_and_round() -> None:
         "bootstrap": {"pid": 100, "exit_code": 0, "maddrs": ["/ip4/127.0.0.1/tcp/1/p2p/Qm"]},
         "survivors": [],
     }
-    assert not sl.swarm_succeeded(views, 2, [])  # node1 was killed after 1 round
-    assert not sl.swarm_succeeded(views[:1], 3, [])
-    assert sl.swarm_succeeded(views[:1], 2, [])
-    assert not sl.swarm_succeeded(views[:1], 2, [4242])
+    assert not progress.swarm_succeeded(views, 2, [])  # node1 was killed after 1 round
+    assert not progress.swarm_succeeded(views[:1], 3, [])
+    assert progress.swarm_succeeded(views[:1], 2, [])
+    assert not progress.swarm_succeeded(views[:1], 2, [4242])
 
 
 def test_summary_of_a_node_that_never_started() -> None:
-    node = sl.node_summary(sl.NodeView("node0"), pid=None)
+    node = progress.node_summary(progress.NodeView("node0"), pid=None)
     assert node == {
         "name": "node0",
         "peer_id": None,
@@ -346,13 +347,13 @@ def assert_groups_gone(summary: dict[str, object]) -> None:
 def test_stop_reaps_what_a_killed_leader_left_behind(tmp_path: Path) -> None:
     """A bootstrap SIGKILLed alone leaves its DHT process and p2pd in its group; stopping kills them."""
     opts = sl.parse_options(["--nodes", "1", "--rounds", "1", "--out", str(tmp_path)])
-    argv = [sl.find_script("adloco-bootstrap"), *sl.bootstrap_argv(opts)]
-    child = sl.Child.start("bootstrap", argv, tmp_path / "bootstrap.log")
+    argv = [processes.find_script("adloco-bootstrap"), *sl.bootstrap_argv(opts)]
+    child = processes.Child.start("bootstrap", argv, tmp_path / "bootstrap.log")
     try:
         wait_for((tmp_path / "bootstrap.json").exists, timeout=60, what="the bootstrap's multiaddrs")
         assert len(child.members()) >= 2  # python, its DHT process, p2pd
         child.proc.kill()
-        assert sl.stop_children([child], hurry=threading.Event()) == []
+        assert processes.stop_children([child], hurry=threading.Event()) == []
         assert child.proc.returncode == -signal.SIGKILL
         assert group_members(child.proc.pid) == []
     finally:

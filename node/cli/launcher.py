@@ -3,49 +3,40 @@
     adloco-swarm --nodes 3 --rounds 20 --out runs/swarm -- --inner-steps 5 --codec int8
 
 It starts `adloco-bootstrap`, waits for its multiaddrs, starts the nodes against it (arguments after
-`--` go to every node), and prints one line per node whenever the node's status file
-(DIR/node{i}/status.jsonl, one JSON object per line) shows a new round. It ends when every node has
-exited or applied its rounds, or on Ctrl-C/SIGTERM, and writes DIR/summary.json (per node: rounds,
-final validation loss, the θ hash of every round, bytes; per round: whether all θ hashes agree).
-
-Every child leads its own session, because a peer's p2pd outlives its parent: stopping sends SIGTERM
-to each group leader (the node shuts its DHT, averager and p2pd down itself), waits up to 30 s, then
-SIGKILLs the whole group, and checks /proc that nothing of any group is left. Exit status: 0 when
-every node applied all rounds and exited 0, 1 otherwise, 2 for bad input.
+`--` go to every node), and prints one line per node whenever the node's status file shows a new
+round (node/cli/progress.py). It ends when every node has exited or applied its rounds, or on
+Ctrl-C/SIGTERM, stops every process group it started (node/cli/processes.py) and writes
+DIR/summary.json. Exit status: 0 when every node applied all rounds and exited 0, 1 otherwise, 2 for
+bad input.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import math
 import os
 import secrets
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from ...errors import UserError
+from .processes import Child, SwarmError, describe_exit, find_script, log_tail, stop_children
+from .progress import NodeView, StatusTail, build_summary, print_summary, swarm_succeeded
 
 PROG = "adloco-swarm"
 BOOTSTRAP_TIMEOUT_S = 60.0  # a cold start imports torch and hivemind and launches p2pd: ~5-20 s here
-STOP_TIMEOUT_S = 30.0  # DESIGN §4: a node exits 0 within 30 s of SIGTERM
-KILL_TIMEOUT_S = 10.0  # after SIGKILL only the kernel is left to wait for
-ORPHAN_GRACE_S = 5.0  # a group whose leader exited: p2pd may still be on its way out
 FINISH_GRACE_S = 30.0  # a node that applied its last round still leaves the swarm before exiting
 POLL_S = 1.0
 HEARTBEAT_S = 30.0  # a CI log shows the swarm is alive even while a round takes long
 STAGGER_S = 0.5
-LOG_TAIL_LINES = 20
 # Set by the launcher for every node; a pass-through copy would silently replace ours (argparse keeps
 # the last), e.g. a second --status-file would blind the progress view.
 MANAGED_NODE_FLAGS = (
@@ -186,344 +177,6 @@ def node_argv(opts: SwarmOptions, index: int, peers: Sequence[str], *, threads: 
         str(threads),
         *opts.node_args,
     ]
-
-
-# ---- status files --------------------------------------------------------------------------------
-
-
-def parse_status_lines(data: bytes) -> tuple[list[dict[str, Any]], list[str], bytes]:
-    """Split appended bytes into (records, malformed lines, unterminated rest to keep for next time)."""
-    *lines, rest = data.split(b"\n")
-    records: list[dict[str, Any]] = []
-    bad: list[str] = []
-    for raw in lines:
-        if not raw.strip():
-            continue
-        record = _decode(raw)
-        if record is None:
-            bad.append(raw.decode(errors="replace"))
-        else:
-            records.append(record)
-    return records, bad, rest
-
-
-def _decode(raw: bytes) -> dict[str, Any] | None:
-    try:
-        record = json.loads(raw)
-    except ValueError:
-        return None
-    return record if isinstance(record, dict) else None
-
-
-@dataclass
-class StatusTail:
-    """Reads a growing JSON-lines file incrementally; a line counts only once its newline is written."""
-
-    path: Path
-    offset: int = 0
-    partial: bytes = b""
-
-    def read(self) -> tuple[list[dict[str, Any]], list[str]]:
-        """Records and malformed lines appended since the last call (none while the file is missing)."""
-        try:
-            with self.path.open("rb") as f:
-                if os.fstat(f.fileno()).st_size < self.offset:  # truncated or replaced: start over
-                    self.offset, self.partial = 0, b""
-                f.seek(self.offset)
-                data = f.read()
-        except FileNotFoundError:
-            return [], []
-        self.offset += len(data)
-        records, bad, self.partial = parse_status_lines(self.partial + data)
-        return records, bad
-
-    def finish(self) -> tuple[list[dict[str, Any]], list[str]]:
-        """After the writer exited: also take an unterminated last line if it is a whole record."""
-        records, bad = self.read()
-        if self.partial.strip():
-            record = _decode(self.partial)
-            if record is None:
-                bad.append(self.partial.decode(errors="replace"))
-            else:
-                records.append(record)
-        self.partial = b""
-        return records, bad
-
-
-@dataclass
-class NodeView:
-    """What the status file of one node has said so far."""
-
-    name: str
-    peer_id: str | None = None
-    rounds: list[dict[str, Any]] = field(default_factory=list)
-    done_rounds: int | None = None
-    exit_code: int | None = None
-
-    def apply(self, records: Sequence[dict[str, Any]]) -> list[str]:
-        """Fold new records in; returns the progress lines they call for (at most one round line)."""
-        lines = []
-        new_rounds = []
-        for rec in records:
-            event = rec.get("event")
-            if event == "start":
-                self.peer_id = str(rec.get("peer_id"))
-                lines.append(f"[{self.name}] started as {self.peer_id}")
-            elif event == "round":
-                self.rounds.append(rec)
-                new_rounds.append(rec)
-            elif event == "done":
-                self.done_rounds = _int(rec.get("rounds"))
-            elif event in ("catch_up", "state_download"):
-                lines.append(f"[{self.name}] {event} to round {rec.get('round')} from {rec.get('source')}")
-        if new_rounds:
-            lines.append(format_round(self.name, new_rounds[-1]))
-        if self.done_rounds is not None and any(r.get("event") == "done" for r in records):
-            lines.append(f"[{self.name}] done after {self.done_rounds} rounds")
-        return lines
-
-    @property
-    def rounds_done(self) -> int:
-        return self.done_rounds if self.done_rounds is not None else len(self.rounds)
-
-    def reached(self, rounds: int) -> bool:
-        return self.done_rounds is not None or len(self.rounds) >= rounds
-
-
-def _int(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def _num(value: Any) -> float | None:
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-        return float(value)
-    return None
-
-
-def _fmt(value: Any, spec: str) -> str:
-    number = _num(value)
-    return "?" if number is None else format(number, spec)
-
-
-def format_bytes(value: Any) -> str:
-    number = _num(value)
-    if number is None:
-        return "?"
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if number >= scale:
-            return f"{number / scale:.1f}{unit}"
-    return f"{number:.0f}B"
-
-
-def format_round(name: str, rec: dict[str, Any]) -> str:
-    """One progress line, e.g. `[node2 round=3] val 3.210 inner 3.400 2450 tok/s sent 1.2MB ...`."""
-    theta = str(rec.get("theta_hash", "?"))[:8]
-    return (
-        f"[{name} round={rec.get('round', '?')}] val {_fmt(rec.get('val_loss'), '.3f')}"
-        f" inner {_fmt(rec.get('inner_loss'), '.3f')} {_fmt(rec.get('tokens_per_s'), '.0f')} tok/s"
-        f" sent {format_bytes(rec.get('bytes_sent'))} recv {format_bytes(rec.get('bytes_received'))}"
-        f" group={rec.get('group_size', '?')} τ={rec.get('staleness', '?')}"
-        f" {_fmt(rec.get('round_s'), '.1f')}s θ={theta}"
-    )
-
-
-# ---- summary -------------------------------------------------------------------------------------
-
-
-def hashes_agree(views: Sequence[NodeView]) -> dict[int, bool]:
-    """Per round number: whether every node that applied that round reported the same θ hash."""
-    seen: dict[int, set[str]] = {}
-    for view in views:
-        for rec in view.rounds:
-            number = _int(rec.get("round"))
-            if number is not None:
-                seen.setdefault(number, set()).add(str(rec.get("theta_hash")))
-    return {number: len(hashes) == 1 for number, hashes in sorted(seen.items())}
-
-
-def node_summary(view: NodeView, *, pid: int | None) -> dict[str, Any]:
-    """One node's entry; bytes are the node's cumulative counters as of its last round."""
-    last = view.rounds[-1] if view.rounds else {}
-    return {
-        "name": view.name,
-        "peer_id": view.peer_id,
-        "rounds_done": view.rounds_done,
-        "final_val_loss": _num(last.get("val_loss")),
-        "theta_hashes": [rec.get("theta_hash") for rec in view.rounds],
-        "bytes_sent": _int(last.get("bytes_sent")) or 0,
-        "bytes_received": _int(last.get("bytes_received")) or 0,
-        "exit_code": view.exit_code,
-        "pid": pid,
-    }
-
-
-def build_summary(
-    *,
-    run_id: str,
-    views: Sequence[NodeView],
-    pids: Sequence[int | None],
-    wall_s: float,
-    bootstrap: dict[str, Any],
-    survivors: Sequence[int],
-) -> dict[str, Any]:
-    """summary.json; `all_hashes_agree_per_round` keys are round numbers (strings once in JSON)."""
-    return {
-        "run_id": run_id,
-        "nodes": [node_summary(view, pid=pid) for view, pid in zip(views, pids, strict=True)],
-        "all_hashes_agree_per_round": hashes_agree(views),
-        "wall_s": round(wall_s, 3),
-        "bootstrap": bootstrap,
-        "survivors": list(survivors),
-    }
-
-
-def swarm_succeeded(views: Sequence[NodeView], rounds: int, survivors: Sequence[int]) -> bool:
-    """Every node applied `rounds` rounds and exited 0, and no process outlived its group's stop."""
-    return not survivors and all(v.rounds_done >= rounds and v.exit_code == 0 for v in views)
-
-
-# ---- processes -----------------------------------------------------------------------------------
-
-
-def group_members(pgid: int) -> list[int]:
-    """Pids of live (non-zombie) processes in process group `pgid`, from /proc."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[1].split()  # after the command: state ppid pgrp ...
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            pids.append(int(entry.name))
-    return pids
-
-
-def find_script(name: str) -> str:
-    """A console script of this installation (next to the interpreter), else from PATH."""
-    local = Path(sys.executable).parent / name
-    if local.is_file() and os.access(local, os.X_OK):
-        return str(local)
-    found = shutil.which(name)
-    if found is None:
-        raise SwarmError(f"{name} not found next to {sys.executable} or on PATH; is adloco-node installed?")
-    return found
-
-
-def describe_pids(pids: Sequence[int]) -> str:
-    """`123 (p2pd), 456 (python3)`: what each pid is, from /proc."""
-    names = []
-    for pid in pids:
-        try:
-            name = Path(f"/proc/{pid}/comm").read_text().strip()
-        except OSError:
-            name = "gone"
-        names.append(f"{pid} ({name})")
-    return ", ".join(names)
-
-
-def describe_exit(code: int) -> str:
-    """Popen's return code in words: `2`, or `-9 (SIGKILL)` for a death by signal."""
-    if code >= 0:
-        return str(code)
-    try:
-        return f"{code} ({signal.Signals(-code).name})"
-    except ValueError:
-        return str(code)
-
-
-def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
-    try:
-        text = path.read_text(errors="replace")
-    except OSError as e:
-        return f"    (no log: {e.strerror})"
-    return "\n".join("    " + line for line in text.splitlines()[-lines:])
-
-
-class SwarmError(Exception):
-    """The swarm could not be brought up (not the user's input): `adloco-swarm: error: ...`, exit 1."""
-
-
-@dataclass
-class Child:
-    """A started process that leads its own session (pgid == pid), with its log file."""
-
-    name: str
-    proc: subprocess.Popen[bytes]
-    log_path: Path
-    log_file: IO[bytes]
-    orphaned_at: float | None = None
-    killed: bool = False
-
-    @classmethod
-    def start(cls, name: str, argv: Sequence[str], log_path: Path) -> Child:
-        log_file = log_path.open("wb")
-        proc = subprocess.Popen(
-            list(argv),
-            stdin=subprocess.DEVNULL,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-        return cls(name, proc, log_path, log_file)
-
-    def signal_group(self, sig: signal.Signals) -> None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, sig)
-
-    def members(self) -> list[int]:
-        self.proc.poll()  # reap the leader so it does not linger as a zombie
-        return group_members(self.proc.pid)
-
-    def kill_orphans(self) -> None:
-        """SIGKILL the group once its leader has been gone for ORPHAN_GRACE_S (e.g. a p2pd left behind)."""
-        if self.proc.returncode is None or self.killed:
-            return
-        if self.orphaned_at is None:
-            self.orphaned_at = time.monotonic()
-        elif time.monotonic() - self.orphaned_at > ORPHAN_GRACE_S and (left := self.members()):
-            print(f"[{self.name}] exited but left {describe_pids(left)} running: SIGKILL", flush=True)
-            self.signal_group(signal.SIGKILL)
-            self.killed = True
-
-
-def stop_children(children: Sequence[Child], *, hurry: threading.Event) -> list[int]:
-    """SIGTERM each leader, wait up to STOP_TIMEOUT_S, SIGKILL what is left of each group.
-
-    Only the leader gets SIGTERM: hivemind's DHT and averager processes and p2pd share its group and
-    must stay up while the node leaves the swarm and writes its checkpoint. What a leader leaves behind
-    when it exits has no one left to stop it and is killed after ORPHAN_GRACE_S. Returns the pids
-    still alive after the SIGKILL (should be none).
-    """
-    for child in children:
-        if child.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                child.proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + STOP_TIMEOUT_S
-    live = _live(children)
-    while live and time.monotonic() < deadline and not hurry.is_set():
-        for child in live:
-            child.kill_orphans()
-        time.sleep(0.1)
-        live = _live(children)
-    for child in live:
-        print(f"[{child.name}] still running {STOP_TIMEOUT_S:.0f}s after SIGTERM: SIGKILL", flush=True)
-        child.signal_group(signal.SIGKILL)
-    deadline = time.monotonic() + KILL_TIMEOUT_S
-    while _live(children) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    for child in children:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            child.proc.wait(timeout=1)
-        child.log_file.close()
-    return [pid for child in children for pid in child.members()]
-
-
-def _live(children: Sequence[Child]) -> list[Child]:
-    return [child for child in children if child.members()]
 
 
 # ---- the swarm -----------------------------------------------------------------------------------
@@ -681,30 +334,6 @@ class Swarm:
         )
 
 
-def print_summary(swarm: Swarm, summary: dict[str, Any], path: Path) -> None:
-    for node in summary["nodes"]:
-        val = _fmt(node["final_val_loss"], ".3f")
-        swarm.say(
-            f"[swarm] {node['name']}: {node['rounds_done']} rounds, val {val}, sent"
-            f" {format_bytes(node['bytes_sent'])} recv {format_bytes(node['bytes_received'])},"
-            f" exit {node['exit_code']}"
-        )
-    agree = summary["all_hashes_agree_per_round"]
-    disagree = [number for number, ok in agree.items() if not ok]
-    if not agree:
-        swarm.say("[swarm] no round was applied")
-    elif disagree:
-        swarm.say(f"[swarm] θ hashes DISAGREE in rounds {disagree}")
-    else:
-        swarm.say(f"[swarm] θ hashes agree in all {len(agree)} rounds")
-    if summary["survivors"]:
-        swarm.say(
-            f"[swarm] ERROR: survived the SIGKILL of their group: {describe_pids(summary['survivors'])}",
-            err=True,
-        )
-    swarm.say(f"[swarm] wrote {path} ({summary['wall_s']:.1f}s)")
-
-
 def run(opts: SwarmOptions, *, stop: threading.Event, hurry: threading.Event) -> int:
     """Bring the swarm up, watch it, always stop it and write summary.json; returns the exit status."""
     t0 = time.monotonic()
@@ -729,7 +358,7 @@ def run(opts: SwarmOptions, *, stop: threading.Event, hurry: threading.Event) ->
         summary = swarm.summary(wall_s=time.monotonic() - t0, survivors=survivors)
         path = opts.out / "summary.json"
         path.write_text(json.dumps(summary, indent=1) + "\n")
-        print_summary(swarm, summary, path)
+        print_summary(summary, path, swarm.say)
     return 0 if swarm_succeeded(swarm.views, opts.rounds, survivors) else 1
 
 

@@ -3,7 +3,7 @@
 Shared by the node and the bootstrap peer. hivemind's P2P daemon (p2pd) is a child process of the
 DHT process; `hivemind.DHT.shutdown()` stops it. A peer killed with SIGKILL leaves p2pd behind
 (hivemind sets no parent-death signal), so launchers start peers in their own session and reap the
-whole process group (`adloco.node.swarm_launcher`, tests/conftest.py).
+whole process group (`adloco.node.cli.processes`, tests/procs.py).
 """
 
 from __future__ import annotations
