@@ -2,9 +2,9 @@
 
     adloco-node --peers /ip4/1.2.3.4/tcp/31337/p2p/Qm... --run-id my-run
 
-joins a swarm (`node/swarm.py`); with no --peers it starts a new swarm as its first peer and trains
+joins a swarm (`node/swarm/node.py`); with no --peers it starts a new swarm as its first peer and trains
 alone until others join, printing the multiaddrs they can use. `--offline` trains alone without
-any networking (`node/trainer.py`). Bad input ends with one line naming the option and exit code 2.
+any networking (`node/solo/trainer.py`). Bad input ends with one line naming the option and exit code 2.
 """
 
 from __future__ import annotations
@@ -39,6 +39,14 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
     )
     add_config_argument(p)
+    add_run_arguments(p)
+    add_operations_arguments(p)
+    add_train_arguments(p)
+    add_network_arguments(p)
+    return p
+
+
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
     run = p.add_argument_group("run")
     run.add_argument("--rounds", type=int, default=0, help="rounds to train (0: until SIGTERM/Ctrl-C)")
     run.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: all CPUs)")
@@ -46,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--offline", action="store_true", help="train alone with no networking at all")
     run.add_argument("--status-file", type=Path, default=None, help="append one JSON line per event here")
 
+
+def add_operations_arguments(p: argparse.ArgumentParser) -> None:
     ops = p.add_argument_group("operations")
     ops.add_argument(
         "--checkpoint-dir", type=Path, default=None, help="write checkpoints here, and resume from them"
@@ -62,7 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ops.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
     ops.add_argument("--metrics-host", default="0.0.0.0", help="address the metrics endpoint listens on")
-    add_train_arguments(p)
+
+
+def add_network_arguments(p: argparse.ArgumentParser) -> None:
     net = p.add_argument_group("swarm networking (hivemind)")
     net.add_argument(
         "--peers", nargs="*", default=[], help="multiaddrs of peers to join; none: start a swarm"
@@ -84,7 +96,6 @@ def build_parser() -> argparse.ArgumentParser:
     net.add_argument(
         "--simulate-slowdown", type=float, default=1.0, help="testing: make this node F× slower (idle time)"
     )
-    return p
 
 
 def network_from_args(args: argparse.Namespace) -> NetworkConfig:
@@ -135,35 +146,44 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parse_settings(build_parser(), argv)
     except UserError as e:
-        print(f"adloco-node: error: {e}", file=sys.stderr)
-        return 2
+        return usage_error(e)
     logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
-    stop = threading.Event()
     try:
-        if args.rounds < 0:
-            raise UserError(f"--rounds: must be >= 0 (0 trains until stopped), got {args.rounds}")
-        set_threads(args.threads)
-        cfg = train_config_from_args(args)
-        if args.offline:
-            signal.signal(signal.SIGTERM, lambda *_: stop.set())
-            train_solo(
-                cfg,
-                rounds=args.rounds,
-                on_round=lambda r: print(format_round("local", r), flush=True),
-                should_stop=stop.is_set,
-            )
-        else:
-            swarm = swarm_from_args(args)
-            check_control(args)
-            metrics = metrics_from_args(args)
-            run_swarm_node(cfg, network_from_args(args), swarm, stop, metrics, args)
+        run(args)
     except UserError as e:
-        print(f"adloco-node: error: {e}", file=sys.stderr)
-        return 2
+        return usage_error(e)
     except KeyboardInterrupt:
         print("adloco-node: interrupted", file=sys.stderr)
         return 130
     return 0
+
+
+def usage_error(e: UserError) -> int:
+    """Bad input: one line naming the option, exit code 2."""
+    print(f"adloco-node: error: {e}", file=sys.stderr)
+    return 2
+
+
+def run(args: argparse.Namespace) -> None:
+    """Check the flags, then train alone (--offline) or in the swarm until the rounds are done or stopped."""
+    if args.rounds < 0:
+        raise UserError(f"--rounds: must be >= 0 (0 trains until stopped), got {args.rounds}")
+    set_threads(args.threads)
+    cfg = train_config_from_args(args)
+    stop = threading.Event()
+    if args.offline:
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        train_solo(
+            cfg,
+            rounds=args.rounds,
+            on_round=lambda r: print(format_round("local", r), flush=True),
+            should_stop=stop.is_set,
+        )
+    else:
+        swarm = swarm_from_args(args)
+        check_control(args)
+        metrics = metrics_from_args(args)
+        run_swarm_node(cfg, network_from_args(args), swarm, stop, metrics, args)
 
 
 def check_control(args: argparse.Namespace) -> None:
@@ -200,29 +220,41 @@ def run_swarm_node(
         signal.signal(sig, lambda *_: stop.set())
     control = None
     try:
-        print("adloco-node: joined as " + node.peer_id + "; others can join with:", flush=True)
-        print("  --peers " + " ".join(node.maddrs), flush=True)
-        reach = reachability.check(node.maddrs, client_mode=net.client_mode)
-        print("adloco-node: " + reach.message(port_map=net.nat_port_map, relay=net.use_relay), flush=True)
-        node.status.write("reachability", reachable=reach.reachable, public=list(reach.public))
-        if args.control_port != -1:
-            # After the DHT forked: gRPC's threads and fork do not mix.
-            control = ControlServer(
-                status=node.ops.node_status,
-                drain=node.ops.request_drain,
-                checkpoint=node.ops.request_checkpoint,
-                host=args.control_host,
-                port=args.control_port,
-                allow_remote=args.control_allow_remote,
-            )
-            control.start()
-            print(f"adloco-node: control service on {control.address} (adloco-node ctl status)", flush=True)
+        announce(node, net)
+        control = start_control(node, args)
         node.on_round = lambda record: print(format_round(node.peer_id[-6:], record), flush=True)
         node.run(should_stop=stop.is_set)
     finally:
         node.shutdown()
         if control is not None:
             control.stop(grace=1.0)
+
+
+def announce(node: SwarmNode, net: NetworkConfig) -> None:
+    """Print how others can join this node and whether they can dial it (also in the status file)."""
+    print("adloco-node: joined as " + node.peer_id + "; others can join with:", flush=True)
+    print("  --peers " + " ".join(node.maddrs), flush=True)
+    reach = reachability.check(node.maddrs, client_mode=net.client_mode)
+    print("adloco-node: " + reach.message(port_map=net.nat_port_map, relay=net.use_relay), flush=True)
+    node.status.write("reachability", reachable=reach.reachable, public=list(reach.public))
+
+
+def start_control(node: SwarmNode, args: argparse.Namespace) -> ControlServer | None:
+    """The node's control service, serving (None with --control-port -1)."""
+    if args.control_port == -1:
+        return None
+    # After the DHT forked: gRPC's threads and fork do not mix.
+    control = ControlServer(
+        status=node.ops.node_status,
+        drain=node.ops.request_drain,
+        checkpoint=node.ops.request_checkpoint,
+        host=args.control_host,
+        port=args.control_port,
+        allow_remote=args.control_allow_remote,
+    )
+    control.start()
+    print(f"adloco-node: control service on {control.address} (adloco-node ctl status)", flush=True)
+    return control
 
 
 if __name__ == "__main__":
