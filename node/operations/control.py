@@ -137,37 +137,14 @@ class NodeStatus:
         def optional(name: str) -> Any:
             return getattr(reply, name) if reply.HasField(name) else None
 
-        averaging = schedule = None
-        if reply.HasField("last_averaging"):
-            a = reply.last_averaging
-            averaging = AveragingInfo(
-                round=a.round,
-                ok=a.ok,
-                group_size=a.group_size,
-                staleness=a.staleness,
-                bytes_sent=a.bytes_sent,
-                bytes_received=a.bytes_received,
-                codec=a.codec,
-                seconds=a.seconds,
-                error=a.error,
-            )
-        if reply.HasField("schedule"):
-            s = reply.schedule
-            schedule = ScheduleInfo(
-                batch_sizes=tuple(s.batch_sizes),
-                inner_steps=s.inner_steps,
-                accumulation=tuple(s.accumulation),
-                instances=s.instances,
-                codec=s.codec,
-            )
         return cls(
             peer_id=reply.peer_id,
             run_id=reply.run_id,
             round=reply.round,
             phase=_phase_name(reply.phase),
             peers_visible=reply.peers_visible,
-            last_averaging=averaging,
-            schedule=schedule,
+            last_averaging=_averaging_info(reply),
+            schedule=_schedule_info(reply),
             val_loss=optional("val_loss"),
             inner_loss=optional("inner_loss"),
             tokens_per_s=reply.tokens_per_s,
@@ -177,6 +154,36 @@ class NodeStatus:
             version=reply.version,
             problem=reply.problem,
         )
+
+
+def _averaging_info(reply: pb.StatusReply) -> AveragingInfo | None:
+    if not reply.HasField("last_averaging"):
+        return None
+    a = reply.last_averaging
+    return AveragingInfo(
+        round=a.round,
+        ok=a.ok,
+        group_size=a.group_size,
+        staleness=a.staleness,
+        bytes_sent=a.bytes_sent,
+        bytes_received=a.bytes_received,
+        codec=a.codec,
+        seconds=a.seconds,
+        error=a.error,
+    )
+
+
+def _schedule_info(reply: pb.StatusReply) -> ScheduleInfo | None:
+    if not reply.HasField("schedule"):
+        return None
+    s = reply.schedule
+    return ScheduleInfo(
+        batch_sizes=tuple(s.batch_sizes),
+        inner_steps=s.inner_steps,
+        accumulation=tuple(s.accumulation),
+        instances=s.instances,
+        codec=s.codec,
+    )
 
 
 def _phase_name(value: int) -> str:
