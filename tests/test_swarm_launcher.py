@@ -25,6 +25,7 @@ import pytest
 
 from adloco.node.cli import launcher as sl
 from adloco.node.cli import processes, progress
+from adloco.node.training.rounds import RoundRecord
 
 from procs import Procs, group_members, wait_for
 
@@ -35,22 +36,31 @@ TINY_NODE += ["--instances", "1", "--b-max", "1"]
 
 
 def round_record(number: int, theta: str, **overrides: object) -> dict[str, object]:
-    rec: dict[str, object] = {
-        "event": "round",
-        "round": number,
-        "val_loss": 3.21,
-        "inner_loss": 3.4,
-        "tokens": 4096,
-        "tokens_per_s": 2450.0,
-        "bytes_sent": 1_200_000 * number,
-        "bytes_received": 1_100_000 * number,
-        "theta_hash": theta,
-        "group_size": 3,
-        "staleness": 0,
-        "round_s": 4.2,
-    }
-    rec.update(overrides)
-    return rec
+    """A round event as a node writes it to its status file."""
+    record = RoundRecord(
+        round=number,
+        val_loss=3.21,
+        inner_loss=3.4,
+        theta_hash=theta,
+        tokens=4096,
+        tokens_total=4096 * number,
+        tokens_per_s=2450.0,
+        batch_sizes=[8, 8],
+        accum_steps=1,
+        instances=2,
+        inner_steps=10,
+        codec="int8",
+        group_size=3,
+        staleness=0,
+        bytes_sent=1_200_000 * number,
+        bytes_received=1_100_000 * number,
+        round_bytes=1_200_000,
+        round_s=4.2,
+        wait_s=0.8,
+        compute_s=3.1,
+        contribution_bytes=627_705,
+    )
+    return {"event": "round", "time": 1.0, **record.to_dict(), **overrides}
 
 
 def jsonl(*records: dict[str, object]) -> bytes:
@@ -109,18 +119,21 @@ def test_view_prints_one_line_for_the_latest_round_and_counts_rounds() -> None:
     assert view.apply([]) == []
     lines = view.apply([round_record(2, "aa"), round_record(3, "ab12cd34ef", tokens_per_s=2450.4)])
     assert lines == [
-        "[node2 round=3] val 3.210 inner 3.400 2450 tok/s sent 3.6MB recv 3.3MB group=3 τ=0 4.2s θ=ab12cd34"
+        "[node2 round=3] val 3.210 inner 3.400 2450 tok/s b=[8, 8] a=1 K=2 int8 Δ 627.71kB group=3 τ=0"
+        " sent 3.60MB recv 3.30MB 4.2s (waited 0.8s) θ=ab12cd34"
     ]
     assert (view.rounds_done, view.reached(2), view.reached(3)) == (2, True, False)
     assert view.apply([{"event": "done", "rounds": 5}]) == ["[node2] done after 5 rounds"]
     assert (view.rounds_done, view.reached(9)) == (5, True)
 
 
-def test_round_line_tolerates_missing_and_odd_fields() -> None:
-    line = progress.format_round(
-        "node0", {"event": "round", "round": 1, "val_loss": float("nan"), "bytes_sent": 999}
-    )
-    assert line == "[node0 round=1] val ? inner ? ? tok/s sent 999B recv ? group=? τ=? ?s θ=?"
+def test_an_unreadable_round_record_is_said_and_skipped_not_a_crash() -> None:
+    view = progress.NodeView("node0")
+    lines = view.apply([{"event": "round", "round": 1, "val_loss": float("nan"), "bytes_sent": 999}])
+    assert len(lines) == 1 and lines[0].startswith("[node0] unreadable round record (TypeError")
+    assert view.rounds == []
+    lines = view.apply([round_record(1, "cd", val_loss=float("nan"))])
+    assert lines[0].startswith("[node0 round=1] val nan inner 3.400")
 
 
 # ---- summary -------------------------------------------------------------------------------------

@@ -22,7 +22,6 @@ from ...settings import EPILOG, add_config_argument, parse_settings
 from ..operations import reachability
 from ..operations.checkpoint import check_checkpoint_dir
 from ..operations.control import ControlServer, check_bind
-from ..operations.ctl import ctl_main
 from ..operations.metrics import NodeMetrics
 from ..solo.trainer import train_solo
 from ..swarm.node import SwarmConfig, SwarmNode
@@ -141,8 +140,6 @@ def swarm_from_args(args: argparse.Namespace) -> SwarmConfig:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["ctl"]:
-        return ctl_main(argv[1:])
     try:
         args = parse_settings(build_parser(), argv)
     except UserError as e:

@@ -2,8 +2,8 @@
 
 For node/cli/launcher.py. Each node appends one JSON object per line to DIR/node{i}/status.jsonl;
 `StatusTail` reads what was appended since the last look (a line counts once its newline is written)
-and `NodeView` folds the records into what the node has done so far and the lines to print,
-`format_round` being the one per round. At the end, `build_summary` makes summary.json (per node:
+and `NodeView` folds the records into what the node has done so far and the lines to print: each
+round event parsed into a `RoundRecord` and shown as the line every driver prints (`format_round`). At the end, `build_summary` makes summary.json (per node:
 rounds, final validation loss, the θ hash of every round, bytes; per round: whether all θ hashes
 agree), `print_summary` says it in a few lines, and `swarm_succeeded` decides the exit status.
 """
@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from ..training.rounds import RoundRecord, format_bytes, format_round
 from .processes import describe_pids
 
 # ---- status files --------------------------------------------------------------------------------
@@ -88,7 +89,7 @@ class NodeView:
 
     name: str
     peer_id: str | None = None
-    rounds: list[dict[str, Any]] = field(default_factory=list)
+    rounds: list[RoundRecord] = field(default_factory=list)
     done_rounds: int | None = None
     exit_code: int | None = None
 
@@ -102,8 +103,13 @@ class NodeView:
                 self.peer_id = str(rec.get("peer_id"))
                 lines.append(f"[{self.name}] started as {self.peer_id}")
             elif event == "round":
-                self.rounds.append(rec)
-                new_rounds.append(rec)
+                try:
+                    record = RoundRecord.from_dict(rec)
+                except (KeyError, TypeError) as e:
+                    lines.append(f"[{self.name}] unreadable round record ({type(e).__name__}: {e})")
+                    continue
+                self.rounds.append(record)
+                new_rounds.append(record)
             elif event == "done":
                 self.done_rounds = _int(rec.get("rounds"))
             elif event in ("catch_up", "state_download"):
@@ -126,37 +132,8 @@ def _int(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def _num(value: Any) -> float | None:
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-        return float(value)
-    return None
-
-
-def _fmt(value: Any, spec: str) -> str:
-    number = _num(value)
-    return "?" if number is None else format(number, spec)
-
-
-def format_bytes(value: Any) -> str:
-    number = _num(value)
-    if number is None:
-        return "?"
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if number >= scale:
-            return f"{number / scale:.1f}{unit}"
-    return f"{number:.0f}B"
-
-
-def format_round(name: str, rec: dict[str, Any]) -> str:
-    """One progress line, e.g. `[node2 round=3] val 3.210 inner 3.400 2450 tok/s sent 1.2MB ...`."""
-    theta = str(rec.get("theta_hash", "?"))[:8]
-    return (
-        f"[{name} round={rec.get('round', '?')}] val {_fmt(rec.get('val_loss'), '.3f')}"
-        f" inner {_fmt(rec.get('inner_loss'), '.3f')} {_fmt(rec.get('tokens_per_s'), '.0f')} tok/s"
-        f" sent {format_bytes(rec.get('bytes_sent'))} recv {format_bytes(rec.get('bytes_received'))}"
-        f" group={rec.get('group_size', '?')} τ={rec.get('staleness', '?')}"
-        f" {_fmt(rec.get('round_s'), '.1f')}s θ={theta}"
-    )
+def _fmt(value: float | None, spec: str) -> str:
+    return "?" if value is None else format(value, spec)
 
 
 # ---- summary -------------------------------------------------------------------------------------
@@ -167,23 +144,21 @@ def hashes_agree(views: Sequence[NodeView]) -> dict[int, bool]:
     seen: dict[int, set[str]] = {}
     for view in views:
         for rec in view.rounds:
-            number = _int(rec.get("round"))
-            if number is not None:
-                seen.setdefault(number, set()).add(str(rec.get("theta_hash")))
+            seen.setdefault(rec.round, set()).add(rec.theta_hash)
     return {number: len(hashes) == 1 for number, hashes in sorted(seen.items())}
 
 
 def node_summary(view: NodeView, *, pid: int | None) -> dict[str, Any]:
     """One node's entry; bytes are the node's cumulative counters as of its last round."""
-    last = view.rounds[-1] if view.rounds else {}
+    last = view.rounds[-1] if view.rounds else None
     return {
         "name": view.name,
         "peer_id": view.peer_id,
         "rounds_done": view.rounds_done,
-        "final_val_loss": _num(last.get("val_loss")),
-        "theta_hashes": [rec.get("theta_hash") for rec in view.rounds],
-        "bytes_sent": _int(last.get("bytes_sent")) or 0,
-        "bytes_received": _int(last.get("bytes_received")) or 0,
+        "final_val_loss": None if last is None or not math.isfinite(last.val_loss) else last.val_loss,
+        "theta_hashes": [rec.theta_hash for rec in view.rounds],
+        "bytes_sent": 0 if last is None else last.bytes_sent,
+        "bytes_received": 0 if last is None else last.bytes_received,
         "exit_code": view.exit_code,
         "pid": pid,
     }

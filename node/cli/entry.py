@@ -1,0 +1,26 @@
+"""The `adloco-node` console script: `adloco-node ctl ...` talks to a running node; anything else runs one.
+
+`ctl` is what the Docker HEALTHCHECK calls every 30 s, so it must answer without loading torch,
+transformers and hivemind, which the node's own modules import: this module picks one of the two
+before importing either.
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["ctl"]:
+        # Imported here, not at the top: importing the node would load torch first (seconds).
+        from ..operations.ctl import ctl_main
+
+        return ctl_main(argv[1:])
+    from .node import main as node_main
+
+    return node_main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
