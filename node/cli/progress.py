@@ -3,9 +3,10 @@
 For node/cli/launcher.py. Each node appends one JSON object per line to DIR/node{i}/status.jsonl;
 `StatusTail` reads what was appended since the last look (a line counts once its newline is written)
 and `NodeView` folds the records into what the node has done so far and the lines to print: each
-round event parsed into a `RoundRecord` and shown as the line every driver prints (`format_round`). At the end, `build_summary` makes summary.json (per node:
-rounds, final validation loss, the θ hash of every round, bytes; per round: whether all θ hashes
-agree), `print_summary` says it in a few lines, and `swarm_succeeded` decides the exit status.
+round event parsed into a `RoundRecord` and shown as the line every driver prints (`format_round`).
+At the end, `build_summary` makes summary.json (per node: rounds, final validation loss, the θ hash
+of every round, bytes; per round: whether all θ hashes agree), `print_summary` says it in a few
+lines, and `swarm_succeeded` decides the exit status.
 """
 
 from __future__ import annotations
