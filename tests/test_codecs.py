@@ -9,25 +9,27 @@ import struct
 import pytest
 import torch
 
-from adloco.protocol.algorithms.codecs import (
+from adloco.protocol.algorithms.adaptive import (
     DEFAULT_CANDIDATES,
     REASON_LOWEST_ERROR,
     REASON_MEETS_BOTH,
     REASON_OVER_BUDGET,
+    choose_codec,
+    relative_error,
+)
+from adloco.protocol.algorithms.codecs import (
     Codec,
-    ErrorFeedback,
     Int4Codec,
     Int8Codec,
     LowRankCodec,
     NoneCodec,
-    choose_codec,
     decode,
     decode_tensors,
     encode_tensors,
     make_codec,
-    relative_error,
     wire_bytes_of,
 )
+from adloco.protocol.algorithms.feedback import ErrorFeedback
 
 ALL_SPECS = (*DEFAULT_CANDIDATES, "lowrank:3:none", "lowrank:3:fp16", "lowrank:5:int4", "lowrank:500")
 SHAPES = [(), (1,), (7,), (64,), (65,), (129,), (3, 5), (2, 3, 4), (128, 96), (33, 17, 5), (0,), (4, 0)]

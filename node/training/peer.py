@@ -30,9 +30,11 @@ from typing import Any, cast
 import torch
 
 from ...errors import UserError
+from ...protocol.algorithms.adaptive import choose_codec
 from ...protocol.algorithms.allreduce import Contribution, GroupResult
 from ...protocol.algorithms.batchtest import pool_stats
-from ...protocol.algorithms.codecs import Codec, ErrorFeedback, choose_codec, decode_tensors, make_codec
+from ...protocol.algorithms.codecs import Codec, decode_tensors, make_codec
+from ...protocol.algorithms.feedback import ErrorFeedback
 from ...protocol.algorithms.heloco import CorrectionReport, correct, dylu_inner_steps, staleness_weight
 from ...protocol.algorithms.merge import merge_weighted
 from ...protocol.algorithms.outer import outer_step
