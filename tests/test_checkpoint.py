@@ -22,7 +22,7 @@ from adloco.node.operations.checkpoint import (
     save_checkpoint,
 )
 from adloco.node.training.config import TrainConfig
-from adloco.node.training.data import Corpus
+from adloco.node.training.corpus import Corpus
 from adloco.node.training.peer import Peer
 from adloco.node.training.runtime import load_data
 from adloco.protocol.algorithms.allreduce import reduce_group

@@ -1,4 +1,4 @@
-"""Corpus loading, splitting, sharding and sampling (node/data.py) and the tokenizers they use."""
+"""Corpus loading and splitting (training/corpus.py), sharding and sampling (sampling.py), tokenizers."""
 
 from __future__ import annotations
 
@@ -10,15 +10,8 @@ import pytest
 import torch
 
 from adloco.errors import UserError
-from adloco.node.training.data import (
-    Corpus,
-    Document,
-    TokenSampler,
-    load_corpus,
-    shard_corpus,
-    stdlib_files,
-    validation_batches,
-)
+from adloco.node.training.corpus import Corpus, Document, load_corpus, stdlib_files
+from adloco.node.training.sampling import TokenSampler, shard_corpus, validation_batches
 from adloco.node.training.tokenizer import ByteTokenizer, load_tokenizer
 
 ROWS = [{"text": f"row {i}: " + "the quick brown fox " * (i % 5 + 1), "id": i} for i in range(120)]

@@ -35,10 +35,10 @@ from safetensors.torch import load_file, save_file
 
 from ...errors import UserError
 from ...protocol.algorithms.schedule import Schedule
-from ..training.data import TokenSampler
 from ..training.instances import Instance
 from ..training.model import model_fingerprint
 from ..training.peer import Peer, PeerState, Update
+from ..training.sampling import TokenSampler
 
 logger = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ import torch
 
 from ...protocol.algorithms.allreduce import Contribution, GroupResult, reduce_group
 from ..training.config import TrainConfig
-from ..training.data import Corpus
+from ..training.corpus import Corpus
 from ..training.peer import ContributionInfo, LocalRound, Peer, overlap_byte_budget, overlap_this_round
 
 logger = logging.getLogger(__name__)

@@ -28,7 +28,7 @@ import torch
 from ...protocol.algorithms.batchtest import GradStats, grad_stats
 from ...protocol.algorithms.pseudograd import pseudo_gradient
 from ...protocol.algorithms.switch import BatchPlan
-from .data import TokenSampler
+from .sampling import TokenSampler
 
 
 @dataclass(frozen=True)

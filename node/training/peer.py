@@ -42,9 +42,10 @@ from ...protocol.algorithms.pseudograd import tensors_hash, weighted_mean
 from ...protocol.algorithms.schedule import PeerReport, Schedule, accumulation_for, next_schedule
 from .bmax import probe_b_max
 from .config import TrainConfig
-from .data import Corpus, TokenSampler, evaluate, shard_corpus, validation_batches
+from .corpus import Corpus
 from .instances import Instance
 from .model import build_model
+from .sampling import TokenSampler, evaluate, shard_corpus, validation_batches
 
 logger = logging.getLogger(__name__)
 
