@@ -170,6 +170,22 @@ def test_low_rank_state_dict_round_trip() -> None:
     assert a.encode("w", x) == b.encode("w", x)
 
 
+@pytest.mark.parametrize(
+    "bad", [{"w": torch.zeros(3)}, {"w": torch.zeros(3, 2, dtype=torch.int64)}, {"w": 1}]
+)
+def test_codec_load_state_dict_refuses_a_bad_state_and_keeps_its_own(bad: dict[str, object]) -> None:
+    x = gaussian(64, 48, seed=9)
+    a = LowRankCodec(4)
+    a.encode("w", x)
+    before = a.state_dict()
+    with pytest.raises(ValueError):
+        a.load_state_dict(bad)  # type: ignore[arg-type]
+    assert torch.equal(a.state_dict()["w"], before["w"])
+    assert make_codec("int8").state_dict() == {}
+    with pytest.raises(ValueError, match="keeps no state"):
+        make_codec("int8").load_state_dict({"w": torch.zeros(3, 2)})
+
+
 def test_low_rank_falls_back_to_dense_factor_codec() -> None:
     for shape in [(64,), (10, 10)]:
         x = gaussian(*shape)
@@ -340,6 +356,10 @@ def test_error_feedback_state_reset_and_shape_change() -> None:
     a.reset()
     assert a.residual_norm() == 0.0
     a.compress(make_codec("int4"), {"w": gaussian(50)})
+    residual = b.state_dict()["w"]
+    with pytest.raises(ValueError, match="not a float tensor"):
+        b.load_state_dict({"w": torch.zeros(100), "v": torch.zeros(3, dtype=torch.int64)})
+    assert torch.equal(b.state_dict()["w"], residual)
 
 
 def test_error_feedback_drops_non_finite_residual() -> None:

@@ -2,19 +2,30 @@
 
 `shard_corpus` deals the training documents into disjoint (peer, instance) shards from sorted hashes,
 a `TokenSampler` draws seeded random windows from one shard's token stream (an MIT merge
-concatenates two streams), `validation_batches` cuts fixed, evenly spaced windows every peer
-evaluates on identically, and `evaluate` measures a model's loss on them.
+concatenates two streams) and `restore_streams` rebuilds such streams for a resumed node,
+`validation_batches` cuts fixed, evenly spaced windows every peer evaluates on identically, and
+`evaluate` measures a model's loss on them.
 """
 
 from __future__ import annotations
 
+import hashlib
 import heapq
-from collections.abc import Sequence
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
 
 import torch
 
 from ...errors import UserError
 from .corpus import Corpus, Document, hash_hex
+from .state import malformed
+
+logger = logging.getLogger(__name__)
+
+# Tokens of a stream kept in a sampler's state, at evenly spaced positions: enough to tell which
+# shards an MIT-merged stream was built from (`restore_streams`) at a few KB.
+_PROBES = 512
 
 
 class TokenSampler:
@@ -37,6 +48,7 @@ class TokenSampler:
             )
         self._offsets = torch.arange(seq_len)
         self._generator = torch.Generator().manual_seed(seed)
+        self._sha256: str | None = None  # of the stream, which never changes once built
 
     @property
     def num_tokens(self) -> int:
@@ -67,6 +79,42 @@ class TokenSampler:
     def set_state(self, state: torch.Tensor) -> None:
         """Restore a state from `get_state`."""
         self._generator.set_state(state)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The random position (`rng`) and what identifies the stream it draws from (`stream`).
+
+        `stream` (length, dtype, sha256 and the tokens at up to 512 evenly spaced positions, a few
+        KB) is how `restore_streams` rebuilds a stream that MIT merges concatenated from several
+        shards; `load_state_dict` restores only the position.
+        """
+        if self._sha256 is None:
+            self._sha256 = _digest([self.stream])
+        n = self.num_tokens
+        return {
+            "rng": self.get_state(),
+            "stream": {
+                "tokens": n,
+                "dtype": str(self.stream.dtype),
+                "sha256": self._sha256,
+                "probe": self.stream[_probe_positions(n)].long(),
+            },
+        }
+
+    def check_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Raise ValueError if `load_state_dict(state)` would fail."""
+        with malformed("sampler state"):
+            rng = state["rng"]
+            if not isinstance(rng, torch.Tensor) or rng.dtype != torch.uint8:
+                raise ValueError("sampler state: rng is not a byte tensor")
+            try:
+                torch.Generator().set_state(rng)
+            except RuntimeError as e:
+                raise ValueError(f"sampler state: {e}") from e
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue the random sequence `state` was saved at, on this sampler's stream."""
+        self.check_state_dict(state)
+        self.set_state(state["rng"])
 
 
 def shard_corpus(
@@ -181,3 +229,117 @@ def evaluate(model: torch.nn.Module, batches: torch.Tensor, *, micro_batch: int)
     finally:
         model.train(was_training)
     return total / max(count, 1)
+
+
+# ---- restoring streams -----------------------------------------------------------------------------
+
+
+def restore_streams(fresh: Sequence[TokenSampler], saved: Sequence[Mapping[str, Any]]) -> list[TokenSampler]:
+    """Samplers over the streams of the saved sampler states, built from a fresh node's samplers.
+
+    After MIT merges an instance's stream is its shard followed by the shards it absorbed. We find
+    which fresh streams, in which order, make up each saved one (checked against its probes and
+    sha256) and concatenate them as the merges did. When they cannot be matched (the node now trains
+    another data shard, or another corpus), the fresh streams are merged as a state download merges
+    instances (smallest first) and a warning says so: training goes on, on other data. The fresh
+    samplers are not changed (a stream of one shard is its fresh sampler itself), and the random
+    positions are not restored: `load_state_dict` each sampler with its saved state for that.
+    Raises ValueError for a saved state without a well-formed `stream`, or more than `fresh`.
+    """
+    if len(saved) > len(fresh):
+        raise ValueError(f"{len(saved)} saved streams, only {len(fresh)} fresh ones")
+    with malformed("sampler state"):
+        infos = [_stream_info(state["stream"]) for state in saved]
+    plan = _stream_plan([s.stream for s in fresh], infos)
+    if plan is None:
+        logger.warning(
+            "checkpoint data streams do not match this node's data shards (another --data-shard or"
+            " dataset?); the instances resume on this node's shards"
+        )
+        plan = _fallback_plan([s.num_tokens for s in fresh], len(saved))
+    samplers = []
+    for group in plan:
+        sampler = fresh[group[0]]
+        for i in group[1:]:
+            sampler = sampler.merged_with(fresh[i])
+        samplers.append(sampler)
+    return samplers
+
+
+class _StreamInfo(NamedTuple):
+    tokens: int
+    dtype: str
+    sha256: str
+    probe: torch.Tensor
+
+
+def _stream_info(stream: Mapping[str, Any]) -> _StreamInfo:
+    info = _StreamInfo(stream["tokens"], stream["dtype"], stream["sha256"], stream["probe"])
+    tokens_ok = isinstance(info.tokens, int) and not isinstance(info.tokens, bool) and info.tokens > 0
+    if not (tokens_ok and isinstance(info.dtype, str) and isinstance(info.sha256, str)):
+        raise ValueError("sampler state: stream tokens, dtype or sha256 malformed")
+    if not isinstance(info.probe, torch.Tensor) or info.probe.dtype != torch.int64:
+        raise ValueError("sampler state: stream probe is not an int64 tensor")
+    return info
+
+
+def _stream_plan(streams: Sequence[torch.Tensor], saved: Sequence[_StreamInfo]) -> list[list[int]] | None:
+    """For each saved stream, the fresh streams it is made of, in order; None if one has no match."""
+    plan: list[list[int]] = []
+    used: set[int] = set()
+    for info in saved:
+        found = _decompose(streams, info, used)
+        if found is None:
+            return None
+        used.update(found)
+        plan.append(found)
+    return plan
+
+
+def _decompose(streams: Sequence[torch.Tensor], info: _StreamInfo, used: set[int]) -> list[int] | None:
+    """The unused fresh streams whose concatenation, in this order, is the saved stream; None if none."""
+    positions = _probe_positions(info.tokens)
+    if info.probe.shape != positions.shape:
+        return None
+
+    def search(offset: int, chosen: list[int]) -> list[int] | None:
+        if offset == info.tokens:
+            parts = [streams[i] for i in chosen]
+            ok = str(parts[0].dtype) == info.dtype and _digest(parts) == info.sha256
+            return chosen if ok else None
+        for i, stream in enumerate(streams):
+            end = offset + stream.numel()
+            if i in used or i in chosen or end > info.tokens:
+                continue
+            lo, hi = torch.searchsorted(positions, torch.tensor([offset, end])).tolist()
+            if not torch.equal(stream[positions[lo:hi] - offset].long(), info.probe[lo:hi]):
+                continue
+            found = search(end, [*chosen, i])
+            if found is not None:
+                return found
+        return None
+
+    return search(0, [])
+
+
+def _fallback_plan(tokens: Sequence[int], count: int) -> list[list[int]]:
+    """Merge the two smallest streams (the smaller one absorbed) until `count` are left."""
+    groups = [[k] for k in range(len(tokens))]
+    while len(groups) > count:
+        order = sorted(range(len(groups)), key=lambda g: (sum(tokens[k] for k in groups[g]), g))
+        victim, survivor = order[0], order[1]
+        groups[survivor] = groups[survivor] + groups[victim]
+        del groups[victim]
+    return groups
+
+
+def _probe_positions(length: int) -> torch.Tensor:
+    count = min(length, _PROBES)
+    return torch.arange(count, dtype=torch.int64) * (length - 1) // max(count - 1, 1)
+
+
+def _digest(parts: Sequence[torch.Tensor]) -> str:
+    digest = hashlib.sha256()
+    for part in parts:
+        digest.update(part.contiguous().numpy().data)
+    return digest.hexdigest()
