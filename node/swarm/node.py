@@ -371,7 +371,7 @@ class SwarmNode:
         if self.swarm.checkpoint_dir is None:
             return
         with self.lock:
-            extra = load_checkpoint(self.swarm.checkpoint_dir, self.peer)
+            extra = load_checkpoint(self.swarm.checkpoint_dir, self.peer.load_state_dict)
         if extra is None:
             return
         self.tokens_total = int(extra.get("tokens_total", 0))
@@ -388,7 +388,7 @@ class SwarmNode:
         with self.lock:
             path = save_checkpoint(
                 self.swarm.checkpoint_dir,
-                self.peer,
+                self.peer.state_dict(),
                 extra={"tokens_total": self.tokens_total, "data_shard": self.data_shard},
             )
         self.last_checkpoint = (self.peer.state.round, str(path))
