@@ -107,24 +107,9 @@ def save_checkpoint(
     """
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
-    round_ = state.get("round") if isinstance(state, Mapping) else None
-    if isinstance(round_, bool) or not isinstance(round_, int) or round_ < 0:
-        raise ValueError(f"a checkpointed state needs an integer round >= 0, got {round_!r}")
-    try:
-        extra_json = json.loads(json.dumps(dict(extra or {}), allow_nan=False))
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"checkpoint extra must be JSON-able: {e}") from None
     t0 = time.perf_counter()
-    skeleton, tensors = flatten_state(state)
-    fingerprint = state.get("model_fingerprint")
-    meta = {
-        "format": FORMAT,
-        "round": round_,
-        "model_fingerprint": fingerprint if isinstance(fingerprint, str) else None,
-        "extra": extra_json,
-        "saved_at": time.time(),
-        "state": skeleton,
-    }
+    meta, tensors = _describe(state, extra or {})
+    round_ = meta["round"]
     with _SAVE_LOCK:
         directory.mkdir(parents=True, exist_ok=True)
         _remove_leftovers(directory)
@@ -260,6 +245,30 @@ def unflatten_state(skeleton: Any, tensors: Mapping[str, torch.Tensor]) -> dict[
 
 
 # ---- save ------------------------------------------------------------------------------------------
+
+
+def _describe(
+    state: Mapping[str, Any], extra: Mapping[str, Any]
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """The checkpoint's JSON part (round, fingerprint, `extra`, the state's skeleton) and its tensors."""
+    round_ = state.get("round") if isinstance(state, Mapping) else None
+    if isinstance(round_, bool) or not isinstance(round_, int) or round_ < 0:
+        raise ValueError(f"a checkpointed state needs an integer round >= 0, got {round_!r}")
+    try:
+        extra_json = json.loads(json.dumps(dict(extra), allow_nan=False))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"checkpoint extra must be JSON-able: {e}") from None
+    skeleton, tensors = flatten_state(state)
+    fingerprint = state.get("model_fingerprint")
+    meta = {
+        "format": FORMAT,
+        "round": round_,
+        "model_fingerprint": fingerprint if isinstance(fingerprint, str) else None,
+        "extra": extra_json,
+        "saved_at": time.time(),
+        "state": skeleton,
+    }
+    return meta, tensors
 
 
 def _stored(tensor: torch.Tensor, storages: set[int]) -> torch.Tensor:
