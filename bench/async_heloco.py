@@ -46,10 +46,11 @@ import torch
 
 from adloco.node.sim.engine import RoundRecord, SimConfig, Simulator, initial_val_loss, records_as_dicts
 from adloco.node.training.config import TrainConfig
-from adloco.node.training.data import Corpus, evaluate, shard_corpus
+from adloco.node.training.corpus import Corpus
 from adloco.node.training.model import build_model
 from adloco.node.training.peer import ContributionInfo, LocalRound, Peer
 from adloco.node.training.runtime import load_data
+from adloco.node.training.sampling import evaluate, shard_corpus
 from adloco.protocol.algorithms.heloco import HelocoConfig
 from adloco.protocol.algorithms.outer import OuterConfig
 from adloco.protocol.algorithms.pseudograd import tensors_hash

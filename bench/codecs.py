@@ -42,11 +42,12 @@ import torch
 
 from adloco.node.sim.engine import RoundRecord, SimConfig, Simulator, initial_val_loss
 from adloco.node.training.config import TrainConfig
-from adloco.node.training.data import Corpus
+from adloco.node.training.corpus import Corpus
 from adloco.node.training.peer import Peer
 from adloco.node.training.runtime import load_data
-from adloco.protocol.algorithms import codecs
+from adloco.protocol.algorithms import adaptive, codecs
 from adloco.protocol.algorithms.allreduce import reduce_group
+from adloco.protocol.algorithms.feedback import ErrorFeedback
 
 Deltas = dict[str, torch.Tensor]
 Row = dict[str, Any]
@@ -93,7 +94,7 @@ def collect_deltas(cfg: TrainConfig, rounds: int) -> tuple[list[Deltas], int]:
 def running_mean_errors(spec: str, deltas: Sequence[Deltas], *, error_feedback: bool) -> list[float]:
     """After each round t, rel. error of mean(decoded Δ_1..t) against mean(Δ_1..t)."""
     codec = codecs.make_codec(spec)
-    feedback = codecs.ErrorFeedback()
+    feedback = ErrorFeedback()
     true_sum = {k: torch.zeros_like(t) for k, t in deltas[0].items()}
     decoded_sum = {k: torch.zeros_like(t) for k, t in deltas[0].items()}
     errors: list[float] = []
@@ -103,7 +104,7 @@ def running_mean_errors(spec: str, deltas: Sequence[Deltas], *, error_feedback: 
             true_sum[key] += delta[key]
             decoded_sum[key] += value
         # Both sums have t terms, so the error of the sums is the error of the means.
-        errors.append(codecs.relative_error(true_sum, decoded_sum))
+        errors.append(adaptive.relative_error(true_sum, decoded_sum))
     return errors
 
 
@@ -117,7 +118,7 @@ def fidelity_row(spec: str, deltas: Sequence[Deltas], fp32_bytes: int, params: i
         "wire_bytes": wire,
         "ratio_vs_fp32": fp32_bytes / wire,
         "bits_per_param": 8 * wire / params,
-        "single_shot_error": {r: codecs.measured_error(spec, deltas[r - 1]) for r in SAMPLE_ROUNDS},
+        "single_shot_error": {r: adaptive.measured_error(spec, deltas[r - 1]) for r in SAMPLE_ROUNDS},
         "mean_error_no_ef": no_ef,
         "mean_error_ef": with_ef,
     }
@@ -129,7 +130,7 @@ def choice_rows(deltas: Sequence[Deltas], candidates: Sequence[str]) -> list[Row
     for r in SAMPLE_ROUNDS:
         for bound in ERROR_BOUNDS:
             for budget in BYTE_BUDGETS:
-                choice = codecs.choose_codec(
+                choice = adaptive.choose_codec(
                     deltas[r - 1], candidates=candidates, max_rel_error=bound, byte_budget=budget
                 )
                 rows.append(

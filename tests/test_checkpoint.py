@@ -1,13 +1,15 @@
 """Checkpoints: a bit-identical round trip (the next round equals the one never interrupted), MIT merges,
-crashes mid-save, corrupt files, retention, and the errors a user sees for a wrong directory."""
+crashes mid-save, corrupt files, retention, the errors a user sees for a wrong directory, the state
+tree's flattening, and a peer refusing a malformed state whole."""
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -16,15 +18,19 @@ from adloco.errors import UserError
 from adloco.node.operations import checkpoint
 from adloco.node.operations.checkpoint import (
     check_checkpoint_dir,
+    flatten_state,
     list_checkpoints,
     load_checkpoint,
     peek_checkpoint,
     save_checkpoint,
+    unflatten_state,
 )
+from adloco.node.training import sampling
 from adloco.node.training.config import TrainConfig
-from adloco.node.training.data import Corpus
+from adloco.node.training.corpus import Corpus
 from adloco.node.training.peer import Peer
 from adloco.node.training.runtime import load_data
+from adloco.node.training.state import IncompatibleState
 from adloco.protocol.algorithms.allreduce import reduce_group
 
 CFG = TrainConfig(seq_len=32, batch_size=4, instances=2, inner_steps=2, b_max=4, max_corpus_mb=1)
@@ -52,6 +58,14 @@ def one_thread() -> Iterator[None]:
 
 def _peer(corpus: Corpus, cfg: TrainConfig = CFG, *, index: int = 0, vocab_size: int = 256) -> Peer:
     return Peer(peer_id="a", index=index, num_peers=2, cfg=cfg, corpus=corpus, vocab_size=vocab_size)
+
+
+def _save(directory: Path, peer: Peer, **kwargs: Any) -> Path:
+    return save_checkpoint(directory, peer.state_dict(), **kwargs)
+
+
+def _load(directory: Path, peer: Peer) -> dict[str, Any] | None:
+    return load_checkpoint(directory, peer.load_state_dict)
 
 
 def _round(peer: Peer) -> None:
@@ -86,6 +100,34 @@ def _assert_same(a: Peer, b: Peer) -> None:
             assert all(torch.equal(sx[idx][f], sy[idx][f]) for f in sx[idx])
     ea, eb = a.error_feedback.state_dict(), b.error_feedback.state_dict()
     assert ea.keys() == eb.keys() and all(torch.equal(ea[k], eb[k]) for k in ea)
+    assert a.codecs.keys() == b.codecs.keys()
+    for key, codec in a.codecs.items():
+        _assert_tree_equal(b.codecs[key].state_dict(), codec.state_dict())
+
+
+def _assert_tree_equal(x: Any, y: Any, path: str = "") -> None:
+    """Two state trees hold the same structure, leaf types and values (tensors: dtype and bits)."""
+    assert type(x) is type(y), path
+    if isinstance(x, dict):
+        assert x.keys() == y.keys(), path
+        for key in x:
+            _assert_tree_equal(x[key], y[key], f"{path}/{key}")
+    elif isinstance(x, list):
+        assert len(x) == len(y), path
+        for i, (u, v) in enumerate(zip(x, y, strict=True)):
+            _assert_tree_equal(u, v, f"{path}/{i}")
+    elif isinstance(x, torch.Tensor):
+        assert x.dtype == y.dtype and torch.equal(x, y), path
+    else:
+        assert x == y, path
+
+
+def _cloned(tree: Any) -> Any:
+    if isinstance(tree, dict):
+        return {key: _cloned(v) for key, v in tree.items()}
+    if isinstance(tree, list):
+        return [_cloned(v) for v in tree]
+    return tree.clone() if isinstance(tree, torch.Tensor) else tree
 
 
 @pytest.mark.parametrize("cfg", [LOWRANK, replace(CFG, overlap="rebase")], ids=["lowrank", "overlap"])
@@ -94,11 +136,11 @@ def test_round_trip_is_exact_and_the_next_round_matches(
 ) -> None:
     a = _trained(corpus, cfg)
     a.dylu_speed_ratio = 0.75
-    path = save_checkpoint(tmp_path, a, extra={"applied": 2, "shard": 0})
+    path = _save(tmp_path, a, extra={"applied": 2, "shard": 0})
     assert path == tmp_path / "round-00000002"
     assert (tmp_path / "latest").read_text().strip() == path.name
     b = _peer(corpus, cfg)
-    assert load_checkpoint(tmp_path, b) == {"applied": 2, "shard": 0}
+    assert _load(tmp_path, b) == {"applied": 2, "shard": 0}
     _assert_same(a, b)
     # Nothing the next round depends on was lost: it comes out bit-identical.
     _round(a)
@@ -110,10 +152,10 @@ def test_round_trip_is_exact_and_the_next_round_matches(
 def test_round_trip_after_a_merge_rebuilds_the_survivor_stream(corpus: Corpus, tmp_path: Path) -> None:
     a = _trained(corpus, MERGING, rounds=1)
     assert len(a.instances) == 2  # one MIT merge happened
-    save_checkpoint(tmp_path, a)
+    _save(tmp_path, a)
     b = _peer(corpus, MERGING)
     assert len(b.instances) == 3
-    assert load_checkpoint(tmp_path, b) == {}
+    assert _load(tmp_path, b) == {}
     _assert_same(a, b)  # the survivor's stream is the concatenation of the merged shards
     _round(a)
     _round(b)
@@ -124,10 +166,10 @@ def test_other_data_shard_resumes_with_a_warning(
     corpus: Corpus, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     a = _trained(corpus, MERGING, rounds=1)
-    save_checkpoint(tmp_path, a)
+    _save(tmp_path, a)
     b = _peer(corpus, MERGING, index=1)
-    with caplog.at_level(logging.WARNING, logger=checkpoint.__name__):
-        load_checkpoint(tmp_path, b)
+    with caplog.at_level(logging.WARNING, logger=sampling.__name__):
+        _load(tmp_path, b)
     assert "do not match this node's data shards" in caplog.text
     assert len(b.instances) == 2 and b.state.theta_hash() == a.state.theta_hash()
     _round(b)  # trains on, on its own shards
@@ -138,7 +180,7 @@ def test_crash_during_save_leaves_a_loadable_checkpoint(
     corpus: Corpus, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stage: str
 ) -> None:
     a = _trained(corpus, rounds=1)
-    save_checkpoint(tmp_path, a)
+    _save(tmp_path, a)
     hashes = {1: a.state.theta_hash()}
     _round(a)
     hashes[2] = a.state.theta_hash()
@@ -158,19 +200,19 @@ def test_crash_during_save_leaves_a_loadable_checkpoint(
         name = {"tensors": "save_file", "rename": "rename", "latest": "replace"}[stage]
         monkeypatch.setattr(module, name, crash)
     with pytest.raises(OSError, match="No space"):
-        save_checkpoint(tmp_path, a)
+        _save(tmp_path, a)
     monkeypatch.undo()
     # A save killed outright (kill -9) leaves its temporary directory behind as well.
     leftover = tmp_path / ".tmp-round-00000002-1-dead"
     leftover.mkdir()
     (leftover / checkpoint.TENSORS).write_bytes(b"torn")
     b = _peer(corpus)
-    load_checkpoint(tmp_path, b)
+    _load(tmp_path, b)
     # Only a crash after the rename (while repointing `latest`) leaves the new checkpoint in place.
     expected = 2 if stage == "latest" else 1
     assert b.state.round == expected and b.state.theta_hash() == hashes[expected]
     assert len(list_checkpoints(tmp_path)) == (2 if stage == "latest" else 1)
-    latest = save_checkpoint(tmp_path, a)  # the next save cleans up
+    latest = _save(tmp_path, a)  # the next save cleans up
     assert sorted(p.name for p in tmp_path.iterdir() if p.name != "latest") == sorted(
         p.name for p in list_checkpoints(tmp_path)
     )
@@ -182,10 +224,10 @@ def test_corrupt_newest_falls_back_to_the_previous(
     corpus: Corpus, tmp_path: Path, caplog: pytest.LogCaptureFixture, damage: str
 ) -> None:
     a = _trained(corpus, rounds=1)
-    save_checkpoint(tmp_path, a, extra={"n": 1})
+    _save(tmp_path, a, extra={"n": 1})
     saved_hash = a.state.theta_hash()
     _round(a)
-    newest = save_checkpoint(tmp_path, a, extra={"n": 2})
+    newest = _save(tmp_path, a, extra={"n": 2})
     tensors = newest / checkpoint.TENSORS
     data = tensors.read_bytes()
     if damage == "truncate":
@@ -193,65 +235,69 @@ def test_corrupt_newest_falls_back_to_the_previous(
     elif damage == "flip":
         tensors.write_bytes(data[:-10] + bytes([data[-10] ^ 1]) + data[-9:])
     elif damage == "manifest":
-        (newest / checkpoint.MANIFEST).write_text('{"format": 1, "fi')
+        (newest / checkpoint.MANIFEST).write_text(f'{{"format": {checkpoint.FORMAT}, "fi')
     else:
         (newest / checkpoint.META).write_text("{}")
     b = _peer(corpus)
     with caplog.at_level(logging.WARNING, logger=checkpoint.__name__):
-        assert load_checkpoint(tmp_path, b) == {"n": 1}
+        assert _load(tmp_path, b) == {"n": 1}
     assert f"checkpoint {newest} is unusable" in caplog.text
     assert b.state.round == 1 and b.state.theta_hash() == saved_hash
 
 
 def test_nothing_usable_starts_fresh(corpus: Corpus, tmp_path: Path) -> None:
     b = _peer(corpus)
-    assert load_checkpoint(tmp_path / "missing", b) is None
-    assert load_checkpoint(tmp_path, b) is None
+    assert _load(tmp_path / "missing", b) is None
+    assert _load(tmp_path, b) is None
     assert peek_checkpoint(tmp_path) is None
-    path = save_checkpoint(tmp_path, b)
+    path = _save(tmp_path, b)
     (path / checkpoint.TENSORS).write_bytes(b"")
-    assert load_checkpoint(tmp_path, b) is None and b.state.round == 0
+    assert _load(tmp_path, b) is None and b.state.round == 0
 
 
 def test_keeps_the_newest_and_drops_stale_ones(corpus: Corpus, tmp_path: Path) -> None:
     a = _peer(corpus)
-    names = [save_checkpoint(tmp_path, a, keep=2).name for _ in range(3)]
+    names = [_save(tmp_path, a, keep=2).name for _ in range(3)]
     assert names == ["round-00000000", "round-00000000.1", "round-00000000.2"]
     assert [p.name for p in list_checkpoints(tmp_path)] == ["round-00000000.2", "round-00000000.1"]
     _round(a)
-    save_checkpoint(tmp_path, a, keep=1)
+    _save(tmp_path, a, keep=1)
     assert [p.name for p in list_checkpoints(tmp_path)] == ["round-00000001"]
     info = peek_checkpoint(tmp_path)
     assert info is not None and info.round == 1 and info.path.name == "round-00000001"
     # A fresh start in the same directory: the higher round it did not resume from is stale.
-    save_checkpoint(tmp_path, _peer(corpus), keep=2)
+    _save(tmp_path, _peer(corpus), keep=2)
     assert [p.name for p in list_checkpoints(tmp_path)] == ["round-00000000"]
     assert (tmp_path / "latest").read_text().strip() == "round-00000000"
 
 
 def test_checkpoint_of_another_model_or_instance_count_is_refused(corpus: Corpus, tmp_path: Path) -> None:
-    save_checkpoint(tmp_path, _peer(corpus, MERGING))
+    _save(tmp_path, _peer(corpus, MERGING))
     with pytest.raises(UserError, match=r"--checkpoint-dir: .* another model"):
-        load_checkpoint(tmp_path, _peer(corpus, MERGING, vocab_size=300))
+        _load(tmp_path, _peer(corpus, MERGING, vocab_size=300))
     with pytest.raises(UserError, match=r"--checkpoint-dir: .* 3 MIT instances.* --instances 3"):
-        load_checkpoint(tmp_path, _peer(corpus))
+        _load(tmp_path, _peer(corpus))
 
 
 def test_unknown_format_is_refused(corpus: Corpus, tmp_path: Path) -> None:
-    path = save_checkpoint(tmp_path, _peer(corpus))
+    path = _save(tmp_path, _peer(corpus))
     manifest = json.loads((path / checkpoint.MANIFEST).read_text())
     (path / checkpoint.MANIFEST).write_text(json.dumps({**manifest, "format": 99}))
     with pytest.raises(UserError, match=r"--checkpoint-dir: .* format 99"):
-        load_checkpoint(tmp_path, _peer(corpus))
+        _load(tmp_path, _peer(corpus))
 
 
 def test_save_refuses_a_non_json_extra_and_a_round_in_progress(corpus: Corpus, tmp_path: Path) -> None:
     peer = _peer(corpus)
     with pytest.raises(ValueError, match="JSON"):
-        save_checkpoint(tmp_path, peer, extra={"x": object()})
+        _save(tmp_path, peer, extra={"x": object()})
+    with pytest.raises(ValueError, match="integer round"):
+        save_checkpoint(tmp_path, {"theta": [torch.zeros(2)]})
     peer._in_round = True
     with pytest.raises(RuntimeError, match="during a local round"):
-        save_checkpoint(tmp_path, peer)
+        _save(tmp_path, peer)
+    with pytest.raises(RuntimeError, match="during a local round"):
+        peer.load_state_dict(_peer(corpus).state_dict())
     assert list(tmp_path.iterdir()) == []
 
 
@@ -264,3 +310,142 @@ def test_checkpoint_dir_must_be_a_writable_directory(tmp_path: Path) -> None:
         check_checkpoint_dir(blocker)
     with pytest.raises(UserError, match="--checkpoint-dir: cannot create"):
         check_checkpoint_dir(blocker / "sub")
+
+
+# ---- the state tree ----------------------------------------------------------------------------------
+
+TREE: dict[str, Any] = {
+    "round": 7,
+    "weights": [torch.randn(3, 2), torch.arange(5, dtype=torch.int64), torch.tensor(2.5)],
+    "half": torch.randn(4, dtype=torch.bfloat16),
+    "payloads": {"a/b": b"\x00\xffxyz", "~c": b""},
+    "nested": {"none": None, "flag": True, "ratio": 0.75, "name": "int8/avg", "pair": (3, 4), "empty": []},
+}
+
+
+def test_flatten_round_trips_every_leaf_type_through_the_disk(tmp_path: Path) -> None:
+    skeleton, tensors = flatten_state(TREE)
+    # Tensor keys are the leaves' JSON pointers, so a "/" or "~" in a dict key cannot collide.
+    assert {"/weights/0", "/half", "/payloads/a~1b", "/payloads/~0c"} <= tensors.keys()
+    assert skeleton["payloads"]["a/b"] == {"$bytes": "/payloads/a~1b"}
+    expected = {**TREE, "nested": {**TREE["nested"], "pair": [3, 4]}}  # tuples come back as lists
+    _assert_tree_equal(unflatten_state(skeleton, tensors), expected)
+    save_checkpoint(tmp_path, TREE, extra={"k": 1})
+    loaded: list[dict[str, Any]] = []
+    assert load_checkpoint(tmp_path, loaded.append) == {"k": 1}
+    _assert_tree_equal(loaded[0], expected)
+    info = peek_checkpoint(tmp_path)
+    assert info is not None and (info.round, info.model_fingerprint) == (7, None)
+
+
+def test_flatten_copies_tensors_that_share_memory(tmp_path: Path) -> None:
+    base = torch.arange(6.0)
+    save_checkpoint(tmp_path, {"round": 0, "a": base, "b": base, "view": base[2:4]})
+    loaded: list[dict[str, Any]] = []
+    load_checkpoint(tmp_path, loaded.append)
+    assert torch.equal(loaded[0]["b"], base) and torch.equal(loaded[0]["view"], base[2:4])
+
+
+@pytest.mark.parametrize(
+    "tree",
+    [
+        {"round": 0, "x": object()},
+        {"round": 0, "x": [1.0, float("nan")]},
+        {"round": 0, "$tensor": "x"},
+        {"round": 0, "x": {1: torch.zeros(1)}},
+    ],
+    ids=["object", "nan", "marker-key", "int-key"],
+)
+def test_save_refuses_a_tree_that_is_no_state_dict(tmp_path: Path, tree: dict[str, Any]) -> None:
+    with pytest.raises(ValueError):
+        save_checkpoint(tmp_path, tree)
+    assert not tmp_path.exists() or list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "skeleton",
+    [{"x": {"$tensor": "/missing"}}, {"x": {"$bytes": "/f"}}, {"x": {"$tensor": "/t", "y": 1}}, [1]],
+    ids=["missing", "bytes-of-float", "marker-with-keys", "not-a-dict"],
+)
+def test_unflatten_refuses_a_skeleton_that_does_not_fit(skeleton: Any) -> None:
+    with pytest.raises(ValueError):
+        unflatten_state(skeleton, {"/t": torch.zeros(2, dtype=torch.uint8), "/f": torch.zeros(2)})
+
+
+def test_a_loader_refusing_the_newest_falls_back_and_a_user_error_propagates(tmp_path: Path) -> None:
+    save_checkpoint(tmp_path, {"round": 1, "ok": True}, extra={"n": 1})
+    save_checkpoint(tmp_path, {"round": 2, "ok": False}, extra={"n": 2})
+    seen: list[int] = []
+
+    def load(state: dict[str, Any]) -> None:
+        seen.append(state["round"])
+        if not state["ok"]:
+            raise ValueError("malformed")
+
+    assert load_checkpoint(tmp_path, load) == {"n": 1} and seen == [2, 1]
+
+    def refuse(state: dict[str, Any]) -> None:
+        raise IncompatibleState("this state is of another model")
+
+    with pytest.raises(
+        UserError, match=r"--checkpoint-dir: .*round-00000002: this state is of another model"
+    ):
+        load_checkpoint(tmp_path, refuse)
+
+
+# ---- Peer.load_state_dict ----------------------------------------------------------------------------
+
+
+def _corrupt_theta(state: dict[str, Any]) -> None:
+    state["theta"][0] = state["theta"][0] + 1
+
+
+def _corrupt_rng(state: dict[str, Any]) -> None:
+    state["instances"][-1]["sampler"]["rng"] = torch.zeros(3, dtype=torch.uint8)
+
+
+def _corrupt_codec(state: dict[str, Any]) -> None:
+    state["codecs"]["lowrank:2"] = {"w": torch.zeros(3)}
+
+
+def _corrupt_optimizer(state: dict[str, Any]) -> None:
+    state["instances"][-1]["optimizer"]["0"]["exp_avg"] = torch.zeros(1)
+
+
+def _corrupt_history(state: dict[str, Any]) -> None:
+    del state["history"][-1]["averaged"]
+
+
+def _corrupt_ratio(state: dict[str, Any]) -> None:
+    state["dylu_speed_ratio"] = "fast"
+
+
+@pytest.mark.parametrize(
+    "corrupt",
+    [_corrupt_theta, _corrupt_history, _corrupt_optimizer, _corrupt_rng, _corrupt_codec, _corrupt_ratio],
+    ids=lambda f: f.__name__.removeprefix("_corrupt_"),
+)
+def test_a_malformed_state_is_refused_and_the_peer_left_unchanged(
+    corpus: Corpus, corrupt: Callable[[dict[str, Any]], None]
+) -> None:
+    cfg = replace(MERGING, codec="lowrank:2")
+    state = _trained(corpus, cfg, rounds=1).state_dict()
+    assert len(state["instances"]) == 2 and "lowrank:2" in state["codecs"]
+    corrupt(state)
+    b = _peer(corpus, cfg)
+    before = _cloned(b.state_dict())
+    with pytest.raises(ValueError):
+        b.load_state_dict(state)
+    # A half-applied state would show here: θ, the third instance, the codecs are checked first.
+    _assert_tree_equal(b.state_dict(), before)
+
+
+def test_an_incompatible_state_is_refused_and_the_peer_left_unchanged(corpus: Corpus) -> None:
+    state = _trained(corpus, MERGING, rounds=1).state_dict()
+    b = _peer(corpus, MERGING, vocab_size=300)
+    before = _cloned(b.state_dict())
+    with pytest.raises(IncompatibleState, match="another model"):
+        b.load_state_dict(state)
+    _assert_tree_equal(b.state_dict(), before)
+    with pytest.raises(IncompatibleState, match=r"2 MIT instances.*--instances 2"):
+        _peer(corpus, replace(CFG, instances=1)).load_state_dict(state)

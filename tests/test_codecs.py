@@ -9,25 +9,27 @@ import struct
 import pytest
 import torch
 
-from adloco.protocol.algorithms.codecs import (
+from adloco.protocol.algorithms.adaptive import (
     DEFAULT_CANDIDATES,
     REASON_LOWEST_ERROR,
     REASON_MEETS_BOTH,
     REASON_OVER_BUDGET,
+    choose_codec,
+    relative_error,
+)
+from adloco.protocol.algorithms.codecs import (
     Codec,
-    ErrorFeedback,
     Int4Codec,
     Int8Codec,
     LowRankCodec,
     NoneCodec,
-    choose_codec,
     decode,
     decode_tensors,
     encode_tensors,
     make_codec,
-    relative_error,
     wire_bytes_of,
 )
+from adloco.protocol.algorithms.feedback import ErrorFeedback
 
 ALL_SPECS = (*DEFAULT_CANDIDATES, "lowrank:3:none", "lowrank:3:fp16", "lowrank:5:int4", "lowrank:500")
 SHAPES = [(), (1,), (7,), (64,), (65,), (129,), (3, 5), (2, 3, 4), (128, 96), (33, 17, 5), (0,), (4, 0)]
@@ -166,6 +168,22 @@ def test_low_rank_state_dict_round_trip() -> None:
     b = LowRankCodec(4)
     b.load_state_dict(a.state_dict())
     assert a.encode("w", x) == b.encode("w", x)
+
+
+@pytest.mark.parametrize(
+    "bad", [{"w": torch.zeros(3)}, {"w": torch.zeros(3, 2, dtype=torch.int64)}, {"w": 1}]
+)
+def test_codec_load_state_dict_refuses_a_bad_state_and_keeps_its_own(bad: dict[str, object]) -> None:
+    x = gaussian(64, 48, seed=9)
+    a = LowRankCodec(4)
+    a.encode("w", x)
+    before = a.state_dict()
+    with pytest.raises(ValueError):
+        a.load_state_dict(bad)  # type: ignore[arg-type]
+    assert torch.equal(a.state_dict()["w"], before["w"])
+    assert make_codec("int8").state_dict() == {}
+    with pytest.raises(ValueError, match="keeps no state"):
+        make_codec("int8").load_state_dict({"w": torch.zeros(3, 2)})
 
 
 def test_low_rank_falls_back_to_dense_factor_codec() -> None:
@@ -338,6 +356,10 @@ def test_error_feedback_state_reset_and_shape_change() -> None:
     a.reset()
     assert a.residual_norm() == 0.0
     a.compress(make_codec("int4"), {"w": gaussian(50)})
+    residual = b.state_dict()["w"]
+    with pytest.raises(ValueError, match="not a float tensor"):
+        b.load_state_dict({"w": torch.zeros(100), "v": torch.zeros(3, dtype=torch.int64)})
+    assert torch.equal(b.state_dict()["w"], residual)
 
 
 def test_error_feedback_drops_non_finite_residual() -> None:

@@ -1,8 +1,9 @@
-"""Corpus loading, splitting, sharding and sampling (node/data.py) and the tokenizers they use."""
+"""Corpus loading and splitting (training/corpus.py), sharding and sampling (sampling.py), tokenizers."""
 
 from __future__ import annotations
 
 import json
+import logging
 import time
 from pathlib import Path
 
@@ -10,15 +11,8 @@ import pytest
 import torch
 
 from adloco.errors import UserError
-from adloco.node.training.data import (
-    Corpus,
-    Document,
-    TokenSampler,
-    load_corpus,
-    shard_corpus,
-    stdlib_files,
-    validation_batches,
-)
+from adloco.node.training.corpus import Corpus, Document, load_corpus, stdlib_files
+from adloco.node.training.sampling import TokenSampler, restore_streams, shard_corpus, validation_batches
 from adloco.node.training.tokenizer import ByteTokenizer, load_tokenizer
 
 ROWS = [{"text": f"row {i}: " + "the quick brown fox " * (i % 5 + 1), "id": i} for i in range(120)]
@@ -208,6 +202,39 @@ def test_sampler_is_deterministic_and_well_shaped() -> None:
     assert torch.equal(a.next_batch(4), y)
     merged = a.merged_with(TokenSampler([torch.arange(500, 600)], seq_len=16, seed=0))
     assert merged.num_tokens == 600
+
+
+def test_sampler_state_dict_continues_the_sequence_and_names_its_stream() -> None:
+    a = TokenSampler([torch.arange(300)], seq_len=16, seed=3)
+    a.next_batch(2)
+    state = a.state_dict()
+    assert state["stream"]["tokens"] == 300 and torch.equal(state["stream"]["probe"], torch.arange(300))
+    b = TokenSampler([torch.arange(300)], seq_len=16, seed=4)
+    b.load_state_dict(state)
+    assert torch.equal(b.next_batch(4), a.next_batch(4))
+    with pytest.raises(ValueError):
+        b.load_state_dict({"rng": torch.zeros(3, dtype=torch.uint8)})
+    with pytest.raises(ValueError):
+        b.load_state_dict({})
+
+
+def test_restore_streams_rebuilds_merged_streams_or_falls_back(caplog: pytest.LogCaptureFixture) -> None:
+    fresh = [
+        TokenSampler([torch.arange(k * 100, k * 100 + 50 + 10 * k)], seq_len=8, seed=k) for k in range(3)
+    ]
+    merged = fresh[2].merged_with(fresh[0])  # slot 0 merged into slot 2
+    restored = restore_streams(fresh, [fresh[1].state_dict(), merged.state_dict()])
+    assert restored[0] is fresh[1]
+    assert torch.equal(restored[1].stream, torch.cat([fresh[2].stream, fresh[0].stream]))
+    assert not caplog.records
+    other = [TokenSampler([torch.arange(1000, 1000 + 60 + k)], seq_len=8, seed=k) for k in range(3)]
+    with caplog.at_level(logging.WARNING):
+        restored = restore_streams(other, [fresh[1].state_dict(), merged.state_dict()])
+    assert "do not match this node's data shards" in caplog.text
+    # The two smallest merge, the smaller absorbed, as a state download merges instances.
+    assert [s.num_tokens for s in restored] == [61 + 60, 62]
+    with pytest.raises(ValueError):
+        restore_streams(fresh, [{"stream": {"tokens": "many"}}])
 
 
 def test_sequence_longer_than_shard_is_a_user_error() -> None:

@@ -10,7 +10,6 @@ import torch
 
 from adloco.errors import UserError
 from adloco.node.training import model as model_module
-from adloco.node.training.data import evaluate
 from adloco.node.training.model import (
     DEFAULT_MODEL,
     PRESETS,
@@ -19,6 +18,7 @@ from adloco.node.training.model import (
     model_fingerprint,
     resolve_config,
 )
+from adloco.node.training.sampling import evaluate
 
 
 def _tiny_llama_dir(tmp_path: Path, *, vocab_size: int) -> Path:

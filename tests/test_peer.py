@@ -9,7 +9,7 @@ import torch
 
 from adloco.errors import UserError
 from adloco.node.training.config import TrainConfig
-from adloco.node.training.data import Corpus
+from adloco.node.training.corpus import Corpus
 from adloco.node.training.peer import Peer, PeerState
 from adloco.node.training.runtime import load_data
 from adloco.node.training.tokenizer import ByteTokenizer

@@ -37,7 +37,7 @@ from ...protocol.transport.averager import MemberResult
 from ...protocol.transport.memory import MemoryAverager, MemoryHub
 from ..training.catchup import catch_up
 from ..training.config import TrainConfig
-from ..training.data import Corpus
+from ..training.corpus import Corpus
 from ..training.peer import ContributionInfo, LocalRound, Peer, PeerState, Update, overlap_this_round
 from ..training.rounds import RoundRecord
 

@@ -100,7 +100,7 @@ class NodeOps:
         if self.checkpoint_dir is None:
             return
         with self.lock:
-            extra = load_checkpoint(self.checkpoint_dir, self.peer)
+            extra = load_checkpoint(self.checkpoint_dir, self.peer.load_state_dict)
         if extra is None:
             return
         self.counters.tokens_total = int(extra.get("tokens_total", 0))
@@ -117,7 +117,7 @@ class NodeOps:
         with self.lock:
             path = save_checkpoint(
                 self.checkpoint_dir,
-                self.peer,
+                self.peer.state_dict(),
                 extra={"tokens_total": self.counters.tokens_total, "data_shard": self.data_shard},
             )
         self.last_checkpoint = (self.peer.state.round, str(path))

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +28,8 @@ import torch
 from ...protocol.algorithms.batchtest import GradStats, grad_stats
 from ...protocol.algorithms.pseudograd import pseudo_gradient
 from ...protocol.algorithms.switch import BatchPlan
-from .data import TokenSampler
+from .sampling import TokenSampler
+from .state import malformed, mapping, tensors_like
 
 
 @dataclass(frozen=True)
@@ -216,3 +217,60 @@ class Instance:
 
     def load_optimizer_state(self, state: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state)
+
+    # ---- state dict ------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Weights, round start, AdamW moments and steps (by parameter index) and the sampler's state.
+
+        The tensors are the live ones: save or copy the tree before the instance trains on. The
+        optimizer's hyper-parameters are configuration, not state, and are left out.
+        """
+        optimizer = self.optimizer.state_dict()["state"]
+        return {
+            "params": [p.detach() for p in self.params],
+            "start": list(self.start),
+            "optimizer": {str(idx): dict(fields) for idx, fields in optimizer.items()},
+            "sampler": self.sampler.state_dict(),
+        }
+
+    def check_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Raise ValueError if `load_state_dict(state)` would fail (another shape, a malformed tree)."""
+        self._checked(state)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore a `state_dict` (copied, so the instance never aliases it); the sampler continues
+        the saved random sequence on its own stream. ValueError, nothing changed, if it does not fit."""
+        params, start, moments = self._checked(state)
+        with torch.no_grad():
+            for p, s, saved_p, saved_s in zip(self.params, self.start, params, start, strict=True):
+                p.copy_(saved_p)
+                s.copy_(saved_s)
+        # The config's hyper-parameters (lr, betas, ...) stay; only the moments and steps load, copied:
+        # AdamW's load_state_dict keeps tensors that are already on the right device and dtype.
+        optimizer = self.optimizer.state_dict()
+        optimizer["state"] = {
+            idx: {name: v.clone() if isinstance(v, torch.Tensor) else v for name, v in fields.items()}
+            for idx, fields in moments.items()
+        }
+        self.optimizer.load_state_dict(optimizer)
+        self.sampler.load_state_dict(state["sampler"])
+
+    def _checked(
+        self, state: Mapping[str, Any]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor], dict[int, dict[str, Any]]]:
+        with malformed("instance state"):
+            params = tensors_like(state["params"], self.params, "instance parameters")
+            start = tensors_like(state["start"], self.start, "instance round start")
+            moments: dict[int, dict[str, Any]] = {}
+            for idx, fields in mapping(state["optimizer"], "instance optimizer").items():
+                if not idx.isdigit() or int(idx) >= len(self.params):
+                    raise ValueError(f"instance optimizer: no parameter {idx!r}")
+                shape = self.params[int(idx)].shape
+                for name, value in mapping(fields, f"instance optimizer {idx}").items():
+                    # Every tensor of AdamW's state but the step count has the parameter's shape.
+                    if isinstance(value, torch.Tensor) and name != "step" and value.shape != shape:
+                        raise ValueError(f"instance optimizer {idx}.{name}: shape {tuple(value.shape)}")
+                moments[int(idx)] = dict(fields)
+            self.sampler.check_state_dict(state["sampler"])
+        return params, start, moments

@@ -25,14 +25,16 @@ import copy
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import cast
+from typing import Any, cast
 
 import torch
 
 from ...errors import UserError
+from ...protocol.algorithms.adaptive import choose_codec
 from ...protocol.algorithms.allreduce import Contribution, GroupResult
 from ...protocol.algorithms.batchtest import pool_stats
-from ...protocol.algorithms.codecs import Codec, ErrorFeedback, choose_codec, decode_tensors, make_codec
+from ...protocol.algorithms.codecs import Codec, decode_tensors, make_codec
+from ...protocol.algorithms.feedback import ErrorFeedback
 from ...protocol.algorithms.heloco import CorrectionReport, correct, dylu_inner_steps, staleness_weight
 from ...protocol.algorithms.merge import merge_weighted
 from ...protocol.algorithms.outer import outer_step
@@ -42,9 +44,11 @@ from ...protocol.algorithms.schedule import Schedule, accumulation_for, next_sch
 from ...protocol.algorithms.switch import BatchPlan
 from .bmax import probe_b_max
 from .config import TrainConfig
-from .data import Corpus, TokenSampler, evaluate, shard_corpus, validation_batches
+from .corpus import Corpus
 from .instances import Instance, InstanceRound
-from .model import build_model
+from .model import build_model, model_fingerprint
+from .sampling import TokenSampler, evaluate, restore_streams, shard_corpus, validation_batches
+from .state import IncompatibleState, integer, malformed, mapping, number, tensors_like
 
 logger = logging.getLogger(__name__)
 
@@ -515,6 +519,141 @@ class Peer:
 
     def named_theta(self) -> dict[str, torch.Tensor]:
         return dict(zip(self.names, self.state.theta, strict=True))
+
+    # ---- state dict (checkpoints) ----------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything this peer needs to go on where it stopped, as a tree `load_state_dict` takes.
+
+        The replicated state (θ, m, r, S_r, the kept updates, θ's hash), the model's fingerprint and
+        parameter names, each instance's state, the error-feedback residual, the codecs' warm starts,
+        the overlap base round, DyLU's speed ratio and b_max. Tensors are the live ones, not copies:
+        save or copy the tree before the peer trains on. Raises RuntimeError during a local round.
+        """
+        if self.in_round:
+            raise RuntimeError("cannot checkpoint during a local round; save between rounds")
+        state = self.state
+        return {
+            "model_fingerprint": model_fingerprint(self.eval_model),
+            "names": list(self.names),
+            "round": state.round,
+            "theta": list(state.theta),
+            "momentum": list(state.momentum),
+            "theta_hash": state.theta_hash(),
+            "schedule": state.schedule.to_dict(),
+            "history": [self._update_state(u) for u in state.history],
+            "instances": [inst.state_dict() for inst in self.instances],
+            "error_feedback": self.error_feedback.state_dict(),
+            "codecs": {key: codec.state_dict() for key, codec in self._codecs.items()},
+            "phase_round": self.phase_round,
+            "dylu_speed_ratio": self.dylu_speed_ratio,
+            "b_max": self.b_max,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Become the peer a `state_dict` described; the peer must be built from the same config.
+
+        Checks all of `state` first and changes nothing unless all of it fits: IncompatibleState (a
+        UserError) for a state of another model or of more MIT instances than this peer has,
+        ValueError for a malformed or corrupt one (e.g. θ not matching its hash). Instances the saved
+        peer had merged away are dropped and the survivors' data streams rebuilt from this peer's
+        shards (`restore_streams`). An explicit `cfg.b_max` wins over the saved probe (the hardware
+        may have changed). Raises RuntimeError during a local round.
+        """
+        if self.in_round:
+            raise RuntimeError("cannot load a state during a local round")
+        self._check_compatible(mapping(state, "peer state"))
+        with malformed("peer state"):
+            replicated = self._replicated_from(state)
+            saved = state["instances"]
+            if not isinstance(saved, list) or not saved:
+                raise ValueError("peer state: no instances")
+            kept = self.instances[: len(saved)]
+            for inst, inst_state in zip(kept, saved, strict=True):
+                inst.check_state_dict(inst_state)
+            feedback = ErrorFeedback()
+            feedback.load_state_dict(mapping(state["error_feedback"], "error feedback"))
+            codecs = {
+                key: self._codec_from_state(key, mapping(codec_state, f"codec {key}"))
+                for key, codec_state in mapping(state["codecs"], "codecs").items()
+            }
+            phase_round = integer(state["phase_round"], "phase_round")
+            b_max = integer(state["b_max"], "b_max", minimum=1)
+            ratio = state["dylu_speed_ratio"]
+            ratio = None if ratio is None else number(ratio, "dylu_speed_ratio")
+            samplers = restore_streams(
+                [inst.sampler for inst in self.instances], [s["sampler"] for s in saved]
+            )
+        # Everything is checked: from here on nothing raises, so the state is applied whole.
+        self.state = replicated
+        for slot, (inst, inst_state, sampler) in enumerate(zip(kept, saved, samplers, strict=True)):
+            inst.slot = slot
+            inst.sampler = sampler
+            inst.load_state_dict(inst_state)
+        self.instances = kept
+        self.error_feedback = feedback
+        self._codecs = codecs
+        self.phase_round = phase_round
+        self.dylu_speed_ratio = ratio
+        self.b_max = self.cfg.b_max or b_max
+
+    def _check_compatible(self, state: Mapping[str, Any]) -> None:
+        ours, theirs = model_fingerprint(self.eval_model), str(state.get("model_fingerprint"))
+        if theirs != ours or state.get("names") != self.names:
+            raise IncompatibleState(
+                f"this state is of another model (fingerprint {theirs[:12]}, this node's {ours[:12]});"
+                " use the --model it was trained with"
+            )
+        saved = state.get("instances")
+        if isinstance(saved, list) and len(saved) > len(self.instances):
+            raise IncompatibleState(
+                f"this state was saved with {len(saved)} MIT instances, this node starts"
+                f" {len(self.instances)}; use --instances {len(saved)}"
+            )
+
+    def _replicated_from(self, state: Mapping[str, Any]) -> PeerState:
+        """θ, m, r, S_r and the kept updates of a state, copied onto this peer's device and checked."""
+        theta = tensors_like(state["theta"], self.state.theta, "theta")
+        momentum = tensors_like(state["momentum"], self.state.momentum, "momentum")
+        replicated = PeerState(
+            theta=[t.to(self.device, copy=True) for t in theta],
+            momentum=[t.to(self.device, copy=True) for t in momentum],
+            round=integer(state["round"], "round"),
+            schedule=Schedule.from_dict(mapping(state["schedule"], "schedule")),
+            history=[self._update_from_state(mapping(u, "update")) for u in state["history"]],
+        )
+        if replicated.theta_hash() != state["theta_hash"]:
+            raise ValueError("θ does not match the θ hash it was saved with")
+        return replicated
+
+    @staticmethod
+    def _update_state(update: Update) -> dict[str, Any]:
+        return {
+            "round": update.round,
+            "averaged": dict(update.averaged),
+            "schedule": update.schedule.to_dict(),
+            "merge": None if update.merge is None else list(update.merge),
+        }
+
+    @staticmethod
+    def _update_from_state(state: Mapping[str, Any]) -> Update:
+        averaged = mapping(state["averaged"], "update payloads")
+        if not all(isinstance(payload, bytes) for payload in averaged.values()):
+            raise ValueError("update payloads: expected bytes")
+        merge = state["merge"]
+        return Update(
+            round=integer(state["round"], "update round"),
+            averaged=dict(averaged),
+            schedule=Schedule.from_dict(mapping(state["schedule"], "update schedule")),
+            merge=None if merge is None else (integer(merge[0], "merge"), integer(merge[1], "merge")),
+        )
+
+    @staticmethod
+    def _codec_from_state(key: str, state: Mapping[str, Any]) -> Codec:
+        """A codec of this peer's table ("int8", "lowrank:4/avg") rebuilt with its saved warm starts."""
+        codec = make_codec(key.removesuffix("/avg"))
+        codec.load_state_dict(state)
+        return codec
 
 
 def overlap_this_round(mode: str, *, comm_s: float | None, compute_s: float | None) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from .config import TrainConfig
-from .data import Corpus, load_corpus
+from .corpus import Corpus, load_corpus
 from .tokenizer import ByteTokenizer
 
 

@@ -1,30 +1,12 @@
-"""Pseudo-gradient codecs: self-describing byte payloads, error feedback and an adaptive chooser.
+"""Pseudo-gradient codecs: self-describing byte payloads that `decode` inverts, whoever encoded them.
 
 A peer compresses each tensor of its pseudo-gradient with a `Codec` into real `bytes`, so
 `len(payload)` is exactly what goes on the wire and `Codec.wire_bytes` predicts it from the shape
 alone. Every payload starts with a header (magic, version, codec id, shape, codec parameters), so
-the module-level `decode` reconstructs a float32 tensor without knowing which codec the sender
-chose. Codecs: `none` (fp32), `fp16`, blockwise `int8` / `int4` (symmetric, one fp32 absmax per
-block of 64 values), and PowerSGD-style `lowrank:R` (one warm-started power iteration, factors
-quantized by a dense codec). `ErrorFeedback` carries the compression residual into the next round
-(DiLoCoX-style adaptive compression, algorithms.md §4.4) and `choose_codec` picks the cheapest
-codec whose measured error meets a bound within a byte budget.
-
-Wire format (all little-endian)::
-
-    header  = b"AC" | version u8 | codec id u8 | ndim u8 | ndim x u32 dims
-    none    = header | numel x f32
-    fp16    = header | numel x f16
-    int8    = header | block u32 | nblocks x f32 absmax | numel x i8
-    int4    = header | block u32 | nblocks x f32 absmax | ceil(numel/2) x u8 (two nibbles, q+8,
-              first value in the low nibble)
-    lowrank = header | rank u32 | len(P) u32 | P payload | Q payload
-              (P, Q: dense payloads of shapes (rank, m) and (rank, n); tensor = P.T @ Q)
-
-Non-finite input never crashes an encoder and is never hidden: `none` and `fp16` carry NaN/inf
-through (fp16 also turns |x| > 65504 into inf); `int8`/`int4` decode every block holding a NaN or
-inf to all-NaN; `lowrank` decodes the whole tensor to NaN and leaves its warm start untouched.
-Rejecting such payloads is the validator's job, not the codec's.
+`decode` reconstructs a float32 tensor whichever codec the sender chose: `none` (fp32), `fp16`,
+blockwise `int8` / `int4` (symmetric, one fp32 absmax per block of 64 values), and PowerSGD-style
+`lowrank:R` (one warm-started power iteration, factors quantized by a dense codec). `make_codec`
+builds one from its spec; error feedback lives in `feedback`, the adaptive choice in `adaptive`.
 """
 
 from __future__ import annotations
@@ -34,8 +16,7 @@ import math
 import re
 import struct
 import zlib
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
 
 import numpy as np
 import numpy.typing as npt
@@ -44,32 +25,33 @@ import torch
 MAGIC = b"AC"
 VERSION = 1
 DEFAULT_BLOCK_SIZE = 64
-DEFAULT_CANDIDATES: tuple[str, ...] = (
-    "none",
-    "fp16",
-    "int8",
-    "int4",
-    "lowrank:1",
-    "lowrank:2",
-    "lowrank:4",
-    "lowrank:8",
-    "lowrank:16",
-    "lowrank:32",
-)
 
+# Wire format (all little-endian):
+#
+#     header  = b"AC" | version u8 | codec id u8 | ndim u8 | ndim x u32 dims
+#     none    = header | numel x f32
+#     fp16    = header | numel x f16
+#     int8    = header | block u32 | nblocks x f32 absmax | numel x i8
+#     int4    = header | block u32 | nblocks x f32 absmax | ceil(numel/2) x u8 (two nibbles, q+8,
+#               first value in the low nibble)
+#     lowrank = header | rank u32 | len(P) u32 | P payload | Q payload
+#               (P, Q: dense payloads of shapes (rank, m) and (rank, n); tensor = P.T @ Q)
 _ID_NONE, _ID_FP16, _ID_INT8, _ID_INT4, _ID_LOWRANK = range(5)
 _HEADER = struct.Struct("<2sBBB")
 _U32 = struct.Struct("<I")
 _LOWRANK_PARAMS = struct.Struct("<II")
 _MAX_U32 = 2**32 - 1
-_TINY = torch.finfo(torch.float32).tiny
 _VALID_SPECS = "none, fp16, int8, int4, lowrank:R, lowrank:R:{none,fp16,int8,int4} (R >= 1)"
-
-TensorOrDict = torch.Tensor | Mapping[str, torch.Tensor]
 
 
 class Codec(abc.ABC):
-    """Turns one float tensor into a self-describing payload that `decode` inverts (lossily)."""
+    """Turns one float tensor into a self-describing payload that `decode` inverts (lossily).
+
+    Non-finite input never crashes an encoder and is never hidden: `none` and `fp16` carry NaN/inf
+    through (fp16 also turns |x| > 65504 into inf); `int8`/`int4` decode every block holding a NaN
+    or inf to all-NaN; `lowrank` decodes the whole tensor to NaN and leaves its warm start
+    untouched. Rejecting such payloads is the validator's job, not the codec's.
+    """
 
     name: str
 
@@ -80,6 +62,15 @@ class Codec(abc.ABC):
     @abc.abstractmethod
     def wire_bytes(self, shape: tuple[int, ...]) -> int:
         """Exact `len(self.encode(key, t))` for any tensor `t` of this shape."""
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """What the codec carries from one encode to the next (nothing, but for low-rank warm starts)."""
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Restore a `state_dict`; ValueError, the codec unchanged, for a state it cannot hold."""
+        if state:
+            raise ValueError(f"codec {self.name} keeps no state, got {sorted(state)[:3]}")
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r})"
@@ -128,7 +119,8 @@ def _read_u32(payload: bytes, offset: int) -> int:
     return int(value)
 
 
-def _to_cpu_float(tensor: torch.Tensor) -> torch.Tensor:
+def to_cpu_float(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` as a detached, contiguous float32 CPU tensor, copied only where it was not one."""
     return tensor.detach().to(device="cpu", dtype=torch.float32).contiguous()
 
 
@@ -146,7 +138,7 @@ class NoneCodec(Codec):
 
     def encode(self, key: str, tensor: torch.Tensor) -> bytes:
         """Encode `tensor` losslessly as little-endian float32."""
-        flat = _to_cpu_float(tensor)
+        flat = to_cpu_float(tensor)
         return _header(_ID_NONE, tuple(flat.shape)) + flat.numpy().astype("<f4").tobytes()
 
     def wire_bytes(self, shape: tuple[int, ...]) -> int:
@@ -161,7 +153,7 @@ class Fp16Codec(Codec):
 
     def encode(self, key: str, tensor: torch.Tensor) -> bytes:
         """Encode `tensor` as little-endian float16 (round to nearest)."""
-        flat = _to_cpu_float(tensor)
+        flat = to_cpu_float(tensor)
         return _header(_ID_FP16, tuple(flat.shape)) + flat.to(torch.float16).numpy().astype("<f2").tobytes()
 
     def wire_bytes(self, shape: tuple[int, ...]) -> int:
@@ -210,7 +202,7 @@ class _BlockwiseCodec(Codec):
 
     def encode(self, key: str, tensor: torch.Tensor) -> bytes:
         """Quantize `tensor` blockwise; each block stores its fp32 absmax."""
-        flat = _to_cpu_float(tensor)
+        flat = to_cpu_float(tensor)
         q, absmax = _quantize_blocks(flat, self.block_size, self._qmax)
         scales = absmax.numpy().astype("<f4").tobytes()
         return (
@@ -311,7 +303,7 @@ class LowRankCodec(Codec):
 
     def encode(self, key: str, tensor: torch.Tensor) -> bytes:
         """One warm-started power iteration, then P and Q through the factor codec."""
-        flat = _to_cpu_float(tensor)
+        flat = to_cpu_float(tensor)
         shape = tuple(flat.shape)
         plan = self.plan(shape)
         if plan is None:
@@ -337,12 +329,17 @@ class LowRankCodec(Codec):
         return _header_size(shape) + _LOWRANK_PARAMS.size + factors
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Warm-start Q per key, for checkpoints."""
+        """Warm-start Q (n × rank) per key, for checkpoints."""
         return {key: q.clone() for key, q in self._warm_q.items()}
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
-        """Restore warm starts saved by `state_dict`."""
-        self._warm_q = {key: _to_cpu_float(q).clone() for key, q in state.items()}
+        """Restore warm starts saved by `state_dict`; ValueError, nothing changed, if one is no matrix."""
+        for key, q in state.items():
+            if not (isinstance(key, str) and isinstance(q, torch.Tensor) and q.ndim == 2):
+                raise ValueError(f"low-rank warm start {key!r} is not a matrix")
+            if not q.is_floating_point():
+                raise ValueError(f"low-rank warm start {key!r} has dtype {q.dtype}")
+        self._warm_q = {key: to_cpu_float(q).clone() for key, q in state.items()}
 
     def _power_step(self, key: str, matrix: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
         p = torch.linalg.qr(matrix @ self._initial_q(key, matrix.shape[1], rank)).Q
@@ -472,141 +469,3 @@ def decode_tensors(payloads: Mapping[str, bytes]) -> dict[str, torch.Tensor]:
 def wire_bytes_of(payloads: Mapping[str, bytes]) -> int:
     """Total bytes on the wire for a dict of payloads."""
     return sum(len(payload) for payload in payloads.values())
-
-
-def relative_error(x: TensorOrDict, x_hat: TensorOrDict) -> float:
-    """‖x − x̂‖ / max(‖x‖, tiny), the norms taken over all tensors of a dict together."""
-    pairs = _paired(x, x_hat)
-    diff = sum(float((a.double() - b.double()).square().sum()) for a, b in pairs)
-    norm = sum(float(a.double().square().sum()) for a, _ in pairs)
-    return math.sqrt(diff) / max(math.sqrt(norm), _TINY)
-
-
-def _paired(x: TensorOrDict, x_hat: TensorOrDict) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    if isinstance(x, torch.Tensor) and isinstance(x_hat, torch.Tensor):
-        pairs = [(x, x_hat)]
-    elif isinstance(x, Mapping) and isinstance(x_hat, Mapping):
-        if set(x) != set(x_hat):
-            raise ValueError(f"key sets differ: {sorted(set(x) ^ set(x_hat))}")
-        pairs = [(x[key], x_hat[key]) for key in x]
-    else:
-        raise ValueError("relative_error needs two tensors or two dicts of tensors")
-    for a, b in pairs:
-        if a.shape != b.shape:
-            raise ValueError(f"shape mismatch: {tuple(a.shape)} vs {tuple(b.shape)}")
-    return [(a.detach().cpu(), b.detach().cpu()) for a, b in pairs]
-
-
-# --- error feedback -----------------------------------------------------------------------------
-
-
-class ErrorFeedback:
-    """Per-key residual e so that what receivers miss this round is sent in later rounds.
-
-    `compress` sends c = C(Δ + e) and keeps e ← Δ + e − decode(c): the residual is measured on what
-    receivers actually reconstruct (algorithms.md §4.4, step 4).
-    """
-
-    def __init__(self) -> None:
-        self._residuals: dict[str, torch.Tensor] = {}
-
-    def compress(self, codec: Codec, tensors: Mapping[str, torch.Tensor]) -> dict[str, bytes]:
-        """Encode Δ + e for every tensor and update the residuals."""
-        payloads: dict[str, bytes] = {}
-        for key, delta in tensors.items():
-            corrected = _to_cpu_float(delta)
-            residual = self._residuals.get(key)
-            if residual is not None:
-                if residual.shape != corrected.shape:
-                    raise ValueError(
-                        f"{key}: shape {tuple(corrected.shape)} != residual {tuple(residual.shape)}; reset()"
-                    )
-                corrected = corrected + residual
-            payloads[key] = codec.encode(key, corrected)
-            residual = corrected - decode(payloads[key])
-            # A non-finite round is rejected downstream; keeping its NaN would poison every later one.
-            self._residuals[key] = torch.nan_to_num(residual, nan=0.0, posinf=0.0, neginf=0.0)
-        return payloads
-
-    def residual_norm(self) -> float:
-        """L2 norm of all residuals together."""
-        return math.sqrt(sum(float(e.double().square().sum()) for e in self._residuals.values()))
-
-    def reset(self) -> None:
-        """Forget all residuals (e.g. after a codec or shape change)."""
-        self._residuals.clear()
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """Residual per key, for checkpoints."""
-        return {key: e.clone() for key, e in self._residuals.items()}
-
-    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
-        """Restore residuals saved by `state_dict`."""
-        self._residuals = {key: _to_cpu_float(e).clone() for key, e in state.items()}
-
-
-# --- adaptive choice ----------------------------------------------------------------------------
-
-REASON_MEETS_BOTH = "cheapest meeting max_rel_error within byte_budget"
-REASON_LOWEST_ERROR = "none meets max_rel_error; lowest error within byte_budget"
-REASON_OVER_BUDGET = "none within byte_budget; cheapest overall"
-
-
-@dataclass(frozen=True)
-class CodecChoice:
-    """Outcome of `choose_codec`: the spec, its exact wire bytes and measured relative error."""
-
-    spec: str
-    wire_bytes: int
-    rel_error: float
-    reason: str
-
-
-def predicted_wire_bytes(spec: str, tensors: Mapping[str, torch.Tensor]) -> int:
-    """Exact total payload bytes of `tensors` under `spec`, from shapes alone."""
-    codec = make_codec(spec)
-    return sum(codec.wire_bytes(tuple(t.shape)) for t in tensors.values())
-
-
-def measured_error(spec: str, tensors: Mapping[str, torch.Tensor]) -> float:
-    """Relative round-trip error with a fresh codec, so it does not depend on warm-start state."""
-    error = relative_error(tensors, decode_tensors(encode_tensors(make_codec(spec), tensors)))
-    return math.inf if math.isnan(error) else error
-
-
-def choose_codec(
-    tensors: Mapping[str, torch.Tensor],
-    *,
-    candidates: Sequence[str] = DEFAULT_CANDIDATES,
-    max_rel_error: float,
-    byte_budget: float | None = None,
-) -> CodecChoice:
-    """Cheapest candidate whose error is <= `max_rel_error` and bytes <= `byte_budget`.
-
-    Candidates are tried by predicted bytes ascending (ties keep the given order). If none meets
-    both bounds, the lowest-error candidate within budget wins (ties: fewer bytes); if none is
-    within budget, the cheapest overall. Each error costs one encode+decode of all `tensors`, so
-    pass a sample of layers for large models. Deterministic: same input, same choice.
-    """
-    if not candidates:
-        raise ValueError("choose_codec needs at least one candidate spec")
-    budget = math.inf if byte_budget is None else byte_budget
-    ranked = sorted(candidates, key=lambda spec: predicted_wire_bytes(spec, tensors))
-    within: list[CodecChoice] = []
-    for spec in ranked:
-        size = predicted_wire_bytes(spec, tensors)
-        if size > budget:
-            break
-        error = measured_error(spec, tensors)
-        if error <= max_rel_error:
-            return CodecChoice(spec, size, error, REASON_MEETS_BOTH)
-        within.append(CodecChoice(spec, size, error, REASON_LOWEST_ERROR))
-    if within:
-        return min(within, key=lambda choice: (choice.rel_error, choice.wire_bytes))
-    cheapest = ranked[0]
-    return CodecChoice(
-        cheapest,
-        predicted_wire_bytes(cheapest, tensors),
-        measured_error(cheapest, tensors),
-        REASON_OVER_BUDGET,
-    )

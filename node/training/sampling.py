@@ -1,0 +1,345 @@
+"""Sampling the corpus: per-peer shards, the token streams instances train on, validation windows.
+
+`shard_corpus` deals the training documents into disjoint (peer, instance) shards from sorted hashes,
+a `TokenSampler` draws seeded random windows from one shard's token stream (an MIT merge
+concatenates two streams) and `restore_streams` rebuilds such streams for a resumed node,
+`validation_batches` cuts fixed, evenly spaced windows every peer evaluates on identically, and
+`evaluate` measures a model's loss on them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+from ...errors import UserError
+from .corpus import Corpus, Document, hash_hex
+from .state import malformed
+
+logger = logging.getLogger(__name__)
+
+# Tokens of a stream kept in a sampler's state, at evenly spaced positions: enough to tell which
+# shards an MIT-merged stream was built from (`restore_streams`) at a few KB.
+_PROBES = 512
+
+
+class TokenSampler:
+    """Random windows of `seq_len` tokens from the concatenation of a shard's documents.
+
+    Windows are drawn uniformly (with replacement) from a `torch.Generator` seeded with `seed`, so
+    the batches depend only on the documents, the seed and the sequence of calls. The model uses
+    `labels=input_ids` and shifts internally.
+    """
+
+    def __init__(self, docs: Sequence[torch.Tensor], *, seq_len: int, seed: int) -> None:
+        if seq_len <= 0:
+            raise UserError(f"--seq-len: must be positive, got {seq_len}")
+        self.stream = torch.cat([d.reshape(-1) for d in docs]) if docs else torch.empty(0, dtype=torch.int64)
+        self.seq_len = seq_len
+        if self.stream.numel() < seq_len:
+            raise UserError(
+                f"--seq-len: {seq_len} is larger than the data: this shard has {self.stream.numel()} tokens; "
+                "use a shorter sequence, fewer peers or instances, or a larger dataset"
+            )
+        self._offsets = torch.arange(seq_len)
+        self._generator = torch.Generator().manual_seed(seed)
+        self._sha256: str | None = None  # of the stream, which never changes once built
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens in the shard."""
+        return int(self.stream.numel())
+
+    def next_batch(self, batch_size: int) -> torch.Tensor:
+        """Return a (batch_size, seq_len) int64 tensor of windows."""
+        high = self.stream.numel() - self.seq_len + 1
+        starts = torch.randint(0, high, (batch_size,), generator=self._generator)
+        return self.stream[starts[:, None] + self._offsets].long()
+
+    def merged_with(self, other: TokenSampler) -> TokenSampler:
+        """Return a sampler over both shards that continues this one's random stream.
+
+        Used when two MIT instances merge: the survivor takes over the victim's data.
+        """
+        if other.seq_len != self.seq_len:
+            raise ValueError(f"cannot merge samplers of seq_len {self.seq_len} and {other.seq_len}")
+        merged = TokenSampler([self.stream, other.stream], seq_len=self.seq_len, seed=0)
+        merged.set_state(self.get_state())
+        return merged
+
+    def get_state(self) -> torch.Tensor:
+        """Return the generator state, for checkpoints."""
+        return self._generator.get_state()
+
+    def set_state(self, state: torch.Tensor) -> None:
+        """Restore a state from `get_state`."""
+        self._generator.set_state(state)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The random position (`rng`) and what identifies the stream it draws from (`stream`).
+
+        `stream` (length, dtype, sha256 and the tokens at up to 512 evenly spaced positions, a few
+        KB) is how `restore_streams` rebuilds a stream that MIT merges concatenated from several
+        shards; `load_state_dict` restores only the position.
+        """
+        if self._sha256 is None:
+            self._sha256 = _digest([self.stream])
+        n = self.num_tokens
+        return {
+            "rng": self.get_state(),
+            "stream": {
+                "tokens": n,
+                "dtype": str(self.stream.dtype),
+                "sha256": self._sha256,
+                "probe": self.stream[_probe_positions(n)].long(),
+            },
+        }
+
+    def check_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Raise ValueError if `load_state_dict(state)` would fail."""
+        with malformed("sampler state"):
+            rng = state["rng"]
+            if not isinstance(rng, torch.Tensor) or rng.dtype != torch.uint8:
+                raise ValueError("sampler state: rng is not a byte tensor")
+            try:
+                torch.Generator().set_state(rng)
+            except RuntimeError as e:
+                raise ValueError(f"sampler state: {e}") from e
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue the random sequence `state` was saved at, on this sampler's stream."""
+        self.check_state_dict(state)
+        self.set_state(state["rng"])
+
+
+def shard_corpus(
+    corpus: Corpus,
+    *,
+    peer_index: int,
+    num_peers: int,
+    instance_index: int,
+    num_instances: int,
+    non_iid: bool = False,
+    seed: int = 0,
+) -> list[torch.Tensor]:
+    """Return the token tensors of one (peer, instance) shard of the training documents.
+
+    The num_peers × num_instances shards are disjoint and together cover the training set. IID:
+    documents in seed-dependent hash order are dealt to the least-loaded shard. Non-IID: whole
+    groups (top-level packages), largest first, go to the least-loaded peer, so each peer sees
+    different packages; a peer's documents are then dealt IID among its instances. With fewer
+    documents than shards, the token stream is cut into contiguous pieces instead.
+    """
+    if not (0 <= peer_index < num_peers and 0 <= instance_index < num_instances):
+        raise ValueError(
+            f"shard ({peer_index}, {instance_index}) outside {num_peers} peers x {num_instances} instances"
+        )
+    docs = corpus.train_docs
+    if non_iid:
+        peer_docs = _non_iid_peer_docs(docs, peer_index=peer_index, num_peers=num_peers)
+        if peer_docs is None:
+            return _contiguous_piece(
+                docs, peer_index * num_instances + instance_index, num_peers * num_instances
+            )
+        return _iid_shard(peer_docs, index=instance_index, count=num_instances, seed=seed)
+    return _iid_shard(
+        docs, index=peer_index * num_instances + instance_index, count=num_peers * num_instances, seed=seed
+    )
+
+
+def _iid_shard(docs: Sequence[Document], *, index: int, count: int, seed: int) -> list[torch.Tensor]:
+    if len(docs) < count:
+        return _contiguous_piece(docs, index, count)
+    order = sorted(range(len(docs)), key=lambda i: hash_hex(f"{seed}:{docs[i].name}"))
+    bins = _deal_least_loaded([int(docs[i].tokens.numel()) for i in order], count)
+    return [docs[order[j]].tokens for j in sorted(bins[index])]
+
+
+def _non_iid_peer_docs(docs: Sequence[Document], *, peer_index: int, num_peers: int) -> list[Document] | None:
+    """The documents of this peer's groups; documents stand in for groups when groups are too few."""
+    if len(docs) < num_peers:
+        return None
+    by_group: dict[str, list[Document]] = {}
+    for doc in docs:
+        by_group.setdefault(doc.group, []).append(doc)
+    if len(by_group) < num_peers:
+        by_group = {doc.name: [doc] for doc in docs}
+    sizes = {g: sum(int(d.tokens.numel()) for d in ds) for g, ds in by_group.items()}
+    names = sorted(by_group, key=lambda g: (-sizes[g], g))
+    bins = _deal_least_loaded([sizes[g] for g in names], num_peers)
+    return [doc for j in sorted(bins[peer_index], key=lambda j: names[j]) for doc in by_group[names[j]]]
+
+
+def _deal_least_loaded(sizes: Sequence[int], count: int) -> list[list[int]]:
+    """Give each item, in order, to the bin with the fewest tokens so far (ties: lowest bin)."""
+    heap = [(0, b) for b in range(count)]
+    bins: list[list[int]] = [[] for _ in range(count)]
+    for item, size in enumerate(sizes):
+        load, b = heapq.heappop(heap)
+        bins[b].append(item)
+        heapq.heappush(heap, (load + max(size, 1), b))
+    return bins
+
+
+def _contiguous_piece(docs: Sequence[Document], index: int, count: int) -> list[torch.Tensor]:
+    stream = torch.cat([d.tokens for d in docs]) if docs else torch.empty(0, dtype=torch.int64)
+    n = stream.numel()
+    return [stream[index * n // count : (index + 1) * n // count]]
+
+
+def validation_batches(corpus: Corpus, *, seq_len: int, num_sequences: int, seed: int = 0) -> torch.Tensor:
+    """Return fixed (num_sequences, seq_len) int64 windows of the validation documents.
+
+    Windows are evenly spaced over the concatenated validation set, shifted by an offset derived
+    from `seed` with integer arithmetic only, so every peer evaluates on identical tokens.
+    """
+    if num_sequences <= 0:
+        raise ValueError(f"num_sequences must be positive, got {num_sequences}")
+    if not corpus.val_docs:
+        raise UserError("--val-percent: the corpus has no validation documents; use a value above 0")
+    stream = torch.cat([d.tokens for d in corpus.val_docs])
+    span = stream.numel() - seq_len + 1
+    if span <= 0:
+        raise UserError(
+            f"--seq-len: {seq_len} is larger than the validation set ({stream.numel()} tokens); "
+            "use a shorter sequence or a larger --val-percent"
+        )
+    offset = int(hash_hex(f"val:{seed}")[:8], 16) % max(1, span // num_sequences)
+    starts = torch.tensor([i * span // num_sequences + offset for i in range(num_sequences)])
+    return stream[starts[:, None] + torch.arange(seq_len)].long()
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, batches: torch.Tensor, *, micro_batch: int) -> float:
+    """Return the mean next-token cross-entropy (nats) of `model` over the rows of `batches`."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    total, count = 0.0, 0
+    try:
+        for chunk in torch.split(batches, micro_batch):
+            x = chunk.to(device)
+            total += float(model(input_ids=x, labels=x).loss) * x.shape[0]
+            count += x.shape[0]
+    finally:
+        model.train(was_training)
+    return total / max(count, 1)
+
+
+# ---- restoring streams -----------------------------------------------------------------------------
+
+
+def restore_streams(fresh: Sequence[TokenSampler], saved: Sequence[Mapping[str, Any]]) -> list[TokenSampler]:
+    """Samplers over the streams of the saved sampler states, built from a fresh node's samplers.
+
+    After MIT merges an instance's stream is its shard followed by the shards it absorbed. We find
+    which fresh streams, in which order, make up each saved one (checked against its probes and
+    sha256) and concatenate them as the merges did. When they cannot be matched (the node now trains
+    another data shard, or another corpus), the fresh streams are merged as a state download merges
+    instances (smallest first) and a warning says so: training goes on, on other data. The fresh
+    samplers are not changed (a stream of one shard is its fresh sampler itself), and the random
+    positions are not restored: `load_state_dict` each sampler with its saved state for that.
+    Raises ValueError for a saved state without a well-formed `stream`, or more than `fresh`.
+    """
+    if len(saved) > len(fresh):
+        raise ValueError(f"{len(saved)} saved streams, only {len(fresh)} fresh ones")
+    with malformed("sampler state"):
+        infos = [_stream_info(state["stream"]) for state in saved]
+    plan = _stream_plan([s.stream for s in fresh], infos)
+    if plan is None:
+        logger.warning(
+            "checkpoint data streams do not match this node's data shards (another --data-shard or"
+            " dataset?); the instances resume on this node's shards"
+        )
+        plan = _fallback_plan([s.num_tokens for s in fresh], len(saved))
+    samplers = []
+    for group in plan:
+        sampler = fresh[group[0]]
+        for i in group[1:]:
+            sampler = sampler.merged_with(fresh[i])
+        samplers.append(sampler)
+    return samplers
+
+
+class _StreamInfo(NamedTuple):
+    tokens: int
+    dtype: str
+    sha256: str
+    probe: torch.Tensor
+
+
+def _stream_info(stream: Mapping[str, Any]) -> _StreamInfo:
+    info = _StreamInfo(stream["tokens"], stream["dtype"], stream["sha256"], stream["probe"])
+    tokens_ok = isinstance(info.tokens, int) and not isinstance(info.tokens, bool) and info.tokens > 0
+    if not (tokens_ok and isinstance(info.dtype, str) and isinstance(info.sha256, str)):
+        raise ValueError("sampler state: stream tokens, dtype or sha256 malformed")
+    if not isinstance(info.probe, torch.Tensor) or info.probe.dtype != torch.int64:
+        raise ValueError("sampler state: stream probe is not an int64 tensor")
+    return info
+
+
+def _stream_plan(streams: Sequence[torch.Tensor], saved: Sequence[_StreamInfo]) -> list[list[int]] | None:
+    """For each saved stream, the fresh streams it is made of, in order; None if one has no match."""
+    plan: list[list[int]] = []
+    used: set[int] = set()
+    for info in saved:
+        found = _decompose(streams, info, used)
+        if found is None:
+            return None
+        used.update(found)
+        plan.append(found)
+    return plan
+
+
+def _decompose(streams: Sequence[torch.Tensor], info: _StreamInfo, used: set[int]) -> list[int] | None:
+    """The unused fresh streams whose concatenation, in this order, is the saved stream; None if none."""
+    positions = _probe_positions(info.tokens)
+    if info.probe.shape != positions.shape:
+        return None
+
+    def search(offset: int, chosen: list[int]) -> list[int] | None:
+        if offset == info.tokens:
+            parts = [streams[i] for i in chosen]
+            ok = str(parts[0].dtype) == info.dtype and _digest(parts) == info.sha256
+            return chosen if ok else None
+        for i, stream in enumerate(streams):
+            end = offset + stream.numel()
+            if i in used or i in chosen or end > info.tokens:
+                continue
+            lo, hi = torch.searchsorted(positions, torch.tensor([offset, end])).tolist()
+            if not torch.equal(stream[positions[lo:hi] - offset].long(), info.probe[lo:hi]):
+                continue
+            found = search(end, [*chosen, i])
+            if found is not None:
+                return found
+        return None
+
+    return search(0, [])
+
+
+def _fallback_plan(tokens: Sequence[int], count: int) -> list[list[int]]:
+    """Merge the two smallest streams (the smaller one absorbed) until `count` are left."""
+    groups = [[k] for k in range(len(tokens))]
+    while len(groups) > count:
+        order = sorted(range(len(groups)), key=lambda g: (sum(tokens[k] for k in groups[g]), g))
+        victim, survivor = order[0], order[1]
+        groups[survivor] = groups[survivor] + groups[victim]
+        del groups[victim]
+    return groups
+
+
+def _probe_positions(length: int) -> torch.Tensor:
+    count = min(length, _PROBES)
+    return torch.arange(count, dtype=torch.int64) * (length - 1) // max(count - 1, 1)
+
+
+def _digest(parts: Sequence[torch.Tensor]) -> str:
+    digest = hashlib.sha256()
+    for part in parts:
+        digest.update(part.contiguous().numpy().data)
+    return digest.hexdigest()

@@ -1,0 +1,64 @@
+"""Error feedback: what compression lost this round is added to what the peer sends in later rounds.
+
+`ErrorFeedback` keeps one residual e per tensor: a peer sends c = C(Δ + e) through any `Codec` and
+keeps e ← Δ + e − decode(c), the error measured on what receivers actually reconstruct. Over rounds
+the receivers get the sum of the Δ up to the last residual, which is what makes aggressive codecs
+(int4, low rank) usable (DiLoCoX-style adaptive compression, algorithms.md §4.4).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import torch
+
+from .codecs import Codec, decode, to_cpu_float
+
+
+class ErrorFeedback:
+    """Per-key residual e so that what receivers miss this round is sent in later rounds.
+
+    `compress` sends c = C(Δ + e) and keeps e ← Δ + e − decode(c): the residual is measured on what
+    receivers actually reconstruct (algorithms.md §4.4, step 4).
+    """
+
+    def __init__(self) -> None:
+        self._residuals: dict[str, torch.Tensor] = {}
+
+    def compress(self, codec: Codec, tensors: Mapping[str, torch.Tensor]) -> dict[str, bytes]:
+        """Encode Δ + e for every tensor and update the residuals."""
+        payloads: dict[str, bytes] = {}
+        for key, delta in tensors.items():
+            corrected = to_cpu_float(delta)
+            residual = self._residuals.get(key)
+            if residual is not None:
+                if residual.shape != corrected.shape:
+                    raise ValueError(
+                        f"{key}: shape {tuple(corrected.shape)} != residual {tuple(residual.shape)}; reset()"
+                    )
+                corrected = corrected + residual
+            payloads[key] = codec.encode(key, corrected)
+            residual = corrected - decode(payloads[key])
+            # A non-finite round is rejected downstream; keeping its NaN would poison every later one.
+            self._residuals[key] = torch.nan_to_num(residual, nan=0.0, posinf=0.0, neginf=0.0)
+        return payloads
+
+    def residual_norm(self) -> float:
+        """L2 norm of all residuals together."""
+        return math.sqrt(sum(float(e.double().square().sum()) for e in self._residuals.values()))
+
+    def reset(self) -> None:
+        """Forget all residuals (e.g. after a codec or shape change)."""
+        self._residuals.clear()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Residual per key, for checkpoints."""
+        return {key: e.clone() for key, e in self._residuals.items()}
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Restore residuals saved by `state_dict`; ValueError, nothing changed, if one is no float tensor."""
+        for key, e in state.items():
+            if not (isinstance(key, str) and isinstance(e, torch.Tensor) and e.is_floating_point()):
+                raise ValueError(f"error-feedback residual {key!r} is not a float tensor")
+        self._residuals = {key: to_cpu_float(e).clone() for key, e in state.items()}
