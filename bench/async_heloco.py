@@ -48,7 +48,8 @@ from adloco.node.sim.engine import RoundRecord, SimConfig, Simulator, initial_va
 from adloco.node.training.config import TrainConfig
 from adloco.node.training.corpus import Corpus
 from adloco.node.training.model import build_model
-from adloco.node.training.peer import ContributionInfo, LocalRound, Peer
+from adloco.node.training.peer import Peer
+from adloco.node.training.rounds import ContributionInfo, LocalRound
 from adloco.node.training.runtime import load_data
 from adloco.node.training.sampling import evaluate, shard_corpus
 from adloco.protocol.algorithms.heloco import HelocoConfig

@@ -10,7 +10,8 @@ import torch
 from adloco.errors import UserError
 from adloco.node.training.config import TrainConfig
 from adloco.node.training.corpus import Corpus
-from adloco.node.training.peer import Peer, PeerState
+from adloco.node.training.peer import Peer
+from adloco.node.training.replica import PeerState
 from adloco.node.training.runtime import load_data
 from adloco.node.training.tokenizer import ByteTokenizer
 from adloco.protocol.algorithms.allreduce import reduce_group

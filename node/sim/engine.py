@@ -38,8 +38,9 @@ from ...protocol.transport.memory import MemoryAverager, MemoryHub
 from ..training.catchup import catch_up
 from ..training.config import TrainConfig
 from ..training.corpus import Corpus
-from ..training.peer import ContributionInfo, LocalRound, Peer, PeerState, Update, overlap_this_round
-from ..training.rounds import RoundRecord
+from ..training.peer import Peer, overlap_this_round
+from ..training.replica import PeerState, Update
+from ..training.rounds import ContributionInfo, LocalRound, RoundRecord
 
 logger = logging.getLogger(__name__)
 

@@ -24,8 +24,8 @@ from ...protocol.algorithms.allreduce import Contribution
 from ...protocol.transport.averager import Averager, MemberResult
 from ..operations.control import AveragingInfo
 from ..operations.metrics import NodeMetrics
-from ..training.peer import ContributionInfo, LocalRound, Peer, overlap_this_round
-from ..training.rounds import RoundRecord
+from ..training.peer import Peer, overlap_this_round
+from ..training.rounds import ContributionInfo, LocalRound, RoundRecord
 from .ops import NodeOps
 from .sync import SwarmSync
 

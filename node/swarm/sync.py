@@ -23,7 +23,8 @@ from ...protocol.transport.records import BeaconRecord, RunRecords, StateRecord,
 from ...protocol.transport.state_transfer import StateServer, StateSnapshot, UpdateRecord
 from ..operations.metrics import NodeMetrics
 from ..training.catchup import catch_up
-from ..training.peer import Peer, PeerState, Update
+from ..training.peer import Peer
+from ..training.replica import PeerState, Update
 from .ops import NodeOps
 
 logger = logging.getLogger(__name__)

@@ -16,7 +16,8 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from .peer import Peer, PeerState, Update
+from .peer import Peer
+from .replica import PeerState, Update
 
 
 class StateSource(Protocol):

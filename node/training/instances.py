@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from ...protocol.algorithms.batchtest import GradStats, grad_stats
+from ...protocol.algorithms.merge import merge_weighted
 from ...protocol.algorithms.pseudograd import pseudo_gradient
 from ...protocol.algorithms.switch import BatchPlan
 from .sampling import TokenSampler
@@ -211,6 +212,29 @@ class Instance:
                 for p in self.params
             ]
         )
+
+    @torch.no_grad()
+    def absorb(self, other: Instance, *, weight: float, other_weight: float) -> None:
+        """AdLoCo MIT merge, this instance surviving: weights and round starts become their weighted
+        mean (so the round's Δ stays linear), this instance keeps its AdamW state and takes over the
+        other's data stream (its compute share)."""
+        merged = merge_weighted(
+            dict(self.model.named_parameters()),
+            dict(other.model.named_parameters()),
+            weight_a=weight,
+            weight_b=other_weight,
+        )
+        starts = merge_weighted(
+            {str(i): t for i, t in enumerate(self.start)},
+            {str(i): t for i, t in enumerate(other.start)},
+            weight_a=weight,
+            weight_b=other_weight,
+        )
+        for name, p in self.model.named_parameters():
+            p.copy_(merged[name])
+        for i, s in enumerate(self.start):
+            s.copy_(starts[str(i)])
+        self.sampler = self.sampler.merged_with(other.sampler)
 
     def optimizer_state(self) -> dict[str, Any]:
         return self.optimizer.state_dict()

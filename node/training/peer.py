@@ -24,7 +24,7 @@ from __future__ import annotations
 import copy
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any, cast
 
 import torch
@@ -35,98 +35,23 @@ from ...protocol.algorithms.allreduce import Contribution, GroupResult
 from ...protocol.algorithms.batchtest import pool_stats
 from ...protocol.algorithms.codecs import Codec, decode_tensors, make_codec
 from ...protocol.algorithms.feedback import ErrorFeedback
-from ...protocol.algorithms.heloco import CorrectionReport, correct, dylu_inner_steps, staleness_weight
-from ...protocol.algorithms.merge import merge_weighted
+from ...protocol.algorithms.heloco import correct, dylu_inner_steps, staleness_weight
 from ...protocol.algorithms.outer import outer_step
 from ...protocol.algorithms.pseudograd import tensors_hash, weighted_mean
 from ...protocol.algorithms.report import PeerReport, dylu_ratio, overlap_byte_budget
-from ...protocol.algorithms.schedule import Schedule, accumulation_for, next_schedule
+from ...protocol.algorithms.schedule import accumulation_for, next_schedule
 from ...protocol.algorithms.switch import BatchPlan
 from .bmax import probe_b_max
 from .config import TrainConfig
 from .corpus import Corpus
 from .instances import Instance, InstanceRound
 from .model import build_model, model_fingerprint
+from .replica import HISTORY_ROUNDS, PeerState, Update, initial_state
+from .rounds import ContributionInfo, LocalRound
 from .sampling import TokenSampler, evaluate, restore_streams, shard_corpus, validation_batches
-from .state import IncompatibleState, integer, malformed, mapping, number, tensors_like
+from .state import IncompatibleState, integer, malformed, mapping, number
 
 logger = logging.getLogger(__name__)
-
-HISTORY_ROUNDS = 8
-
-
-@dataclass
-class LocalRound:
-    """A peer's local result for one round, before compression."""
-
-    base_round: int
-    delta: list[torch.Tensor]
-    tokens: int
-    samples: int
-    mean_loss: float
-    report: PeerReport
-    compute_s: float
-    accum_steps: int
-    inner_steps: int
-
-    def report_time(self, compute_s: float) -> None:
-        """Report this round as having taken `compute_s` seconds of compute (the simulator's modelled
-        time, or a slowed-down node's): the step time DyLU compares and the round time of the byte
-        budget, as the group sees them. `compute_s` itself stays what was measured."""
-        steps = max(self.inner_steps, 1)
-        self.report = replace(self.report, step_time_s=compute_s / steps, round_compute_s=compute_s)
-
-
-@dataclass(frozen=True)
-class Update:
-    """An applied round, kept so a peer that missed it can replay it (catch-up)."""
-
-    round: int
-    averaged: Mapping[str, bytes]
-    schedule: Schedule
-    merge: tuple[int, int] | None
-
-
-@dataclass
-class ContributionInfo:
-    """What `contribute` decided, for metrics and the simulator's records."""
-
-    staleness: int
-    weight: float
-    correction: CorrectionReport | None
-    wire_bytes: int
-    codec: str
-    dropped: bool = False
-
-
-@dataclass
-class PeerState:
-    """θ, m, r and S_r: what all peers of a run hold identically after every round."""
-
-    theta: list[torch.Tensor]
-    momentum: list[torch.Tensor]
-    round: int
-    schedule: Schedule
-    history: list[Update] = field(default_factory=list)
-
-    def theta_hash(self) -> str:
-        return tensors_hash(self.theta)
-
-
-def _initial_state(model: torch.nn.Module, cfg: TrainConfig) -> PeerState:
-    """θ_0 (the seeded model's weights, identical on every peer), m = 0, r = 0, S_0 from the config."""
-    theta = [p.detach().clone() for p in model.parameters() if p.requires_grad]
-    return PeerState(
-        theta=theta,
-        momentum=[torch.zeros_like(t) for t in theta],
-        round=0,
-        schedule=Schedule(
-            round=0,
-            batch=(cfg.batch_size,) * cfg.instances,
-            inner_steps=cfg.inner_steps,
-            codec=cfg.codec_candidates[1] if cfg.codec == "adaptive" else cfg.codec,
-        ),
-    )
 
 
 def resolve_device(spec: str) -> torch.device:
@@ -160,7 +85,7 @@ class Peer:
             build_model(cfg.model, vocab_size=vocab_size, seed=cfg.seed, max_seq_len=max(1024, cfg.seq_len)),
         ).to(self.device)
         self.names = [n for n, p in self.eval_model.named_parameters() if p.requires_grad]
-        self.state = _initial_state(self.eval_model, cfg)
+        self.state = initial_state(self.eval_model, cfg)
         self.instances = [
             self._make_instance(corpus, slot=k, index=index, num_peers=num_peers)
             for k in range(cfg.instances)
@@ -482,25 +407,7 @@ class Peer:
         was decided under (default: the current one). Round starts merge alike, so Δ stays linear."""
         batch = batch or self.state.schedule.batch
         w_survivor, w_victim = weights or (float(batch[survivor]), float(batch[victim]))
-        a, b = self.instances[survivor], self.instances[victim]
-        merged = merge_weighted(
-            dict(a.model.named_parameters()),
-            dict(b.model.named_parameters()),
-            weight_a=w_survivor,
-            weight_b=w_victim,
-        )
-        starts = merge_weighted(
-            {str(i): t for i, t in enumerate(a.start)},
-            {str(i): t for i, t in enumerate(b.start)},
-            weight_a=w_survivor,
-            weight_b=w_victim,
-        )
-        with torch.no_grad():
-            for name, p in a.model.named_parameters():
-                p.copy_(merged[name])
-            for i, s in enumerate(a.start):
-                s.copy_(starts[str(i)])
-        a.sampler = a.sampler.merged_with(b.sampler)
+        self.instances[survivor].absorb(self.instances[victim], weight=w_survivor, other_weight=w_victim)
         del self.instances[victim]
         for slot, inst in enumerate(self.instances):
             inst.slot = slot
@@ -532,16 +439,10 @@ class Peer:
         """
         if self.in_round:
             raise RuntimeError("cannot checkpoint during a local round; save between rounds")
-        state = self.state
         return {
+            **self.state.state_dict(),
             "model_fingerprint": model_fingerprint(self.eval_model),
             "names": list(self.names),
-            "round": state.round,
-            "theta": list(state.theta),
-            "momentum": list(state.momentum),
-            "theta_hash": state.theta_hash(),
-            "schedule": state.schedule.to_dict(),
-            "history": [self._update_state(u) for u in state.history],
             "instances": [inst.state_dict() for inst in self.instances],
             "error_feedback": self.error_feedback.state_dict(),
             "codecs": {key: codec.state_dict() for key, codec in self._codecs.items()},
@@ -564,7 +465,7 @@ class Peer:
             raise RuntimeError("cannot load a state during a local round")
         self._check_compatible(mapping(state, "peer state"))
         with malformed("peer state"):
-            replicated = self._replicated_from(state)
+            replicated = PeerState.from_state_dict(state, like=self.state, device=self.device)
             saved = state["instances"]
             if not isinstance(saved, list) or not saved:
                 raise ValueError("peer state: no instances")
@@ -610,43 +511,6 @@ class Peer:
                 f"this state was saved with {len(saved)} MIT instances, this node starts"
                 f" {len(self.instances)}; use --instances {len(saved)}"
             )
-
-    def _replicated_from(self, state: Mapping[str, Any]) -> PeerState:
-        """θ, m, r, S_r and the kept updates of a state, copied onto this peer's device and checked."""
-        theta = tensors_like(state["theta"], self.state.theta, "theta")
-        momentum = tensors_like(state["momentum"], self.state.momentum, "momentum")
-        replicated = PeerState(
-            theta=[t.to(self.device, copy=True) for t in theta],
-            momentum=[t.to(self.device, copy=True) for t in momentum],
-            round=integer(state["round"], "round"),
-            schedule=Schedule.from_dict(mapping(state["schedule"], "schedule")),
-            history=[self._update_from_state(mapping(u, "update")) for u in state["history"]],
-        )
-        if replicated.theta_hash() != state["theta_hash"]:
-            raise ValueError("θ does not match the θ hash it was saved with")
-        return replicated
-
-    @staticmethod
-    def _update_state(update: Update) -> dict[str, Any]:
-        return {
-            "round": update.round,
-            "averaged": dict(update.averaged),
-            "schedule": update.schedule.to_dict(),
-            "merge": None if update.merge is None else list(update.merge),
-        }
-
-    @staticmethod
-    def _update_from_state(state: Mapping[str, Any]) -> Update:
-        averaged = mapping(state["averaged"], "update payloads")
-        if not all(isinstance(payload, bytes) for payload in averaged.values()):
-            raise ValueError("update payloads: expected bytes")
-        merge = state["merge"]
-        return Update(
-            round=integer(state["round"], "update round"),
-            averaged=dict(averaged),
-            schedule=Schedule.from_dict(mapping(state["schedule"], "update schedule")),
-            merge=None if merge is None else (integer(merge[0], "merge"), integer(merge[1], "merge")),
-        )
 
     @staticmethod
     def _codec_from_state(key: str, state: Mapping[str, Any]) -> Codec:

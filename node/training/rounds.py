@@ -1,6 +1,8 @@
-"""One record per applied round, and the one line it is shown as, for every way of running a round.
+"""The records of a round: the local result, what contributing it decided, and the applied round.
 
-A `RoundRecord` is an applied round as one observer saw it: a node (training alone or in a swarm)
+`LocalRound` is a peer's local phase (Δ, tokens, statistics) before it is contributed;
+`ContributionInfo` what `Peer.contribute` decided about it (staleness, weight, HeLoCo, bytes). A
+`RoundRecord` is an applied round as one observer saw it: a node (training alone or in a swarm)
 describes its own round, the simulator its whole group's. The solo trainer and the simulator return
 records; a swarm node writes each as a `round` event of its status file (`to_dict`), which
 `adloco-swarm` reads back (`from_dict`) for its progress view and summary. `format_round` is the
@@ -10,8 +12,47 @@ records; a swarm node writes each as a `round` event of its status file (`to_dic
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
+
+import torch
+
+from ...protocol.algorithms.heloco import CorrectionReport
+from ...protocol.algorithms.report import PeerReport
+
+
+@dataclass
+class LocalRound:
+    """A peer's local result for one round, before compression."""
+
+    base_round: int
+    delta: list[torch.Tensor]
+    tokens: int
+    samples: int
+    mean_loss: float
+    report: PeerReport
+    compute_s: float
+    accum_steps: int
+    inner_steps: int
+
+    def report_time(self, compute_s: float) -> None:
+        """Report this round as having taken `compute_s` seconds of compute (the simulator's modelled
+        time, or a slowed-down node's): the step time DyLU compares and the round time of the byte
+        budget, as the group sees them. `compute_s` itself stays what was measured."""
+        steps = max(self.inner_steps, 1)
+        self.report = replace(self.report, step_time_s=compute_s / steps, round_compute_s=compute_s)
+
+
+@dataclass
+class ContributionInfo:
+    """What `contribute` decided, for metrics and the simulator's records."""
+
+    staleness: int
+    weight: float
+    correction: CorrectionReport | None
+    wire_bytes: int
+    codec: str
+    dropped: bool = False
 
 
 @dataclass

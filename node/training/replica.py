@@ -1,0 +1,111 @@
+"""What every peer of a run holds identically after each round, and how it travels in a state dict.
+
+θ (the global parameters), the outer momentum m, the round r, the schedule S_r, and the last few
+averaged updates, kept so that a peer a few rounds behind can replay them (catch-up). Peers agree on
+all of it bit for bit; θ's hash is what they publish and check each other against.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ...protocol.algorithms.pseudograd import tensors_hash
+from ...protocol.algorithms.schedule import Schedule
+from .config import TrainConfig
+from .state import integer, mapping, tensors_like
+
+HISTORY_ROUNDS = 8  # averaged updates each peer keeps for laggards to replay
+
+
+@dataclass(frozen=True)
+class Update:
+    """An applied round, kept so a peer that missed it can replay it (catch-up)."""
+
+    round: int
+    averaged: Mapping[str, bytes]
+    schedule: Schedule
+    merge: tuple[int, int] | None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "round": self.round,
+            "averaged": dict(self.averaged),
+            "schedule": self.schedule.to_dict(),
+            "merge": None if self.merge is None else list(self.merge),
+        }
+
+    @classmethod
+    def from_state_dict(cls, state: Mapping[str, Any]) -> Update:
+        """Inverse of `state_dict`; ValueError (or KeyError/TypeError) on a malformed one."""
+        averaged = mapping(state["averaged"], "update payloads")
+        if not all(isinstance(payload, bytes) for payload in averaged.values()):
+            raise ValueError("update payloads: expected bytes")
+        merge = state["merge"]
+        return cls(
+            round=integer(state["round"], "update round"),
+            averaged=dict(averaged),
+            schedule=Schedule.from_dict(mapping(state["schedule"], "update schedule")),
+            merge=None if merge is None else (integer(merge[0], "merge"), integer(merge[1], "merge")),
+        )
+
+
+@dataclass
+class PeerState:
+    """θ, m, r, S_r and the kept updates: what all peers of a run hold identically after every round."""
+
+    theta: list[torch.Tensor]
+    momentum: list[torch.Tensor]
+    round: int
+    schedule: Schedule
+    history: list[Update] = field(default_factory=list)
+
+    def theta_hash(self) -> str:
+        return tensors_hash(self.theta)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The live tensors (not copies), θ's hash, round, schedule and the kept updates."""
+        return {
+            "round": self.round,
+            "theta": list(self.theta),
+            "momentum": list(self.momentum),
+            "theta_hash": self.theta_hash(),
+            "schedule": self.schedule.to_dict(),
+            "history": [u.state_dict() for u in self.history],
+        }
+
+    @classmethod
+    def from_state_dict(cls, state: Mapping[str, Any], *, like: PeerState, device: torch.device) -> PeerState:
+        """A state dict's replicated state, copied onto `device` and checked: tensors shaped like
+        `like`'s, θ matching the hash it was saved with (ValueError otherwise)."""
+        theta = tensors_like(state["theta"], like.theta, "theta")
+        momentum = tensors_like(state["momentum"], like.momentum, "momentum")
+        replicated = cls(
+            theta=[t.to(device, copy=True) for t in theta],
+            momentum=[t.to(device, copy=True) for t in momentum],
+            round=integer(state["round"], "round"),
+            schedule=Schedule.from_dict(mapping(state["schedule"], "schedule")),
+            history=[Update.from_state_dict(mapping(u, "update")) for u in state["history"]],
+        )
+        if replicated.theta_hash() != state["theta_hash"]:
+            raise ValueError("θ does not match the θ hash it was saved with")
+        return replicated
+
+
+def initial_state(model: torch.nn.Module, cfg: TrainConfig) -> PeerState:
+    """θ_0 (the seeded model's weights, identical on every peer), m = 0, r = 0, S_0 from the config."""
+    theta = [p.detach().clone() for p in model.parameters() if p.requires_grad]
+    return PeerState(
+        theta=theta,
+        momentum=[torch.zeros_like(t) for t in theta],
+        round=0,
+        schedule=Schedule(
+            round=0,
+            batch=(cfg.batch_size,) * cfg.instances,
+            inner_steps=cfg.inner_steps,
+            codec=cfg.codec_candidates[1] if cfg.codec == "adaptive" else cfg.codec,
+        ),
+    )
