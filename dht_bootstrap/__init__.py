@@ -1,1 +1,1 @@
-"""A long-lived bootstrap peer with a persistent identity (issue 3)."""
+"""A long-lived bootstrap peer with a persistent identity, exporting the swarm's metrics."""

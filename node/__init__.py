@@ -1,1 +1,1 @@
-"""The volunteer process: model, data, MIT instances, adaptive batch, trainer loop, simulator."""
+"""The volunteer process: training, operations, the three drivers of a round (solo, simulator, swarm), CLIs."""

@@ -1,1 +1,1 @@
-"""What peers agree on: codecs, outer step, batch tests, schedule consensus, late-update correction."""
+"""What peers agree on: the math (algorithms/), how they talk (transport/), the local control plane (control/)."""

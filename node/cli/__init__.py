@@ -1,1 +1,1 @@
-"""TODO"""
+"""Entry points: adloco-node, adloco-sim, adloco-swarm."""

@@ -1,1 +1,1 @@
-"""The in-process simulator: N virtual peers running the protocol/ functions over an in-memory transport."""
+"""The simulator: N virtual peers in one process, in simulated time, averaging in process."""

@@ -1,1 +1,1 @@
-"""TODO"""
+"""A node in a real swarm: its round loop, its sync with the swarm, its operations."""
