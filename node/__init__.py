@@ -1,1 +1,1 @@
-"""The volunteer process: training, operations, the three drivers of a round (solo, simulator, swarm), CLIs."""
+"""The volunteer process: training, operations, the drivers of a round (solo, simulator, swarm), CLIs."""

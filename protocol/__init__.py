@@ -1,1 +1,1 @@
-"""What peers agree on: the math (algorithms/), how they talk (transport/), the local control plane (control/)."""
+"""What peers agree on: the math (algorithms/), how they talk (transport/), the control plane (control/)."""

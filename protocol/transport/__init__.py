@@ -1,1 +1,1 @@
-"""Between peers: hivemind's DHT and P2P (records, our all-reduce, state transfer) and the in-process transport."""
+"""Between peers: hivemind's DHT and P2P (records, our all-reduce, state) and the in-process transport."""
