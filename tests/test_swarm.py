@@ -99,14 +99,23 @@ def _rounds(status: Path) -> dict[int, str]:
     return {e["round"]: e["theta_hash"] for e in _events(status) if e["event"] == "round"}
 
 
-def test_joiner_downloads_verified_state_and_contributes(procs: Procs, tmp_path: Path) -> None:
+# The late joiner, 3x slower and without overlap, often registers after the others' window closed
+# and tries again at once: the path of issue 12's fork (that retry opened the round again, alone).
+@pytest.mark.parametrize(
+    "joiner_args", [(), ("--overlap", "off", "--simulate-slowdown", "3")], ids=["joiner", "late-joiner"]
+)
+def test_joiner_downloads_verified_state_and_contributes(
+    procs: Procs, tmp_path: Path, joiner_args: tuple[str, ...]
+) -> None:
     peers = _bootstrap(procs, tmp_path)
     first = [
         _start_node(procs, tmp_path, f"n{i}", peers, "--rounds", "9", "--data-shard", str(i))
         for i in range(3)
     ]
     wait_for(lambda: max(_rounds(first[0][1]), default=0) >= 3, timeout=180, what="round 3")
-    joiner, status = _start_node(procs, tmp_path, "joiner", peers, "--rounds", "3", "--data-shard", "3")
+    joiner, status = _start_node(
+        procs, tmp_path, "joiner", peers, "--rounds", "3", "--data-shard", "3", *joiner_args
+    )
     assert joiner.wait(timeout=240) == 0, procs.log("joiner")
     for proc, _ in first:
         assert proc.wait(timeout=240) == 0
@@ -114,20 +123,21 @@ def test_joiner_downloads_verified_state_and_contributes(procs: Procs, tmp_path:
     events = _events(status)
     synced = [e for e in events if e["event"] in ("state_download", "catch_up")]
     assert synced and synced[0]["round"] >= 3, "the joiner did not take the swarm's state first"
-    theirs = _rounds(first[0][1])
+    theirs = [_rounds(s) for _, s in first]
     mine = _rounds(status)
-    # Same θ as the swarm every round, except a round it averaged apart from the others (its fresh
-    # DHT view can miss their registrations once) that it then repaired by taking the majority's θ.
-    healed = {e["round"] for e in events if e["event"] == "fork_healed"}
-    assert mine and all(theirs[r] == h or r in healed for r, h in mine.items()), (mine, healed)
-    assert theirs[max(mine)] == mine[max(mine)] or max(mine) in healed
+    # Every round the joiner applied, it holds the θ all three others hold after that round: a round
+    # it averaged apart from them (a fork, even one it healed afterwards) fails the test.
+    forked = sorted(r for r, h in mine.items() if any(t.get(r) != h for t in theirs))
+    assert mine and not forked, f"the joiner forked after rounds {forked}: {procs.log('joiner')[-4000:]}"
+    healed = [e for _, s in [*first, (joiner, status)] for e in _events(s) if e["event"] == "fork_healed"]
+    assert not healed, healed
     assert min(mine) > 3
     # It contributed: some round after it joined had all four peers in the group.
     groups = {e["round"]: e["group_size"] for e in _events(first[0][1]) if e["event"] == "round"}
     assert any(groups[r] == 4 for r in mine)
     print(
         f"\njoiner: {synced[0]['event']} at round {synced[0]['round']}; its rounds {sorted(mine)};"
-        f" group sizes then {[groups[r] for r in sorted(mine)]}; forks healed at {sorted(healed)}"
+        f" group sizes then {[groups[r] for r in sorted(mine)]}"
     )
 
 
