@@ -99,23 +99,14 @@ def _rounds(status: Path) -> dict[int, str]:
     return {e["round"]: e["theta_hash"] for e in _events(status) if e["event"] == "round"}
 
 
-# The late joiner, 3x slower and without overlap, often registers after the others' window closed
-# and tries again at once: the path of issue 12's fork (that retry opened the round again, alone).
-@pytest.mark.parametrize(
-    "joiner_args", [(), ("--overlap", "off", "--simulate-slowdown", "3")], ids=["joiner", "late-joiner"]
-)
-def test_joiner_downloads_verified_state_and_contributes(
-    procs: Procs, tmp_path: Path, joiner_args: tuple[str, ...]
-) -> None:
+def test_joiner_downloads_verified_state_and_contributes(procs: Procs, tmp_path: Path) -> None:
     peers = _bootstrap(procs, tmp_path)
     first = [
         _start_node(procs, tmp_path, f"n{i}", peers, "--rounds", "9", "--data-shard", str(i))
         for i in range(3)
     ]
     wait_for(lambda: max(_rounds(first[0][1]), default=0) >= 3, timeout=180, what="round 3")
-    joiner, status = _start_node(
-        procs, tmp_path, "joiner", peers, "--rounds", "3", "--data-shard", "3", *joiner_args
-    )
+    joiner, status = _start_node(procs, tmp_path, "joiner", peers, "--rounds", "3", "--data-shard", "3")
     assert joiner.wait(timeout=240) == 0, procs.log("joiner")
     for proc, _ in first:
         assert proc.wait(timeout=240) == 0
