@@ -151,7 +151,7 @@ def test_killed_node_does_not_stop_the_others(procs: Procs, tmp_path: Path) -> N
     assert a == b  # the survivors agree on θ after every round, with or without the victim's Δ
 
 
-def test_slow_node_contributes_late_and_corrected_without_holding_others(
+def test_slow_node_contributes_late_through_heloco_without_holding_others(
     procs: Procs, tmp_path: Path
 ) -> None:
     peers = _bootstrap(procs, tmp_path)
@@ -188,9 +188,14 @@ def test_slow_node_contributes_late_and_corrected_without_holding_others(
         )
     late = [e for e in slow_rounds if e["staleness"] > 0]
     assert late, f"the 5x slower node was never late: {slow_rounds}"
-    for e in late:  # its late Δ was corrected by HeLoCo against the current momentum: some tensor
-        # was shrunk or rotated (kept or skipped everywhere is what switched-off correction reports)
-        assert e["heloco"] is not None and e["heloco"]["shrink"] + e["heloco"]["rotate"] > 0, e
+    for e in late:
+        # Its late Δ went through HeLoCo (`--no-correction` records none) against the momentum it
+        # caught up to: not every tensor skipped, which is what a zero momentum gives (correcting
+        # before catching up, or against nothing). Shrink or rotate cannot be required: at τ = 2
+        # every tensor here is aligned with m (cos ≥ c_ok = 0.2, see docs/results.md), so HeLoCo
+        # keeps them all, and a late round whose Δ it kept counts as "applied", not "corrected".
+        heloco = e["heloco"]
+        assert heloco is not None and sum(heloco.values()) > heloco["skip"], e
     fast_hashes = _rounds(fast[0][1])
     assert all(fast_hashes[e["round"]] == e["theta_hash"] for e in slow_rounds)  # same θ as the others
     # The fast nodes never waited for the slow one: most of their rounds ran without it, and none
