@@ -99,14 +99,28 @@ def _rounds(status: Path) -> dict[int, str]:
     return {e["round"]: e["theta_hash"] for e in _events(status) if e["event"] == "round"}
 
 
-def test_joiner_downloads_verified_state_and_contributes(procs: Procs, tmp_path: Path) -> None:
+# The late joiner, 6x slower and without overlap, registers after the others' window closed in most
+# of its rounds on our 2-core machines (on a much faster one it may not) and then tries again at
+# once: issue 12's fork, where that retry opened the round again, alone (5 of 6 runs forked before
+# the fix). The others run longer so that its late rounds still find them; test_round_loop.py pins
+# the rule itself.
+@pytest.mark.parametrize(
+    ("joiner_args", "their_rounds"),
+    [((), 9), (("--overlap", "off", "--simulate-slowdown", "6"), 14)],
+    ids=["joiner", "late-joiner"],
+)
+def test_joiner_downloads_verified_state_and_contributes(
+    procs: Procs, tmp_path: Path, joiner_args: tuple[str, ...], their_rounds: int
+) -> None:
     peers = _bootstrap(procs, tmp_path)
     first = [
-        _start_node(procs, tmp_path, f"n{i}", peers, "--rounds", "9", "--data-shard", str(i))
+        _start_node(procs, tmp_path, f"n{i}", peers, "--rounds", str(their_rounds), "--data-shard", str(i))
         for i in range(3)
     ]
     wait_for(lambda: max(_rounds(first[0][1]), default=0) >= 3, timeout=180, what="round 3")
-    joiner, status = _start_node(procs, tmp_path, "joiner", peers, "--rounds", "3", "--data-shard", "3")
+    joiner, status = _start_node(
+        procs, tmp_path, "joiner", peers, "--rounds", "3", "--data-shard", "3", *joiner_args
+    )
     assert joiner.wait(timeout=240) == 0, procs.log("joiner")
     for proc, _ in first:
         assert proc.wait(timeout=240) == 0
@@ -114,20 +128,21 @@ def test_joiner_downloads_verified_state_and_contributes(procs: Procs, tmp_path:
     events = _events(status)
     synced = [e for e in events if e["event"] in ("state_download", "catch_up")]
     assert synced and synced[0]["round"] >= 3, "the joiner did not take the swarm's state first"
-    theirs = _rounds(first[0][1])
+    theirs = [_rounds(s) for _, s in first]
     mine = _rounds(status)
-    # Same θ as the swarm every round, except a round it averaged apart from the others (its fresh
-    # DHT view can miss their registrations once) that it then repaired by taking the majority's θ.
-    healed = {e["round"] for e in events if e["event"] == "fork_healed"}
-    assert mine and all(theirs[r] == h or r in healed for r, h in mine.items()), (mine, healed)
-    assert theirs[max(mine)] == mine[max(mine)] or max(mine) in healed
+    # Every round the joiner applied, it holds the θ all three others hold after that round: a round
+    # it averaged apart from them (a fork, even one it healed afterwards) fails the test.
+    forked = sorted(r for r, h in mine.items() if any(t.get(r) != h for t in theirs))
+    assert mine and not forked, f"the joiner forked after rounds {forked}: {procs.log('joiner')[-4000:]}"
+    healed = [e for _, s in [*first, (joiner, status)] for e in _events(s) if e["event"] == "fork_healed"]
+    assert not healed, healed
     assert min(mine) > 3
     # It contributed: some round after it joined had all four peers in the group.
     groups = {e["round"]: e["group_size"] for e in _events(first[0][1]) if e["event"] == "round"}
     assert any(groups[r] == 4 for r in mine)
     print(
         f"\njoiner: {synced[0]['event']} at round {synced[0]['round']}; its rounds {sorted(mine)};"
-        f" group sizes then {[groups[r] for r in sorted(mine)]}; forks healed at {sorted(healed)}"
+        f" group sizes then {[groups[r] for r in sorted(mine)]}"
     )
 
 
@@ -156,7 +171,7 @@ def test_killed_node_does_not_stop_the_others(procs: Procs, tmp_path: Path) -> N
     assert all(a[r] == b[r] for r in common), (a, b)
 
 
-def test_slow_node_contributes_late_and_corrected_without_holding_others(
+def test_slow_node_contributes_late_through_heloco_without_holding_others(
     procs: Procs, tmp_path: Path
 ) -> None:
     peers = _bootstrap(procs, tmp_path)
@@ -193,8 +208,14 @@ def test_slow_node_contributes_late_and_corrected_without_holding_others(
         )
     late = [e for e in slow_rounds if e["staleness"] > 0]
     assert late, f"the 5x slower node was never late: {slow_rounds}"
-    for e in late:  # its late Δ went through HeLoCo against the current momentum
-        assert e["heloco"] is not None and sum(e["heloco"].values()) > 0
+    for e in late:
+        # Its late Δ went through HeLoCo (`--no-correction` records none) against the momentum it
+        # caught up to: not every tensor skipped, which is what a zero momentum gives (correcting
+        # before catching up, or against nothing). Shrink or rotate cannot be required: at τ = 2
+        # every tensor here is aligned with m (cos ≥ c_ok = 0.2, see docs/results.md), so HeLoCo
+        # keeps them all, and a late round whose Δ it kept counts as "applied", not "corrected".
+        heloco = e["heloco"]
+        assert heloco is not None and sum(heloco.values()) > heloco["skip"], e
     fast_hashes = _rounds(fast[0][1])
     assert all(fast_hashes[e["round"]] == e["theta_hash"] for e in slow_rounds)  # same θ as the others
     # The fast nodes never waited for the slow one: most of their rounds ran without it, and none

@@ -3,6 +3,11 @@
 Without overlap a round is: train locally, catch up if the swarm moved on meanwhile, contribute
 (HeLoCo-corrected and staleness-weighted when late), average with the peers ready within the
 matchmaking window, apply, publish; a failed round is retried (late) a few times after catching up.
+A try that failed here may still complete for the others (this node came late to their group, or
+was dropped from it), so the node never opens another try of that round until the failed one is
+over: it waits until the swarm publishes a later round (it then catches up and contributes late)
+or until that try's calls have certainly ended (`average_timeout_s`); opening one earlier would
+average the same round apart from them, a fork.
 With one-step-delay overlap (DiLoCoX, `--overlap`; auto by default) the averaging of round r runs on a
 background thread while the instances train round r+1; the update is applied between two inner steps
 as soon as it lands (or, if the local round ends first, after waiting for it), and the instances'
@@ -32,6 +37,8 @@ from .sync import SwarmSync
 logger = logging.getLogger(__name__)
 
 MAX_ATTEMPTS = 3
+# How often a node waiting for the outcome of a failed try reads the swarm's head.
+SETTLE_POLL_S = 0.25
 # Averager round ids are single-use: id = round × stride + the number of earlier tries at that round.
 # Peers that reach a round meet at its first id; after a round failed everywhere they meet at the next.
 ROUND_ID_STRIDE = 1000
@@ -75,6 +82,7 @@ class RoundLoop:
         self.ops, self.metrics, self.cfg = ops, metrics, cfg
         self.on_round: Callable[[RoundRecord], None] | None = None
         self._tries: dict[int, int] = {}
+        self._failed: tuple[int, float] | None = None  # (round, monotonic time) of the last failed try
         self._inflight: _InFlight | None = None
         self._last_comm_s: float | None = None  # the last averaging call, start to result
         self._last_compute_s: float | None = None  # the last local round (simulated slowdown included)
@@ -101,15 +109,17 @@ class RoundLoop:
             local = self._local_round()
             t0 = time.perf_counter()
             self.ops.phase = "averaging"
-            if self._contribute_until_applied(local):
+            if self._contribute_until_applied(local, should_stop):
                 self._report(local, wait_s=time.perf_counter() - t0)
             else:
                 self._count_dropped(self.peer.state.round - local.base_round)
             self.ops.between_rounds()
 
-    def _contribute_until_applied(self, local: LocalRound) -> bool:
+    def _contribute_until_applied(self, local: LocalRound, should_stop: Callable[[], bool]) -> bool:
         """Average `local` in the current round; on failure catch up and retry it (late) a few times."""
         for attempt in range(MAX_ATTEMPTS):
+            if not self._settle(should_stop):
+                return False  # stopped while waiting for a failed try's outcome
             self.sync.sync()
             contribution, info = self.peer.contribute(local, bandwidth_bps=self._link_bps)
             if contribution is None:
@@ -142,7 +152,7 @@ class RoundLoop:
                     # Δ is measured from the θ the instances were rebased onto.
                     local.base_round = self.peer.phase_round
                 self.ops.between_rounds()
-                if should_stop():
+                if should_stop() or not self._settle(should_stop):
                     break
                 self.sync.sync()
                 self._inflight = self._launch(local, pool)
@@ -233,6 +243,28 @@ class RoundLoop:
         self._last_compute_s = local.compute_s * slowdown
         return local
 
+    def _settle(self, should_stop: Callable[[], bool]) -> bool:
+        """Before another try at a round whose last try failed here, wait until that try is over.
+
+        Over means: some peer published a later round (sync then catches up, and this node's Δ goes
+        in late, joining a round others open), or `average_timeout_s` has passed since the failure, by
+        when every call of that try has returned (they all began before it failed here). Only then
+        may a new try of the round open: alone it is a round nobody else is averaging any more.
+        Returns False when `should_stop` ended the wait.
+        """
+        if self._failed is None or self._failed[0] != self.peer.state.round:
+            return True
+        failed_round, failed_at = self._failed
+        deadline = failed_at + self.cfg.average_timeout_s
+        while time.monotonic() < deadline:
+            if should_stop():
+                return False
+            head = self.sync.head()
+            if head is not None and head.round > failed_round:
+                return True
+            time.sleep(SETTLE_POLL_S)
+        return True
+
     def _next_round_id(self) -> int:
         """The averager's id for the next try at the current round (called on the loop's thread)."""
         current = self.peer.state.round
@@ -261,6 +293,8 @@ class RoundLoop:
             error = repr(e)
             raise
         finally:
+            if result is None:
+                self._failed = (round_id // ROUND_ID_STRIDE, time.monotonic())
             self._averaged(round_id // ROUND_ID_STRIDE, info, result, time.perf_counter() - t0, error)
 
     def _averaged(

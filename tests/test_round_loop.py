@@ -1,0 +1,183 @@
+"""The swarm round loop's retry rule, with a scripted averager and a scripted swarm (no network).
+
+A try that returned None here may still complete for the others: this peer came late to their
+group (its registration after their window), or was dropped from it. Issue 12's fork was the loop
+opening the next try of the same round at once: alone, it averaged that round apart from them. So
+after a failed try the loop must wait until the swarm publishes a later round (then catch up and
+contribute late, join-only) or until the failed try's calls have certainly ended, and only then may
+it open a new try: a peer that really is alone still trains.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+
+from adloco.node.operations.metrics import NodeMetrics
+from adloco.node.swarm.loop import ROUND_ID_STRIDE, LoopConfig, RoundLoop
+from adloco.node.swarm.ops import NodeOps, StatusLog
+from adloco.node.swarm.sync import SwarmHead
+from adloco.node.training.config import TrainConfig
+from adloco.node.training.corpus import Corpus
+from adloco.node.training.peer import Peer
+from adloco.node.training.replica import Update
+from adloco.node.training.runtime import load_data
+from adloco.protocol.algorithms.allreduce import Contribution, reduce_group
+from adloco.protocol.algorithms.codecs import Codec
+from adloco.protocol.transport.averager import MemberResult, Traffic
+
+pytestmark = pytest.mark.timeout(60)
+
+CFG = TrainConfig(seq_len=32, batch_size=4, instances=1, inner_steps=1, b_max=4, max_corpus_mb=1)
+
+
+@pytest.fixture(scope="module")
+def corpus() -> Corpus:
+    return load_data(CFG)[0]
+
+
+def _peer(corpus: Corpus, peer_id: str, overlap: str = "off") -> Peer:
+    cfg = dataclasses.replace(CFG, overlap=overlap)  # type: ignore[arg-type]
+    return Peer(peer_id=peer_id, index=0, num_peers=2, cfg=cfg, corpus=corpus, vocab_size=256)
+
+
+@dataclass(frozen=True)
+class Call:
+    round_id: int
+    join_only: bool
+    at: float
+
+
+class ScriptedAverager:
+    """Answers call i with `answers[i]`: "late" (None at once, as for a registration after the
+    window) or "alone" (the caller's contribution averaged as a group of one); late once they run out."""
+
+    matchmaking_s = 0.0
+
+    def __init__(self, peer_id: str, answers: list[str], on_late: Callable[[], None] = lambda: None) -> None:
+        self.peer_id = peer_id
+        self.answers = answers
+        self.on_late = on_late
+        self.calls: list[Call] = []
+
+    def average(
+        self, contribution: Contribution, *, round: int, codec: Codec, timeout: float, join_only: bool = False
+    ) -> MemberResult | None:
+        self.calls.append(Call(round, join_only, time.monotonic()))
+        if (self.answers.pop(0) if self.answers else "late") == "late":
+            self.on_late()
+            return None
+        group = reduce_group([contribution], codec=codec)
+        fields = {f.name: getattr(group, f.name) for f in dataclasses.fields(group)}
+        return MemberResult(**fields, peer_id=self.peer_id, traffic=Traffic(0, 0, 0, 0))
+
+    def shutdown(self) -> None:
+        pass
+
+
+class ScriptedSwarm:
+    """The other peers, as `SwarmSync` shows them to the loop: the round they published (after
+    `others_apply`) and the update that got them there, which `sync` replays."""
+
+    def __init__(self, peer: Peer, update: Update) -> None:
+        self.peer, self.update = peer, update
+        self.published = 0
+        self.published_at: float | None = None
+
+    def others_apply(self) -> None:
+        self.published, self.published_at = 1, time.monotonic()
+
+    def head(self) -> SwarmHead | None:
+        return SwarmHead(self.published, "", ["others"], Counter())
+
+    def sync(self) -> int:
+        if self.published > self.peer.state.round:
+            self.peer.catch_up([self.update])
+            return 1
+        return 0
+
+    def publish(self) -> None:
+        pass
+
+
+def _others_round_zero(corpus: Corpus) -> Update:
+    """Round 0 as the others averaged it (without our peer): what they publish as round 1."""
+    other = _peer(corpus, "other")
+    contribution, _ = other.contribute(other.train_round())
+    assert contribution is not None
+    return other.apply_round(reduce_group([contribution], codec=other.downlink_codec("int8")))
+
+
+def _loop(peer: Peer, averager: ScriptedAverager, swarm: ScriptedSwarm, *, timeout_s: float) -> RoundLoop:
+    lock = threading.Lock()
+    ops = NodeOps(
+        peer=peer,
+        lock=lock,
+        status=StatusLog(None),
+        run_id="r",
+        checkpoint_dir=None,
+        checkpoint_every=0,
+        data_shard=0,
+    )
+    return RoundLoop(
+        peer=peer,
+        lock=lock,
+        averager=averager,
+        sync=swarm,  # type: ignore[arg-type]  # duck-typed: head, sync, publish
+        ops=ops,
+        metrics=NodeMetrics(),
+        cfg=LoopConfig(rounds=0, part_timeout_s=1.0, average_timeout_s=timeout_s),
+    )
+
+
+@pytest.mark.parametrize("overlap", ["off", "rebase"])
+def test_a_late_try_is_not_retried_alone_while_the_others_complete_the_round(
+    corpus: Corpus, overlap: str
+) -> None:
+    peer = _peer(corpus, "me", overlap)
+    swarm = ScriptedSwarm(peer, _others_round_zero(corpus))
+    # The others' group finishes the round a moment after our late registration failed.
+    averager = ScriptedAverager(
+        "me", ["late", "alone"], on_late=lambda: threading.Timer(0.5, swarm.others_apply).start()
+    )
+    loop = _loop(peer, averager, swarm, timeout_s=30.0)
+    loop.run(lambda: loop.ops.counters.applied >= 1)
+
+    first, second = averager.calls
+    assert (first.round_id, first.join_only) == (0, False)
+    # Not round 0's next try (id 1), which nobody else would join: the others' round 1, join-only,
+    # with our Δ of round 0 late by one, after their round 0 was published.
+    assert (second.round_id, second.join_only) == (1 * ROUND_ID_STRIDE, True)
+    assert swarm.published_at is not None and second.at >= swarm.published_at
+    assert peer.state.round == 2
+
+
+def test_a_peer_that_really_is_alone_retries_once_the_failed_try_is_over(corpus: Corpus) -> None:
+    peer = _peer(corpus, "me")
+    swarm = ScriptedSwarm(peer, _others_round_zero(corpus))  # nobody ever publishes
+    averager = ScriptedAverager("me", ["late", "alone"])
+    loop = _loop(peer, averager, swarm, timeout_s=1.0)
+    loop.run(lambda: loop.ops.counters.applied >= 1)
+
+    first, second = averager.calls
+    assert (second.round_id, second.join_only) == (1, False)  # round 0's next try, opened by us
+    assert second.at - first.at >= 1.0  # ... once every call of the failed try must have returned
+    assert peer.state.round == 1
+
+
+def test_a_stop_ends_the_wait_for_a_failed_try(corpus: Corpus) -> None:
+    peer = _peer(corpus, "me")
+    swarm = ScriptedSwarm(peer, _others_round_zero(corpus))
+    stop = threading.Event()
+    averager = ScriptedAverager("me", ["late"], on_late=lambda: threading.Timer(0.3, stop.set).start())
+    loop = _loop(peer, averager, swarm, timeout_s=60.0)
+    t0 = time.monotonic()
+    loop.run(stop.is_set)
+    assert time.monotonic() - t0 < 10.0  # SIGTERM and drain are not held up by the wait
+    assert len(averager.calls) == 1 and peer.state.round == 0
