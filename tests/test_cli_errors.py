@@ -111,6 +111,7 @@ TRAIN_CASES = [
     ("--max-rel-error", ["--codec", "adaptive", "--max-rel-error", "0"]),
     ("--b-max", ["--b-max", "0"]),
     ("--max-staleness", ["--max-staleness", "-1"]),
+    ("--heloco-c-ok", ["--heloco-c-ok", "1.5"]),
     ("--max-corpus-mb", ["--max-corpus-mb", "0"]),
     ("--memory-budget-gb", ["--memory-budget-gb", "-1"]),
     ("--threads", ["--threads", "0"]),

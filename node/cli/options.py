@@ -119,6 +119,13 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
 
     late = p.add_argument_group("late contributions (HeLoCo)")
     late.add_argument("--no-correction", action="store_true", help="apply late pseudo-gradients uncorrected")
+    late.add_argument(
+        "--heloco-c-ok",
+        type=finite_float,
+        default=0.2,
+        help="HeLoCo keeps a late tensor as it is when cos(Δ, m) ≥ this (our default; the paper gives"
+        " none): raise it to correct more, -1 corrects nothing",
+    )
     late.add_argument("--staleness-weight", choices=("constant", "inv_sqrt", "tokens"), default="inv_sqrt")
     late.add_argument("--max-staleness", type=int, default=16, help="drop contributions older than this")
     late.add_argument(
@@ -158,6 +165,7 @@ def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
             codec=args.codec,
             max_rel_error=args.max_rel_error,
             correct_late=not args.no_correction,
+            heloco=replace(base.heloco, c_ok=args.heloco_c_ok),
             staleness_weight=args.staleness_weight,
             max_staleness=args.max_staleness,
             dylu=args.dylu,

@@ -58,7 +58,7 @@ class HelocoConfig:
             raise ValueError(f"HelocoConfig values must be finite, got {self}")
         if not -1 <= self.c_ok <= 1:
             raise ValueError(
-                f"c_ok is a cosine threshold in [-1, 1] (-1 turns correction off), got {self.c_ok}"
+                f"heloco c_ok is a cosine threshold in [-1, 1] (-1 turns correction off), got {self.c_ok}"
             )
         if self.k_s < 0 or self.k_d < 0 or self.kappa < 0:
             raise ValueError("k_s, k_d and kappa must be >= 0 (k_s = k_d = 0 turns correction off)")
