@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -21,6 +23,16 @@ def test_activation_bytes_grow_linearly_with_batch(model: torch.nn.Module) -> No
     assert a4 - a2 == pytest.approx(2 * per_sample, rel=0.05)
     # Activations, not parameters: the tiny model's 0.6M fp32 weights (2.4 MB) are excluded.
     assert per_sample < 2 * a1
+
+
+def test_probing_leaves_no_graph_behind(model: torch.nn.Module) -> None:
+    def graph_tensors() -> int:
+        gc.collect()
+        return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.grad_fn is not None)
+
+    before = graph_tensors()
+    saved_activation_bytes(model, batch=2, seq_len=64, vocab_size=256)
+    assert graph_tensors() == before  # the forward's graph (its logits...) is gone with the probe
 
 
 def test_cpu_b_max_follows_the_budget(model: torch.nn.Module) -> None:

@@ -112,6 +112,7 @@ TRAIN_CASES = [
     ("--b-max", ["--b-max", "0"]),
     ("--max-staleness", ["--max-staleness", "-1"]),
     ("--heloco-c-ok", ["--heloco-c-ok", "1.5"]),
+    ("--replay-mb", ["--replay-mb", "-1"]),
     ("--max-corpus-mb", ["--max-corpus-mb", "0"]),
     ("--memory-budget-gb", ["--memory-budget-gb", "-1"]),
     ("--threads", ["--threads", "0"]),

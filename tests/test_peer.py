@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import replace
 
 import pytest
@@ -15,6 +16,7 @@ from adloco.node.training.replica import PeerState
 from adloco.node.training.runtime import load_data
 from adloco.node.training.tokenizer import ByteTokenizer
 from adloco.protocol.algorithms.allreduce import reduce_group
+from adloco.protocol.algorithms.batchtest import grad_stats
 from adloco.protocol.algorithms.switch import BatchPlan
 
 CFG = TrainConfig(seq_len=32, batch_size=4, instances=2, inner_steps=2, b_max=4, max_corpus_mb=1)
@@ -56,6 +58,32 @@ def test_first_step_statistics_and_tokens(corpus: Corpus) -> None:
     assert any(float(d.abs().max()) > 0 for d in result.delta)  # the round did move the weights
 
 
+@pytest.mark.parametrize("plan", [BatchPlan(micro=4, accum=1), BatchPlan(micro=2, accum=3)])
+def test_first_step_statistics_are_those_of_its_micro_batch_gradients(
+    corpus: Corpus, plan: BatchPlan
+) -> None:
+    # The instance gathers them tensor by tensor in a second backward pass; here each micro-batch's
+    # gradient is computed whole, on a copy that draws the same batches, and given to grad_stats.
+    inst = _peer(corpus).instances[0]
+    twin, plain = copy.deepcopy(inst), copy.deepcopy(inst)
+    _, stats = inst.inner_step(plan, collect_stats=True)
+    micro, accum = twin._stats_split(plan)
+    grads = []
+    for _ in range(accum):
+        batch = twin.sampler.next_batch(micro)
+        loss = twin.model(input_ids=batch, labels=batch).loss
+        grads.append([g.detach() for g in torch.autograd.grad(loss, twin.params)])
+    expected = grad_stats(grads, samples_per_grad=micro)
+    assert stats is not None and (stats.num_grads, stats.samples_per_grad) == (accum, micro)
+    for name in ("sq_dev_sum", "mean_sq_norm", "ip_dev_sum", "ortho_dev_sum"):
+        assert getattr(stats, name) == pytest.approx(getattr(expected, name), rel=1e-4), name
+    # Gathering them left the step alone: the same micro-batches without statistics give the same
+    # weights, bit for bit.
+    plain.inner_step(BatchPlan(micro=micro, accum=accum), collect_stats=False)
+    for p, q in zip(inst.params, plain.params, strict=True):
+        assert torch.equal(p, q)
+
+
 def test_accumulated_step_statistics_come_from_its_micro_batches(corpus: Corpus) -> None:
     inst = _peer(corpus).instances[0]
     theta = [p.detach().clone() for p in inst.params]
@@ -76,6 +104,37 @@ def test_all_members_hold_identical_theta_and_a_late_peer_replays_to_it(corpus: 
     assert c.state.theta_hash() == a.state.theta_hash()
     assert all(torch.equal(x, y) for x, y in zip(c.state.momentum, a.state.momentum, strict=True))
     assert c.state.schedule == a.state.schedule
+
+
+def test_kept_updates_are_bounded_by_their_bytes(corpus: Corpus) -> None:
+    a = _peer(corpus, "a", 0)
+    _round([a])
+    one = a.state.history[0].num_bytes
+    # Room for two updates' encoded bytes (and a half): the last two are kept, not HISTORY_ROUNDS.
+    a.cfg = replace(CFG, replay_mb=2.5 * one / 2**20)
+    for _ in range(3):
+        _round([a])
+    assert [u.round for u in a.state.history] == [2, 3]
+    a.cfg = replace(CFG, replay_mb=0.0)
+    _round([a])
+    assert a.state.history == []
+
+
+def test_an_update_that_does_not_fit_changes_nothing(corpus: Corpus) -> None:
+    a = _peer(corpus, "a", 0)
+    contribution = a.contribute(a.train_round())[0]
+    result = reduce_group([contribution], codec=a.downlink_codec("int8"))
+    before = a.state_dict()
+    theta = [t.clone() for t in a.state.theta]
+    # The last tensor of another's shape carries the first one's bytes.
+    name = next(n for n, t in reversed(list(a.named_theta().items())) if t.shape != a.state.theta[0].shape)
+    bad = replace(result, averaged={**result.averaged, name: result.averaged[a.names[0]]})
+    with pytest.raises(ValueError, match="misshapen or not finite"):
+        a.apply_round(bad)
+    assert a.state.round == before["round"] == 0
+    assert all(torch.equal(x, y) for x, y in zip(a.state.theta, theta, strict=True))
+    a.apply_round(result)  # the good one still applies
+    assert a.state.round == 1
 
 
 def test_late_contribution_is_corrected_and_down_weighted(corpus: Corpus) -> None:

@@ -218,8 +218,11 @@ def test_slow_node_contributes_late_and_corrected_without_holding_others(
         # tensor) and a zero momentum (every tensor skipped) all fail this.
         heloco = e["heloco"]
         assert heloco is not None and heloco["shrink"] + heloco["rotate"] > 0, e
+    # Same θ as the others in every round it averaged with them (on a loaded machine its last round
+    # may come after the fast nodes have finished, and a node left alone goes on alone).
     fast_hashes = _rounds(fast[0][1])
-    assert all(fast_hashes[e["round"]] == e["theta_hash"] for e in slow_rounds)  # same θ as the others
+    together = [e for e in slow_rounds if e["group_size"] > 1]
+    assert together and all(fast_hashes[e["round"]] == e["theta_hash"] for e in together), slow_rounds
     # The fast nodes never waited for the slow one: most of their rounds ran without it, and none
     # took as long as the slow node's local phase.
     fast_rounds = [e for e in _events(fast[0][1]) if e["event"] == "round"]

@@ -131,6 +131,13 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     late.add_argument(
         "--dylu", action="store_true", help="shorten H to this peer's speed relative to the fastest peer"
     )
+    late.add_argument(
+        "--replay-mb",
+        type=finite_float,
+        default=256.0,
+        help="memory for the averaged updates kept for laggards to replay (the last up to 8 that fit;"
+        " a peer further behind downloads the full state)",
+    )
 
 
 def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -169,6 +176,7 @@ def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
             staleness_weight=args.staleness_weight,
             max_staleness=args.max_staleness,
             dylu=args.dylu,
+            replay_mb=args.replay_mb,
             b_max=args.b_max,
             memory_budget_gb=args.memory_budget_gb,
             non_iid=args.non_iid,

@@ -21,15 +21,17 @@ import os
 import re
 import secrets
 import shutil
+import struct
 import threading
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from ...errors import UserError
 
@@ -285,9 +287,12 @@ def _stored(tensor: torch.Tensor, storages: set[int]) -> torch.Tensor:
 
 
 def _bytes_tensor(data: bytes) -> torch.Tensor:
+    """The bytes as a uint8 tensor over their own buffer (read-only, and only read: no copy)."""
     if not data:
         return torch.empty(0, dtype=torch.uint8)
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        return torch.frombuffer(data, dtype=torch.uint8)
 
 
 def _escape(key: str) -> str:
@@ -296,7 +301,7 @@ def _escape(key: str) -> str:
 
 def _write_checkpoint(tmp: Path, meta: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> int:
     """Write and fsync the files, then the manifest (last, so its presence means complete)."""
-    save_file(dict(tensors), str(tmp / TENSORS))
+    _write_safetensors(tmp / TENSORS, tensors)
     _write_json(tmp / META, meta)
     files: dict[str, dict[str, Any]] = {}
     total = 0
@@ -307,6 +312,49 @@ def _write_checkpoint(tmp: Path, meta: Mapping[str, Any], tensors: Mapping[str, 
     _write_json(tmp / MANIFEST, {"format": FORMAT, "round": meta["round"], "files": files})
     _fsync_dir(tmp)
     return total
+
+
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+
+def _write_safetensors(path: Path, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Write a safetensors file tensor by tensor from the tensors' own memory.
+
+    The library's `save_file` first turns every tensor into a bytes copy, doubling the memory of the
+    whole state for the length of the save; here the header is computed from shapes and dtypes and
+    each tensor's buffer is written as it is (little-endian hosts, as everything we run on).
+    """
+    header: dict[str, Any] = {}
+    offset = 0
+    for name, tensor in tensors.items():
+        if tensor.dtype not in _SAFETENSORS_DTYPES:
+            raise ValueError(f"checkpoint tensor {name}: dtype {tensor.dtype} cannot be stored")
+        size = tensor.numel() * tensor.element_size()
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
+    with path.open("wb") as f:
+        f.write(struct.pack("<Q", len(encoded)))
+        f.write(encoded)
+        for tensor in tensors.values():
+            if tensor.numel():
+                f.write(memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy()))  # type: ignore[arg-type]
 
 
 def _write_json(path: Path, obj: Any) -> None:

@@ -29,7 +29,6 @@ from ...protocol.transport.state_transfer import StateServer
 from ..operations.checkpoint import peek_checkpoint
 from ..operations.metrics import NodeMetrics
 from ..training.config import TrainConfig
-from ..training.model import model_fingerprint
 from ..training.peer import Peer
 from ..training.rounds import RoundRecord
 from ..training.runtime import load_data
@@ -93,7 +92,7 @@ class SwarmNode:
             corpus=corpus,
             vocab_size=tokenizer.vocab_size,
         )
-        self.prefix = run_prefix(swarm.run_id, model_fingerprint(self.peer.eval_model))
+        self.prefix = run_prefix(swarm.run_id, self.peer.fingerprint)
         self.ops = NodeOps(
             peer=self.peer,
             lock=self.lock,

@@ -7,6 +7,7 @@ tells you to change it. The algorithm parts are the protocol/ config classes the
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -56,6 +57,10 @@ class TrainConfig:
         speed relative to the fastest member of the group (from the step times every member
         reports), so a slow peer finishes with the others instead of arriving stale. Turn it on
         when a slow peer's contributions keep arriving late (τ > 0 every round).
+    replay_mb: the averaged updates a peer keeps for laggards to replay (catch-up) are the last up to
+        `HISTORY_ROUNDS` whose encoded bytes fit in this many MB (0 keeps none; a peer further behind
+        than what others keep downloads the full state). Each costs about the codec's bytes per
+        parameter (1 for int8), so for large models this bounds a real share of the node's memory.
     b_max: override the probed hardware batch limit (switch mode engages above it).
     memory_budget_gb: CPU memory for b_max probing (default: half of what is available).
     non_iid: give each peer a different part of the corpus (by top-level package).
@@ -88,6 +93,7 @@ class TrainConfig:
     staleness_weight: Literal["constant", "inv_sqrt", "tokens"] = "inv_sqrt"
     max_staleness: int = 16
     dylu: bool = False
+    replay_mb: float = 256.0
     b_max: int | None = None
     memory_budget_gb: float | None = None
     non_iid: bool = False
@@ -116,6 +122,8 @@ class TrainConfig:
                 raise ValueError(f"codec: {e}") from None
         if not self.max_rel_error > 0:
             raise ValueError(f"max_rel_error must be > 0, got {self.max_rel_error}")
+        if not (math.isfinite(self.replay_mb) and self.replay_mb >= 0):
+            raise ValueError(f"replay_mb must be >= 0, got {self.replay_mb}")
         if self.max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
         for name in ("max_corpus_mb", "memory_budget_gb"):

@@ -10,9 +10,11 @@ recorded start onto the new θ (rebase, overwrite or mix), so Δ is always measu
 
 The statistics come from the micro-batch gradients of the *first* optimizer step of the round, which
 every instance (and, in a synchronous round, every peer) computes at the same synchronized θ. This is
-the "gradients at the synchronized θ" option of research/algorithms.md §2.10 item 4, at no extra
-backward pass: the first step's batch is split into `stats_chunks` equal micro-batches when it is
-not already accumulated, and the chunk gradients are the samples g_m of the norm test.
+the "gradients at the synchronized θ" option of research/algorithms.md §2.10 item 4: the first step's
+batch is split into `stats_chunks` equal micro-batches when it is not already accumulated, and the
+chunk gradients are the samples g_m of the norm test. They are gathered tensor by tensor in a second
+backward pass over the same micro-batches (`_chunk_stats`), so no copy of the model's gradients is
+held: the memory stays at the training floor, for one extra forward and backward per round.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ...protocol.algorithms.batchtest import GradStats, grad_stats
+from ...protocol.algorithms.batchtest import GradStats, stats_from_sums
 from ...protocol.algorithms.merge import merge_weighted
 from ...protocol.algorithms.pseudograd import pseudo_gradient
 from ...protocol.algorithms.switch import BatchPlan
@@ -91,8 +93,10 @@ class Instance:
             weight_decay=inner.weight_decay,
             betas=(inner.beta1, inner.beta2),
         )
-        # Where the current round started: Δ = start − weights at the end of the round.
-        self.start = [p.detach().clone() for p in self.params]
+        # Where the current round started: Δ = start − weights at the end of the round. Either θ's
+        # own tensors (a round from θ that nothing moves meanwhile: no copy) or this instance's copy.
+        self.start: list[torch.Tensor] = []
+        self._own_start: list[torch.Tensor] | None = None
 
     @property
     def device(self) -> torch.device:
@@ -104,13 +108,29 @@ class Instance:
         for p, t in zip(self.params, theta, strict=True):
             p.copy_(t, non_blocking=True)
 
+    @property
+    def start_is_shared(self) -> bool:
+        """The round start is the caller's θ itself, not a copy (`begin(θ, share=True)`)."""
+        return self._own_start is None or self.start is not self._own_start
+
     @torch.no_grad()
-    def begin(self, theta: Sequence[torch.Tensor] | None) -> None:
-        """Start a round from θ, or (θ None: overlap) from the instance's own current weights."""
+    def begin(self, theta: Sequence[torch.Tensor] | None, *, share: bool = False) -> None:
+        """Start a round from θ, or (θ None: overlap) from the instance's own current weights.
+
+        `share`: the start is θ's tensors themselves, saving a copy of the model. Only for a round
+        in which the caller changes θ neither in place nor through `shift` before `run_round` ends.
+        """
         if theta is not None:
             self.load(theta)
-        for s, p in zip(self.start, self.params, strict=True):
-            s.copy_(p)
+        if theta is not None and share:
+            self.start = list(theta)
+            return
+        if self._own_start is None:
+            self._own_start = [p.detach().clone() for p in self.params]
+        else:
+            for s, p in zip(self._own_start, self.params, strict=True):
+                s.copy_(p)
+        self.start = self._own_start
 
     @torch.no_grad()
     def shift(self, theta: Sequence[torch.Tensor], *, mode: str, mix: float = 0.5) -> None:
@@ -121,6 +141,8 @@ class Instance:
         mix: weights ← mix·weights + (1 − mix)·θ (Streaming DiLoCo's α-mixing).
         In every mode the start becomes θ, so the round's Δ is measured from the global θ.
         """
+        if self.start_is_shared:
+            raise RuntimeError("shift() needs a round begun with its own start (begin(..., share=False))")
         for p, s, t in zip(self.params, self.start, theta, strict=True):
             if mode == "rebase":
                 p.add_(t - s)
@@ -139,14 +161,16 @@ class Instance:
         plan: BatchPlan,
         steps: int,
         on_step: Callable[[int, float], None] | None = None,
+        share_theta: bool = False,
     ) -> InstanceRound:
         """Run `steps` optimizer steps of `plan`; return Δ and the round's statistics.
 
-        With θ the round starts there. With None it continues a round `begin(None)` started, and Δ
-        is measured from the start as `shift` may have moved it meanwhile.
+        With θ the round starts there (`share_theta`: from θ's own tensors, see `begin`). With None it
+        continues a round `begin(None)` started, and Δ is measured from the start as `shift` may have
+        moved it meanwhile. The gradients are freed when the round ends.
         """
         if theta is not None:
-            self.begin(theta)
+            self.begin(theta, share=share_theta)
         self.model.train()
         t0 = time.perf_counter()
         losses: list[float] = []
@@ -158,6 +182,8 @@ class Instance:
                 stats = step_stats
             if on_step is not None:
                 on_step(step, loss)
+        # Until the next step nothing reads the gradients: free them for the exchange that follows.
+        self.optimizer.zero_grad(set_to_none=True)
         compute_s = time.perf_counter() - t0
         with torch.no_grad():
             delta = pseudo_gradient(self.start, [p.detach() for p in self.params])
@@ -176,26 +202,54 @@ class Instance:
         """One AdamW step over plan.accum micro-batches; optionally the per-micro-batch gradient stats."""
         micro, accum = self._stats_split(plan) if collect_stats else (plan.micro, plan.accum)
         self.optimizer.zero_grad(set_to_none=True)
-        chunk_grads: list[torch.Tensor] = []
-        previous: torch.Tensor | None = None
+        # With statistics: each micro-batch and the random state it ran under (dropout), to replay it.
+        replay: list[tuple[torch.Tensor, _RngState]] = []
         total_loss = 0.0
         for _ in range(accum):
             batch = self.sampler.next_batch(micro).to(self.device, non_blocking=True)
+            if collect_stats:
+                replay.append((batch, _rng_state(self.device)))
             loss = self.model(input_ids=batch, labels=batch).loss
             (loss / accum).backward()
             total_loss += float(loss.detach())
-            if collect_stats and accum > 1:
-                flat = self._flat_grad()
-                # Gradients accumulate in .grad: the chunk's own gradient is the increment, rescaled
-                # by accum because each chunk's loss was divided by accum.
-                chunk = flat if previous is None else flat - previous
-                chunk_grads.append(chunk * accum)
-                previous = flat
+        stats = None
+        if len(replay) >= 2:
+            after = _rng_state(self.device)
+            stats = self._chunk_stats(replay, samples_per_grad=micro)
+            _set_rng_state(self.device, after)
         if self.inner.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.params, self.inner.grad_clip)
         self.optimizer.step()
-        stats = grad_stats(chunk_grads, samples_per_grad=micro) if len(chunk_grads) >= 2 else None
         return total_loss / accum, stats
+
+    def _chunk_stats(
+        self, replay: Sequence[tuple[torch.Tensor, _RngState]], *, samples_per_grad: int
+    ) -> GradStats:
+        """The norm-test statistics of the step's M micro-batch gradients g_m, tensor by tensor.
+
+        The step's gradient (its .grad, the mean ḡ of the g_m) is already computed. A second
+        backward pass per micro-batch, from the same weights and random state, yields each g_m one
+        parameter tensor at a time: a hook reads it the moment it is accumulated, adds its terms to
+        the sums, and frees it. So no copy of the model's gradients is ever held (the cost: one extra
+        forward and backward of the round's first step).
+        """
+        mean = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        acc = _ChunkSums(len(replay), device=self.device)
+        handles = []
+        for p, g_mean in zip(self.params, mean, strict=True):
+            p.grad = None
+            handles.append(p.register_post_accumulate_grad_hook(acc.hook(g_mean)))  # type: ignore[no-untyped-call]
+        try:
+            for m, (batch, rng) in enumerate(replay):
+                _set_rng_state(self.device, rng)
+                acc.chunk = m
+                self.model(input_ids=batch, labels=batch).loss.backward()
+        finally:
+            for handle in handles:
+                handle.remove()
+            for p, g_mean in zip(self.params, mean, strict=True):
+                p.grad = g_mean
+        return acc.stats(samples_per_grad=samples_per_grad)
 
     def _stats_split(self, plan: BatchPlan) -> tuple[int, int]:
         """The (micro, accum) of the statistics step: the plan itself, or the batch cut into chunks."""
@@ -205,35 +259,20 @@ class Instance:
         # Keep the step's effective batch at least the plan's (never below b).
         return math.ceil(plan.micro / chunks), chunks
 
-    def _flat_grad(self) -> torch.Tensor:
-        return torch.cat(
-            [
-                (p.grad.detach() if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
-                for p in self.params
-            ]
-        )
-
     @torch.no_grad()
     def absorb(self, other: Instance, *, weight: float, other_weight: float) -> None:
-        """AdLoCo MIT merge, this instance surviving: weights and round starts become their weighted
-        mean (so the round's Δ stays linear), this instance keeps its AdamW state and takes over the
-        other's data stream (its compute share)."""
+        """AdLoCo MIT merge, this instance surviving: weights become their weighted mean, this
+        instance keeps its AdamW state and takes over the other's data stream (its compute share).
+        Merges happen between local rounds (a merge decided mid-round waits for the round's end),
+        so the round start, which the next round sets anew, is not merged."""
         merged = merge_weighted(
             dict(self.model.named_parameters()),
             dict(other.model.named_parameters()),
             weight_a=weight,
             weight_b=other_weight,
         )
-        starts = merge_weighted(
-            {str(i): t for i, t in enumerate(self.start)},
-            {str(i): t for i, t in enumerate(other.start)},
-            weight_a=weight,
-            weight_b=other_weight,
-        )
         for name, p in self.model.named_parameters():
             p.copy_(merged[name])
-        for i, s in enumerate(self.start):
-            s.copy_(starts[str(i)])
         self.sampler = self.sampler.merged_with(other.sampler)
 
     def optimizer_state(self) -> dict[str, Any]:
@@ -245,15 +284,16 @@ class Instance:
     # ---- state dict ------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """Weights, round start, AdamW moments and steps (by parameter index) and the sampler's state.
+        """Weights, AdamW moments and steps (by parameter index) and the sampler's state.
 
-        The tensors are the live ones: save or copy the tree before the instance trains on. The
-        optimizer's hyper-parameters are configuration, not state, and are left out.
+        Not the round start: a state is taken between rounds, and every round sets its start anew
+        (checkpoints that hold one still load). The tensors are the live ones: save or copy the tree
+        before the instance trains on. The optimizer's hyper-parameters are configuration, not
+        state, and are left out.
         """
         optimizer = self.optimizer.state_dict()["state"]
         return {
             "params": [p.detach() for p in self.params],
-            "start": list(self.start),
             "optimizer": {str(idx): dict(fields) for idx, fields in optimizer.items()},
             "sampler": self.sampler.state_dict(),
         }
@@ -265,11 +305,10 @@ class Instance:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore a `state_dict` (copied, so the instance never aliases it); the sampler continues
         the saved random sequence on its own stream. ValueError, nothing changed, if it does not fit."""
-        params, start, moments = self._checked(state)
+        params, moments = self._checked(state)
         with torch.no_grad():
-            for p, s, saved_p, saved_s in zip(self.params, self.start, params, start, strict=True):
+            for p, saved_p in zip(self.params, params, strict=True):
                 p.copy_(saved_p)
-                s.copy_(saved_s)
         # The config's hyper-parameters (lr, betas, ...) stay; only the moments and steps load, copied:
         # AdamW's load_state_dict keeps tensors that are already on the right device and dtype.
         optimizer = self.optimizer.state_dict()
@@ -280,12 +319,9 @@ class Instance:
         self.optimizer.load_state_dict(optimizer)
         self.sampler.load_state_dict(state["sampler"])
 
-    def _checked(
-        self, state: Mapping[str, Any]
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor], dict[int, dict[str, Any]]]:
+    def _checked(self, state: Mapping[str, Any]) -> tuple[list[torch.Tensor], dict[int, dict[str, Any]]]:
         with malformed("instance state"):
             params = tensors_like(state["params"], self.params, "instance parameters")
-            start = tensors_like(state["start"], self.start, "instance round start")
             moments: dict[int, dict[str, Any]] = {}
             for idx, fields in mapping(state["optimizer"], "instance optimizer").items():
                 if not idx.isdigit() or int(idx) >= len(self.params):
@@ -297,4 +333,61 @@ class Instance:
                         raise ValueError(f"instance optimizer {idx}.{name}: shape {tuple(value.shape)}")
                 moments[int(idx)] = dict(fields)
             self.sampler.check_state_dict(state["sampler"])
-        return params, start, moments
+        return params, moments
+
+
+_RngState = tuple[torch.Tensor, torch.Tensor | None]
+
+
+def _rng_state(device: torch.device) -> _RngState:
+    """The random state a forward pass draws from (dropout): the CPU one, and the device's."""
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+
+def _set_rng_state(device: torch.device, state: _RngState) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)
+
+
+class _ChunkSums:
+    """The sums of `GradStats` over M micro-batch gradients g_m that arrive one tensor at a time.
+
+    For each parameter tensor j of each g_m: S += ||g_m[j] − ḡ[j]||² and ip_m += ⟨g_m[j], ḡ[j]⟩,
+    kept as float64 on the device (one number per tensor crosses to the host only at the end).
+    """
+
+    def __init__(self, num_grads: int, *, device: torch.device) -> None:
+        self.chunk = 0
+        self.sq_dev = torch.zeros((), dtype=torch.float64, device=device)
+        self.sq_norm = torch.zeros((), dtype=torch.float64, device=device)
+        self.ip = torch.zeros(num_grads, dtype=torch.float64, device=device)
+
+    def hook(self, mean: torch.Tensor) -> Callable[[torch.Tensor], None]:
+        """A post-accumulate-grad hook for one parameter whose step gradient (ḡ[j]) is `mean`."""
+        counted = False
+
+        def read(param: torch.Tensor) -> None:
+            nonlocal counted
+            with torch.no_grad():
+                g = param.grad
+                assert g is not None
+                param.grad = None  # read and freed: no copy of the model's gradients builds up
+                g_mean = mean.float()
+                dev = g.float() - g_mean
+                self.sq_dev += torch.dot(dev.reshape(-1), dev.reshape(-1)).double()
+                self.ip[self.chunk] += torch.dot(g.float().reshape(-1), g_mean.reshape(-1)).double()
+                if not counted:
+                    self.sq_norm += torch.dot(g_mean.reshape(-1), g_mean.reshape(-1)).double()
+                    counted = True
+
+        return read
+
+    def stats(self, *, samples_per_grad: int) -> GradStats:
+        """`GradStats` of the sums (ValueError on non-finite gradients, as `grad_stats`)."""
+        return stats_from_sums(
+            sq_dev=float(self.sq_dev),
+            sq_norm=float(self.sq_norm),
+            ip=[float(v) for v in self.ip],
+            samples_per_grad=samples_per_grad,
+        )

@@ -33,7 +33,7 @@ from ...errors import UserError
 from ...protocol.algorithms.adaptive import choose_codec
 from ...protocol.algorithms.allreduce import Contribution, GroupResult
 from ...protocol.algorithms.batchtest import pool_stats
-from ...protocol.algorithms.codecs import Codec, decode_tensors, make_codec
+from ...protocol.algorithms.codecs import Codec, decode, make_codec
 from ...protocol.algorithms.feedback import ErrorFeedback
 from ...protocol.algorithms.heloco import correct, dylu_inner_steps, staleness_weight
 from ...protocol.algorithms.outer import outer_step
@@ -78,16 +78,18 @@ class Peer:
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
         self.vocab_size = vocab_size
-        # Every peer builds the same seeded model, so θ_0 is identical without a download.
+        # Every peer builds the same seeded model, so θ_0 is identical without a download. The first
+        # instance trains this very model; θ is evaluated through it (`validation_loss`), no copy.
         # (typed as a Module: transformers types `PreTrainedModel.to` too narrowly for a device)
-        self.eval_model = cast(
+        model = cast(
             torch.nn.Module,
             build_model(cfg.model, vocab_size=vocab_size, seed=cfg.seed, max_seq_len=max(1024, cfg.seq_len)),
         ).to(self.device)
-        self.names = [n for n, p in self.eval_model.named_parameters() if p.requires_grad]
-        self.state = initial_state(self.eval_model, cfg)
+        self.names = [n for n, p in model.named_parameters() if p.requires_grad]
+        self.fingerprint = model_fingerprint(model)
+        self.state = initial_state(model, cfg)
         self.instances = [
-            self._make_instance(corpus, slot=k, index=index, num_peers=num_peers)
+            self._make_instance(corpus, model, slot=k, index=index, num_peers=num_peers)
             for k in range(cfg.instances)
         ]
         self.b_max = cfg.b_max or probe_b_max(
@@ -108,7 +110,10 @@ class Peer:
         # MIT merges decided while the instances were mid-round: (victim, survivor, batch of then).
         self._deferred_merges: list[tuple[int, int, tuple[int, ...]]] = []
 
-    def _make_instance(self, corpus: Corpus, *, slot: int, index: int, num_peers: int) -> Instance:
+    def _make_instance(
+        self, corpus: Corpus, model: torch.nn.Module, *, slot: int, index: int, num_peers: int
+    ) -> Instance:
+        """Instance `slot` on its data shard: slot 0 trains `model` itself, the others a copy."""
         shard = shard_corpus(
             corpus,
             peer_index=index,
@@ -124,8 +129,8 @@ class Peer:
                 f"--batch-size: a batch of {self.cfg.batch_size}×{self.cfg.seq_len} tokens is larger than"
                 f" this peer's data shard ({sampler.num_tokens} tokens); use a smaller batch or more data"
             )
-        model = copy.deepcopy(self.eval_model)
-        return Instance(slot=slot, model=model, sampler=sampler, inner=self.cfg.inner)
+        own = model if slot == 0 else copy.deepcopy(model)
+        return Instance(slot=slot, model=own, sampler=sampler, inner=self.cfg.inner)
 
     # ---- local phase -------------------------------------------------------------------------
 
@@ -191,8 +196,11 @@ class Peer:
             return step_done
 
         theta = self.state.theta if from_theta else None
+        # Without overlap nothing changes θ until the round ends, so it is the round start itself.
         return [
-            inst.run_round(theta, plan=plan, steps=steps, on_step=counter(plan.effective))
+            inst.run_round(
+                theta, plan=plan, steps=steps, on_step=counter(plan.effective), share_theta=not self.overlap
+            )
             for inst, plan in zip(self.instances, plans, strict=True)
         ]
 
@@ -201,7 +209,10 @@ class Peer:
     ) -> LocalRound:
         """The node's Δ (token-weighted over its instances) and report; deferred merges happen here."""
         tokens = sum(r.tokens for r in results)
-        delta = weighted_mean([r.delta for r in results], [float(r.tokens) for r in results])
+        if len(results) == 1:
+            delta = results[0].delta  # what the weighted mean of one gives, without a copy
+        else:
+            delta = weighted_mean([r.delta for r in results], [float(r.tokens) for r in results])
         compute_s = sum(r.compute_s for r in results)
         slot_stats = [r.stats for r in results]
         for victim, survivor, batch in self._deferred_merges:
@@ -331,11 +342,11 @@ class Peer:
         return choice.spec
 
     def _apply(self, update: Update) -> None:
-        if update.round != self.state.round:
-            raise ValueError(f"update for round {update.round} applied at round {self.state.round}")
-        averaged = decode_tensors(dict(update.averaged))
-        delta = [averaged[n].to(self.device) for n in self.names]
-        outer_step(self.state.theta, self.state.momentum, delta, self.cfg.outer)
+        self._check_update(update)
+        # Tensor by tensor: one decoded tensor at a time, never a decoded copy of the whole model.
+        for name, theta, momentum in zip(self.names, self.state.theta, self.state.momentum, strict=True):
+            delta = decode(update.averaged[name]).to(self.device)
+            outer_step([theta], [momentum], [delta], self.cfg.outer)
         if update.merge is not None:
             if self._in_round:
                 # The instances are mid-round (overlap): merge when the round ends.
@@ -345,10 +356,33 @@ class Peer:
         self.state.schedule = update.schedule
         self.state.round += 1
         self.state.history.append(update)
-        # Peers keep the last few averaged updates so a peer a few rounds behind can replay them.
-        del self.state.history[:-HISTORY_ROUNDS]
+        self._trim_history()
         if self.overlap:
             self.rebase_instances()
+
+    def _trim_history(self) -> None:
+        """Keep the last few averaged updates, so a peer a few rounds behind can replay them: at most
+        `HISTORY_ROUNDS`, and no more than fit in `cfg.replay_mb` of encoded bytes."""
+        budget, kept = self.cfg.replay_mb * 2**20, 0
+        history = self.state.history[-HISTORY_ROUNDS:]
+        for back, update in enumerate(reversed(history)):
+            kept += update.num_bytes
+            if kept > budget:
+                history = history[len(history) - back :]
+                break
+        self.state.history = history
+
+    def _check_update(self, update: Update) -> None:
+        """ValueError unless the update decodes to one finite tensor of θ's shape per name: checked
+        whole before any is applied (one tensor decoded at a time), so a bad update changes nothing."""
+        if update.round != self.state.round:
+            raise ValueError(f"update for round {update.round} applied at round {self.state.round}")
+        if update.averaged.keys() != set(self.names):
+            raise ValueError(f"update for round {update.round} does not carry exactly this model's tensors")
+        for name, theta in zip(self.names, self.state.theta, strict=True):
+            delta = decode(update.averaged[name])
+            if delta.shape != theta.shape or not bool(torch.isfinite(delta).all()):
+                raise ValueError(f"update for round {update.round}: {name} is misshapen or not finite")
 
     def rebase_instances(self) -> None:
         """Overlap: move the instances' progress onto the current θ (`cfg.overlap` says how); the
@@ -417,12 +451,8 @@ class Peer:
     @torch.no_grad()
     def validation_loss(self) -> float:
         """Mean validation loss of θ on the fixed validation windows (identical on every peer)."""
-        for p, t in zip(
-            (p for p in self.eval_model.parameters() if p.requires_grad), self.state.theta, strict=True
-        ):
-            p.copy_(t)
-        self.eval_model.eval()
-        return evaluate(self.eval_model, self.val_batches, micro_batch=16)
+        model = self.instances[0].model
+        return evaluate(model, self.val_batches, micro_batch=16, parameters=self.named_theta())
 
     def named_theta(self) -> dict[str, torch.Tensor]:
         return dict(zip(self.names, self.state.theta, strict=True))
@@ -441,7 +471,7 @@ class Peer:
             raise RuntimeError("cannot checkpoint during a local round; save between rounds")
         return {
             **self.state.state_dict(),
-            "model_fingerprint": model_fingerprint(self.eval_model),
+            "model_fingerprint": self.fingerprint,
             "names": list(self.names),
             "instances": [inst.state_dict() for inst in self.instances],
             "error_feedback": self.error_feedback.state_dict(),
@@ -499,7 +529,7 @@ class Peer:
         self.b_max = self.cfg.b_max or b_max
 
     def _check_compatible(self, state: Mapping[str, Any]) -> None:
-        ours, theirs = model_fingerprint(self.eval_model), str(state.get("model_fingerprint"))
+        ours, theirs = self.fingerprint, str(state.get("model_fingerprint"))
         if theirs != ours or state.get("names") != self.names:
             raise IncompatibleState(
                 f"this state is of another model (fingerprint {theirs[:12]}, this node's {ours[:12]});"

@@ -30,6 +30,11 @@ class Update:
     schedule: Schedule
     merge: tuple[int, int] | None
 
+    @property
+    def num_bytes(self) -> int:
+        """The encoded bytes it holds (what keeping it costs)."""
+        return sum(len(payload) for payload in self.averaged.values())
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "round": self.round,

@@ -214,17 +214,46 @@ def validation_batches(corpus: Corpus, *, seq_len: int, num_sequences: int, seed
     return stream[starts[:, None] + torch.arange(seq_len)].long()
 
 
+# Logits of one evaluation micro-batch at most this large (fp32): a 50k vocabulary at 128 tokens
+# makes 26 MB per sequence, so 16 sequences at once would hold 400 MB for a 124M model.
+EVAL_LOGITS_BYTES = 64 << 20
+
+
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, batches: torch.Tensor, *, micro_batch: int) -> float:
-    """Return the mean next-token cross-entropy (nats) of `model` over the rows of `batches`."""
+def evaluate(
+    model: torch.nn.Module,
+    batches: torch.Tensor,
+    *,
+    micro_batch: int,
+    parameters: Mapping[str, torch.Tensor] | None = None,
+) -> float:
+    """Return the mean next-token cross-entropy (nats) of `model` over the rows of `batches`.
+
+    `parameters` (name → tensor) are evaluated in place of the model's own, which stay untouched
+    (`torch.func.functional_call`, no copy of the model). Micro-batches are cut so that their logits
+    stay within `EVAL_LOGITS_BYTES`.
+    """
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
+    vocab = int(getattr(getattr(model, "config", None), "vocab_size", 0) or 0)
+    if vocab and batches.ndim == 2 and batches.shape[1]:
+        micro_batch = max(1, min(micro_batch, EVAL_LOGITS_BYTES // (4 * vocab * batches.shape[1])))
+
+    def loss_of(x: torch.Tensor) -> torch.Tensor:
+        if parameters is None:
+            out = model(input_ids=x, labels=x)
+        else:
+            inputs = {"input_ids": x, "labels": x}
+            out = torch.func.functional_call(model, dict(parameters), args=(), kwargs=inputs)
+        loss: torch.Tensor = out.loss
+        return loss
+
     total, count = 0.0, 0
     try:
         for chunk in torch.split(batches, micro_batch):
             x = chunk.to(device)
-            total += float(model(input_ids=x, labels=x).loss) * x.shape[0]
+            total += float(loss_of(x)) * x.shape[0]
             count += x.shape[0]
     finally:
         model.train(was_training)

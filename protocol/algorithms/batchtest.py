@@ -119,12 +119,21 @@ def grad_stats(grads: Sequence[Tensor] | Sequence[Sequence[Tensor]], samples_per
             sq_dev += float((g - mean).square().sum())
             sq_norm += float(mean.square().sum())
             ip += g @ mean
-    if not (math.isfinite(sq_dev) and math.isfinite(sq_norm) and bool(torch.isfinite(ip).all())):
+    return stats_from_sums(sq_dev=sq_dev, sq_norm=sq_norm, ip=ip.tolist(), samples_per_grad=samples_per_grad)
+
+
+def stats_from_sums(
+    *, sq_dev: float, sq_norm: float, ip: Sequence[float], samples_per_grad: int
+) -> GradStats:
+    """`GradStats` from the sums however they were gathered: S = Σ_m ||g_m − ḡ||², ||ḡ||², and
+    ip_m = ⟨g_m, ḡ⟩ for each of the M gradients. ValueError if any is not finite."""
+    if not (math.isfinite(sq_dev) and math.isfinite(sq_norm) and all(math.isfinite(v) for v in ip)):
         raise ValueError("grad_stats: gradients contain inf or NaN")
-    ip_dev = float((ip - ip.mean()).square().sum())
+    mean_ip = math.fsum(ip) / len(ip)
+    ip_dev = math.fsum((v - mean_ip) ** 2 for v in ip)
     ortho_dev = max(0.0, sq_dev - ip_dev / sq_norm) if sq_norm > 0 else sq_dev
     return GradStats(
-        num_grads=m,
+        num_grads=len(ip),
         samples_per_grad=samples_per_grad,
         sq_dev_sum=sq_dev,
         mean_sq_norm=sq_norm,

@@ -70,7 +70,7 @@ def tensors_hash(tensors: Iterable[Tensor]) -> str:
     for t in tensors:
         values = t.detach().to(device="cpu", dtype=torch.float32).contiguous()
         digest.update(repr(tuple(values.shape)).encode())
-        digest.update(values.numpy().tobytes())
+        digest.update(memoryview(values.numpy()).cast("B"))  # type: ignore[arg-type]  # the buffer itself, no copy
     return digest.hexdigest()
 
 

@@ -1,0 +1,217 @@
+"""Memory benchmark: peak resident memory per parameter of a node training the GPT-2 124M config.
+
+Runs the real entry points as separate processes and reads each process's own high-water mark
+(VmHWM in /proc/PID/status, the kernel's peak resident set size) just before it exits:
+
+1. solo: `adloco-node --offline` for 2 rounds (one instance, fp32 AdamW, int8 codec);
+2. swarm: `adloco-swarm --nodes 3` for 2 rounds (a bootstrap peer and 3 nodes over the real p2pd),
+   the peak of each node process.
+
+Alongside, the bytes per parameter the method cannot avoid (the floor: instance weights, gradients,
+two AdamW moments, θ and the outer momentum) and what the node holds on top by design (the
+error-feedback residual, the kept updates), computed from the parameter count and the codec, and
+the resident memory of a process that only imports torch and transformers and builds the model
+(the interpreter and libraries' share, which does not scale with the model). Every figure is
+measured when the script runs. From the repository root:
+
+    python bench/memory.py                       # solo + 3-node swarm, ~6 min on 2 cores, ~14 GB
+    python bench/memory.py --modes solo --repeats 3 --out /tmp/memory.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+GPT2_124M = {
+    "model_type": "gpt2",
+    "n_embd": 768,
+    "n_layer": 12,
+    "n_head": 12,
+    "n_positions": 1024,
+    "vocab_size": 50257,
+}
+TRAIN_ARGS = ["--seq-len", "128", "--batch-size", "2", "--inner-steps", "2", "--instances", "1"]
+RESULTS = Path(__file__).resolve().parent / "results" / "memory.json"
+
+
+def _hwm_bytes(pid: int) -> int | None:
+    """The process's peak resident set size so far (VmHWM), None once it is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return None
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live descendant of `pid` (children, their children, ...)."""
+    found, frontier = [], [pid]
+    while frontier:
+        parent = frontier.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            try:
+                children = (task / "children").read_text().split()
+            except FileNotFoundError:
+                continue
+            for child in map(int, children):
+                found.append(child)
+                frontier.append(child)
+    return found
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except FileNotFoundError:
+        return ""
+
+
+class PeakWatcher:
+    """Polls the peak RSS of a process tree; remembers each process's last reading (VmHWM only grows,
+    so the last reading before exit is the process's peak to within one poll of growth)."""
+
+    def __init__(self, root: int, interval_s: float = 0.05) -> None:
+        self.root = root
+        self.interval_s = interval_s
+        self.peaks: dict[int, tuple[str, int]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for pid in [self.root, *_descendants(self.root)]:
+                hwm = _hwm_bytes(pid)
+                if hwm is not None:
+                    name = self.peaks.get(pid, (_cmdline(pid), 0))[0] or _cmdline(pid)
+                    self.peaks[pid] = (name, hwm)
+            time.sleep(self.interval_s)
+
+    def stop(self) -> dict[int, tuple[str, int]]:
+        self._stop.set()
+        self._thread.join()
+        return self.peaks
+
+
+def _run(cmd: list[str], *, cwd: Path, timeout_s: float) -> tuple[dict[int, tuple[str, int]], float]:
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    watcher = PeakWatcher(proc.pid)
+    out, _ = proc.communicate(timeout=timeout_s)
+    peaks = watcher.stop()
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{out[-4000:]}")
+    return peaks, time.perf_counter() - t0
+
+
+def count_parameters(config: Path) -> int:
+    from adloco.node.training.model import build_model
+
+    model = build_model(str(config), vocab_size=256)
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def library_baseline(config: Path) -> int:
+    """Peak RSS of a process that imports the libraries and builds the model once (4 B/param)."""
+    code = (
+        "import sys, adloco.node.training.model as m; m.build_model(sys.argv[1], vocab_size=256);"
+        "print(open('/proc/self/status').read())"
+    )
+    cmd = [sys.executable, "-c", code, str(config)]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True)
+    line = next(ln for ln in out.stdout.splitlines() if ln.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
+
+
+def measure_solo(config: Path, work: Path) -> dict[str, float]:
+    cmd = [
+        sys.executable, "-m", "adloco.node.cli.entry", "--offline", "--rounds", "2",
+        "--model", str(config), *TRAIN_ARGS, "--checkpoint-dir", str(work / "ckpt-solo"),
+    ]  # fmt: skip
+    peaks, wall = _run(cmd, cwd=work, timeout_s=1800)
+    return {"peak_bytes": float(peaks[min(peaks)][1]), "wall_s": wall}
+
+
+def measure_swarm(config: Path, work: Path, nodes: int) -> dict[str, object]:
+    out = work / f"swarm-{time.time_ns()}"
+    cmd = [
+        sys.executable, "-m", "adloco.node.cli.launcher", "--nodes", str(nodes), "--rounds", "2",
+        "--out", str(out), "--model", str(config), *TRAIN_ARGS,
+    ]  # fmt: skip
+    peaks, wall = _run(cmd, cwd=work, timeout_s=3600)
+    node_peaks = sorted(
+        float(hwm) for name, hwm in peaks.values() if "launcher" not in name and "p2pd" not in name
+        and "bootstrap" not in name and hwm > 1 << 30
+    )  # fmt: skip
+    return {"node_peak_bytes": node_peaks, "wall_s": wall}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--modes", default="solo,swarm", help="comma-separated: solo, swarm")
+    ap.add_argument("--repeats", type=int, default=1, help="solo runs (the median is reported)")
+    ap.add_argument("--nodes", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    args = ap.parse_args()
+    modes = args.modes.split(",")
+    with tempfile.TemporaryDirectory(prefix="adloco-memory-") as tmp:
+        work = Path(tmp)
+        config = work / "gpt2-124m.json"
+        config.write_text(json.dumps(GPT2_124M))
+        params = count_parameters(config)
+        print(f"GPT-2 124M config: {params:,} parameters", flush=True)
+        floor = {
+            "instance weights": 4,
+            "gradients": 4,
+            "AdamW moments": 8,
+            "theta": 4,
+            "outer momentum": 4,
+        }
+        by_design = {"error-feedback residual (int8)": 4}
+        baseline = library_baseline(config)
+        result: dict[str, object] = {
+            "params": params,
+            "train_args": TRAIN_ARGS,
+            "floor_bytes_per_param": floor,
+            "by_design_bytes_per_param": by_design,
+            "libraries_and_one_model_bytes": baseline,
+        }
+        print(f"libraries + one model build: {baseline / 2**30:.2f} GiB ({baseline / params:.1f} B/param)")
+        if "solo" in modes:
+            runs = [measure_solo(config, work) for _ in range(args.repeats)]
+            peak = statistics.median(r["peak_bytes"] for r in runs)
+            result["solo"] = {"runs": runs, "median_peak_bytes": peak, "bytes_per_param": peak / params}
+            print(
+                f"solo: peak {peak / 2**30:.2f} GiB = {peak / params:.1f} B/param"
+                f" (median of {len(runs)}; runs {[round(r['peak_bytes'] / params, 1) for r in runs]})",
+                flush=True,
+            )
+        if "swarm" in modes:
+            swarm = measure_swarm(config, work, args.nodes)
+            node_peaks = swarm["node_peak_bytes"]
+            assert isinstance(node_peaks, list)
+            result["swarm"] = {**swarm, "bytes_per_param": [p / params for p in node_peaks]}
+            print(
+                f"swarm of {args.nodes}: node peaks {[round(p / 2**30, 2) for p in node_peaks]} GiB ="
+                f" {[round(p / params, 1) for p in node_peaks]} B/param, {swarm['wall_s']:.0f} s",
+                flush=True,
+            )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "2")
+    main()
