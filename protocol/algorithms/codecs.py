@@ -301,13 +301,15 @@ class Int8Codec(_BlockwiseCodec):
         return numel
 
 
-# int4 nibble tables. Pack: the little-endian u16 of a pair of int8 values (q0, q1) -> the byte
-# (q0 + 8) | (q1 + 8) << 4. Unpack: a byte -> the little-endian u16 whose bytes are the int8 values
-# (low nibble - 8, high nibble - 8). One table lookup per pair instead of strided nibble arithmetic.
+# int4 nibble tables, one lookup per pair of values instead of strided nibble arithmetic. Pack: the
+# little-endian u16 of a pair of int8 values (q0, q1) -> the byte (q0 + 8) | (q1 + 8) << 4. Unpack: a
+# byte -> the float32 pair (low nibble - 8, high nibble - 8), as one native u64.
 _PAIRS = np.arange(1 << 16)
 _INT4_PACK = (((_PAIRS + 8) & 0x0F) | ((((_PAIRS >> 8) + 8) & 0x0F) << 4)).astype(np.uint8)
 _BYTES = np.arange(1 << 8)
-_INT4_UNPACK = ((((_BYTES & 0x0F) - 8) & 0xFF) | ((((_BYTES >> 4) - 8) & 0xFF) << 8)).astype("<u2")
+_INT4_UNPACK = (
+    np.stack([(_BYTES & 0x0F) - 8, (_BYTES >> 4) - 8], axis=1).astype(np.float32).view(np.uint64)[:, 0]
+)
 
 
 class Int4Codec(_BlockwiseCodec):
@@ -340,25 +342,29 @@ class Int4Codec(_BlockwiseCodec):
         return (numel + 1) // 2
 
 
-def _int8_spans(
-    payload: bytes, offset: int, numel: int, block: int
-) -> Iterator[tuple[int, int, npt.NDArray[np.int8]]]:
+def _int8_into(
+    payload: bytes, offset: int, numel: int, block: int, out: npt.NDArray[np.float32]
+) -> Iterator[tuple[int, int]]:
+    """Write the int8 values of each step of `_spans` into `out` as float32; yield the step."""
     q = np.frombuffer(payload, dtype=np.int8, count=numel, offset=offset)
     for start, stop in _spans(numel, block):
-        yield start, stop, q[start:stop]
+        out[start:stop] = q[start:stop]
+        yield start, stop
 
 
-def _int4_spans(
-    payload: bytes, offset: int, numel: int, block: int
-) -> Iterator[tuple[int, int, npt.NDArray[np.int8]]]:
+def _int4_into(
+    payload: bytes, offset: int, numel: int, block: int, out: npt.NDArray[np.float32]
+) -> Iterator[tuple[int, int]]:
+    """Write the int4 values of each step of `_spans` into `out` as float32; yield the step.
+
+    `out` needs room for an even number of values: the last byte of an odd count decodes a pair.
+    """
     packed = np.frombuffer(payload, dtype=np.uint8, count=(numel + 1) // 2, offset=offset)
-    pairs = np.empty(0, dtype="<u2")
+    pairs = out[: 2 * packed.size].view(np.uint64)
     for start, stop in _spans(numel, block):
-        m = (stop - start + 1) // 2
-        if pairs.size < m:
-            pairs = np.empty(m, dtype="<u2")
-        np.take(_INT4_UNPACK, packed[start // 2 : start // 2 + m], out=pairs[:m], mode="clip")
-        yield start, stop, pairs[:m].view(np.int8)[: stop - start]
+        at, end = start // 2, (stop + 1) // 2
+        np.take(_INT4_UNPACK, packed[at:end], out=pairs[at:end], mode="clip")
+        yield start, stop
 
 
 # --- low rank -----------------------------------------------------------------------------------
@@ -496,7 +502,7 @@ def _read_fp16(payload: bytes, shape: tuple[int, ...], offset: int) -> _Build:
     return build
 
 
-_Unpack = Callable[[bytes, int, int, int], Iterator[tuple[int, int, npt.NDArray[np.int8]]]]
+_Unpack = Callable[[bytes, int, int, int, npt.NDArray[np.float32]], Iterator[tuple[int, int]]]
 
 
 def _blockwise_reader(qmax: int, data_bytes: Callable[[int], int], unpack: _Unpack) -> _Reader:
@@ -512,11 +518,11 @@ def _blockwise_reader(qmax: int, data_bytes: Callable[[int], int], unpack: _Unpa
 
         def build() -> torch.Tensor:
             absmax = np.frombuffer(payload, dtype="<f4", count=nblocks, offset=scales_at).astype(np.float32)
-            out = np.empty(numel, dtype=np.float32)
+            out = np.empty(numel + 1, dtype=np.float32)  # one spare for int4's last pair
             with np.errstate(invalid="ignore", over="ignore"):  # 0 * inf = NaN is the point
-                for start, stop, q in unpack(payload, data_at, numel, block):
-                    _dequantize(q, absmax[start // block :], out[start:stop], block, qmax)
-            return torch.from_numpy(out).reshape(shape)
+                for start, stop in unpack(payload, data_at, numel, block, out):
+                    _dequantize(out[start:stop], absmax[start // block :], block, qmax)
+            return torch.from_numpy(out[:numel]).reshape(shape)
 
         return build
 
@@ -524,18 +530,16 @@ def _blockwise_reader(qmax: int, data_bytes: Callable[[int], int], unpack: _Unpa
 
 
 def _dequantize(
-    q: npt.NDArray[np.int8],
-    absmax: npt.NDArray[np.float32],
-    out: npt.NDArray[np.float32],
-    block: int,
-    qmax: int,
+    values: npt.NDArray[np.float32], absmax: npt.NDArray[np.float32], block: int, qmax: int
 ) -> None:
-    """out = q * absmax / qmax, blockwise: in that order, so q = ±qmax decodes to exactly ±absmax."""
-    full = q.size // block * block
-    np.multiply(q[:full].reshape(-1, block), absmax[: full // block, None], out=out[:full].reshape(-1, block))
-    if full < q.size:  # a partial last block
-        np.multiply(q[full:], absmax[full // block], out=out[full:])
-    np.divide(out, np.float32(qmax), out=out)
+    """values = q * absmax / qmax in place, blockwise: in that order, so that q = ±qmax decodes to
+    exactly ±absmax."""
+    full = values.size // block * block
+    blocks = values[:full].reshape(-1, block)
+    np.multiply(blocks, absmax[: full // block, None], out=blocks)
+    if full < values.size:  # a partial last block
+        np.multiply(values[full:], absmax[full // block], out=values[full:])
+    np.divide(values, np.float32(qmax), out=values)
 
 
 def _read_lowrank(payload: bytes, shape: tuple[int, ...], offset: int) -> _Build:
@@ -558,8 +562,8 @@ def _read_lowrank(payload: bytes, shape: tuple[int, ...], offset: int) -> _Build
 _DENSE_READERS: dict[int, _Reader] = {
     _ID_NONE: _read_none,
     _ID_FP16: _read_fp16,
-    _ID_INT8: _blockwise_reader(Int8Codec._qmax, Int8Codec._data_bytes, _int8_spans),
-    _ID_INT4: _blockwise_reader(Int4Codec._qmax, Int4Codec._data_bytes, _int4_spans),
+    _ID_INT8: _blockwise_reader(Int8Codec._qmax, Int8Codec._data_bytes, _int8_into),
+    _ID_INT4: _blockwise_reader(Int4Codec._qmax, Int4Codec._data_bytes, _int4_into),
 }
 _READERS = {**_DENSE_READERS, _ID_LOWRANK: _read_lowrank}
 
