@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import json
 import math
 import os
@@ -278,21 +279,25 @@ def gpt2_tensors(seed: int = 0) -> Deltas:
     }
 
 
-def time_encode(module: Any, spec: str, tensors: Deltas) -> tuple[float, dict[str, bytes]]:
-    """Seconds to encode every tensor with a fresh `spec` codec of `module`, and the payloads."""
+CLOCKS: tuple[str, ...] = ("cpu", "wall")
+
+
+def time_encode(module: Any, spec: str, tensors: Deltas) -> tuple[dict[str, float], dict[str, bytes]]:
+    """CPU and wall seconds to encode every tensor with a fresh `spec` codec of `module`, and the
+    payloads."""
     # A fresh codec each time, so that every repetition does the same work (low-rank warm starts).
     codec = module.make_codec(spec)
-    t0 = time.perf_counter()
+    cpu, wall = time.thread_time(), time.perf_counter()
     payloads = {k: codec.encode(k, t) for k, t in tensors.items()}
-    return time.perf_counter() - t0, payloads
+    return {"cpu": time.thread_time() - cpu, "wall": time.perf_counter() - wall}, payloads
 
 
-def time_decode(module: Any, payloads: dict[str, bytes]) -> float:
-    """Seconds to decode every payload with `module` (each result dropped at once)."""
-    t0 = time.perf_counter()
+def time_decode(module: Any, payloads: dict[str, bytes]) -> dict[str, float]:
+    """CPU and wall seconds to decode every payload with `module` (each result dropped at once)."""
+    cpu, wall = time.thread_time(), time.perf_counter()
     for payload in payloads.values():
         module.decode(payload)
-    return time.perf_counter() - t0
+    return {"cpu": time.thread_time() - cpu, "wall": time.perf_counter() - wall}
 
 
 def same_tensors(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -303,22 +308,27 @@ def same_tensors(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def throughput_row(spec: str, tensors: Deltas, modules: dict[str, Any], reps: int) -> Row:
-    """Median encode/decode seconds of `spec` over `reps` repetitions, the modules interleaved."""
+    """Median encode/decode GB/s of `spec` over `reps` repetitions, the modules interleaved.
+
+    GB/s by CPU time (this thread's: torch runs on one thread) is the throughput of one core even
+    on a shared machine; by wall time it is what a caller waited, other processes included.
+    """
     values = sum(t.numel() for t in tensors.values())
-    times: dict[str, dict[str, list[float]]] = {m: {"encode": [], "decode": []} for m in modules}
+    times: dict[tuple[str, str, str], list[float]] = {}
     payloads: dict[str, dict[str, bytes]] = {}
     for _ in range(reps):
+        measured: dict[tuple[str, str], dict[str, float]] = {}
         for label, module in modules.items():
-            seconds, payloads[label] = time_encode(module, spec, tensors)
-            times[label]["encode"].append(seconds)
+            measured[label, "encode"], payloads[label] = time_encode(module, spec, tensors)
         for label, module in modules.items():
-            times[label]["decode"].append(time_decode(module, payloads[label]))
+            measured[label, "decode"] = time_decode(module, payloads[label])
+        for (label, op), seconds in measured.items():
+            for clock in CLOCKS:
+                times.setdefault((op, label, clock), []).append(seconds[clock])
     row: Row = {"codec": spec, "values": values, "fp32_bytes": 4 * values, "reps": reps}
-    for label in modules:
-        for op in ("encode", "decode"):
-            median = statistics.median(times[label][op])
-            row[f"{op}_{label}_s"] = times[label][op]
-            row[f"{op}_{label}_gbps"] = 4 * values / median / 1e9
+    for (op, label, clock), seconds_list in times.items():
+        row[f"{op}_{label}_{clock}_s"] = seconds_list
+        row[f"{op}_{label}_{clock}_gbps"] = 4 * values / statistics.median(seconds_list) / 1e9
     row["wire_bytes"] = codecs.wire_bytes_of(payloads["after"])
     if "before" in modules:
         before, after = payloads["before"], payloads["after"]
@@ -327,7 +337,9 @@ def throughput_row(spec: str, tensors: Deltas, modules: dict[str, Any], reps: in
             same_tensors(modules["before"].decode(before[k]), codecs.decode(after[k])) for k in after
         )
         for op in ("encode", "decode"):
-            row[f"{op}_speedup"] = row[f"{op}_after_gbps"] / row[f"{op}_before_gbps"]
+            for clock in CLOCKS:
+                after_gbps, before_gbps = row[f"{op}_after_{clock}_gbps"], row[f"{op}_before_{clock}_gbps"]
+                row[f"{op}_{clock}_speedup"] = after_gbps / before_gbps
     return row
 
 
@@ -447,23 +459,25 @@ def throughput_table(part: Row) -> str:
         f" {part['torch_threads']} torch thread, median of {part['reps']};"
         f" before = {rev[:10] if rev else 'not measured'}; {part['cpu']},"
         f" load {part['loadavg_before'][0]:.1f} → {part['loadavg_after'][0]:.1f})\n\n"
+        "GB/s of float32 values: by this thread's CPU time (one core's throughput), and by wall time.\n\n"
     )
     with_before = rev is not None
     headers = ["codec"]
-    headers += ["encode before GB/s", "encode after GB/s", "×"] if with_before else ["encode GB/s"]
-    headers += ["decode before GB/s", "decode after GB/s", "×"] if with_before else ["decode GB/s"]
-    headers += ["identical payloads / decode"] if with_before else []
     rows = []
+    for op, clock in itertools.product(("encode", "decode"), CLOCKS):
+        headers += [f"{op} GB/s, {clock}" + (" (before → after, ×)" if with_before else "")]
+    if with_before:
+        headers += ["identical payloads / decode"]
     for row in part["codecs"]:
         cells = [row["codec"]]
-        for op in ("encode", "decode"):
+        for op, clock in itertools.product(("encode", "decode"), CLOCKS):
+            after = f"{row[f'{op}_after_{clock}_gbps']:.3f}"
             if with_before:
-                cells += [f"{row[f'{op}_before_gbps']:.3f}", f"{row[f'{op}_after_gbps']:.3f}"]
-                cells += [f"{row[f'{op}_speedup']:.1f}×"]
-            else:
-                cells += [f"{row[f'{op}_after_gbps']:.3f}"]
+                before, speedup = row[f"{op}_before_{clock}_gbps"], row[f"{op}_{clock}_speedup"]
+                after = f"{before:.3f} → {after} ({speedup:.1f}×)"
+            cells.append(after)
         if with_before:
-            cells += [f"{row['identical_payloads']} / {row['identical_decode']}"]
+            cells.append(f"{row['identical_payloads']} / {row['identical_decode']}")
         rows.append(cells)
     return head + markdown_table(headers, rows)
 
