@@ -33,8 +33,8 @@ VERSION = 1
 DEFAULT_BLOCK_SIZE = 64
 _STEP = 1 << 16
 """Values per step of the vectorized loops (256 kB of float32): the three or four passes of a step
-then run over data in the L2 cache, not over whole tensors in memory (1 MB of L2 per core on the
-development machine; measured in bench/codecs.py part C)."""
+run over data in the L2 cache, not over whole tensors in memory. On the development machine (1 MB
+of L2 per core) steps of 2**15 to 2**18 values were within 6% of each other, 2**14 10-20% slower."""
 
 # Wire format (all little-endian):
 #
