@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import random
+import re
+import resource
 import struct
 import warnings
+from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -380,6 +385,36 @@ def test_dense_codecs_equal_the_reference(seed: int) -> None:
         decoded = decode(payload)
         assert decoded.dtype == torch.float32 and decoded.shape == x.shape
         assert torch.equal(decoded.nan_to_num(0.5), expected.nan_to_num(0.5))
+
+
+@contextlib.contextmanager
+def address_space_headroom(nbytes: int) -> Iterator[None]:
+    """Allocations past `nbytes` more address space fail at once (MemoryError), never page in."""
+    status = Path("/proc/self/status")
+    if not status.exists():
+        pytest.skip("needs Linux /proc")
+    used = re.search(r"VmSize:\s+(\d+) kB", status.read_text())
+    assert used is not None
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (int(used.group(1)) * 1024 + nbytes, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
+def test_a_block_larger_than_the_tensor_costs_only_the_tensor() -> None:
+    """Nothing is padded to a whole block: a payload's block size comes from the network, up to
+    2**32 - 1, and a padded block that large would take 16 GB (here: a MemoryError). The first
+    release padded on both sides: 4 bytes of a payload could make its receiver allocate 16 GB."""
+    x = gaussian(10)
+    for big, small in [(Int8Codec(2**32 - 1), Int8Codec(10)), (Int4Codec(2**32 - 1), Int4Codec(10))]:
+        expected = small.encode("k", x)
+        with address_space_headroom(1 << 30):
+            payload = big.encode("k", x)
+            decoded = decode(payload)
+        assert payload[:9] == expected[:9] and payload[13:] == expected[13:]  # one block either way
+        assert torch.equal(decoded, decode(expected))
 
 
 def test_decoded_tensors_are_writable_and_do_not_alias_the_payload() -> None:

@@ -211,27 +211,25 @@ def _quantized_spans(
 ) -> Iterator[tuple[int, int, npt.NDArray[np.float32]]]:
     """(start, stop, q) per step of `_spans`: q = round(x / absmax * qmax) of its values as float32.
 
-    Symmetric absmax quantization, half to even. q covers the step's blocks whole: past `stop - start`
-    it holds the zero padding of a partial last block, quantized (to 0). Every q is the same buffer,
-    overwritten by the next step.
+    Symmetric absmax quantization, half to even. Every q is the same buffer, overwritten by the
+    next step.
     """
     # NaN fails `> 0`, so a NaN block divides by 1 and decodes as q * NaN; an inf block gives
     # inf/inf = NaN -> 0 and decodes as 0 * inf = NaN. Either way the block is visibly poisoned.
     safe = np.where(absmax > 0, absmax, np.float32(1.0))
     finite = np.isfinite(absmax)
     all_finite = bool(finite.all())
-    scratch = np.empty(min(_step(block), len(absmax) * block), dtype=np.float32)
+    scratch = np.empty(min(_step(block), values.size), dtype=np.float32)
     scale = np.float32(qmax)
     with np.errstate(invalid="ignore", over="ignore"):
         for start, stop in _spans(values.size, block):
             first, end = start // block, -(-stop // block)
-            q = scratch[: (end - first) * block]
-            x = values[start:stop]
-            if x.size < q.size:  # a partial last block, zero-padded
-                q[x.size :] = 0.0
-                q[: x.size] = x
-                x = q
-            np.divide(x.reshape(-1, block), safe[first:end, None], out=q.reshape(-1, block))
+            x, q = values[start:stop], scratch[: stop - start]
+            full = x.size // block * block
+            blocks = q[:full].reshape(-1, block)
+            np.divide(x[:full].reshape(-1, block), safe[first : first + len(blocks), None], out=blocks)
+            if full < x.size:  # a partial last block
+                np.divide(x[full:], safe[end - 1], out=q[full:])
             np.multiply(q, scale, out=q)
             np.rint(q, out=q)
             # |x| <= absmax, so a finite block needs neither: |x / absmax| <= 1 holds after rounding.
@@ -293,7 +291,7 @@ class Int8Codec(_BlockwiseCodec):
     ) -> npt.NDArray[np.generic]:
         data = np.empty(numel, dtype=np.int8)
         for start, stop, q in spans:
-            data[start:stop] = q[: stop - start]
+            data[start:stop] = q
         return data
 
     @staticmethod
@@ -329,7 +327,7 @@ class Int4Codec(_BlockwiseCodec):
             n = stop - start
             if pairs.size < n + 1:  # the first step (it is the largest)
                 pairs = np.empty(n + 1, dtype=np.int8)
-            pairs[:n] = q[:n]
+            pairs[:n] = q
             pairs[n] = 0  # an odd last value pairs with q = 0 (nibble 8)
             m = (n + 1) // 2
             np.take(
