@@ -18,24 +18,39 @@ Part B (training) runs the in-process simulator (4 peers, sync) once per codec w
 configuration and reports the bytes each peer sends per round, the total bytes and the validation
 loss per round against the uncompressed run.
 
+Part C (throughput) times `encode` and `decode` of every codec on the tensors of a GPT-2 124M
+model's embedding and one transformer block (45.7M float32 values, 183 MB), on one thread, and
+reports the median over `--reps` repetitions in GB/s of float32 values (input bytes for encode,
+output bytes for decode). Beside it, the same timings of the codecs module as it was at
+`--baseline-rev` (loaded from git, nowhere else), their ratio, and whether both produce identical
+payloads and decode identical tensors.
+
 Every figure is measured when the script runs. Run from the repository root:
 
-    python bench/codecs.py                       # both parts, ~3 min on 2 shared CPU cores
-    python bench/codecs.py --skip-training       # part A only, ~30 s
+    python bench/codecs.py                       # all three parts, ~6 min on 2 shared CPU cores
+    python bench/codecs.py --skip-training       # parts A and C, ~3 min
+    python bench/codecs.py --throughput-only     # part C only, ~2.5 min; keeps A and B in the JSON
     python bench/codecs.py --rounds 12 --out /tmp/codecs.json
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import itertools
 import json
 import math
+import os
+import platform
 import statistics
+import subprocess
+import sys
 import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -68,6 +83,27 @@ ERROR_BOUNDS: tuple[float, ...] = (0.05, 0.1, 0.3)
 BYTE_BUDGETS: tuple[int | None, ...] = (None, 200_000)
 TRAINING_SPECS: tuple[str, ...] = ("none", "int8", "int4", "lowrank:8", "adaptive")
 TRAINING_PEERS = 4
+THROUGHPUT_SPECS: tuple[str, ...] = ("none", "fp16", "int8", "int4", "lowrank:8")
+# GPT-2 124M: the token embedding and one of its 12 transformer blocks (ln_1, attn.c_attn,
+# attn.c_proj, ln_2, mlp.c_fc, mlp.c_proj; weights and biases), in HF Conv1D (in, out) layout.
+GPT2_SHAPES: dict[str, tuple[int, ...]] = {
+    "wte": (50257, 768),
+    "ln_1.weight": (768,),
+    "ln_1.bias": (768,),
+    "attn.c_attn.weight": (768, 2304),
+    "attn.c_attn.bias": (2304,),
+    "attn.c_proj.weight": (768, 768),
+    "attn.c_proj.bias": (768,),
+    "ln_2.weight": (768,),
+    "ln_2.bias": (768,),
+    "mlp.c_fc.weight": (768, 3072),
+    "mlp.c_fc.bias": (3072,),
+    "mlp.c_proj.weight": (3072, 768),
+    "mlp.c_proj.bias": (768,),
+}
+# The last commit before the vectorized codecs: part C's "before".
+BASELINE_REV = "33a4e11c7f17746ea6f5ed93ad4f7c96bd1ab35a"
+CODECS_PATH = "protocol/algorithms/codecs.py"
 DEFAULT_OUT = Path("bench/results/codecs.json")
 
 
@@ -216,6 +252,130 @@ def run_training(rounds: int) -> Row:
     }
 
 
+# --- part C: throughput ---------------------------------------------------------------------------
+
+
+def load_baseline(rev: str) -> ModuleType:
+    """The codecs module as it was at git revision `rev`, imported under a name of its own."""
+    root = Path(__file__).resolve().parent.parent
+    source = subprocess.run(
+        ["git", "show", f"{rev}:{CODECS_PATH}"], cwd=root, capture_output=True, text=True, check=True
+    ).stdout
+    name = "bench_codecs_baseline"
+    spec = importlib.util.spec_from_loader(name, loader=None)
+    assert spec is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # classes look their module up by name
+    exec(compile(source, f"{rev[:10]}:{CODECS_PATH}", "exec"), module.__dict__)
+    return module
+
+
+def gpt2_tensors(seed: int = 0) -> Deltas:
+    """Pseudo-gradient-like tensors of GPT-2 shapes: Gaussian, a different scale per tensor."""
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        name: torch.randn(shape, generator=generator) * 10 ** -(2 + i % 3)
+        for i, (name, shape) in enumerate(GPT2_SHAPES.items())
+    }
+
+
+CLOCKS: tuple[str, ...] = ("cpu", "wall")
+
+
+def time_encode(module: Any, spec: str, tensors: Deltas) -> tuple[dict[str, float], dict[str, bytes]]:
+    """CPU and wall seconds to encode every tensor with a fresh `spec` codec of `module`, and the
+    payloads."""
+    # A fresh codec each time, so that every repetition does the same work (low-rank warm starts).
+    codec = module.make_codec(spec)
+    cpu, wall = time.thread_time(), time.perf_counter()
+    payloads = {k: codec.encode(k, t) for k, t in tensors.items()}
+    return {"cpu": time.thread_time() - cpu, "wall": time.perf_counter() - wall}, payloads
+
+
+def time_decode(module: Any, payloads: dict[str, bytes]) -> dict[str, float]:
+    """CPU and wall seconds to decode every payload with `module` (each result dropped at once)."""
+    cpu, wall = time.thread_time(), time.perf_counter()
+    for payload in payloads.values():
+        module.decode(payload)
+    return {"cpu": time.thread_time() - cpu, "wall": time.perf_counter() - wall}
+
+
+def same_tensors(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same shape, dtype, NaN positions and bit-equal values elsewhere."""
+    if a.shape != b.shape or a.dtype != b.dtype or not torch.equal(a.isnan(), b.isnan()):
+        return False
+    return bool(torch.equal(a.nan_to_num(0.0, math.inf, -math.inf), b.nan_to_num(0.0, math.inf, -math.inf)))
+
+
+def throughput_row(spec: str, tensors: Deltas, modules: dict[str, Any], reps: int) -> Row:
+    """Median encode/decode GB/s of `spec` over `reps` repetitions, the modules interleaved.
+
+    GB/s by CPU time (this thread's: torch runs on one thread) is the throughput of one core even
+    on a shared machine; by wall time it is what a caller waited, other processes included.
+    """
+    values = sum(t.numel() for t in tensors.values())
+    times: dict[tuple[str, str, str], list[float]] = {}
+    payloads: dict[str, dict[str, bytes]] = {}
+    for _ in range(reps):
+        measured: dict[tuple[str, str], dict[str, float]] = {}
+        for label, module in modules.items():
+            measured[label, "encode"], payloads[label] = time_encode(module, spec, tensors)
+        for label, module in modules.items():
+            measured[label, "decode"] = time_decode(module, payloads[label])
+        for (label, op), seconds in measured.items():
+            for clock in CLOCKS:
+                times.setdefault((op, label, clock), []).append(seconds[clock])
+    row: Row = {"codec": spec, "values": values, "fp32_bytes": 4 * values, "reps": reps}
+    for (op, label, clock), seconds_list in times.items():
+        row[f"{op}_{label}_{clock}_s"] = seconds_list
+        row[f"{op}_{label}_{clock}_gbps"] = 4 * values / statistics.median(seconds_list) / 1e9
+    row["wire_bytes"] = codecs.wire_bytes_of(payloads["after"])
+    if "before" in modules:
+        before, after = payloads["before"], payloads["after"]
+        row["identical_payloads"] = before == after
+        row["identical_decode"] = all(
+            same_tensors(modules["before"].decode(before[k]), codecs.decode(after[k])) for k in after
+        )
+        for op in ("encode", "decode"):
+            for clock in CLOCKS:
+                after_gbps, before_gbps = row[f"{op}_after_{clock}_gbps"], row[f"{op}_before_{clock}_gbps"]
+                row[f"{op}_{clock}_speedup"] = after_gbps / before_gbps
+    return row
+
+
+def run_throughput(reps: int, baseline_rev: str | None) -> Row:
+    """Part C: encode/decode GB/s of every codec, now and (if given) at `baseline_rev`."""
+    modules: dict[str, Any] = {"after": codecs}
+    if baseline_rev is not None:
+        modules = {"before": load_baseline(baseline_rev), "after": codecs}
+    tensors = gpt2_tensors()
+    load_before = os.getloadavg()
+    t0 = time.perf_counter()
+    rows = [throughput_row(spec, tensors, modules, reps) for spec in THROUGHPUT_SPECS]
+    return {
+        "tensors": {k: list(s) for k, s in GPT2_SHAPES.items()},
+        "values": sum(t.numel() for t in tensors.values()),
+        "reps": reps,
+        "baseline_rev": baseline_rev,
+        "torch_threads": torch.get_num_threads(),
+        "cpu": cpu_model(),
+        "loadavg_before": load_before,
+        "loadavg_after": os.getloadavg(),
+        "codecs": rows,
+        "wall_s": time.perf_counter() - t0,
+    }
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
 # --- output ---------------------------------------------------------------------------------------
 
 
@@ -292,6 +452,36 @@ def training_tables(part: Row) -> str:
     return head + markdown_table(headers, rows) + "\n\n" + val_loss_table(part["runs"])
 
 
+def throughput_table(part: Row) -> str:
+    rev = part["baseline_rev"]
+    head = (
+        f"## C. Throughput (GPT-2 124M embedding + 1 block, {part['values']:,} float32 values;"
+        f" {part['torch_threads']} torch thread, median of {part['reps']};"
+        f" before = {rev[:10] if rev else 'not measured'}; {part['cpu']},"
+        f" load {part['loadavg_before'][0]:.1f} → {part['loadavg_after'][0]:.1f})\n\n"
+        "GB/s of float32 values: by this thread's CPU time (one core's throughput), and by wall time.\n\n"
+    )
+    with_before = rev is not None
+    headers = ["codec"]
+    rows = []
+    for op, clock in itertools.product(("encode", "decode"), CLOCKS):
+        headers += [f"{op} GB/s, {clock}" + (" (before → after, ×)" if with_before else "")]
+    if with_before:
+        headers += ["identical payloads / decode"]
+    for row in part["codecs"]:
+        cells = [row["codec"]]
+        for op, clock in itertools.product(("encode", "decode"), CLOCKS):
+            after = f"{row[f'{op}_after_{clock}_gbps']:.3f}"
+            if with_before:
+                before, speedup = row[f"{op}_before_{clock}_gbps"], row[f"{op}_{clock}_speedup"]
+                after = f"{before:.3f} → {after} ({speedup:.1f}×)"
+            cells.append(after)
+        if with_before:
+            cells.append(f"{row['identical_payloads']} / {row['identical_decode']}")
+        rows.append(cells)
+    return head + markdown_table(headers, rows)
+
+
 def val_loss_table(runs: Sequence[Row]) -> str:
     head = "### Validation loss per round (round 0 = initial θ)\n\n"
     curves = [[run["initial_val_loss"], *run["val_loss"]] for run in runs]
@@ -306,7 +496,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=8, help="rounds of each part B training run")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where to write the results as JSON")
-    p.add_argument("--skip-training", action="store_true", help="run part A only")
+    p.add_argument("--skip-training", action="store_true", help="skip part B")
+    p.add_argument(
+        "--throughput-only",
+        action="store_true",
+        help="run part C only, keeping parts A and B of an existing --out file",
+    )
+    p.add_argument("--reps", type=int, default=5, help="repetitions of each part C timing (median)")
+    p.add_argument(
+        "--baseline-rev",
+        default=BASELINE_REV,
+        help="git revision whose codecs part C times beside the current ones ('' to skip)",
+    )
     # On a shared 2-core machine, torch's default of one thread per core oversubscribes the CPU and
     # measured 16 s instead of 2.3 s for one default round; 1 thread is the safe default there.
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
@@ -317,14 +518,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    fidelity = run_fidelity()
-    print(fidelity_tables(fidelity) + "\n\n" + choice_table(fidelity) + "\n", flush=True)
-    training = None if args.skip_training else run_training(args.rounds)
-    if training is not None:
-        print(training_tables(training) + "\n", flush=True)
+    results: Row = {}
+    if args.throughput_only and args.out.exists():
+        results = json.loads(args.out.read_text())
+    if not args.throughput_only:
+        fidelity = run_fidelity()
+        print(fidelity_tables(fidelity) + "\n\n" + choice_table(fidelity) + "\n", flush=True)
+        training = None if args.skip_training else run_training(args.rounds)
+        if training is not None:
+            print(training_tables(training) + "\n", flush=True)
+        results = {"fidelity": fidelity, "training": training, "torch_threads": torch.get_num_threads()}
+    throughput = run_throughput(args.reps, args.baseline_rev or None)
+    print(throughput_table(throughput) + "\n", flush=True)
     total = time.perf_counter() - t0
-    results = {"fidelity": fidelity, "training": training, "torch_threads": torch.get_num_threads()}
-    results["wall_s"] = total
+    results["throughput"] = throughput
+    if not args.throughput_only:
+        results["wall_s"] = total  # of all parts; part C alone has its own
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1))
     print(f"total {total:.0f}s; wrote {args.out}")

@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,7 @@ from typing import Any
 import pytest
 import torch
 
+from adloco.protocol.algorithms import codecs
 from adloco.protocol.algorithms.allreduce import Contribution, reduce_group
 from adloco.protocol.algorithms.codecs import decode_tensors, encode_tensors, make_codec
 from adloco.protocol.algorithms.report import PeerReport
@@ -352,6 +354,37 @@ def test_a_malformed_report_is_dropped_by_every_member_and_the_round_completes(
         ]
         assert list(r.malformed) == [bad.peer_id]
     assert len({tuple(o.result.malformed.items()) for o in outcomes if o.result is not None}) == 1
+
+
+def _count_decodes(monkeypatch: pytest.MonkeyPatch) -> Counter[bytes]:
+    """Count `codecs.decode` calls by payload, in every module of the package that imported it."""
+    counts: Counter[bytes] = Counter()
+    lock = threading.Lock()  # owners decode on their own executor threads
+    real = codecs.decode
+
+    def counting(payload: bytes) -> torch.Tensor:
+        with lock:
+            counts[bytes(payload)] += 1
+        return real(payload)
+
+    for module in list(sys.modules.values()):
+        if getattr(module, "__name__", "").startswith("adloco.") and getattr(module, "decode", None) is real:
+            monkeypatch.setattr(module, "decode", counting)
+    return counts
+
+
+def test_every_contributed_payload_is_decoded_once_by_its_owner(
+    swarm: Swarm, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Owners check what they receive from its header (`codecs.payload_shape`) and decode each
+    contributed payload exactly once, when they reduce it; nothing else is decoded in a round."""
+    swarm.add_nodes(3)
+    averagers = [swarm.averager(i) for i in range(3)]
+    contributions = _contributions(averagers, "int8", seed=11)
+    decodes = _count_decodes(monkeypatch)
+    outcomes = _average_together(averagers, contributions, round=0, spec="int8")
+    assert all(o.result is not None for o in outcomes)
+    assert decodes == Counter(p for c in contributions for p in c.payloads.values())
 
 
 def test_alone_timeouts_and_misuse(swarm: Swarm) -> None:

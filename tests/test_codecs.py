@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
+import random
+import re
+import resource
 import struct
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -27,6 +35,7 @@ from adloco.protocol.algorithms.codecs import (
     decode_tensors,
     encode_tensors,
     make_codec,
+    payload_shape,
     wire_bytes_of,
 )
 from adloco.protocol.algorithms.feedback import ErrorFeedback
@@ -224,8 +233,41 @@ def test_truncated_or_padded_payloads_raise_value_error() -> None:
         for cut in sorted({0, 1, 4, 5, 8, 12, 13, 20, len(payload) // 2, len(payload) - 1}):
             with pytest.raises(ValueError):
                 decode(payload[:cut])
+            with pytest.raises(ValueError):
+                payload_shape(payload[:cut])
         with pytest.raises(ValueError):
             decode(payload + b"\x00")
+        with pytest.raises(ValueError):
+            payload_shape(payload + b"\x00")
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_payload_shape_is_the_decoded_shape(shape: tuple[int, ...]) -> None:
+    x = gaussian(*shape) if shape else torch.tensor(1.5)
+    for codec in every_codec():
+        payload = codec.encode("k", x)
+        assert payload_shape(payload) == tuple(decode(payload).shape) == shape, codec
+
+
+def test_payload_shape_rejects_exactly_what_decode_rejects() -> None:
+    """Every single-byte corruption of the header and parameters, and every cut: both raise or neither."""
+    for payload in [
+        make_codec("int8").encode("k", gaussian(3, 5)),
+        make_codec("int4").encode("k", gaussian(7)),
+        make_codec("fp16").encode("k", gaussian(2, 3)),
+        make_codec("lowrank:4").encode("k", gaussian(40, 30)),
+    ]:
+        variants = [payload[:cut] for cut in range(len(payload))]
+        for index, value in itertools.product(range(min(len(payload), 40)), (0, 1, 2, 4, 9, 255)):
+            variants.append(payload[:index] + bytes([value]) + payload[index + 1 :])
+        for variant in variants:
+            try:
+                shape = tuple(decode(variant).shape)
+            except ValueError:
+                with pytest.raises(ValueError):
+                    payload_shape(variant)
+            else:
+                assert payload_shape(variant) == shape
 
 
 def test_corrupted_headers_raise_value_error() -> None:
@@ -251,6 +293,151 @@ def test_corrupted_low_rank_payload_raises_value_error() -> None:
     header = payload[:13] + struct.pack("<II", 4, len(nested))
     with pytest.raises(ValueError, match="codec id"):
         decode(header + nested + nested)  # a factor may not itself be low-rank
+
+
+# --- the vectorized codecs against a plain reference -------------------------------------------
+
+
+def reference_blockwise(x: torch.Tensor, block: int, qmax: int) -> bytes:
+    """The int8/int4 payload by its definition, whole-tensor torch as in the first release.
+
+    Zero-pad to whole blocks; absmax = max |x| per block (a NaN block's absmax is the canonical
+    NaN); q = round(x / absmax * qmax), half to even, dividing by 1 where absmax is not > 0; NaN
+    q -> 0, then clamped to ±qmax; int4 packs q + 8 two per byte, low nibble first, an odd last
+    value paired with q = 0.
+    """
+    flat = x.reshape(-1).float()
+    n = flat.numel()
+    nblocks = -(-n // block)
+    blocks = torch.nn.functional.pad(flat, (0, nblocks * block - n)).view(nblocks, block)
+    absmax = blocks.abs().amax(dim=1)
+    absmax[absmax.isnan()] = math.nan
+    safe = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
+    q = torch.round(blocks / safe[:, None] * qmax)
+    values = torch.nan_to_num(q, nan=0.0).clamp(-qmax, qmax).to(torch.int8).reshape(-1)[:n].tolist()
+    if qmax == 127:
+        data = bytes(v & 0xFF for v in values)
+    else:
+        nibbles = [v + 8 for v in values] + [8] * (n % 2)
+        data = bytes(lo | hi << 4 for lo, hi in zip(nibbles[0::2], nibbles[1::2], strict=True))
+    codec_id = 2 if qmax == 127 else 3
+    header = b"AC\x01" + bytes([codec_id, x.dim()]) + struct.pack(f"<{x.dim()}I", *x.shape)
+    return header + struct.pack("<I", block) + absmax.numpy().astype("<f4").tobytes() + data
+
+
+def reference_dequantize(payload: bytes, block: int, qmax: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """q * absmax / qmax per block, from the payload's bytes, one value at a time."""
+    n = math.prod(shape)
+    nblocks = -(-n // block)
+    at = 5 + 4 * len(shape) + 4
+    absmax = struct.unpack_from(f"<{nblocks}f", payload, at)
+    data = payload[at + 4 * nblocks :]
+    if qmax == 127:
+        q = [b - 256 if b > 127 else b for b in data]
+    else:
+        q = [nibble - 8 for b in data for nibble in (b & 0x0F, b >> 4)][:n]
+    f32 = np.float32
+    with np.errstate(invalid="ignore", over="ignore"):  # 0 * inf -> NaN, 127 * 3e38 -> inf
+        values = [f32(f32(v) * f32(absmax[i // block])) / f32(qmax) for i, v in enumerate(q)]
+    return torch.tensor(np.array(values, dtype=np.float32)).reshape(shape)
+
+
+def random_case(seed: int) -> tuple[torch.Tensor, int]:
+    """A tensor and block size: odd sizes and blocks, partial last blocks, steps crossed, scales from
+    subnormal to near overflow, and blocks of NaN, ±inf, zeros and signed zeros."""
+    rng = random.Random(seed)
+    block = rng.choice([1, 2, 3, 5, 7, 64, 64, 100, 1000])
+    n = rng.choice([1, 2, 3, 63, 64, 65, 129, 1001, 4097, 65535, 65536, 65537, 131075])
+    x = gaussian(n, seed=seed) * 10.0 ** rng.uniform(-42, 37)
+    for _ in range(rng.choice([0, 0, 1, 4])):
+        x[rng.randrange(n)] = rng.choice([math.nan, math.inf, -math.inf, 0.0, -0.0, 1e-45, 3e38, -3e38])
+    if n > 2 * block and rng.random() < 0.4:
+        start = rng.randrange(n - block)
+        x[start : start + block] = rng.choice([0.0, -0.0])
+    if n % 3 == 0 and rng.random() < 0.5:
+        return x.reshape(3, n // 3), block
+    return x, block
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_blockwise_codecs_equal_the_reference(seed: int) -> None:
+    x, block = random_case(seed)
+    for codec, qmax in [(Int8Codec(block), 127), (Int4Codec(block), 7)]:
+        payload = codec.encode("k", x)
+        assert payload == reference_blockwise(x, block, qmax), (codec, block, x.shape)
+        decoded = decode(payload)
+        if x.numel() <= 5000:  # the value-at-a-time reference is slow
+            expected = reference_dequantize(payload, block, qmax, tuple(x.shape))
+            assert torch.equal(decoded.isnan(), expected.isnan())
+            assert torch.equal(
+                decoded.nan_to_num(0.0, math.inf, -math.inf), expected.nan_to_num(0.0, math.inf, -math.inf)
+            )
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_dense_codecs_equal_the_reference(seed: int) -> None:
+    x, _ = random_case(seed)
+    header = b"AC\x01" + bytes([0, x.dim()]) + struct.pack(f"<{x.dim()}I", *x.shape)
+    assert make_codec("none").encode("k", x) == header + x.numpy().astype("<f4").tobytes()
+    fp16 = header[:3] + b"\x01" + header[4:] + x.to(torch.float16).numpy().astype("<f2").tobytes()
+    assert make_codec("fp16").encode("k", x) == fp16
+    for payload, expected in [(make_codec("none").encode("k", x), x), (fp16, x.to(torch.float16).float())]:
+        decoded = decode(payload)
+        assert decoded.dtype == torch.float32 and decoded.shape == x.shape
+        assert torch.equal(decoded.nan_to_num(0.5), expected.nan_to_num(0.5))
+
+
+@contextlib.contextmanager
+def address_space_headroom(nbytes: int) -> Iterator[None]:
+    """Allocations past `nbytes` more address space fail at once (MemoryError), never page in."""
+    status = Path("/proc/self/status")
+    if not status.exists():
+        pytest.skip("needs Linux /proc")
+    used = re.search(r"VmSize:\s+(\d+) kB", status.read_text())
+    assert used is not None
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (int(used.group(1)) * 1024 + nbytes, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
+def test_a_block_larger_than_the_tensor_costs_only_the_tensor() -> None:
+    """Nothing is padded to a whole block: a payload's block size comes from the network, up to
+    2**32 - 1, and a padded block that large would take 16 GB (here: a MemoryError). The first
+    release padded on both sides: 4 bytes of a payload could make its receiver allocate 16 GB."""
+    x = gaussian(10)
+    for big, small in [(Int8Codec(2**32 - 1), Int8Codec(10)), (Int4Codec(2**32 - 1), Int4Codec(10))]:
+        expected = small.encode("k", x)
+        with address_space_headroom(1 << 30):
+            payload = big.encode("k", x)
+            decoded = decode(payload)
+        assert payload[:9] == expected[:9] and payload[13:] == expected[13:]  # one block either way
+        assert torch.equal(decoded, decode(expected))
+
+
+def test_decoded_tensors_are_writable_and_do_not_alias_the_payload() -> None:
+    x = gaussian(3, 70)
+    for codec in every_codec():
+        payload = codec.encode("k", x)
+        copy = bytearray(payload)
+        first = decode(payload)
+        first.add_(1.0)
+        assert not torch.equal(decode(payload), first)
+        assert payload == copy
+
+
+def test_encode_and_decode_never_warn() -> None:
+    """No numpy floating-point warnings (inf / inf, 0 * inf are the point) and no torch warning
+    about tensors over read-only memory: decoded payloads come from the network as `bytes`."""
+    x = gaussian(300)
+    x[3], x[70], x[140], x[141] = math.nan, math.inf, -math.inf, 3e38
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for codec in every_codec():
+            decode(codec.encode("k", x))
+            decode(codec.encode("k", x.reshape(3, 100)))
 
 
 # --- non-finite input ---------------------------------------------------------------------------

@@ -46,7 +46,7 @@ import hivemind
 from hivemind.p2p import P2P
 
 from ..algorithms.allreduce import Contribution
-from ..algorithms.codecs import Codec, decode
+from ..algorithms.codecs import Codec, payload_shape
 from ..algorithms.parts import DEFAULT_OUTLIER_FACTOR, assign_parts, check_outlier_factor
 from .averager import MemberResult
 from .matchmaking import Matchmaker, RoundFailed, layout_of
@@ -139,7 +139,6 @@ class HivemindAverager:
         self._handler = handler = OwnerHandler(
             peer_id=self._peer_id,
             round_state=lambda r: asyncio.shield(self._round_future(r)),
-            executor=self._executor,
             part_timeout_s=self.part_timeout_s,
             wait_s=self.window_s + self.grace_s + self.part_timeout_s,
         )
@@ -328,9 +327,8 @@ class HivemindAverager:
             return None
         own = {k: bytes(contribution.payloads[k]) for k in keys}
         loop = asyncio.get_running_loop()
-        shapes = await loop.run_in_executor(
-            self._executor, lambda: {k: tuple(decode(p).shape) for k, p in own.items()}
-        )
+        # From the headers: our own payloads are decoded once, with the others', when we reduce.
+        shapes = {k: payload_shape(p) for k, p in own.items()}
         session = OwnerSession(
             group=group,
             keys=keys,

@@ -6,8 +6,10 @@ outlier payloads), encodes each average once with its codec, and answers every m
 contributed in time with the same bytes, the sorted list of contributors it included, how many of
 each one's parts it rejected and, for the owner of the first tensor, the contributors' encoded
 reports. It refuses a request whose group id differs from its own (another view of the members or
-another tensor layout), from a non-member, with the wrong parts, or whose payloads do not decode to
-the owner's shapes. The owner's own parts never touch the wire.
+another tensor layout), from a non-member, with the wrong parts, or whose payloads are malformed or
+not of the owner's shapes: `codecs.payload_shape` checks each as `decode` would, without decoding
+it, so the owner decodes every payload once, when it reduces. The owner's own parts never touch the
+wire.
 
     request  = v, r round, g group id, p sender, w weight, t tokens, k part keys, n part lengths,
                m encoded report (only to the owner of the first tensor, else nil)
@@ -25,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..algorithms.codecs import Codec, decode
+from ..algorithms.codecs import Codec, payload_shape
 from ..algorithms.parts import reduce_parts
 from ..algorithms.report import MAX_REPORT_BYTES
 from .matchmaking import Group
@@ -120,10 +122,13 @@ def reduce_owned(
 
 
 def shape_error(payloads: Mapping[str, bytes], shapes: Mapping[str, tuple[int, ...]]) -> str | None:
-    """Why these payloads cannot be averaged with the owner's (None if they can)."""
+    """Why these payloads cannot be averaged with the owner's (None if they can).
+
+    Reads headers and lengths only (`codecs.payload_shape`): cheap, and no value is decoded.
+    """
     for key, payload in payloads.items():
         try:
-            shape = tuple(decode(payload).shape)
+            shape = payload_shape(payload)
         except ValueError as e:
             return f"{key}: {e}"
         if shape != shapes[key]:
@@ -226,13 +231,11 @@ class OwnerHandler:
         *,
         peer_id: str,
         round_state: Callable[[int], Awaitable[RoundState | None]],
-        executor: ThreadPoolExecutor,
         part_timeout_s: float,
         wait_s: float,
     ) -> None:
         self.peer_id = peer_id
         self._round_state = round_state
-        self._executor = executor
         self._part_timeout_s = part_timeout_s
         self._wait_s = wait_s
 
@@ -245,7 +248,7 @@ class OwnerHandler:
             header, body = await asyncio.wait_for(read_frame(reader, meter), timeout=self._part_timeout_s)
             request = Request.parse(header, body)
             state = await asyncio.wait_for(self._round_state(request.round), timeout=self._wait_s)
-            refusal = await self._refusal(state, request)
+            refusal = self._refusal(state, request)
             if refusal is None and state is not None and state.session is not None:
                 incoming = Incoming(request.weight, request.tokens, request.payloads, request.metadata)
                 if state.session.admit(request.peer, incoming):
@@ -267,7 +270,7 @@ class OwnerHandler:
             if admitted is not None:
                 admitted.answered()
 
-    async def _refusal(self, state: RoundState | None, request: Request) -> str | None:
+    def _refusal(self, state: RoundState | None, request: Request) -> str | None:
         """Why this request cannot join our reduction (None if it can)."""
         if state is None:
             return "the owner is not in a group for this round"
@@ -280,8 +283,9 @@ class OwnerHandler:
             return "these are not the parts this peer owns"
         if session.with_metadata and request.metadata is None:
             return "metadata missing"
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, shape_error, request.payloads, session.shapes)
+        # On the event loop: the check is cheap, and on the reduction's executor it would queue
+        # behind a running reduction.
+        return shape_error(request.payloads, session.shapes)
 
     async def _answer(self, writer: asyncio.StreamWriter, session: OwnerSession, meter: Meter) -> None:
         result = session.result
