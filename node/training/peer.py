@@ -107,6 +107,9 @@ class Peer:
         self._in_round = False
         # MIT merges decided while the instances were mid-round: (victim, survivor, batch of then).
         self._deferred_merges: list[tuple[int, int, tuple[int, ...]]] = []
+        # Called just before θ and m change in place (an outer step, applied or replayed), from the
+        # thread that applies it: the swarm's state offers freeze a round a joiner is downloading.
+        self.before_change: Callable[[], None] | None = None
 
     def _make_instance(self, corpus: Corpus, *, slot: int, index: int, num_peers: int) -> Instance:
         shard = shard_corpus(
@@ -335,6 +338,8 @@ class Peer:
             raise ValueError(f"update for round {update.round} applied at round {self.state.round}")
         averaged = decode_tensors(dict(update.averaged))
         delta = [averaged[n].to(self.device) for n in self.names]
+        if self.before_change is not None:
+            self.before_change()
         outer_step(self.state.theta, self.state.momentum, delta, self.cfg.outer)
         if update.merge is not None:
             if self._in_round:
