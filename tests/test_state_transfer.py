@@ -79,7 +79,7 @@ class Donor:
                 if self.reads == self.after:
                     self.hit.set()
         if limited:
-            self.release.wait(timeout=60)  # never answers in time (a dying donor is shut down meanwhile)
+            self.release.wait(timeout=60)  # answers nothing in time (a dying one is shut down meanwhile)
             raise RuntimeError("stalled")
         data = served.read_chunk(index)
         if self.mode == "corrupt":
@@ -147,11 +147,12 @@ def _start_donor(swarm_dhts: list[DHT], offers: StateOffers, holder: Peer) -> Do
 
 
 def _stop_donor(donor: Donor) -> None:
-    donor.release.set()
+    """Shut the donor's server and its p2pd down, then end its stalled reads (they answer no one)."""
     if donor.server is not None:
         donor.server.shutdown()
     if donor.dht is not None:
         donor.dht.shutdown()
+    donor.release.set()
 
 
 @pytest.fixture(scope="module")
