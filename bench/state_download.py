@@ -6,10 +6,13 @@ downloads it with `StateServer.download`, verifying every chunk against the mani
 donor count: seconds, MB/s and the chunks each donor served, plus how long the manifest took to
 build (hashing θ and m chunk by chunk, which every peer does once per round). On one machine all
 peers share the CPU, so this measures the protocol's overhead (stream setup, framing, hashing,
-p2pd), not a network. Run from the repository root:
+p2pd), not a network. `--donor-mbps R` emulates each donor's uplink: a donor hands out one chunk at
+a time, each after chunk/R seconds, which shows how the download scales with donors when their
+uplinks, not the joiner, are the limit. Run from the repository root:
 
     python bench/state_download.py                                  # 16M params (128 MB), 1 and 2 donors
     python bench/state_download.py --params 4000000 --chunk-mb 1 --donors 1 2 3 --out /tmp/dl.json
+    python bench/state_download.py --params 4000000 --donor-mbps 80 --donors 1 2 4
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -31,12 +35,26 @@ NET = NetworkConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",), nat_port_map=False, u
 PREFIX = "adloco.bench-state.0"
 
 
+def _uplink(served: ServedState, rate: float) -> ServedState:
+    """The same state behind an emulated uplink of `rate` bytes/s: one chunk at a time."""
+    link = threading.Lock()
+
+    def read(index: int) -> bytes:
+        data = served.read_chunk(index)
+        with link:
+            time.sleep(len(data) / rate)
+        return data
+
+    return replace(served, read_chunk=read)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--params", type=int, default=16_000_000, help="parameters in θ (m has as many)")
     p.add_argument("--chunk-mb", type=float, default=4.0)
     p.add_argument("--donors", type=int, nargs="+", default=[1, 2])
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--donor-mbps", type=float, default=0.0, help="emulated uplink per donor (0: none)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
 
@@ -66,7 +84,8 @@ def main() -> None:
         for _ in range(max(args.donors)):
             dht = start_dht(replace(NET, peers=tuple(visible_maddrs(dhts[0]))))
             dhts.append(dht)
-            offered = lambda d: served if d == digest else None  # noqa: E731
+            offer = _uplink(served, args.donor_mbps * 1e6 / 8) if args.donor_mbps > 0 else served
+            offered = lambda d, offer=offer: offer if d == digest else None  # noqa: E731
             servers.append(
                 StateServer(dht, prefix=PREFIX, offered=offered, updates=lambda _: [], settings=settings)
             )
@@ -92,7 +111,12 @@ def main() -> None:
             server.shutdown()
         for dht in dhts:
             dht.shutdown()
-    summary = {"state_mb": round(mb, 1), "chunks": len(manifest.chunks), "manifest_build_s": build_s}
+    summary = {
+        "state_mb": round(mb, 1),
+        "chunks": len(manifest.chunks),
+        "manifest_build_s": build_s,
+        "donor_mbps": args.donor_mbps,
+    }
     if args.out is not None:
         args.out.write_text(json.dumps({**summary, "runs": results}, indent=2))
 

@@ -29,7 +29,7 @@ from ..solo.trainer import train_solo
 from ..swarm.node import SwarmConfig, SwarmNode
 from ..training.config import TrainConfig
 from ..training.rounds import format_round
-from .options import add_train_arguments, set_threads, train_config_from_args
+from .options import add_train_arguments, finite_float, set_threads, train_config_from_args
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -104,19 +104,19 @@ def add_state_transfer_arguments(p: argparse.ArgumentParser) -> None:
     state = p.add_argument_group("state download (joiners and far-behind nodes)")
     state.add_argument(
         "--state-chunk-mb",
-        type=float,
+        type=finite_float,
         default=DEFAULT_CHUNK_BYTES / 2**20,
         help="chunk size (MiB); keep the run's default: donors that chunk alike share one manifest",
     )
     state.add_argument(
         "--state-bandwidth-mbps",
-        type=float,
+        type=finite_float,
         default=10.0,
         help="download rate to expect before a donor is measured (Mbit/s); lower it on a slow link",
     )
     state.add_argument(
         "--state-timeout-floor-s",
-        type=float,
+        type=finite_float,
         default=10.0,
         help="no state request times out sooner (s); raise it if busy donors get dropped",
     )
