@@ -33,6 +33,7 @@ from adloco.protocol.transport.manifest import (
     ChunkedState,
     StateManifest,
     TensorSpec,
+    build_manifest,
 )
 from adloco.protocol.transport.records import StateRecord
 from adloco.protocol.transport.state_transfer import (
@@ -374,3 +375,38 @@ def test_a_round_being_downloaded_is_frozen_when_the_donor_moves_on() -> None:
     _train_alone(peer, 1)
     assert offers.offered(unasked.digest) is None
     assert offers.offered(asked.digest) is not None  # still held while its download is active
+
+
+def test_a_manifest_is_refused_unless_it_is_the_published_one_and_well_formed() -> None:
+    """No network: what `StateManifest.decode` refuses before a joiner allocates anything."""
+    tensors = [
+        ("theta.a", torch.randn(3000)),
+        ("theta.b", torch.randn(70, 70)),
+        ("momentum.a", torch.zeros(5)),
+    ]
+    manifest = build_manifest(
+        tensors, round=1, theta_hash="ab" * 32, schedule={"batch": [4]}, chunk_bytes=4096
+    )
+    raw = manifest.encode()
+    assert StateManifest.decode(raw, digest=manifest.digest()) == manifest
+    assert len(manifest.chunks) == -(-(3000 * 4 + 4900 * 4 + 20) // 4096)  # chunks span tensors
+    with pytest.raises(ValueError, match="published manifest hash"):
+        StateManifest.decode(raw, digest="0" * 64)
+
+    def refused(**changes: object) -> str:
+        bad = replace(manifest, **changes).encode()
+        with pytest.raises(ValueError) as e:
+            StateManifest.decode(bad, digest=hashlib.sha256(bad).hexdigest())
+        return str(e.value)
+
+    assert "chunks for" in refused(chunks=manifest.chunks[:-1])  # one hash short
+    assert "outside" in refused(chunk_bytes=1)
+    assert "sha256" in refused(chunks=("zz",) * len(manifest.chunks))
+    assert "tensor entry" in refused(tensors=(TensorSpec("theta.a", "int64", (3000,)),))
+
+
+def test_timeouts_follow_the_bytes_with_a_floor() -> None:
+    s = TransferSettings(bandwidth_bps=1e6, slack=4.0, timeout_floor_s=10.0)
+    assert s.timeout(10 << 20, 1e6) == pytest.approx(4 * (10 << 20) / 1e6)  # 42 s for 10 MiB at 1 MB/s
+    assert s.timeout(1 << 10, 1e6) == 10.0  # a small request: the floor
+    assert s.timeout(10 << 20, 100e6) == 10.0  # a fast donor: the floor again
