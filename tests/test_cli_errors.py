@@ -144,6 +144,11 @@ NODE_CASES = [
     ("--host-maddrs", ["--host-maddrs", "not-a-multiaddr"]),
     ("--config", ["--config", "{d}/missing.yaml"]),
     ("--config", ["--config", "{d}/broken.jsonl"]),
+    ("--state-chunk-mb", ["--state-chunk-mb", "1000"]),
+    ("--state-chunk-mb", ["--state-chunk-mb", "0"]),
+    ("--state-bandwidth-mbps", ["--state-bandwidth-mbps", "0"]),
+    ("--state-timeout-floor-s", ["--state-timeout-floor-s", "-1"]),
+    ("--state-donors", ["--state-donors", "0"]),
 ]
 ARGPARSE_CASES = [
     ("--rounds", ["--rounds", "abc"]),

@@ -34,7 +34,12 @@ def dhts() -> Iterator[list[hivemind.DHT]]:
 
 def _record(round: int) -> StateRecord:
     return StateRecord(
-        peer_id="12D3KooW", round=round, theta_hash="ab" * 32, schedule=json.dumps({"round": round})
+        peer_id="12D3KooW",
+        round=round,
+        theta_hash="ab" * 32,
+        schedule=json.dumps({"round": round}),
+        manifest_hash="cd" * 32,
+        manifest_bytes=1234,
     )
 
 
@@ -57,8 +62,16 @@ def test_only_the_writer_can_write_its_entry_and_malformed_entries_never_arrive(
 
 
 def test_strict_schema() -> None:
+    good = _record(3).dict()
+    StateRecord(**good)
     with pytest.raises(ValueError):
-        StateRecord(peer_id="p", round="3", theta_hash="ab" * 32, schedule="{}")  # no coercion
+        StateRecord(**{**good, "round": "3"})  # no coercion
     with pytest.raises(ValueError):
-        StateRecord(peer_id="p", round=3, theta_hash="xyz", schedule="{}")
+        StateRecord(**{**good, "theta_hash": "xyz"})
+    with pytest.raises(ValueError):
+        StateRecord(**{**good, "manifest_hash": "xyz"})
+    with pytest.raises(ValueError):  # a manifest is bounded before anyone reads it
+        StateRecord(**{**good, "manifest_bytes": 2**40})
+    with pytest.raises(ValueError):
+        StateRecord(**{k: v for k, v in good.items() if k != "manifest_hash"})
     assert run_prefix("a", "f") != run_prefix("b", "f") != run_prefix("a", "g")

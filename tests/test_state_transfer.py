@@ -1,22 +1,26 @@
-"""The state server over real p2pd: what a joiner or laggard downloads, and what it refuses.
+"""State transfer over real p2pd: chunked downloads from several donors, and what a joiner refuses.
 
-Two DHT peers on loopback (NAT mapping off), each with its `StateServer` as a node builds it; the
-holder serves a real `Peer`'s snapshot and kept updates (`swarm.sync.snapshot_of` / `updates_of`),
-the fetching side checks what it gets the way the node does (`training.catchup.catch_up` against
-the θ hash the swarm published, never the one the sender states).
+Three DHT peers on loopback (NAT mapping off): two donors, each with its `StateServer` offering a
+real `Peer`'s state as a node does (`swarm.offers.StateOffers`, chunks of 64 KiB: the tiny model's θ
+and m are ~70 chunks), and a joiner that downloads the way a node does (`swarm.sync.Downloads` and
+`RemoteSource` through `training.catchup.catch_up`, checked against the θ hash the swarm published,
+never one a donor states). Donors misbehave through `Donor`: they count the chunks they read, and
+can corrupt them, stop answering after k chunks, or die after k chunks (server and p2pd shut down).
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import threading
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
 
 import pytest
 import torch
 
-from adloco.node.swarm.sync import RemoteSource, snapshot_of, updates_of
+from adloco.node.swarm.offers import StateOffers
+from adloco.node.swarm.sync import Downloads, DownloadTarget, RemoteSource, updates_of
 from adloco.node.training.catchup import catch_up
 from adloco.node.training.config import TrainConfig
 from adloco.node.training.corpus import Corpus
@@ -24,29 +28,89 @@ from adloco.node.training.peer import Peer
 from adloco.node.training.runtime import load_data
 from adloco.protocol.algorithms.allreduce import reduce_group
 from adloco.protocol.transport.dht import DHT, NetworkConfig, start_dht, visible_maddrs
-from adloco.protocol.transport.state_transfer import StateServer, StateSnapshot, UpdateRecord
+from adloco.protocol.transport.manifest import (
+    MAX_CHUNK_BYTES,
+    ChunkedState,
+    StateManifest,
+    TensorSpec,
+    build_manifest,
+)
+from adloco.protocol.transport.records import StateRecord
+from adloco.protocol.transport.state_transfer import (
+    IncompleteDownload,
+    ServedState,
+    StateServer,
+    TransferSettings,
+)
 
 pytestmark = pytest.mark.timeout(180)
 
 CFG = TrainConfig(seq_len=32, batch_size=4, instances=1, inner_steps=2, b_max=4, max_corpus_mb=1)
 NET = NetworkConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",), nat_port_map=False, use_relay=False)
 PREFIX = "adloco.test-state.0"
+CHUNK = 64 << 10
+# Update payloads travel in pieces of the server's chunk size: small here, so they take several.
+SETTINGS = TransferSettings(chunk_bytes=4 << 10, timeout_floor_s=2.0)
 
 
 @dataclass
-class Served:
-    """What the holder's server answers with; a test swaps in its own snapshot."""
+class Donor:
+    """A donor's server and what it does with each chunk it is asked for."""
 
-    snapshot: Callable[[], StateSnapshot]
-    updates: Callable[[int], list[UpdateRecord]]
+    peer_id: str
+    offers: StateOffers
+    server: StateServer | None = None
+    dht: DHT | None = None
+    mode: str = "honest"  # "honest", "corrupt", "stall" (after `after` chunks), "die" (likewise)
+    after: int = 0
+    reads: int = 0  # chunks read and answered
+    hit: threading.Event = field(default_factory=threading.Event)  # `after` chunks served
+    release: threading.Event = field(default_factory=threading.Event)  # ends a stall
+    mutex: threading.Lock = field(default_factory=threading.Lock)
+
+    def offered(self, digest: str) -> ServedState | None:
+        served = self.offers.offered(digest)
+        return None if served is None else replace(served, read_chunk=functools.partial(self._read, served))
+
+    def _read(self, served: ServedState, index: int) -> bytes:
+        with self.mutex:
+            limited = self.mode in ("stall", "die") and self.reads >= self.after
+            if not limited:
+                self.reads += 1
+                if self.reads == self.after:
+                    self.hit.set()
+        if limited:
+            self.release.wait(timeout=60)  # answers nothing in time (a dying one is shut down meanwhile)
+            raise RuntimeError("stalled")
+        data = served.read_chunk(index)
+        if self.mode == "corrupt":
+            data = bytes([data[0] ^ 1]) + data[1:]
+        return data
+
+    def reset(self, mode: str = "honest", after: int = 0) -> None:
+        with self.mutex:
+            self.mode, self.after, self.reads = mode, after, 0
+        self.hit.clear()
+        self.release.clear()
 
 
 @dataclass
-class Pair:
+class Swarm:
     holder: Peer  # applied two rounds: non-zero momentum, two kept updates
-    holder_id: str
-    served: Served
-    client: StateServer  # the fetching node's server (it serves nothing in these tests)
+    offers: StateOffers
+    donors: list[Donor]
+    dhts: list[DHT]
+    client: StateServer  # the joiner's server (it offers nothing)
+
+    def target(self, donors: list[Donor]) -> DownloadTarget:
+        served = self.offers.publish()
+        return DownloadTarget(
+            served.digest,
+            len(served.encoded),
+            self.holder.state.round,
+            self.holder.state.theta_hash(),
+            tuple(d.peer_id for d in donors),
+        )
 
 
 @functools.cache
@@ -66,90 +130,283 @@ def _train_alone(peer: Peer, rounds: int) -> None:
         peer.apply_round(reduce_group([contribution], codec=peer.downlink_codec(peer.state.schedule.codec)))
 
 
+def _start_donor(swarm_dhts: list[DHT], offers: StateOffers, holder: Peer) -> Donor:
+    dht = start_dht(replace(NET, peers=tuple(visible_maddrs(swarm_dhts[0]))))
+    donor = Donor(dht.peer_id.to_base58(), offers, dht=dht)
+    try:
+        donor.server = StateServer(
+            dht,
+            prefix=PREFIX,
+            offered=donor.offered,
+            updates=lambda r: updates_of(holder, threading.Lock(), r),
+            settings=SETTINGS,
+        )
+    except BaseException:
+        dht.shutdown()
+        raise
+    return donor
+
+
+def _stop_donor(donor: Donor) -> None:
+    """Shut the donor's server and its p2pd down, then end its stalled reads (they answer no one)."""
+    if donor.server is not None:
+        donor.server.shutdown()
+    if donor.dht is not None:
+        donor.dht.shutdown()
+    donor.release.set()
+
+
 @pytest.fixture(scope="module")
-def pair() -> Iterator[Pair]:
+def swarm() -> Iterator[Swarm]:
     holder = _peer("holder")
     _train_alone(holder, 2)
-    lock = threading.Lock()
-    served = Served(lambda: snapshot_of(holder, lock), lambda r: updates_of(holder, lock, r))
+    offers = StateOffers(holder, threading.Lock(), chunk_bytes=CHUNK)
     dhts: list[DHT] = []
-    servers: list[StateServer] = []
+    donors: list[Donor] = []
+    client: StateServer | None = None
     try:
         dhts.append(start_dht(NET))
-        dhts.append(start_dht(replace(NET, peers=tuple(visible_maddrs(dhts[0])))))
-        servers.append(
-            StateServer(
-                dhts[0],
-                prefix=PREFIX,
-                snapshot=lambda: served.snapshot(),
-                updates=lambda r: served.updates(r),
-            )
+        client = StateServer(
+            dhts[0], prefix=PREFIX, offered=lambda _: None, updates=lambda _: [], settings=SETTINGS
         )
-        servers.append(StateServer(dhts[1], prefix=PREFIX, snapshot=_nothing, updates=lambda _: []))
-        yield Pair(holder, dhts[0].peer_id.to_base58(), served, servers[1])
+        for _ in range(2):
+            donors.append(_start_donor(dhts, offers, holder))
+        yield Swarm(holder, offers, donors, dhts, client)
     finally:
-        for server in servers:
-            server.shutdown()
+        for donor in donors:
+            _stop_donor(donor)
+        if client is not None:
+            client.shutdown()
         for dht in dhts:
             dht.shutdown()
 
 
-def _nothing() -> StateSnapshot:
-    raise RuntimeError("the fetching node serves nothing here")
+@pytest.fixture
+def donors(swarm: Swarm) -> Iterator[list[Donor]]:
+    """The swarm's donors, honest and with their counts at zero (a test may change that)."""
+    for donor in swarm.donors:
+        donor.reset()
+    yield swarm.donors
+    for donor in swarm.donors:
+        donor.release.set()
 
 
-def test_a_download_holds_exactly_the_holders_state(pair: Pair) -> None:
-    state = pair.holder.state
-    snap = pair.client.fetch_state(pair.holder_id, timeout=30)
-    assert snap.round == state.round == 2
-    assert snap.schedule == state.schedule.to_dict()
-    assert snap.theta_hash == state.theta_hash()
-    assert set(snap.theta) == set(snap.momentum) == set(pair.holder.names)
-    for name, theta, momentum in zip(pair.holder.names, state.theta, state.momentum, strict=True):
-        assert torch.equal(snap.theta[name], theta) and torch.equal(snap.momentum[name], momentum)
-    assert any(float(m.abs().max()) > 0 for m in state.momentum)  # the momentum is not trivially zero
+def _assert_holds_the_holders_state(joiner: Peer, holder: Peer) -> None:
+    assert joiner.state.round == holder.state.round == 2
+    assert joiner.state.theta_hash() == holder.state.theta_hash()
+    assert joiner.state.schedule == holder.state.schedule
+    for a, b in zip(joiner.state.momentum, holder.state.momentum, strict=True):
+        assert torch.equal(a, b)
+    assert any(float(m.abs().max()) > 0 for m in holder.state.momentum)  # not trivially zero
 
-    joiner = _peer("joiner")
-    source = RemoteSource(pair.client, pair.holder_id, joiner.names)
-    done = catch_up(joiner, source, expected_hash=state.theta_hash(), replay=False)
+
+def _download(swarm: Swarm, joiner: Peer, downloads: Downloads, target: DownloadTarget) -> None:
+    source = RemoteSource(swarm.client, [], downloads, target)
+    done = catch_up(joiner, source, expected_hash=swarm.holder.state.theta_hash(), replay=False)
     assert (done.how, done.rounds) == ("download", 2)
-    assert joiner.state.theta_hash() == state.theta_hash() and joiner.state.round == 2
-    assert all(torch.equal(a, b) for a, b in zip(joiner.state.momentum, state.momentum, strict=True))
 
 
-def test_kept_updates_replay_to_the_holders_state(pair: Pair) -> None:
-    kept = pair.holder.state.history
-    records = pair.client.fetch_updates(pair.holder_id, from_round=1, timeout=30)
-    assert [r.round for r in records] == [u.round for u in kept if u.round >= 1] == [1]
-    assert records[0].averaged == dict(kept[1].averaged)
-    assert records[0].schedule == kept[1].schedule.to_dict() and records[0].merge == kept[1].merge
+def test_a_state_many_chunks_large_comes_bit_identical_from_two_donors_at_once(
+    swarm: Swarm, donors: list[Donor]
+) -> None:
+    target = swarm.target(donors)
+    joiner = _peer("joiner")
+    downloads = Downloads(swarm.client, joiner)
+    _download(swarm, joiner, downloads, target)
+    _assert_holds_the_holders_state(joiner, swarm.holder)
+    chunks = len(swarm.offers.publish().manifest.chunks)
+    assert chunks > 50  # a state many chunks large
+    report = downloads.last
+    assert report is not None and not report.dropped and not report.refused
+    assert sum(report.kept.values()) == chunks
+    # Both donors served a share, and each chunk was read once: no donor serialized the whole state.
+    assert all(report.kept[d.peer_id] > 0 for d in donors), report.kept
+    assert sum(d.reads for d in donors) == chunks
 
-    laggard = _peer("laggard")
-    source = RemoteSource(pair.client, pair.holder_id, laggard.names)
-    done = catch_up(laggard, source, expected_hash=pair.holder.state.theta_hash())
-    assert (done.how, done.rounds) == ("replay", 2)
-    assert laggard.state.theta_hash() == pair.holder.state.theta_hash()
+
+def test_a_donor_that_dies_mid_download_is_replaced_by_the_other(swarm: Swarm, donors: list[Donor]) -> None:
+    dying = _start_donor(swarm.dhts, swarm.offers, swarm.holder)
+    try:
+        dying.reset("die", after=8)
+        killer = threading.Thread(target=lambda: dying.hit.wait(60) and _stop_donor(dying))
+        killer.start()
+        joiner = _peer("joiner")
+        downloads = Downloads(swarm.client, joiner)
+        _download(swarm, joiner, downloads, swarm.target([dying, donors[0]]))
+        killer.join(timeout=30)
+        _assert_holds_the_holders_state(joiner, swarm.holder)
+        report = downloads.last
+        assert report is not None and dying.peer_id in report.dropped
+        # It died mid-download, after 8 chunks (the last may not have reached the joiner).
+        assert 1 <= report.kept[dying.peer_id] <= dying.reads == 8
+        assert report.kept[donors[0].peer_id] == len(target_chunks(swarm)) - report.kept[dying.peer_id]
+    finally:
+        _stop_donor(dying)
 
 
-def test_a_download_that_does_not_match_the_published_hash_is_refused(pair: Pair) -> None:
-    published = pair.holder.state.theta_hash()
-    honest = pair.served.snapshot
+def target_chunks(swarm: Swarm) -> tuple[str, ...]:
+    return swarm.offers.publish().manifest.chunks
 
-    def tampered() -> StateSnapshot:
-        snap = honest()
-        theta = dict(snap.theta)
-        first = next(iter(theta))
-        theta[first] = theta[first] + 1e-3  # other bytes, same claimed hash
-        return replace(snap, theta=theta)
 
-    pair.served.snapshot = tampered
+def test_an_interrupted_download_resumes_without_fetching_verified_chunks_again(
+    swarm: Swarm, donors: list[Donor]
+) -> None:
+    stalling, honest = donors
+    stalling.reset("stall", after=10)
+    joiner = _peer("joiner")
+    before = joiner.state.theta_hash()
+    downloads = Downloads(swarm.client, joiner)
+    with pytest.raises(IncompleteDownload, match="chunks missing"):
+        _download(swarm, joiner, downloads, swarm.target([stalling]))  # its only donor stops answering
+    assert joiner.state.theta_hash() == before and joiner.state.round == 0  # nothing adopted
+    assert downloads.partial is not None and len(downloads.partial.verified) == 10
+
+    _download(swarm, joiner, downloads, swarm.target([honest]))  # the next try, from another donor
+    _assert_holds_the_holders_state(joiner, swarm.holder)
+    chunks = len(target_chunks(swarm))
+    assert honest.reads == chunks - 10  # the 10 verified chunks were not fetched again
+    assert downloads.partial is None
+
+
+def test_a_donor_serving_corrupt_chunks_is_dropped_and_the_state_completes_from_an_honest_one(
+    swarm: Swarm, donors: list[Donor]
+) -> None:
+    corrupt, honest = donors
+    corrupt.reset("corrupt")
+    joiner = _peer("joiner")
+    downloads = Downloads(swarm.client, joiner)
+    _download(swarm, joiner, downloads, swarm.target([corrupt, honest]))
+    _assert_holds_the_holders_state(joiner, swarm.holder)
+    report = downloads.last
+    assert report is not None
+    assert report.refused[corrupt.peer_id] >= 1 and corrupt.peer_id in report.dropped
+    assert report.kept[corrupt.peer_id] == 0
+    assert report.kept[honest.peer_id] == len(target_chunks(swarm))
+
+
+def test_a_manifest_advertising_absurd_sizes_is_refused_before_any_chunk_is_read(
+    swarm: Swarm, donors: list[Donor]
+) -> None:
+    honest = swarm.offers.publish()
+    # 4 TB of θ, well formed: one hash per 64 MiB chunk (a 4 MB manifest).
+    total = 10**12 * 4
+    absurd = replace(
+        honest.manifest,
+        chunk_bytes=MAX_CHUNK_BYTES,
+        tensors=(TensorSpec("theta.huge", "float32", (10**12,)),),
+        chunks=("ab" * 32,) * (-(-total // MAX_CHUNK_BYTES)),
+    )
+    encoded = absurd.encode()
+    digest = hashlib.sha256(encoded).hexdigest()
+    lie = ServedState(absurd, encoded, honest.read_chunk)
+    offered = swarm.offers.offered
+    reads = 0
+
+    def read(index: int) -> bytes:
+        nonlocal reads
+        reads += 1
+        return honest.read_chunk(index)
+
+    swarm.offers.offered = lambda d: replace(lie, read_chunk=read) if d == digest else offered(d)
     try:
         joiner = _peer("joiner")
-        before = (joiner.state.round, joiner.state.theta_hash())
-        source = RemoteSource(pair.client, pair.holder_id, joiner.names)
-        assert pair.client.fetch_state(pair.holder_id, timeout=30).theta_hash == published  # the claim
-        with pytest.raises(ValueError, match="published"):
-            catch_up(joiner, source, expected_hash=published, replay=False)
-        assert (joiner.state.round, joiner.state.theta_hash()) == before  # nothing adopted
+        downloads = Downloads(swarm.client, joiner)
+        target = DownloadTarget(
+            digest, len(encoded), 2, swarm.holder.state.theta_hash(), tuple(d.peer_id for d in donors)
+        )
+        with pytest.raises(ValueError, match="this model's state"):
+            downloads.fetch(target)
+        # The record's size bounds the manifest itself: a manifest larger than published is not read.
+        with pytest.raises(ValueError, match="exceeds"):
+            downloads.fetch(replace(target, size=1000))
+        assert reads == 0 and sum(d.reads for d in donors) == 0 and downloads.partial is None
     finally:
-        pair.served.snapshot = honest
+        swarm.offers.offered = offered
+    # And no signed record can advertise a manifest beyond the bound in the first place.
+    with pytest.raises(ValueError):
+        StateRecord(
+            peer_id="p",
+            round=2,
+            theta_hash="ab" * 32,
+            schedule="{}",
+            manifest_hash=digest,
+            manifest_bytes=2**40,
+        )
+
+
+def test_kept_updates_arrive_in_pieces_and_replay_to_the_holders_state(
+    swarm: Swarm, donors: list[Donor]
+) -> None:
+    holder = swarm.holder
+    kept = holder.state.history
+    peer_id = donors[0].peer_id
+    records = swarm.client.fetch_updates(peer_id, from_round=1, max_bytes=1 << 20)
+    assert [r.round for r in records] == [u.round for u in kept if u.round >= 1] == [1]
+    assert records[0].averaged == dict(kept[1].averaged)
+    assert max(len(p) for p in kept[1].averaged.values()) > 2 * SETTINGS.chunk_bytes  # several pieces
+    assert records[0].schedule == kept[1].schedule.to_dict() and records[0].merge == kept[1].merge
+    # Payloads beyond what the caller bounds are refused before they are read.
+    total = sum(len(p) for p in kept[1].averaged.values())
+    with pytest.raises(ValueError, match="more than"):
+        swarm.client.fetch_updates(peer_id, from_round=1, max_bytes=total - 1)
+
+    laggard = _peer("laggard")
+    source = RemoteSource(swarm.client, [peer_id], Downloads(swarm.client, laggard), None)
+    done = catch_up(laggard, source, expected_hash=holder.state.theta_hash())
+    assert (done.how, done.rounds) == ("replay", 2)
+    assert laggard.state.theta_hash() == holder.state.theta_hash()
+
+
+def test_a_round_being_downloaded_is_frozen_when_the_donor_moves_on() -> None:
+    """No network: the donor's offers keep serving the round a joiner asked for after θ changed in
+    place, from a copy, and withdraw a round nobody asked for."""
+    peer = _peer("donor")
+    offers = StateOffers(peer, threading.Lock(), chunk_bytes=CHUNK)
+    asked = offers.publish()
+    served = offers.offered(asked.digest)  # a joiner asks for it
+    assert served is not None
+    _train_alone(peer, 1)  # θ and m change in place
+    assert offers.frozen_rounds() == [0]
+    state = ChunkedState(StateManifest.decode(asked.encoded, digest=asked.digest), asked.digest)
+    for index in range(len(asked.manifest.chunks)):
+        assert state.accept(index, served.read_chunk(index))  # still round 0's bytes
+
+    unasked = offers.publish()  # round 1, which nobody asks for
+    _train_alone(peer, 1)
+    assert offers.offered(unasked.digest) is None
+    assert offers.offered(asked.digest) is not None  # still held while its download is active
+
+
+def test_a_manifest_is_refused_unless_it_is_the_published_one_and_well_formed() -> None:
+    """No network: what `StateManifest.decode` refuses before a joiner allocates anything."""
+    tensors = [
+        ("theta.a", torch.randn(3000)),
+        ("theta.b", torch.randn(70, 70)),
+        ("momentum.a", torch.zeros(5)),
+    ]
+    manifest = build_manifest(
+        tensors, round=1, theta_hash="ab" * 32, schedule={"batch": [4]}, chunk_bytes=4096
+    )
+    raw = manifest.encode()
+    assert StateManifest.decode(raw, digest=manifest.digest()) == manifest
+    assert len(manifest.chunks) == -(-(3000 * 4 + 4900 * 4 + 20) // 4096)  # chunks span tensors
+    with pytest.raises(ValueError, match="published manifest hash"):
+        StateManifest.decode(raw, digest="0" * 64)
+
+    def refused(**changes: object) -> str:
+        bad = replace(manifest, **changes).encode()
+        with pytest.raises(ValueError) as e:
+            StateManifest.decode(bad, digest=hashlib.sha256(bad).hexdigest())
+        return str(e.value)
+
+    assert "chunks for" in refused(chunks=manifest.chunks[:-1])  # one hash short
+    assert "outside" in refused(chunk_bytes=1)
+    assert "sha256" in refused(chunks=("zz",) * len(manifest.chunks))
+    assert "tensor entry" in refused(tensors=(TensorSpec("theta.a", "int64", (3000,)),))
+
+
+def test_timeouts_follow_the_bytes_with_a_floor() -> None:
+    s = TransferSettings(bandwidth_bps=1e6, slack=4.0, timeout_floor_s=10.0)
+    assert s.timeout(10 << 20, 1e6) == pytest.approx(4 * (10 << 20) / 1e6)  # 42 s for 10 MiB at 1 MB/s
+    assert s.timeout(1 << 10, 1e6) == 10.0  # a small request: the floor
+    assert s.timeout(10 << 20, 100e6) == 10.0  # a fast donor: the floor again

@@ -18,6 +18,8 @@ from pathlib import Path
 
 from ...errors import UserError
 from ...protocol.transport.dht import NetworkConfig, parse_maddrs
+from ...protocol.transport.manifest import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES
+from ...protocol.transport.state_transfer import TransferSettings
 from ...settings import EPILOG, add_config_argument, parse_settings
 from ..operations import reachability
 from ..operations.checkpoint import check_checkpoint_dir
@@ -27,7 +29,7 @@ from ..solo.trainer import train_solo
 from ..swarm.node import SwarmConfig, SwarmNode
 from ..training.config import TrainConfig
 from ..training.rounds import format_round
-from .options import add_train_arguments, set_threads, train_config_from_args
+from .options import add_train_arguments, finite_float, set_threads, train_config_from_args
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -95,6 +97,30 @@ def add_network_arguments(p: argparse.ArgumentParser) -> None:
     net.add_argument(
         "--simulate-slowdown", type=float, default=1.0, help="testing: make this node F× slower (idle time)"
     )
+    add_state_transfer_arguments(p)
+
+
+def add_state_transfer_arguments(p: argparse.ArgumentParser) -> None:
+    state = p.add_argument_group("state download (joiners and far-behind nodes)")
+    state.add_argument(
+        "--state-chunk-mb",
+        type=finite_float,
+        default=DEFAULT_CHUNK_BYTES / 2**20,
+        help="chunk size (MiB); keep the run's default: donors that chunk alike share one manifest",
+    )
+    state.add_argument(
+        "--state-bandwidth-mbps",
+        type=finite_float,
+        default=10.0,
+        help="download rate to expect before a donor is measured (Mbit/s); lower it on a slow link",
+    )
+    state.add_argument(
+        "--state-timeout-floor-s",
+        type=finite_float,
+        default=10.0,
+        help="no state request times out sooner (s); raise it if busy donors get dropped",
+    )
+    state.add_argument("--state-donors", type=int, default=4, help="donors a download uses at once")
 
 
 def network_from_args(args: argparse.Namespace) -> NetworkConfig:
@@ -125,6 +151,7 @@ def swarm_from_args(args: argparse.Namespace) -> SwarmConfig:
     if args.checkpoint_dir is not None:
         check_checkpoint_dir(args.checkpoint_dir)
     return SwarmConfig(
+        state_transfer=transfer_from_args(args),
         run_id=args.run_id,
         rounds=args.rounds,
         window_s=args.window_s,
@@ -135,6 +162,27 @@ def swarm_from_args(args: argparse.Namespace) -> SwarmConfig:
         simulate_slowdown=args.simulate_slowdown,
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every,
+    )
+
+
+def transfer_from_args(args: argparse.Namespace) -> TransferSettings:
+    chunk = round(args.state_chunk_mb * 2**20)
+    if not MIN_CHUNK_BYTES <= chunk <= MAX_CHUNK_BYTES:
+        raise UserError(
+            f"--state-chunk-mb: must be in [{MIN_CHUNK_BYTES / 2**20:g}, {MAX_CHUNK_BYTES / 2**20:g}], "
+            f"got {args.state_chunk_mb:g}"
+        )
+    if not args.state_bandwidth_mbps > 0:
+        raise UserError(f"--state-bandwidth-mbps: must be > 0, got {args.state_bandwidth_mbps:g}")
+    if not args.state_timeout_floor_s > 0:
+        raise UserError(f"--state-timeout-floor-s: must be > 0, got {args.state_timeout_floor_s:g}")
+    if args.state_donors < 1:
+        raise UserError(f"--state-donors: must be >= 1, got {args.state_donors}")
+    return TransferSettings(
+        chunk_bytes=chunk,
+        bandwidth_bps=args.state_bandwidth_mbps * 1e6 / 8,
+        timeout_floor_s=args.state_timeout_floor_s,
+        donors=args.state_donors,
     )
 
 

@@ -19,13 +19,13 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ...protocol.transport.dht import NetworkConfig, start_dht, visible_maddrs
 from ...protocol.transport.hivemind_averager import HivemindAverager
 from ...protocol.transport.records import RunRecords, run_prefix
-from ...protocol.transport.state_transfer import StateServer
+from ...protocol.transport.state_transfer import StateServer, TransferSettings
 from ..operations.checkpoint import peek_checkpoint
 from ..operations.metrics import NodeMetrics
 from ..training.config import TrainConfig
@@ -33,8 +33,9 @@ from ..training.peer import Peer
 from ..training.rounds import RoundRecord
 from ..training.runtime import load_data
 from .loop import LoopConfig, RoundLoop
+from .offers import StateOffers
 from .ops import NodeOps, StatusLog
-from .sync import SwarmSync, snapshot_of, updates_of
+from .sync import SwarmSync, updates_of
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +52,8 @@ class SwarmConfig:
         owner waits for parts before dropping a silent member. data_shard / data_shards: which part
         of the corpus this node trains on (default: random). simulate_slowdown: a test and benchmark
         knob that makes this node F× slower (it idles (F−1)× its compute time after each local
-        phase), to study heterogeneous swarms on one machine.
+        phase), to study heterogeneous swarms on one machine. state_transfer: how joiners download
+        the state (chunk size, bandwidth, timeout floor, donors: `TransferSettings`).
     """
 
     run_id: str = "default"
@@ -64,6 +66,7 @@ class SwarmConfig:
     simulate_slowdown: float = 1.0
     checkpoint_dir: Path | None = None
     checkpoint_every: int = 10
+    state_transfer: TransferSettings = field(default_factory=TransferSettings)
 
     @property
     def average_timeout_s(self) -> float:
@@ -117,17 +120,20 @@ class SwarmNode:
         self.averager = HivemindAverager(
             self.dht, prefix=self.prefix, window_s=swarm.window_s, part_timeout_s=swarm.part_timeout_s
         )
+        self.offers = StateOffers(self.peer, self.lock, chunk_bytes=swarm.state_transfer.chunk_bytes)
         self.server = StateServer(
             self.dht,
             prefix=self.prefix,
-            snapshot=lambda: snapshot_of(self.peer, self.lock),
+            offered=self.offers.offered,
             updates=lambda from_round: updates_of(self.peer, self.lock, from_round),
+            settings=swarm.state_transfer,
         )
         self.sync = SwarmSync(
             peer=self.peer,
             lock=self.lock,
             records=records,
             server=self.server,
+            offers=self.offers,
             ops=self.ops,
             metrics=self.metrics,
         )

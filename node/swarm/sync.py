@@ -1,12 +1,15 @@
 """Staying in step with the swarm: publish where this node is, find where the swarm is, catch up.
 
-After every applied round a node publishes a signed state record (round, θ hash, schedule) and a
-beacon (progress, for the bootstrap's metrics). Before contributing it reads everyone's records: the
-head of the swarm is the latest round any peer published and the majority θ hash of the other peers
-at it. A node behind the head catches up from a peer holding it, with the simulator's own code
-(`training.catchup`: replay the averaged updates it keeps, else download its state), checked against
-that published hash. A node at the head with another θ than a strict majority of the others (it
-averaged a round apart from them) downloads the majority's state: the fork heals toward it.
+After every applied round a node offers its state (`offers.py`: a manifest of per-chunk hashes) and
+publishes a signed state record (round, θ hash, schedule, the manifest's hash and size) and a beacon
+(progress, for the bootstrap's metrics). Before contributing it reads everyone's records: the head of
+the swarm is the latest round any peer published and the majority θ hash of the other peers at it;
+its donors are the holders of that hash who published the most common manifest. A node behind the
+head catches up with the simulator's own code (`training.catchup`: replay the averaged updates a
+holder keeps, else download the state), checked against that published hash; the download takes
+chunks from several donors at once, each checked against the manifest, and an unfinished download
+is resumed rather than restarted. A node at the head with another θ than a strict majority of the
+others (it averaged a round apart from them) downloads the majority's state: the fork heals toward it.
 """
 
 from __future__ import annotations
@@ -19,62 +22,129 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ...protocol.algorithms.schedule import Schedule
+from ...protocol.transport.manifest import ChunkedState
 from ...protocol.transport.records import BeaconRecord, RunRecords, StateRecord, dht_time
-from ...protocol.transport.state_transfer import StateServer, StateSnapshot, UpdateRecord
+from ...protocol.transport.state_transfer import (
+    DownloadReport,
+    IncompleteDownload,
+    StateServer,
+    UpdateRecord,
+)
 from ..operations.metrics import NodeMetrics
 from ..training.catchup import catch_up
 from ..training.peer import Peer
-from ..training.replica import PeerState, Update
+from ..training.replica import HISTORY_ROUNDS, PeerState, Update
+from .offers import StateOffers, state_layout
 from .ops import NodeOps
 
 logger = logging.getLogger(__name__)
+
+SYNC_PASSES = 3  # a download that lands behind the head is followed by a replay in the same sync
+UPDATE_SLACK_BYTES = 4 << 10  # per tensor: a codec header is tens of bytes; an fp32 payload 4/param
+
+
+@dataclass(frozen=True)
+class DownloadTarget:
+    """A published state to download: its manifest (sha256 and size), round, θ hash, and donors."""
+
+    digest: str
+    size: int
+    round: int
+    theta_hash: str
+    donors: tuple[str, ...]
 
 
 @dataclass(frozen=True)
 class SwarmHead:
     """The latest round any peer published, the other peers' majority θ hash at it, the others that
-    hold that hash, and how many others hold each hash there."""
+    hold that hash, how many others hold each hash there, and the state to download from them."""
 
     round: int
     theta_hash: str
     holders: list[str]
     hashes: Counter[str]
+    target: DownloadTarget | None = None
 
 
-@dataclass(frozen=True)
+class Downloads:
+    """This node's state downloads: manifests checked against its own model before any chunk is
+    read, and the unfinished download kept, so the next try resumes it."""
+
+    def __init__(self, server: StateServer, peer: Peer) -> None:
+        self.server, self.names = server, list(peer.names)
+        self.layout = state_layout(peer)
+        numel = sum(t.numel() for t in peer.state.theta)
+        # The most kept updates a holder may send: HISTORY_ROUNDS rounds, none larger than fp32.
+        self.max_update_bytes = HISTORY_ROUNDS * (4 * numel + UPDATE_SLACK_BYTES * len(self.names))
+        self.partial: ChunkedState | None = None
+        self.partial_target: DownloadTarget | None = None
+        self.last: DownloadReport | None = None
+
+    def fetch(self, target: DownloadTarget) -> PeerState:
+        """The state `target` names, from its donors in parallel; IncompleteDownload (progress kept)
+        or ValueError (a manifest that is not the published one, or not for this model)."""
+        state = self._state_for(target)
+        try:
+            self.last = self.server.download(state, target.donors)
+        except IncompleteDownload as e:
+            self.last = e.report
+            if not e.report.kept:
+                self.forget()  # no donor serves it any more: nothing to resume
+            raise
+        self.forget()
+        manifest = state.manifest
+        return PeerState(
+            theta=[state.tensors[f"theta.{n}"] for n in self.names],
+            momentum=[state.tensors[f"momentum.{n}"] for n in self.names],
+            round=manifest.round,
+            schedule=Schedule.from_dict(manifest.schedule),
+        )
+
+    def unfinished(self) -> DownloadTarget | None:
+        return self.partial_target
+
+    def forget(self) -> None:
+        self.partial = self.partial_target = None
+
+    def _state_for(self, target: DownloadTarget) -> ChunkedState:
+        if self.partial is not None and self.partial.digest == target.digest:
+            return self.partial
+        manifest = self.server.fetch_manifest(target.donors, digest=target.digest, size=target.size)
+        manifest.expect_layout(self.layout)
+        if (manifest.round, manifest.theta_hash) != (target.round, target.theta_hash):
+            raise ValueError("the manifest is of another round or θ than its records say")
+        self.partial, self.partial_target = ChunkedState(manifest, target.digest), target
+        return self.partial
+
+
+@dataclass
 class RemoteSource:
-    """A peer holding the swarm's state, as a catch-up source over the network. `names`: our
-    model's parameter names, the order θ and m are in."""
+    """Peers holding the swarm's state, as a catch-up source over the network: the kept updates of
+    the first holder that answers (`answered`), the state in chunks from every donor of `target`."""
 
     server: StateServer
-    holder: str
-    names: Sequence[str]
+    holders: Sequence[str]
+    downloads: Downloads
+    target: DownloadTarget | None
+    answered: str = ""
 
     def updates(self, from_round: int) -> Sequence[Update]:
-        records = self.server.fetch_updates(self.holder, from_round=from_round)
-        return [Update(r.round, r.averaged, Schedule.from_dict(r.schedule), r.merge) for r in records]
+        for holder in self.holders:
+            try:
+                records = self.server.fetch_updates(
+                    holder, from_round=from_round, max_bytes=self.downloads.max_update_bytes
+                )
+            except Exception as e:  # a holder that left or answered badly: ask the next one
+                logger.info("kept updates from %s: %s", holder[-6:], e)
+                continue
+            self.answered = holder
+            return [Update(r.round, r.averaged, Schedule.from_dict(r.schedule), r.merge) for r in records]
+        return []
 
     def state(self) -> PeerState:
-        snap = self.server.fetch_state(self.holder)
-        return PeerState(
-            theta=[snap.theta[n] for n in self.names],
-            momentum=[snap.momentum[n] for n in self.names],
-            round=snap.round,
-            schedule=Schedule.from_dict(snap.schedule),
-        )
-
-
-def snapshot_of(peer: Peer, lock: threading.Lock) -> StateSnapshot:
-    """What this node serves a joiner (called on the state server's thread: copies, under the lock)."""
-    with lock:
-        state = peer.state
-        return StateSnapshot(
-            round=state.round,
-            schedule=state.schedule.to_dict(),
-            theta={n: t.detach().cpu().clone() for n, t in zip(peer.names, state.theta, strict=True)},
-            momentum={n: t.detach().cpu().clone() for n, t in zip(peer.names, state.momentum, strict=True)},
-            theta_hash=state.theta_hash(),
-        )
+        if self.target is None:
+            raise ValueError("no published manifest to download")
+        return self.downloads.fetch(self.target)
 
 
 def updates_of(peer: Peer, lock: threading.Lock, from_round: int) -> list[UpdateRecord]:
@@ -87,6 +157,25 @@ def updates_of(peer: Peer, lock: threading.Lock, from_round: int) -> list[Update
         ]
 
 
+def swarm_head(records: Sequence[StateRecord], me: str) -> SwarmHead | None:
+    """Where the swarm is, from the state records (None: no records yet); see the module docstring."""
+    if not records:
+        return None
+    top = max(r.round for r in records)
+    hashes = Counter(r.theta_hash for r in records if r.round == top and r.peer_id != me)
+    if not hashes:
+        return SwarmHead(top, "", [], hashes)
+    best = hashes.most_common(1)[0][0]
+    agreeing = [r for r in records if r.round == top and r.theta_hash == best and r.peer_id != me]
+    holders = sorted({r.peer_id for r in agreeing})
+    manifests = Counter((r.manifest_hash, r.manifest_bytes) for r in agreeing)
+    (digest, size), _ = manifests.most_common(1)[0]
+    donors = tuple(
+        sorted({r.peer_id for r in agreeing if (r.manifest_hash, r.manifest_bytes) == (digest, size)})
+    )
+    return SwarmHead(top, best, holders, hashes, DownloadTarget(digest, size, top, best, donors))
+
+
 class SwarmSync:
     """One node's publishing, reading and catching up (see the module docstring)."""
 
@@ -97,20 +186,26 @@ class SwarmSync:
         lock: threading.Lock,
         records: RunRecords,
         server: StateServer,
+        offers: StateOffers,
         ops: NodeOps,
         metrics: NodeMetrics,
     ) -> None:
         self.peer, self.lock, self.records, self.server = peer, lock, records, server
-        self.ops, self.metrics = ops, metrics
+        self.offers, self.ops, self.metrics = offers, ops, metrics
+        self.downloads = Downloads(server, peer)
 
     def publish(self) -> None:
-        """Announce (round, θ hash, schedule), signed, so joiners and laggards know where the swarm is."""
+        """Offer this round's state and announce it (round, θ hash, schedule, manifest), signed, so
+        joiners and laggards know where the swarm is and what to download."""
         state = self.peer.state
+        served = self.offers.publish()
         record = StateRecord(
             peer_id=self.peer.peer_id,
             round=state.round,
-            theta_hash=state.theta_hash(),
+            theta_hash=served.manifest.theta_hash,
             schedule=json.dumps(state.schedule.to_dict(), sort_keys=True),
+            manifest_hash=served.digest,
+            manifest_bytes=len(served.encoded),
         )
         self.records.publish_state(record)
         counters = self.ops.counters
@@ -127,61 +222,80 @@ class SwarmSync:
         records = self.records.states()
         self.ops.peers_visible = len({r.peer_id for r in records})
         self.metrics.peers.set(self.ops.peers_visible)
-        if not records:
-            return None
-        me = self.peer.peer_id
-        top = max(r.round for r in records)
-        hashes = Counter(r.theta_hash for r in records if r.round == top and r.peer_id != me)
-        if not hashes:
-            return SwarmHead(top, "", [], hashes)
-        best = hashes.most_common(1)[0][0]
-        holders = sorted({r.peer_id for r in records if r.round == top and r.theta_hash == best} - {me})
-        return SwarmHead(top, best, holders, hashes)
+        return swarm_head(records, self.peer.peer_id)
 
     def sync(self) -> int:
         """Reach the swarm's published round (or heal a fork at it); returns the rounds advanced."""
+        start = self.peer.state.round
+        for _ in range(SYNC_PASSES):
+            if not self._sync_once():
+                break
+        return self.peer.state.round - start
+
+    def _sync_once(self) -> bool:
+        """One step toward the head; True if this node moved and may still be behind."""
         head = self.head()
         if head is None or not head.holders:
-            return 0
+            return False
         behind = head.round - self.peer.state.round
         if behind <= 0:
             mine = self.peer.state.theta_hash()
             if behind < 0 or head.theta_hash == mine or head.hashes[head.theta_hash] <= head.hashes[mine] + 1:
-                return 0
+                return False
             logger.warning(
                 "[%s round=%d] θ differs from %d peers' at the same round: taking theirs",
                 *self._tag(),
                 len(head.holders),
             )
             self._catch_up(head, replay=False, event="fork_healed")
-            return 0
-        return (
-            head.round - self.peer.state.round if self._catch_up(head, replay=True, event="catch_up") else 0
-        )
+            return False
+        self._resume_unfinished(head)
+        return self._catch_up(head, replay=True, event="catch_up") and self.peer.state.round < head.round
+
+    def _resume_unfinished(self, head: SwarmHead) -> None:
+        """Finish a download of an earlier round that the head has since passed, if it can still be
+        replayed forward from: its verified chunks are not fetched again."""
+        target = self.downloads.unfinished()
+        if target is None or head.target is None or target.digest == head.target.digest:
+            return
+        if not self.peer.state.round < target.round < head.round < target.round + HISTORY_ROUNDS:
+            self.downloads.forget()
+            return
+        source = RemoteSource(self.server, [], self.downloads, target)
+        self._run_catch_up(head, source, target.theta_hash, replay=False, event="catch_up")
 
     def _catch_up(self, head: SwarmHead, *, replay: bool, event: str) -> bool:
-        """Catch up from the first holder that serves a state matching the published hash."""
+        """Catch up from the holders of the head's hash: replay their kept updates, else download the
+        published state from its donors; False if that failed (the next sync tries again)."""
+        source = RemoteSource(self.server, head.holders, self.downloads, head.target)
+        return self._run_catch_up(head, source, head.theta_hash, replay=replay, event=event)
+
+    def _run_catch_up(
+        self, head: SwarmHead, source: RemoteSource, expected_hash: str, *, replay: bool, event: str
+    ) -> bool:
         start = self.peer.state.round
-        for holder in head.holders:
-            try:
-                done = catch_up(
-                    self.peer,
-                    RemoteSource(self.server, holder, self.peer.names),
-                    expected_hash=head.theta_hash,
-                    replay=replay,
-                    lock=self.lock,
-                )
-            except Exception as e:  # a holder that left or answered badly: try the next one
-                logger.warning("[%s round=%d] catch-up from %s failed: %s", *self._tag(), holder[-6:], e)
-                continue
-            (self.metrics.replays if done.how == "replay" else self.metrics.downloads).inc()
-            if done.how == "download":
-                self.ops.status.write("state_download", round=self.peer.state.round, source=holder)
+        try:
+            done = catch_up(self.peer, source, expected_hash=expected_hash, replay=replay, lock=self.lock)
+        except Exception as e:  # donors that left or answered badly: the next sync tries again
+            logger.warning("[%s round=%d] catch-up failed: %s", *self._tag(), e)
+            return False
+        (self.metrics.replays if done.how == "replay" else self.metrics.downloads).inc()
+        source_name = source.answered
+        if done.how == "download":
+            report = self.downloads.last or DownloadReport()
+            source_name = "+".join(sorted(d[-6:] for d in report.kept))
             self.ops.status.write(
-                event, round=self.peer.state.round, behind=head.round - start, source=holder, how=done.how
+                "state_download",
+                round=self.peer.state.round,
+                source=source_name,
+                chunks={d[-6:]: n for d, n in report.kept.items()},
+                dropped=sorted(d[-6:] for d in report.dropped),
+                seconds=round(report.seconds, 3),
             )
-            return True
-        return False
+        self.ops.status.write(
+            event, round=self.peer.state.round, behind=head.round - start, source=source_name, how=done.how
+        )
+        return True
 
     def _tag(self) -> tuple[str, int]:
         return self.peer.peer_id[-6:], self.peer.state.round

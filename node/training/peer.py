@@ -109,6 +109,9 @@ class Peer:
         self._in_round = False
         # MIT merges decided while the instances were mid-round: (victim, survivor, batch of then).
         self._deferred_merges: list[tuple[int, int, tuple[int, ...]]] = []
+        # Called just before θ and m change in place (an outer step, applied or replayed), from the
+        # thread that applies it: the swarm's state offers freeze a round a joiner is downloading.
+        self.before_change: Callable[[], None] | None = None
 
     def _make_instance(
         self, corpus: Corpus, model: torch.nn.Module, *, slot: int, index: int, num_peers: int
@@ -343,6 +346,8 @@ class Peer:
 
     def _apply(self, update: Update) -> None:
         self._check_update(update)
+        if self.before_change is not None:
+            self.before_change()
         # Tensor by tensor: one decoded tensor at a time, never a decoded copy of the whole model.
         for name, theta, momentum in zip(self.names, self.state.theta, self.state.momentum, strict=True):
             delta = decode(update.averaged[name]).to(self.device)

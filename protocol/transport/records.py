@@ -7,9 +7,10 @@ coercion) stored under a subkey that carries the writer's RSA public key, so hiv
 does not match: a peer can only write its own entry, and a malformed entry never reaches our code.
 
 Record kinds:
-- `{prefix}_state`: per peer, the round it reached, θ's hash after that round and the schedule it
-  holds; joiners and laggards pick the latest round's majority hash and verify what they download
-  against it.
+- `{prefix}_state`: per peer, the round it reached, θ's hash after that round, the schedule it
+  holds, and the hash and size of the manifest of its state at that round (`manifest.py`: every
+  chunk's hash); joiners and laggards pick the latest round's majority θ hash, fetch the manifest
+  from any holder, check it against the hash here, and every chunk against the manifest.
 - `{beacon prefix}_beacon`: per peer, its round, tokens trained and recent tokens/s, and when it
   wrote that. The beacon prefix holds the run id but no model fingerprint, so a bootstrap peer,
   which builds no model, can read the swarm's figures for its metrics.
@@ -26,7 +27,9 @@ from hivemind.dht.schema import BytesWithPublicKey, RSASignatureValidator, Schem
 from hivemind.utils import get_dht_time
 from pydantic.v1 import BaseModel, StrictStr, confloat, conint, constr
 
-PROTOCOL_VERSION = 1
+from .manifest import MAX_MANIFEST_BYTES
+
+PROTOCOL_VERSION = 2  # 2: state records carry the state's manifest
 
 
 def run_prefix(run_id: str, fingerprint: str) -> str:
@@ -36,12 +39,15 @@ def run_prefix(run_id: str, fingerprint: str) -> str:
 
 
 class StateRecord(BaseModel):
-    """One peer's position: the libp2p id to fetch from, round, θ hash, schedule (JSON text)."""
+    """One peer's position: the libp2p id to fetch from, round, θ hash, schedule (JSON text), and
+    the sha256 and size of the manifest of its state at that round."""
 
     peer_id: StrictStr
     round: conint(ge=0, strict=True)  # type: ignore[valid-type]
     theta_hash: constr(regex=r"^[0-9a-f]{64}$", strict=True)  # type: ignore[valid-type]
     schedule: StrictStr
+    manifest_hash: constr(regex=r"^[0-9a-f]{64}$", strict=True)  # type: ignore[valid-type]
+    manifest_bytes: conint(ge=1, le=MAX_MANIFEST_BYTES, strict=True)  # type: ignore[valid-type]
 
     class Config:
         extra = "forbid"

@@ -59,10 +59,18 @@ async def write_frame(
     meter.payload_sent += payload
 
 
-async def read_frame(reader: asyncio.StreamReader, meter: Meter) -> tuple[dict[str, Any], list[bytes]]:
+async def read_frame(
+    reader: asyncio.StreamReader,
+    meter: Meter,
+    *,
+    max_header: int = MAX_HEADER_BYTES,
+    max_body: int = MAX_BODY_BYTES,
+) -> tuple[dict[str, Any], list[bytes]]:
+    """One frame; ValueError, before reading them, on a header over `max_header` bytes or a body
+    over `max_body` (a reader that knows what it expects passes its own bounds)."""
     (size,) = _LEN.unpack(await reader.readexactly(_LEN.size))
-    if size > MAX_HEADER_BYTES:
-        raise ValueError(f"frame header of {size} bytes exceeds {MAX_HEADER_BYTES}")
+    if size > max_header:
+        raise ValueError(f"frame header of {size} bytes exceeds {max_header}")
     header = MSGPackSerializer.loads(await reader.readexactly(size))
     meter.wire_received += _LEN.size + size
     if not isinstance(header, dict) or header.get("v") != PROTOCOL_VERSION:
@@ -70,8 +78,8 @@ async def read_frame(reader: asyncio.StreamReader, meter: Meter) -> tuple[dict[s
     lengths = header.get("n")
     if not isinstance(lengths, list) or not all(isinstance(n, int) and n >= 0 for n in lengths):
         raise ValueError("frame without valid part lengths")
-    if sum(lengths) > MAX_BODY_BYTES:
-        raise ValueError(f"frame body of {sum(lengths)} bytes exceeds {MAX_BODY_BYTES}")
+    if sum(lengths) > max_body:
+        raise ValueError(f"frame body of {sum(lengths)} bytes exceeds {max_body}")
     body = [await reader.readexactly(n) for n in lengths]
     meter.wire_received += sum(lengths)
     meter.payload_received += sum(lengths)

@@ -1,0 +1,133 @@
+"""What a node offers joiners: the state of the round it last published, frozen while someone
+downloads it.
+
+After each applied round the node builds the manifest of its θ and m (`build_manifest`, hashed chunk
+by chunk from the live tensors, no serialized copy), publishes the manifest's hash in its signed
+state record and offers that round. A chunk is read from the live tensors, under the node's lock,
+only when a joiner asks for it. θ and m change in place at the next outer step; just before they do
+(`Peer.before_change`, under the lock) a round that someone asked for within the last `hold_s`
+seconds is frozen (θ and m copied once to the host) and stays offered until nobody has asked for it
+for `hold_s`; a round nobody asked for is withdrawn. So a node holds an extra copy of the state only
+while a download crosses one of its rounds (at most `max_frozen` copies), and a joiner slower than a
+round still completes the round it began with, then replays the rounds since.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ...protocol.transport.manifest import StateManifest, TensorBytes, TensorSpec, build_manifest
+from ...protocol.transport.state_transfer import ServedState
+from ..training.peer import Peer
+
+HOLD_S = 120.0  # a frozen round stays offered until nobody has asked for it for this long
+
+
+def state_layout(peer: Peer) -> list[TensorSpec]:
+    """The tensors of this model's replicated state as a manifest lists them: θ, then m."""
+    return [TensorSpec.of(f"theta.{n}", t) for n, t in zip(peer.names, peer.state.theta, strict=True)] + [
+        TensorSpec.of(f"momentum.{n}", t) for n, t in zip(peer.names, peer.state.momentum, strict=True)
+    ]
+
+
+@dataclass
+class _Offer:
+    manifest: StateManifest
+    encoded: bytes
+    digest: str
+    tensors: list[torch.Tensor]  # the live θ and m while not frozen
+    frozen: bool
+    asked: float | None = None  # monotonic time of the last request, None: never asked
+
+
+class StateOffers:
+    """The rounds this node serves (see the module docstring). `offered` is the state server's
+    lookup; `publish` and `before_change` run on the thread that changes the peer."""
+
+    def __init__(
+        self,
+        peer: Peer,
+        lock: threading.Lock,
+        *,
+        chunk_bytes: int,
+        hold_s: float = HOLD_S,
+        max_frozen: int = 1,
+    ) -> None:
+        self.peer, self.lock = peer, lock
+        self.chunk_bytes, self.hold_s, self.max_frozen = chunk_bytes, hold_s, max_frozen
+        self._offers: dict[str, _Offer] = {}
+        self._mutex = threading.Lock()  # guards _offers; taken after `lock`, never before it
+        peer.before_change = self.before_change
+
+    def publish(self) -> ServedState:
+        """Offer the peer's current round; returns it (its digest and size go in the state record)."""
+        state = self.peer.state
+        tensors = [*state.theta, *state.momentum]
+        names = [f"theta.{n}" for n in self.peer.names] + [f"momentum.{n}" for n in self.peer.names]
+        manifest = build_manifest(
+            list(zip(names, tensors, strict=True)),
+            round=state.round,
+            theta_hash=state.theta_hash(),
+            schedule=state.schedule.to_dict(),
+            chunk_bytes=self.chunk_bytes,
+        )
+        encoded = manifest.encode()
+        offer = _Offer(manifest, encoded, manifest.digest(), tensors, frozen=False)
+        with self._mutex:
+            self._offers = {d: o for d, o in self._offers.items() if o.frozen and self._active(o)}
+            self._offers[offer.digest] = offer
+        return self._served(offer)
+
+    def offered(self, digest: str) -> ServedState | None:
+        """The state offered under `digest`, if any (called on the state server's threads)."""
+        with self._mutex:
+            offer = self._offers.get(digest)
+            if offer is None:
+                return None
+            offer.asked = time.monotonic()
+        return self._served(offer)
+
+    def before_change(self) -> None:
+        """θ and m are about to change in place (called under `lock`): freeze or withdraw what is live."""
+        with self._mutex:
+            live = [o for o in self._offers.values() if not o.frozen]
+            frozen = [o for o in self._offers.values() if o.frozen and self._active(o)]
+            for offer in live:
+                if self._active(offer) and len(frozen) < self.max_frozen:
+                    if _same(offer.tensors, [*self.peer.state.theta, *self.peer.state.momentum]):
+                        offer.tensors = [t.detach().to("cpu", copy=True) for t in offer.tensors]
+                    offer.frozen = True  # (an adopted state left the old tensors unchanged)
+                    frozen.append(offer)
+            self._offers = {o.digest: o for o in frozen}
+
+    def frozen_rounds(self) -> list[int]:
+        """The rounds held as frozen copies now (for tests and status)."""
+        with self._mutex:
+            return sorted(o.manifest.round for o in self._offers.values() if o.frozen)
+
+    def _active(self, offer: _Offer) -> bool:
+        return offer.asked is not None and time.monotonic() - offer.asked < self.hold_s
+
+    def _served(self, offer: _Offer) -> ServedState:
+        return ServedState(offer.manifest, offer.encoded, lambda index: self._read(offer, index))
+
+    def _read(self, offer: _Offer, index: int) -> bytes:
+        """Chunk `index` of `offer`: from the frozen copy, or from the live tensors under the lock."""
+        start, end = offer.manifest.span(index)
+        if offer.frozen:
+            return TensorBytes(offer.tensors).read(start, end)
+        with self.lock:  # the live tensors do not change while it is held
+            with self._mutex:
+                if self._offers.get(offer.digest) is not offer:
+                    raise ValueError("that state is not offered here any more")
+                tensors = offer.tensors
+            return TensorBytes(tensors).read(start, end)
+
+
+def _same(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
