@@ -15,11 +15,13 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from adloco.node.cli import node as node_cli
 from adloco.node.cli import sim as sim_cli
+from adloco.node.training.tokenizer import train_bpe
 
 BIN = Path(sys.executable).parent
 MAINS = {"adloco-node": node_cli.main, "adloco-sim": sim_cli.main}
@@ -55,7 +57,25 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (d / "no_text").mkdir()
     (d / "no_text" / "image.bin").write_bytes(b"\x00\x01")
     (d / "tiny.txt").write_text(("the quick brown fox jumps over the lazy dog. " * 70)[:3000])
+    (d / "bpe300.json").write_text(
+        train_bpe(["the quick brown fox jumps over the lazy dog. " * 70], vocab_size=300)
+    )
+    for vocab in (256, 300, 1000):
+        _llama_config(vocab).save_pretrained(d / f"llama{vocab}")
     return d
+
+
+def _llama_config(vocab_size: int) -> Any:
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+    )
 
 
 def assert_one_line(prog: str, err: str, option: str) -> None:
@@ -93,6 +113,13 @@ DATA_CASES = [
     ("--text-field", ["--dataset", "{d}/good.jsonl", "--text-field", "nope"]),
     ("--batch-size", ["--dataset", "{d}/tiny.txt", "--batch-size", "10000", "--seq-len", "64"]),
     ("--seq-len", ["--dataset", "{d}/tiny.txt", "--seq-len", "100000"]),
+    ("--tokenizer", ["--tokenizer", "{d}/missing.json"]),
+    ("--tokenizer", ["--tokenizer", "{d}/broken.jsonl"]),
+    ("--tokenizer", ["--tokenizer", "no-such-org/no-such-model"]),  # not in the local cache
+    # A config file states its vocabulary; it must be the tokenizer's (256 for bytes, 300 here).
+    ("--model", ["--model", "{d}/llama1000"]),
+    ("--model", ["--model", "{d}/llama256/config.json", "--tokenizer", "{d}/bpe300.json"]),
+    ("--model", ["--model", "{d}/llama300", "--tokenizer", "bytes"]),
 ]
 TRAIN_CASES = [
     ("--codec", ["--codec", "int9"]),

@@ -6,8 +6,9 @@ signed records), then three parts of its own, one module each: loop.py drives th
 sync.py keeps the node in step with the swarm (publish, head, catch-up, fork healing), ops.py holds
 what operators see and ask for (counters, status events, checkpoints, drain).
 
-Everything a run shares is namespaced by its prefix: run id + a fingerprint of the protocol version
-and the model's parameter shapes, so a node of another run or another model never averages with us.
+Everything a run shares is namespaced by its prefix: run id + a fingerprint of the protocol version,
+the model's parameter shapes and the tokenizer (`Peer.fingerprint`), so a node of another run,
+another model or another tokenizer never averages with us.
 The corpus is not in the fingerprint: its train/validation split is by file-path hash, the same on
 every Python version, so volunteers on different Pythons train together (their files differ a bit).
 """
@@ -29,7 +30,6 @@ from ...protocol.transport.state_transfer import StateServer
 from ..operations.checkpoint import peek_checkpoint
 from ..operations.metrics import NodeMetrics
 from ..training.config import TrainConfig
-from ..training.model import model_fingerprint
 from ..training.peer import Peer
 from ..training.rounds import RoundRecord
 from ..training.runtime import load_data
@@ -92,8 +92,9 @@ class SwarmNode:
             cfg=cfg,
             corpus=corpus,
             vocab_size=tokenizer.vocab_size,
+            tokenizer=tokenizer,
         )
-        self.prefix = run_prefix(swarm.run_id, model_fingerprint(self.peer.eval_model))
+        self.prefix = run_prefix(swarm.run_id, self.peer.fingerprint)
         self.ops = NodeOps(
             peer=self.peer,
             lock=self.lock,
