@@ -19,12 +19,18 @@ from typing import Any
 
 import pytest
 
+from adloco.node.cli import entry as node_entry
 from adloco.node.cli import node as node_cli
 from adloco.node.cli import sim as sim_cli
 from adloco.node.training.tokenizer import train_bpe
 
 BIN = Path(sys.executable).parent
-MAINS = {"adloco-node": node_cli.main, "adloco-sim": sim_cli.main}
+MAINS = {
+    "adloco-node": node_cli.main,
+    "adloco-sim": sim_cli.main,
+    "adloco-node tokenizer": lambda argv: node_entry.main(["tokenizer", *argv]),
+    "adloco-node export": lambda argv: node_entry.main(["export", *argv]),
+}
 TINY = ["--max-corpus-mb", "1", "--rounds", "1", "--inner-steps", "1", "--batch-size", "1", "--seq-len", "32"]
 TINY += ["--instances", "1", "--threads", "1"]
 
@@ -171,6 +177,18 @@ NODE_CASES = [
     ("--config", ["--config", "{d}/missing.yaml"]),
     ("--config", ["--config", "{d}/broken.jsonl"]),
 ]
+# The run owner's tools: `adloco-node tokenizer` and `adloco-node export` (argv after the command).
+TOOL_CASES = [
+    ("adloco-node tokenizer", "--vocab-size", ["--vocab-size", "100", "--out", "{t}/tok.json"]),
+    ("adloco-node tokenizer", "--vocab-size", ["--vocab-size", "99999999", "--out", "{t}/tok.json"]),
+    ("adloco-node tokenizer", "--min-frequency", ["--min-frequency", "0", "--out", "{t}/tok.json"]),
+    ("adloco-node tokenizer", "--out", ["--out", "{d}"]),  # a folder
+    ("adloco-node tokenizer", "--out", ["--out", "{d}/tiny.txt/tok.json"]),  # under a regular file
+    ("adloco-node tokenizer", "--dataset", ["--dataset", "{d}/missing.txt", "--out", "{t}/tok.json"]),
+    ("adloco-node tokenizer", "--max-corpus-mb", ["--max-corpus-mb", "0", "--out", "{t}/tok.json"]),
+    ("adloco-node export", "--checkpoint-dir", ["--checkpoint-dir", "{d}/nothing", "--out", "{t}/hf"]),
+    ("adloco-node export", "--checkpoint-dir", ["--checkpoint-dir", "{d}/no_text", "--out", "{t}/hf"]),
+]
 ARGPARSE_CASES = [
     ("--rounds", ["--rounds", "abc"]),
     ("--seq-len", ["--seq-len", "1.5"]),
@@ -229,6 +247,24 @@ def test_node_bad_input(case, data: Path, tmp_path: Path, capsys: pytest.Capture
     rc, err = run_main("adloco-node", [*base_argv("adloco-node", tmp_path), *argv_of(flags, data)], capsys)
     assert rc == 2, err
     assert_one_line("adloco-node", err, option)
+
+
+@pytest.mark.parametrize("case", TOOL_CASES, ids=lambda case: f"{case[0]} {case_id(case[1:])}")
+def test_tool_bad_input(case, data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    prog, option, flags = case
+    argv = [f.replace("{t}", str(tmp_path)) for f in argv_of(flags, data)]
+    rc, err = run_main(prog, argv, capsys)
+    assert rc == 2, err
+    assert_one_line(prog, err, option)
+    assert not (tmp_path / "tok.json").exists() and not (tmp_path / "hf").exists()  # nothing written
+
+
+def test_tool_argparse_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, err = run_main("adloco-node tokenizer", ["--vocab-size", "lots", "--out", "x.json"], capsys)
+    assert rc == 2, err
+    assert_argparse_error("adloco-node tokenizer", err, "--vocab-size")
+    rc, err = run_main("adloco-node export", ["--out", "x"], capsys)
+    assert rc == 2 and "the following arguments are required: --checkpoint-dir" in err, err
 
 
 @pytest.mark.parametrize("case", ARGPARSE_CASES, ids=case_id)
