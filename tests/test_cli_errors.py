@@ -15,14 +15,22 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from adloco.node.cli import entry as node_entry
 from adloco.node.cli import node as node_cli
 from adloco.node.cli import sim as sim_cli
+from adloco.node.training.tokenizer import train_bpe
 
 BIN = Path(sys.executable).parent
-MAINS = {"adloco-node": node_cli.main, "adloco-sim": sim_cli.main}
+MAINS = {
+    "adloco-node": node_cli.main,
+    "adloco-sim": sim_cli.main,
+    "adloco-node tokenizer": lambda argv: node_entry.main(["tokenizer", *argv]),
+    "adloco-node export": lambda argv: node_entry.main(["export", *argv]),
+}
 TINY = ["--max-corpus-mb", "1", "--rounds", "1", "--inner-steps", "1", "--batch-size", "1", "--seq-len", "32"]
 TINY += ["--instances", "1", "--threads", "1"]
 
@@ -55,7 +63,25 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (d / "no_text").mkdir()
     (d / "no_text" / "image.bin").write_bytes(b"\x00\x01")
     (d / "tiny.txt").write_text(("the quick brown fox jumps over the lazy dog. " * 70)[:3000])
+    (d / "bpe300.json").write_text(
+        train_bpe(["the quick brown fox jumps over the lazy dog. " * 70], vocab_size=300)
+    )
+    for vocab in (256, 300, 1000):
+        _llama_config(vocab).save_pretrained(d / f"llama{vocab}")
     return d
+
+
+def _llama_config(vocab_size: int) -> Any:
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+    )
 
 
 def assert_one_line(prog: str, err: str, option: str) -> None:
@@ -93,6 +119,13 @@ DATA_CASES = [
     ("--text-field", ["--dataset", "{d}/good.jsonl", "--text-field", "nope"]),
     ("--batch-size", ["--dataset", "{d}/tiny.txt", "--batch-size", "10000", "--seq-len", "64"]),
     ("--seq-len", ["--dataset", "{d}/tiny.txt", "--seq-len", "100000"]),
+    ("--tokenizer", ["--tokenizer", "{d}/missing.json"]),
+    ("--tokenizer", ["--tokenizer", "{d}/broken.jsonl"]),
+    ("--tokenizer", ["--tokenizer", "no-such-org/no-such-model"]),  # not in the local cache
+    # A config file states its vocabulary; it must be the tokenizer's (256 for bytes, 300 here).
+    ("--model", ["--model", "{d}/llama1000"]),
+    ("--model", ["--model", "{d}/llama256/config.json", "--tokenizer", "{d}/bpe300.json"]),
+    ("--model", ["--model", "{d}/llama300", "--tokenizer", "bytes"]),
 ]
 TRAIN_CASES = [
     ("--codec", ["--codec", "int9"]),
@@ -149,6 +182,18 @@ NODE_CASES = [
     ("--state-bandwidth-mbps", ["--state-bandwidth-mbps", "0"]),
     ("--state-timeout-floor-s", ["--state-timeout-floor-s", "-1"]),
     ("--state-donors", ["--state-donors", "0"]),
+]
+# The run owner's tools: `adloco-node tokenizer` and `adloco-node export` (argv after the command).
+TOOL_CASES = [
+    ("adloco-node tokenizer", "--vocab-size", ["--vocab-size", "100", "--out", "{t}/tok.json"]),
+    ("adloco-node tokenizer", "--vocab-size", ["--vocab-size", "99999999", "--out", "{t}/tok.json"]),
+    ("adloco-node tokenizer", "--min-frequency", ["--min-frequency", "0", "--out", "{t}/tok.json"]),
+    ("adloco-node tokenizer", "--out", ["--out", "{d}"]),  # a folder
+    ("adloco-node tokenizer", "--out", ["--out", "{d}/tiny.txt/tok.json"]),  # under a regular file
+    ("adloco-node tokenizer", "--dataset", ["--dataset", "{d}/missing.txt", "--out", "{t}/tok.json"]),
+    ("adloco-node tokenizer", "--max-corpus-mb", ["--max-corpus-mb", "0", "--out", "{t}/tok.json"]),
+    ("adloco-node export", "--checkpoint-dir", ["--checkpoint-dir", "{d}/nothing", "--out", "{t}/hf"]),
+    ("adloco-node export", "--checkpoint-dir", ["--checkpoint-dir", "{d}/no_text", "--out", "{t}/hf"]),
 ]
 ARGPARSE_CASES = [
     ("--rounds", ["--rounds", "abc"]),
@@ -208,6 +253,24 @@ def test_node_bad_input(case, data: Path, tmp_path: Path, capsys: pytest.Capture
     rc, err = run_main("adloco-node", [*base_argv("adloco-node", tmp_path), *argv_of(flags, data)], capsys)
     assert rc == 2, err
     assert_one_line("adloco-node", err, option)
+
+
+@pytest.mark.parametrize("case", TOOL_CASES, ids=lambda case: f"{case[0]} {case_id(case[1:])}")
+def test_tool_bad_input(case, data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    prog, option, flags = case
+    argv = [f.replace("{t}", str(tmp_path)) for f in argv_of(flags, data)]
+    rc, err = run_main(prog, argv, capsys)
+    assert rc == 2, err
+    assert_one_line(prog, err, option)
+    assert not (tmp_path / "tok.json").exists() and not (tmp_path / "hf").exists()  # nothing written
+
+
+def test_tool_argparse_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, err = run_main("adloco-node tokenizer", ["--vocab-size", "lots", "--out", "x.json"], capsys)
+    assert rc == 2, err
+    assert_argparse_error("adloco-node tokenizer", err, "--vocab-size")
+    rc, err = run_main("adloco-node export", ["--out", "x"], capsys)
+    assert rc == 2 and "the following arguments are required: --checkpoint-dir" in err, err
 
 
 @pytest.mark.parametrize("case", ARGPARSE_CASES, ids=case_id)

@@ -73,11 +73,27 @@ def test_preset_sizes() -> None:
 
 def test_config_file_and_directory(tmp_path: Path) -> None:
     folder = _tiny_llama_dir(tmp_path, vocab_size=100)
-    from_dir = build_model(str(folder), seed=3)
-    from_file = build_model(str(folder / "config.json"), seed=3)
-    assert from_dir.config.vocab_size == 256  # smaller than the tokenizer's: overridden
+    from_dir = build_model(str(folder), vocab_size=100, seed=3)
+    from_file = build_model(str(folder / "config.json"), vocab_size=100, seed=3)
+    assert from_dir.config.vocab_size == 100
     assert _same_weights(from_dir, from_file)
-    assert build_model(str(folder), vocab_size=50).config.vocab_size == 100  # larger: kept
+
+
+@pytest.mark.parametrize("tokenizer_vocab", [50, 256])
+def test_a_config_file_must_state_the_tokenizers_vocabulary(tmp_path: Path, tokenizer_vocab: int) -> None:
+    # Neither grown (ids past the table) nor kept larger (a wasted, probably wrong table): refused.
+    folder = _tiny_llama_dir(tmp_path, vocab_size=100)
+    with pytest.raises(
+        UserError,
+        match=rf"--model: .* has vocab_size 100, the tokenizer has {tokenizer_vocab} tokens"
+        rf'.*"vocab_size": {tokenizer_vocab}',
+    ):
+        build_model(str(folder), vocab_size=tokenizer_vocab)
+
+
+def test_presets_and_bare_types_take_the_tokenizers_vocabulary() -> None:
+    assert resolve_config("tiny-llama", vocab_size=777).vocab_size == 777
+    assert resolve_config("bloom", vocab_size=777).vocab_size == 777
 
 
 def test_bad_config_paths(tmp_path: Path) -> None:

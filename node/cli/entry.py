@@ -1,8 +1,10 @@
-"""The `adloco-node` console script: `adloco-node ctl ...` talks to a running node; anything else runs one.
+"""The `adloco-node` console script: `adloco-node ctl ...` talks to a running node, `adloco-node
+tokenizer ...` and `adloco-node export ...` are a run owner's offline tools (node/cli/tools.py);
+anything else runs a node.
 
 `ctl` is what the Docker HEALTHCHECK calls every 30 s, so it must answer without loading torch,
-transformers and hivemind, which the node's own modules import: this module picks one of the two
-before importing either.
+transformers and hivemind, which the node's own modules import: this module picks one of them
+before importing any.
 """
 
 from __future__ import annotations
@@ -17,6 +19,10 @@ def main(argv: list[str] | None = None) -> int:
         from ..operations.ctl import ctl_main
 
         return ctl_main(argv[1:])
+    if argv[:1] in (["tokenizer"], ["export"]):
+        from .tools import export_main, tokenizer_main
+
+        return (tokenizer_main if argv[0] == "tokenizer" else export_main)(argv[1:])
     from .node import main as node_main
 
     return node_main(argv)

@@ -64,6 +64,7 @@ class SwarmOptions:
     run_id: str
     base_port: int
     node_args: tuple[str, ...]
+    tokenizer: str | None = None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -82,6 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         help="0: every process picks a free port; P: bootstrap on P, node i on P+1+i",
+    )
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="every node's --tokenizer (a tokenizer.json, a save_pretrained folder, or a cached model"
+        " name; default: bytes)",
     )
     return p
 
@@ -102,6 +109,8 @@ def parse_options(argv: Sequence[str]) -> SwarmOptions:
     for arg in extra:
         if arg.split("=", 1)[0] in MANAGED_NODE_FLAGS:
             raise UserError(f"--: {arg.split('=', 1)[0]} is set by {PROG} for every node; remove it")
+        if arg.split("=", 1)[0] == "--tokenizer" and args.tokenizer is not None:
+            raise UserError("--tokenizer: given both before and after --; give it once")
     check_writable(args.out)
     return SwarmOptions(
         nodes=args.nodes,
@@ -110,7 +119,19 @@ def parse_options(argv: Sequence[str]) -> SwarmOptions:
         run_id=args.run_id or f"swarm-{secrets.token_hex(4)}",
         base_port=args.base_port,
         node_args=tuple(extra),
+        tokenizer=node_tokenizer(args.tokenizer),
     )
+
+
+def node_tokenizer(spec: str | None) -> str | None:
+    """--tokenizer as the nodes get it: a path that exists made absolute, else as given (a model name
+    in the cache, which the nodes look up; a wrong one makes every node exit with one line)."""
+    if spec is None:
+        return None
+    if not spec.strip():
+        raise UserError("--tokenizer: must not be empty")
+    path = Path(spec).expanduser()
+    return str(path.resolve()) if path.exists() else spec
 
 
 def check_writable(out: Path) -> None:
@@ -175,6 +196,7 @@ def node_argv(opts: SwarmOptions, index: int, peers: Sequence[str], *, threads: 
         str(opts.nodes),
         "--threads",
         str(threads),
+        *(["--tokenizer", opts.tokenizer] if opts.tokenizer is not None else []),
         *opts.node_args,
     ]
 

@@ -35,7 +35,10 @@ from .options import add_train_arguments, finite_float, set_threads, train_confi
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="adloco-node",
-        description="Decentralized volunteer training node (DiLoCo + AdLoCo + DiLoCoX + HeLoCo).",
+        description="Decentralized volunteer training node (DiLoCo + AdLoCo + DiLoCoX + HeLoCo). Other"
+        " commands, each with its own --help: `adloco-node ctl` (talk to a running node), `adloco-node"
+        " tokenizer` (train a BPE tokenizer on the corpus), `adloco-node export` (a checkpoint as a"
+        " Hugging Face folder).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         epilog=EPILOG,
     )

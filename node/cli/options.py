@@ -66,6 +66,12 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     model = p.add_argument_group("model and data")
     model.add_argument("--model", default=None, help="preset, transformers model type, or config.json path")
     model.add_argument(
+        "--tokenizer",
+        default=None,
+        help="bytes (default: vocab 256, no files), a tokenizer.json (`adloco-node tokenizer` makes one),"
+        " a save_pretrained folder, or a model name in the local Hugging Face cache",
+    )
+    model.add_argument(
         "--dataset", default=None, help="local files or datasets name (default: embedded corpus)"
     )
     model.add_argument("--text-field", default="text", help="text column of a json/parquet/datasets source")
@@ -147,6 +153,7 @@ def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
         cfg = replace(
             base,
             model=args.model,
+            tokenizer=args.tokenizer,
             dataset=args.dataset,
             text_field=args.text_field,
             seq_len=args.seq_len,

@@ -115,6 +115,7 @@ def run(cfg: SimConfig, out: Path, *, quiet: bool = False) -> list[RoundRecord]:
         "initial_val_loss": initial,
         "final_val_loss": records[-1].val_loss,
         "corpus_fingerprint": corpus.fingerprint,
+        "tokenizer_fingerprint": tokenizer.fingerprint,
         "wall_s": time.perf_counter() - t0,
     }
     (out / "run.json").write_text(json.dumps(summary, indent=1, default=str))

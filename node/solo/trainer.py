@@ -38,7 +38,13 @@ def train_solo(
     cfg = replace(cfg, overlap="off")
     corpus, tokenizer = load_data(cfg)
     peer = Peer(
-        peer_id=PEER_ID, index=0, num_peers=1, cfg=cfg, corpus=corpus, vocab_size=tokenizer.vocab_size
+        peer_id=PEER_ID,
+        index=0,
+        num_peers=1,
+        cfg=cfg,
+        corpus=corpus,
+        vocab_size=tokenizer.vocab_size,
+        tokenizer=tokenizer,
     )
     done: list[RoundRecord] = []
     with MemoryAverager(MemoryHub(window_s=0.0), PEER_ID) as averager:

@@ -6,8 +6,9 @@ signed records), then three parts of its own, one module each: loop.py drives th
 sync.py keeps the node in step with the swarm (publish, head, catch-up, fork healing), ops.py holds
 what operators see and ask for (counters, status events, checkpoints, drain).
 
-Everything a run shares is namespaced by its prefix: run id + a fingerprint of the protocol version
-and the model's parameter shapes, so a node of another run or another model never averages with us.
+Everything a run shares is namespaced by its prefix: run id + a fingerprint of the protocol version,
+the model's parameter shapes and the tokenizer (`Peer.fingerprint`), so a node of another run,
+another model or another tokenizer never averages with us.
 The corpus is not in the fingerprint: its train/validation split is by file-path hash, the same on
 every Python version, so volunteers on different Pythons train together (their files differ a bit).
 """
@@ -94,6 +95,7 @@ class SwarmNode:
             cfg=cfg,
             corpus=corpus,
             vocab_size=tokenizer.vocab_size,
+            tokenizer=tokenizer,
         )
         self.prefix = run_prefix(swarm.run_id, self.peer.fingerprint)
         self.ops = NodeOps(

@@ -35,6 +35,12 @@ class TrainConfig:
     """Everything that decides what one peer computes in a round.
 
     model: a preset name ("tiny-llama", ...), a transformers model type, or a config.json path.
+        Presets and types take the tokenizer's vocabulary; a config.json must state the same size.
+    tokenizer: None (or "bytes") for the byte tokenizer (vocab 256, no files); a tokenizer.json, a
+        `save_pretrained` folder, or a model name in the local Hugging Face cache. Every peer of a
+        run needs the same one (its fingerprint is part of the run's). A BPE tokenizer packs several
+        bytes into a token (3.6 for an 8192-token BPE on the embedded corpus), so the same seq_len
+        sees that much more text; make one for the run's corpus with `adloco-node tokenizer`.
     dataset: None for the embedded corpus (the Python standard library's source), a local file or
         folder, or a `datasets` name.
     seq_len: tokens per training sequence.
@@ -76,6 +82,7 @@ class TrainConfig:
     """
 
     model: str | None = None
+    tokenizer: str | None = None
     dataset: str | None = None
     text_field: str = "text"
     seq_len: int = 128

@@ -2,9 +2,11 @@
 
 `build_model` accepts a preset name (the embedded default `tiny-llama` and two larger Llama sizes that
 train on a CPU), a local `config.json` (or a directory holding one), or a bare transformers model type
-such as "gpt2", which takes that library's default config. Nothing is downloaded: weights come from
-`torch.manual_seed(seed)`, so every peer given the same spec and seed starts from bit-identical
-parameters. `model_fingerprint` identifies the architecture so peers of different models never mix.
+such as "gpt2", which takes that library's default config. Presets and bare types take the
+tokenizer's vocabulary size; a config file states its own, which must be the tokenizer's. Nothing is
+downloaded: weights come from `torch.manual_seed(seed)`, so every peer given the same spec and seed
+starts from bit-identical parameters. `model_fingerprint` identifies the architecture so peers of
+different models never mix; `config_from_json` rebuilds the config a checkpoint recorded.
 """
 
 from __future__ import annotations
@@ -57,12 +59,13 @@ def build_model(
         spec: None or a preset name (`PRESETS`), a path to a config.json or a directory holding one,
             or a transformers model type ("llama", "gpt2", ...) for that type's default config.
         vocab_size: the tokenizer's vocabulary size; presets and bare types use it, a config file
-            keeps its own vocabulary unless that is smaller.
+            must state the same.
         seed: the same seed gives bit-identical weights on every machine with the same torch.
         max_seq_len: the longest sequence a preset must support (its position limit).
 
     Raises:
-        UserError: unknown spec, unreadable config, or a model too large for this host.
+        UserError: unknown spec, unreadable config, a config file whose vocab_size is not the
+            tokenizer's, or a model too large for this host.
     """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     config = resolve_config(spec, vocab_size=vocab_size, max_seq_len=max_seq_len)
@@ -98,8 +101,7 @@ def resolve_config(spec: str | None, *, vocab_size: int = 256, max_seq_len: int 
     path = Path(name).expanduser()
     if path.exists():
         config = _config_from_path(path, spec=name)
-        if config.vocab_size < vocab_size:
-            config.vocab_size = vocab_size
+        _check_vocab(config, spec=name, vocab_size=vocab_size)
         return config
     config = _config_from_type(name)
     config.vocab_size = vocab_size
@@ -138,6 +140,35 @@ def _config_from_path(path: Path, *, spec: str) -> PretrainedConfig:
         raise UserError(
             f"--model: cannot read a transformers config from {spec!r}: {_one_line(exc)}"
         ) from exc
+
+
+def _check_vocab(config: PretrainedConfig, *, spec: str, vocab_size: int) -> None:
+    # Smaller would index past the embedding; larger (a padded table) is refused too: the weights are
+    # random, so the padding buys nothing, and a vocabulary that differs from the tokenizer's is
+    # far more often the wrong tokenizer than a deliberate padding (docs/decisions.md).
+    ours = getattr(config, "vocab_size", None)
+    if ours != vocab_size:
+        raise UserError(
+            f"--model: {spec!r} has vocab_size {ours}, the tokenizer has {vocab_size} tokens; use the"
+            f' tokenizer the config was made for (--tokenizer), or set "vocab_size": {vocab_size}'
+            " in the config"
+        )
+
+
+def config_from_json(text: str) -> PretrainedConfig:
+    """The transformers config a `config.to_json_string()` recorded (a checkpoint's `model_config`).
+
+    Raises ValueError for text that is not such a config.
+    """
+    from transformers import AutoConfig
+
+    try:
+        data = json.loads(text)
+        model_type = data.pop("model_type")
+        config: PretrainedConfig = AutoConfig.for_model(model_type, **data)
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"not a recorded model config: {_one_line(exc)}") from exc
+    return config
 
 
 def _config_from_type(model_type: str) -> PretrainedConfig:

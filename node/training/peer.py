@@ -22,6 +22,7 @@ local round to end.
 from __future__ import annotations
 
 import copy
+import hashlib
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
@@ -50,6 +51,7 @@ from .replica import HISTORY_ROUNDS, PeerState, Update, initial_state
 from .rounds import ContributionInfo, LocalRound
 from .sampling import TokenSampler, evaluate, restore_streams, shard_corpus, validation_batches
 from .state import IncompatibleState, integer, malformed, mapping, number
+from .tokenizer import ByteTokenizer, Tokenizer, tokenizer_files
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +64,11 @@ def resolve_device(spec: str) -> torch.device:
 
 
 class Peer:
-    """A peer's state, its MIT instances, and the local half of every round."""
+    """A peer's state, its MIT instances, and the local half of every round.
+
+    `vocab_size` is the model's; `tokenizer` is what `corpus` was tokenized with (default the byte
+    tokenizer): its fingerprint is part of the peer's `fingerprint` and of its checkpoints.
+    """
 
     def __init__(
         self,
@@ -73,11 +79,16 @@ class Peer:
         cfg: TrainConfig,
         corpus: Corpus,
         vocab_size: int,
+        tokenizer: Tokenizer | None = None,
     ) -> None:
         self.peer_id = peer_id
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
         self.vocab_size = vocab_size
+        self.tokenizer: Tokenizer = tokenizer or ByteTokenizer()
+        if tokenizer is not None and tokenizer.vocab_size != vocab_size:
+            raise ValueError(f"vocab_size {vocab_size} is not the tokenizer's {tokenizer.vocab_size}")
+        self._tokenizer_files: dict[str, bytes] | None = None
         # Every peer builds the same seeded model, so θ_0 is identical without a download. The first
         # instance trains this very model; θ is evaluated through it (`validation_loss`), no copy.
         # (typed as a Module: transformers types `PreTrainedModel.to` too narrowly for a device)
@@ -86,7 +97,7 @@ class Peer:
             build_model(cfg.model, vocab_size=vocab_size, seed=cfg.seed, max_seq_len=max(1024, cfg.seq_len)),
         ).to(self.device)
         self.names = [n for n, p in model.named_parameters() if p.requires_grad]
-        self.fingerprint = model_fingerprint(model)
+        self._model_fingerprint = model_fingerprint(model)
         self.state = initial_state(model, cfg)
         self.instances = [
             self._make_instance(corpus, model, slot=k, index=index, num_peers=num_peers)
@@ -462,6 +473,16 @@ class Peer:
     def named_theta(self) -> dict[str, torch.Tensor]:
         return dict(zip(self.names, self.state.theta, strict=True))
 
+    @property
+    def fingerprint(self) -> str:
+        """What peers must share to average together: the model's architecture and the tokenizer.
+
+        sha256 of `model_fingerprint` and the tokenizer's fingerprint: two tokenizers of the same
+        size give the same parameter shapes but different meanings to the same ids.
+        """
+        parts = f"model={self._model_fingerprint}|tokenizer={self.tokenizer.fingerprint}"
+        return hashlib.sha256(parts.encode()).hexdigest()
+
     # ---- state dict (checkpoints) ----------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
@@ -469,14 +490,21 @@ class Peer:
 
         The replicated state (θ, m, r, S_r, the kept updates, θ's hash), the model's fingerprint and
         parameter names, each instance's state, the error-feedback residual, the codecs' warm starts,
-        the overlap base round, DyLU's speed ratio and b_max. Tensors are the live ones, not copies:
-        save or copy the tree before the peer trains on. Raises RuntimeError during a local round.
+        the overlap base round, DyLU's speed ratio and b_max; and what `adloco-node export` needs to
+        rebuild the model outside adloco: its transformers config (JSON text), the tokenizer's
+        fingerprint and its `save_pretrained` files. Tensors are the live ones, not copies: save or
+        copy the tree before the peer trains on. Raises RuntimeError during a local round.
         """
         if self.in_round:
             raise RuntimeError("cannot checkpoint during a local round; save between rounds")
+        if self._tokenizer_files is None:
+            self._tokenizer_files = tokenizer_files(self.tokenizer)
         return {
             **self.state.state_dict(),
-            "model_fingerprint": self.fingerprint,
+            "model_fingerprint": self._model_fingerprint,
+            "model_config": cast(Any, self.instances[0].model).config.to_json_string(),
+            "tokenizer_fingerprint": self.tokenizer.fingerprint,
+            "tokenizer_files": dict(self._tokenizer_files),
             "names": list(self.names),
             "instances": [inst.state_dict() for inst in self.instances],
             "error_feedback": self.error_feedback.state_dict(),
@@ -534,11 +562,18 @@ class Peer:
         self.b_max = self.cfg.b_max or b_max
 
     def _check_compatible(self, state: Mapping[str, Any]) -> None:
-        ours, theirs = self.fingerprint, str(state.get("model_fingerprint"))
+        ours, theirs = self._model_fingerprint, str(state.get("model_fingerprint"))
         if theirs != ours or state.get("names") != self.names:
             raise IncompatibleState(
                 f"this state is of another model (fingerprint {theirs[:12]}, this node's {ours[:12]});"
                 " use the --model it was trained with"
+            )
+        # Checkpoints from before the tokenizer was recorded could only use the byte tokenizer.
+        theirs = str(state.get("tokenizer_fingerprint", ByteTokenizer.fingerprint))
+        if theirs != self.tokenizer.fingerprint:
+            raise IncompatibleState(
+                f"this state was trained with another tokenizer (fingerprint {theirs[:12]}, this node's"
+                f" {self.tokenizer.fingerprint[:12]}); use the --tokenizer it was trained with"
             )
         saved = state.get("instances")
         if isinstance(saved, list) and len(saved) > len(self.instances):

@@ -6,7 +6,7 @@ import os
 
 from .config import TrainConfig
 from .corpus import Corpus, load_corpus
-from .tokenizer import ByteTokenizer
+from .tokenizer import Tokenizer, load_tokenizer
 
 
 def offline_hub() -> None:
@@ -18,10 +18,10 @@ def offline_hub() -> None:
     os.environ.setdefault("DATASETS_VERBOSITY", "critical")
 
 
-def load_data(cfg: TrainConfig) -> tuple[Corpus, ByteTokenizer]:
-    """The tokenizer (byte-level, needs no download) and the corpus the config names."""
+def load_data(cfg: TrainConfig) -> tuple[Corpus, Tokenizer]:
+    """The tokenizer the config names (default: byte-level, needs no download) and the corpus."""
     offline_hub()
-    tokenizer = ByteTokenizer()
+    tokenizer = load_tokenizer(cfg.tokenizer)
     max_bytes = max(1, int(cfg.max_corpus_mb * 1e6)) if cfg.max_corpus_mb else None
     corpus = load_corpus(cfg.dataset, tokenizer=tokenizer, text_field=cfg.text_field, max_bytes=max_bytes)
     return corpus, tokenizer
