@@ -9,6 +9,7 @@ identically without files or network. `load_tokenizer` also accepts a local dire
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -79,6 +80,30 @@ class HFTokenizer:
         """Return the text of `ids`."""
         values = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
         return str(self._tok.decode(values))
+
+    def fingerprint(self) -> str:
+        """sha256 of what decides the ids: the fast tokenizer's JSON, else the vocabulary."""
+        backend = getattr(self._tok, "backend_tokenizer", None)
+        spec = backend.to_str() if backend is not None else repr(sorted(self._tok.get_vocab().items()))
+        return hashlib.sha256(f"{self.vocab_size}|{self.eos_token_id}|{spec}".encode()).hexdigest()
+
+
+def tokenizer_identity(tokenizer: Tokenizer) -> str:
+    """A name for the ids `tokenizer` gives, the same wherever it is loaded: keys the token cache.
+
+    Tokenizers other than the two here are named by their type, vocabulary and the ids of a probe.
+    """
+    if isinstance(tokenizer, ByteTokenizer):
+        return "bytes"
+    if isinstance(tokenizer, HFTokenizer):
+        return f"hf:{tokenizer.fingerprint()}"
+    probe = tokenizer.encode_bytes(_PROBE_TEXT.encode()).tolist()
+    kind = f"{type(tokenizer).__module__}.{type(tokenizer).__qualname__}"
+    described = f"{kind}|{tokenizer.vocab_size}|{tokenizer.eos_token_id}|{probe}"
+    return "probe:" + hashlib.sha256(described.encode()).hexdigest()
+
+
+_PROBE_TEXT = "def f(x):\n    return x ** 2  # héllo wörld, 你好, 🙂\n\nThe quick brown fox.\n"
 
 
 def load_tokenizer(spec: str | None = None) -> Tokenizer:
