@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import numpy.typing as npt
@@ -20,7 +20,7 @@ import torch
 IntArray = npt.NDArray[np.int64]
 Tokens = npt.NDArray[np.integer[Any]]
 
-_CHUNK = 1 << 22
+_CHUNK = 1 << 20
 
 
 class TokenStream:
@@ -124,14 +124,39 @@ class TokenStream:
         return TokenStream(self.bases, base, start, length)
 
     def chunks(self, size: int = _CHUNK) -> Iterator[Tokens]:
-        """The stream's ids in order, in arrays of at most `size` (in each array's own dtype)."""
-        for b, s, n in zip(self.base.tolist(), self.start.tolist(), self.length.tolist(), strict=True):
-            for lo in range(s, s + n, size):
-                yield np.asarray(self.bases[b][lo : min(lo + size, s + n)])
+        """The stream's ids in order, in arrays of at most `size` (in each array's own dtype).
+
+        Memory-mapped arrays are read through their file, not the map, so reading a whole stream
+        (a checkpoint's digest) leaves no pages mapped into this process.
+        """
+        files: dict[int, BinaryIO] = {}
+        try:
+            for b, s, n in zip(self.base.tolist(), self.start.tolist(), self.length.tolist(), strict=True):
+                array = self.bases[b]
+                for lo in range(s, s + n, size):
+                    hi = min(lo + size, s + n)
+                    if isinstance(array, np.memmap) and array.filename is not None:
+                        if b not in files:
+                            files[b] = open(array.filename, "rb")  # noqa: SIM115 (closed below)
+                        yield _read(files[b], array, lo, hi)
+                    else:
+                        yield np.asarray(array[lo:hi])
+        finally:
+            for f in files.values():
+                f.close()
 
     def to_tensor(self) -> torch.Tensor:
         """All ids as one int64 tensor (a copy of the whole stream: for tests and small streams)."""
         return torch.from_numpy(self.take(np.arange(self.num_tokens, dtype=np.int64)))
+
+
+def _read(f: BinaryIO, array: np.memmap[Any, Any], lo: int, hi: int) -> Tokens:
+    """Items [lo, hi) of a memory map of a whole file (from `offset`), read from the file."""
+    f.seek(array.offset + lo * array.itemsize)
+    data = f.read((hi - lo) * array.itemsize)
+    if len(data) != (hi - lo) * array.itemsize:
+        raise OSError(f"{array.filename}: truncated while being read")
+    return np.frombuffer(data, dtype=array.dtype)
 
 
 def digest(streams: Sequence[TokenStream]) -> str:

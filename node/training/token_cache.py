@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import glob
 import hashlib
 import json
 import logging
@@ -51,7 +52,7 @@ INDEX_DTYPE = np.dtype(
 )
 _FILES = ("tokens.bin", "index.bin", "names.bin")
 _RECORDS_PER_WRITE = 8192
-_HASH_CHUNK = 1 << 24
+_HASH_CHUNK = 1 << 20  # one reused buffer: verifying costs 1 MiB whatever the cache's size
 
 TokenArray = npt.NDArray[np.unsignedinteger[Any]]
 
@@ -172,6 +173,10 @@ def open_or_build(
     except OSError as exc:
         raise UserError(f"--data-cache-dir: cannot create '{root}': {exc.strerror or exc}") from exc
     with _locked(root / f"{path.name}.lock"):
+        # Under the lock no one else builds this cache: what a crashed build left is garbage.
+        for leftover in root.glob(f"{glob.escape(path.name)}.*-*"):
+            if leftover.is_dir():
+                shutil.rmtree(leftover, ignore_errors=True)
         if path.exists():
             try:
                 return open_cache(path, dtype=dtype)
@@ -236,9 +241,11 @@ def _verify_file(path: Path, *, size: int, sha256: str) -> None:
         if actual != size:
             raise ValueError(f"{path.name} has {actual} bytes, meta.json says {size}")
         digest = hashlib.sha256()
-        with path.open("rb") as f:
-            while chunk := f.read(_HASH_CHUNK):
-                digest.update(chunk)
+        buffer = bytearray(_HASH_CHUNK)
+        view = memoryview(buffer)
+        with path.open("rb", buffering=0) as f:
+            while n := f.readinto(buffer):
+                digest.update(view[:n])
     except OSError as exc:
         raise ValueError(f"{path.name}: {exc.strerror or exc}") from exc
     if digest.hexdigest() != sha256:
