@@ -21,7 +21,7 @@ from adloco.node.training.sampling import (
     shard_documents,
     validation_batches,
 )
-from adloco.node.training.streams import TokenStream, digest
+from adloco.node.training.streams import TokenFile, TokenStream, digest
 from adloco.node.training.token_cache import token_dtype
 from adloco.node.training.tokenizer import ByteTokenizer, load_tokenizer
 
@@ -147,7 +147,7 @@ def test_default_corpus_is_the_stdlib_without_tests(corpus: Corpus) -> None:
         d for t in (corpus.train, corpus.val) for d in corpus.documents(t) if d.name == "json/decoder.py"
     )
     assert doc.group == "json"
-    assert isinstance(corpus.tokens, np.memmap)  # read from the token cache, not held in memory
+    assert isinstance(corpus.tokens, TokenFile)  # read from the token cache, not held in memory
 
 
 def test_default_corpus_loads_deterministically(corpus: Corpus, tmp_path: Path) -> None:
@@ -201,7 +201,7 @@ def test_shards_are_disjoint_and_cover_the_train_set(corpus: Corpus, non_iid: bo
     # Each stream is its documents' tokens, in the order of the table.
     table, stream = tables[1], shards[(0, 1)]
     assert digest([stream]) == digest([corpus_stream(corpus, table)])
-    assert isinstance(stream.bases[0], np.memmap)
+    assert isinstance(stream.sources[0], TokenFile)
 
 
 def test_non_iid_peers_get_different_groups(corpus: Corpus) -> None:

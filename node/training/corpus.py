@@ -6,7 +6,7 @@ excluded. Local text files, local json/jsonl/parquet/csv files and cached `datas
 also accepted; nothing is downloaded unless the user sets HF_HUB_OFFLINE=0 and HF_DATASETS_OFFLINE=0.
 
 Nothing is read whole: text files are read one at a time (in segments past 4 MiB), data files and
-datasets as streams of row batches, and every document is tokenized and appended to a memory-mapped
+datasets as streams of row batches, and every document is tokenized and appended to an on-disk
 token cache (`token_cache.py`) keyed by the source, its sizes and modification times, the tokenizer
 and the cap; later runs open the cache without reading the source. A `Corpus` is then only arrays
 of where each document lies in the cache, so memory does not grow with the corpus's tokens.
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import itertools
 import logging
 import os
 import sysconfig
@@ -35,6 +36,7 @@ import numpy.typing as npt
 import torch
 
 from ...errors import UserError
+from .streams import TokenSource, read_source
 from .token_cache import (
     SPLIT_AUTO,
     SPLIT_TRAIN,
@@ -131,12 +133,12 @@ class DocTable:
 class Corpus:
     """A tokenized corpus split by document into training and validation sets.
 
-    `tokens` is the cache's memory-mapped token array (an in-memory array for `from_documents`);
-    the tables say where each split's documents lie in it, so nothing is read until sampled.
+    `tokens` is the cache's token file (an in-memory array for `from_documents`); the tables say
+    where each split's documents lie in it, so nothing is read until sampled.
     """
 
     name: str
-    tokens: npt.NDArray[np.integer[Any]]
+    tokens: TokenSource
     train: DocTable
     val: DocTable
     fingerprint: str
@@ -159,7 +161,7 @@ class Corpus:
         """The documents of `table` (e.g. `corpus.val`), each read (copied) from the cache when reached."""
         for i in range(len(table)):
             start, length = int(table.start[i]), int(table.length[i])
-            tokens = torch.from_numpy(np.array(self.tokens[start : start + length]))
+            tokens = torch.from_numpy(np.array(read_source(self.tokens, start, start + length)))
             yield Document(self.names(int(table.record[i])), self.groups[int(table.group[i])], tokens)
 
     @classmethod
@@ -287,11 +289,11 @@ def _resolve(name: str, opts: _ReadOptions) -> _Source:
 
 
 def _directory_source(root: Path, opts: _ReadOptions) -> _Source:
-    files = sorted(p for p in root.rglob("*") if p.is_file() and not _is_hidden(p.relative_to(root)))
-    text_files = [p for p in files if p.suffix.lower() in TEXT_SUFFIXES]
+    files = _walk(root)
+    text_files = [rel for rel in files if _suffix(rel) in TEXT_SUFFIXES]
     if text_files:
-        return _text_source(_relative_entries(text_files), opts)
-    data_files = [p for p in files if p.suffix.lower() in DATASET_BUILDERS]
+        return _text_source(root, text_files, opts)
+    data_files = [root / rel for rel in files if _suffix(rel) in DATASET_BUILDERS]
     if not data_files:
         raise UserError(
             f"--dataset: directory '{root}' has no text ({', '.join(sorted(TEXT_SUFFIXES))}) or data "
@@ -303,7 +305,8 @@ def _directory_source(root: Path, opts: _ReadOptions) -> _Source:
 def _file_list_source(name: str, paths: list[Path], opts: _ReadOptions) -> _Source:
     suffixes = {p.suffix.lower() for p in paths}
     if suffixes <= TEXT_SUFFIXES:
-        return _text_source(_relative_entries(paths), opts)
+        root = Path(os.path.commonpath([p.parent for p in paths]))
+        return _text_source(root, sorted(p.relative_to(root).as_posix() for p in paths), opts)
     builders = {DATASET_BUILDERS.get(s) for s in suffixes}
     if None in builders or len(builders) != 1:
         raise UserError(
@@ -427,33 +430,38 @@ def stdlib_files(root: str | Path | None = None) -> list[tuple[str, Path]]:
 
 
 def _stdlib_source(opts: _ReadOptions) -> _Source:
-    return _text_source(stdlib_files(), opts)
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return _text_source(root, [rel for rel, _ in stdlib_files(root)], opts)
 
 
-def _text_source(entries: Sequence[tuple[str, Path]], opts: _ReadOptions) -> _Source:
-    """Text files as documents, in relative-path order.
+def _text_source(root: Path, rels: Sequence[str], opts: _ReadOptions) -> _Source:
+    """The text files `root/rel` as documents, in the order of `rels` (sorted).
 
     Under a byte cap, files are taken in hash order of their paths (an unbiased sample) while they
-    fit; empty files are left out.
+    fit; empty files are left out. Only (path, size, mtime) is kept per file until it is read.
     """
-    sized = [(rel, path, _stat(path)) for rel, path in entries]
-    chosen = [(rel, path, st) for rel, path, st in sized if st.st_size > 0]
+    chosen: list[tuple[str, int, int]] = []
+    for rel in rels:
+        st = _stat(root / rel)
+        if st.st_size > 0:
+            chosen.append((rel, st.st_size, st.st_mtime_ns))
     if opts.max_bytes is not None:
         kept, total = set(), 0
-        for rel, _, st in sorted(chosen, key=lambda e: hash_hex(e[0])):
-            if total + st.st_size <= opts.max_bytes:
+        for rel, size, _ in sorted(chosen, key=lambda e: hash_hex(e[0])):
+            if total + size <= opts.max_bytes:
                 kept.add(rel)
-                total += st.st_size
+                total += size
         chosen = [e for e in chosen if e[0] in kept]
-    root = str(Path(os.path.commonpath([p.parent for _, p, _ in chosen])).resolve()) if chosen else ""
-    identity = [f"text:{root}"] + [f"{rel}:{st.st_size}:{st.st_mtime_ns}" for rel, _, st in chosen]
+    identity = itertools.chain(
+        [f"text:{root.resolve()}"], (f"{rel}:{size}:{mtime}" for rel, size, mtime in chosen)
+    )
 
     def write(writer: CacheWriter, opts: _ReadOptions) -> dict[str, Any]:
         sep = _separator(opts.tokenizer)
         groups: dict[str, int] = {}
-        for rel, path, _ in chosen:
+        for rel, _, _ in chosen:
             group = groups.setdefault(_group_of(rel), len(groups))
-            for name, data in _file_documents(rel, path):
+            for name, data in _file_documents(rel, root / rel):
                 tokens = np.concatenate([opts.tokenizer.encode_bytes(data).numpy(), sep])
                 writer.add(
                     name=name,
@@ -468,8 +476,8 @@ def _text_source(entries: Sequence[tuple[str, Path]], opts: _ReadOptions) -> _So
         return {
             "groups": list(groups),
             "row_runs": [],
-            "entries": [[rel, st.st_size] for rel, _, st in chosen],
-            "source_bytes": sum(st.st_size for _, _, st in chosen),
+            "entries": [[rel, size] for rel, size, _ in chosen],
+            "source_bytes": sum(size for _, size, _ in chosen),
         }
 
     return _Source(identity, write)
@@ -601,12 +609,12 @@ def _no_column(field_name: str, split: str, columns: Iterable[str]) -> UserError
 def _corpus_from_cache(name: str, cache: TokenCache, *, val_percent: float) -> Corpus:
     """The corpus of an opened cache: every document's split decided from its key (vectorized)."""
     extra = cache.extra
-    index = cache.index
+    index = cache.records.read(0, cache.records.size)  # 41 bytes a document, only while this runs
     table = DocTable(
-        np.asarray(index["start"], dtype=np.int64),
-        np.asarray(index["length"], dtype=np.int64),
-        np.asarray(index["key"], dtype=np.uint64),
-        np.asarray(index["group"], dtype=np.int64),
+        np.array(index["start"], dtype=np.int64),
+        np.array(index["length"], dtype=np.int64),
+        np.array(index["key"], dtype=np.uint64),
+        np.array(index["group"], dtype=np.int64),
         np.arange(index.size, dtype=np.int64),
     )
     groups = list(extra["groups"])
@@ -616,12 +624,16 @@ def _corpus_from_cache(name: str, cache: TokenCache, *, val_percent: float) -> C
         groups += [f"{split}:{b:03d}" for b in range(blocks)]
     flags = np.asarray(index["split"])
     train, val = _split(table, flags, val_percent=val_percent)
+    if extra["row_runs"]:
+        # Rows have no stable position (files may be listed, split or ordered otherwise); files are
+        # in path order already, as before, which keeps the default run's validation windows.
+        val = val.by_key()
     entries = [(str(rel), int(size)) for rel, size in extra["entries"]]
     return Corpus(
         name,
         cache.tokens,
         train,
-        val.by_key(),
+        val,
         corpus_fingerprint(entries, val_percent=val_percent),
         tuple(groups),
         cache.name,
@@ -692,8 +704,19 @@ def _group_of(rel: str) -> str:
     return head if sep else Path(head).stem
 
 
-def _is_hidden(rel: Path) -> bool:
-    return any(part.startswith(".") for part in rel.parts)
+def _walk(root: Path) -> list[str]:
+    """Posix paths relative to `root` of the files under it, hidden files and folders left out, sorted."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        folder = Path(dirpath).relative_to(root).as_posix()
+        prefix = "" if folder == "." else f"{folder}/"
+        found += [prefix + f for f in filenames if not f.startswith(".")]
+    return sorted(found)
+
+
+def _suffix(rel: str) -> str:
+    return os.path.splitext(rel)[1].lower()
 
 
 def hash_hex(text: str) -> str:

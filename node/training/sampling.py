@@ -5,7 +5,7 @@
 concatenates two streams) and `restore_streams` rebuilds such streams for a resumed node,
 `validation_batches` cuts fixed, evenly spaced windows every peer evaluates on identically, and
 `evaluate` measures a model's loss on them. Streams are views of the token cache (`streams.py`):
-a shard costs its piece table, not its tokens, and all of this is vectorized over documents.
+a shard costs its piece table, not its tokens, and the sharding is vectorized over documents.
 """
 
 from __future__ import annotations
@@ -278,14 +278,17 @@ def _splitmix64(value: int) -> int:
 
 
 def validation_stream(corpus: Corpus) -> TokenStream:
-    """The validation documents in key order, as one stream: the same on every peer."""
+    """The validation documents as one stream, the same on every peer.
+
+    Files come in path order (as before the token cache), data rows in key order.
+    """
     return corpus_stream(corpus, corpus.val)
 
 
 def validation_batches(corpus: Corpus, *, seq_len: int, num_sequences: int, seed: int = 0) -> torch.Tensor:
     """Return fixed (num_sequences, seq_len) int64 windows of the validation documents.
 
-    Windows are evenly spaced over the validation stream (documents in key order), shifted by an
+    Windows are evenly spaced over the validation stream (`validation_stream`), shifted by an
     offset derived from `seed` with integer arithmetic only, so every peer evaluates on identical
     tokens; only these windows are read.
     """

@@ -1,4 +1,4 @@
-"""The token cache: a corpus tokenized once into memory-mapped files that every later run reuses.
+"""The token cache: a corpus tokenized once into files that every later run reads on demand.
 
 A cache is a directory: `tokens.bin` holds every document's token ids (separator included),
 concatenated, little-endian uint8/uint16/uint32 by vocabulary size; `index.bin` one fixed-size
@@ -9,7 +9,8 @@ there (group names, fingerprint entries). It is written streaming, one document 
 temporary directory renamed into place under an exclusive lock: memory stays constant in the corpus
 size, nodes sharing a machine build it once, a crash leaves no partial cache. `open_or_build`
 checks every size and sha256 before it trusts a cache; one that fails is set aside and rebuilt from
-the source, which is only ever read. The cache is derived data: deleting it costs a rebuild.
+the source, which is only ever read. The cache is derived data: deleting it costs a rebuild. The
+token file is then read with positioned reads (`streams.TokenFile`), never loaded.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ...errors import UserError
+from .streams import TokenFile
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +56,6 @@ _FILES = ("tokens.bin", "index.bin", "names.bin")
 _RECORDS_PER_WRITE = 8192
 _HASH_CHUNK = 1 << 20  # one reused buffer: verifying costs 1 MiB whatever the cache's size
 
-TokenArray = npt.NDArray[np.unsignedinteger[Any]]
-
 
 def token_dtype(vocab_size: int) -> np.dtype[np.unsignedinteger[Any]]:
     """The smallest unsigned little-endian dtype that holds every id below `vocab_size`."""
@@ -73,18 +73,19 @@ def default_cache_root() -> Path:
 
 @dataclass(frozen=True)
 class TokenCache:
-    """An opened, verified cache: its files memory-mapped read-only (nothing is read until used)."""
+    """An opened, verified cache; its files are read on demand (`records.read(0, n)` for all)."""
 
     path: Path
-    tokens: TokenArray
-    index: npt.NDArray[np.void]
-    names: npt.NDArray[np.uint8]
+    tokens: TokenFile
+    records: TokenFile
+    names: TokenFile
     extra: dict[str, Any]
 
     def name(self, record: int) -> str:
         """The name of the document of index record `record`."""
-        start, length = int(self.index["name_start"][record]), int(self.index["name_length"][record])
-        return bytes(self.names[start : start + length]).decode("utf-8")
+        (entry,) = self.records.read(record, record + 1)
+        start, length = int(entry["name_start"]), int(entry["name_length"])
+        return self.names.read(start, start + length).tobytes().decode("utf-8")
 
 
 class CacheWriter:
@@ -189,7 +190,7 @@ def open_or_build(
         logger.info(
             "token cache %s: %d documents, %d tokens, built in %.1f s",
             path,
-            cache.index.size,
+            cache.records.size,
             cache.tokens.size,
             time.perf_counter() - start,
         )
@@ -210,12 +211,12 @@ def open_cache(path: Path, *, dtype: np.dtype[np.unsignedinteger[Any]]) -> Token
     files = body["files"]
     for name in _FILES:
         _verify_file(path / name, size=files[name]["bytes"], sha256=files[name]["sha256"])
-    tokens = _map(path / "tokens.bin", dtype)
-    index = _map(path / "index.bin", INDEX_DTYPE)
-    if tokens.size != body["tokens"] or index.size != body["docs"]:
+    tokens = TokenFile(path / "tokens.bin", dtype)
+    records = TokenFile(path / "index.bin", INDEX_DTYPE)
+    if tokens.size != body["tokens"] or records.size != body["docs"]:
         raise ValueError("token or document count differs from meta.json")
-    names = _map(path / "names.bin", np.dtype("u1"))
-    return TokenCache(path, tokens, index, names, dict(body["extra"]))
+    names = TokenFile(path / "names.bin", np.dtype("u1"))
+    return TokenCache(path, tokens, records, names, dict(body["extra"]))
 
 
 def _build(
@@ -250,15 +251,6 @@ def _verify_file(path: Path, *, size: int, sha256: str) -> None:
         raise ValueError(f"{path.name}: {exc.strerror or exc}") from exc
     if digest.hexdigest() != sha256:
         raise ValueError(f"{path.name} fails its sha256")
-
-
-def _map(path: Path, dtype: np.dtype[Any]) -> npt.NDArray[Any]:
-    """A read-only memory map of the file (mmap cannot map an empty file: an empty array then)."""
-    if path.stat().st_size == 0:
-        return np.empty(0, dtype=dtype)
-    if path.stat().st_size % dtype.itemsize:
-        raise ValueError(f"{path.name} is not a whole number of {dtype.itemsize}-byte items")
-    return np.memmap(path, dtype=dtype, mode="r")
 
 
 @contextlib.contextmanager
