@@ -214,7 +214,8 @@ def load_corpus(
         text_field: the column holding the text in data files and datasets.
         max_bytes: an explicit cap: stop adding documents past this many source bytes (default:
             no cap, the whole corpus).
-        val_percent: share of documents (by hash of their key) held out for validation, 0 to 50.
+        val_percent: share of documents (by their keys) held out for validation, 0 to 50; decided
+            when the cache is opened, so changing it needs no rebuild.
         cache_dir: where the token cache lives (`tokens/` under it; default `~/.cache/adloco`) and
             where `datasets` keeps its own cache (its default when None).
 
@@ -269,7 +270,7 @@ def _cache_key(identity: Iterable[str], opts: _ReadOptions, dtype: np.dtype[Any]
         f"tokenizer={tokenizer_identity(opts.tokenizer)}|dtype={dtype.str}|field={opts.text_field}|"
         f"max_bytes={opts.max_bytes}|segment={SEGMENT_BYTES}"
     )
-    for part in (header, *identity):
+    for part in itertools.chain([header], identity):
         digest.update(part.encode("utf-8", "surrogateescape") + b"\0")
     return digest.hexdigest()
 
