@@ -51,7 +51,7 @@ from adloco.node.training.model import build_model
 from adloco.node.training.peer import Peer
 from adloco.node.training.rounds import ContributionInfo, LocalRound
 from adloco.node.training.runtime import load_data
-from adloco.node.training.sampling import evaluate, shard_corpus
+from adloco.node.training.sampling import evaluate, shard_documents
 from adloco.protocol.algorithms.heloco import HelocoConfig
 from adloco.protocol.algorithms.outer import OuterConfig
 from adloco.protocol.algorithms.pseudograd import tensors_hash
@@ -160,10 +160,10 @@ def windows(streams: Sequence[torch.Tensor], seq_len: int) -> torch.Tensor | Non
 def slow_domain_windows(corpus: Corpus, seq_len: int, seed: int) -> tuple[torch.Tensor | None, list[str]]:
     """Held-out windows of the packages the slowest peer trains on, and those packages.
 
-    The peer's groups are recovered from its non-IID shard (the shard holds the documents' own token
-    tensors), so this follows whatever `shard_corpus` decides.
+    The peer's groups are those of its non-IID shard's documents, so this follows whatever
+    `shard_documents` (and hence `shard_corpus`) decides.
     """
-    shard = shard_corpus(
+    shard = shard_documents(
         corpus,
         peer_index=SLOW_PEER,
         num_peers=PEERS,
@@ -172,9 +172,10 @@ def slow_domain_windows(corpus: Corpus, seq_len: int, seed: int) -> tuple[torch.
         non_iid=True,
         seed=seed,
     )
-    ids = {id(t) for t in shard}
-    groups = sorted({d.group for d in corpus.train_docs if id(d.tokens) in ids})
-    val = [d.tokens for d in corpus.val_docs if d.group in groups]
+    if shard is None:
+        return None, []
+    groups = sorted({corpus.groups[int(g)] for g in shard.group})
+    val = [d.tokens for d in corpus.documents(corpus.val) if d.group in groups]
     return windows(val, seq_len), groups
 
 
@@ -199,7 +200,7 @@ class Evaluator:
 def make_evaluator(corpus: Corpus, vocab_size: int, seed: int) -> tuple[Evaluator, list[str]]:
     cfg = train_config(SCENARIOS[0], seed)
     model = build_model(cfg.model, vocab_size=vocab_size, seed=seed, max_seq_len=max(1024, cfg.seq_len))
-    full = windows([d.tokens for d in corpus.val_docs], cfg.seq_len)
+    full = windows([d.tokens for d in corpus.documents(corpus.val)], cfg.seq_len)
     if full is None:
         raise SystemExit("the corpus has no validation window; raise max_corpus_mb")
     domain, groups = slow_domain_windows(corpus, cfg.seq_len, seed)

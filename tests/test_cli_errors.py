@@ -43,8 +43,9 @@ def base_argv(prog: str, tmp_path: Path) -> list[str]:
 
 
 @pytest.fixture(autouse=True)
-def _isolated(monkeypatch: pytest.MonkeyPatch) -> None:
+def _isolated(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """main() sets env defaults and a SIGTERM handler; keep both out of the rest of the session."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # the token caches of the test files
     for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_NO_ADVISORY_WARNINGS"):
         monkeypatch.setenv(name, "1")
     # Unset, and unset again afterwards: the console-script test checks the entry point quiets datasets.

@@ -7,20 +7,30 @@ import logging
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from adloco.errors import UserError
-from adloco.node.training.corpus import Corpus, Document, load_corpus, stdlib_files
-from adloco.node.training.sampling import TokenSampler, restore_streams, shard_corpus, validation_batches
+from adloco.node.training.corpus import Corpus, DocTable, Document, load_corpus, stdlib_files
+from adloco.node.training.sampling import (
+    TokenSampler,
+    corpus_stream,
+    restore_streams,
+    shard_corpus,
+    shard_documents,
+    validation_batches,
+)
+from adloco.node.training.streams import TokenFile, TokenStream, digest
+from adloco.node.training.token_cache import token_dtype
 from adloco.node.training.tokenizer import ByteTokenizer, load_tokenizer
 
 ROWS = [{"text": f"row {i}: " + "the quick brown fox " * (i % 5 + 1), "id": i} for i in range(120)]
 
 
 @pytest.fixture(scope="module")
-def corpus() -> Corpus:
-    return load_corpus(None, tokenizer=ByteTokenizer())
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Corpus:
+    return load_corpus(None, tokenizer=ByteTokenizer(), cache_dir=str(tmp_path_factory.mktemp("cache")))
 
 
 def _small_corpus(sizes: list[int], groups: list[str] | None = None) -> Corpus:
@@ -29,12 +39,12 @@ def _small_corpus(sizes: list[int], groups: list[str] | None = None) -> Corpus:
         Document(f"d{i}.py", g, torch.full((n,), i % 256, dtype=torch.uint8))
         for i, (n, g) in enumerate(zip(sizes, groups, strict=True))
     ]
-    return Corpus("small", docs, [], "fp")
+    return Corpus.from_documents("small", docs, [], fingerprint="fp")
 
 
 def _all_shards(
     corpus: Corpus, peers: int, instances: int, *, non_iid: bool
-) -> dict[tuple[int, int], list[torch.Tensor]]:
+) -> dict[tuple[int, int], TokenStream]:
     return {
         (p, k): shard_corpus(
             corpus,
@@ -48,6 +58,35 @@ def _all_shards(
         for p in range(peers)
         for k in range(instances)
     }
+
+
+def _shard_docs(
+    corpus: Corpus, peers: int, instances: int, *, non_iid: bool, seed: int = 3
+) -> list[DocTable]:
+    """The documents of every (peer, instance) shard, peer-major; none may be a cut of documents."""
+    tables = [
+        shard_documents(
+            corpus,
+            peer_index=p,
+            num_peers=peers,
+            instance_index=k,
+            num_instances=instances,
+            non_iid=non_iid,
+            seed=seed,
+        )
+        for p in range(peers)
+        for k in range(instances)
+    ]
+    assert all(t is not None for t in tables)
+    return [t for t in tables if t is not None]
+
+
+def _names(corpus: Corpus, table: DocTable) -> list[str]:
+    return [corpus.names(int(r)) for r in table.record]
+
+
+def _first_doc(corpus: Corpus) -> Document:
+    return next(corpus.documents(corpus.train))
 
 
 # ---- tokenizer ---------------------------------------------------------------------------------
@@ -86,9 +125,9 @@ def test_local_tokenizer_json_loads_a_corpus(tmp_path: Path) -> None:
     tok = load_tokenizer(str(tmp_path / "tokenizer.json"))
     assert tok.decode(tok.encode("the quick fox")).strip() == "the quick fox"
     (tmp_path / "doc.txt").write_text("the quick brown fox\n" * 200)
-    corpus = load_corpus(str(tmp_path / "doc.txt"), tokenizer=tok)
-    assert corpus.train_docs[0].tokens.dtype == torch.int32
-    assert int(corpus.train_docs[0].tokens.max()) < tok.vocab_size
+    corpus = load_corpus(str(tmp_path / "doc.txt"), tokenizer=tok, cache_dir=str(tmp_path / "cache"))
+    assert corpus.tokens.dtype == token_dtype(tok.vocab_size)  # the smallest that holds the vocabulary
+    assert int(_first_doc(corpus).tokens.max()) < tok.vocab_size
 
 
 # ---- the embedded corpus ------------------------------------------------------------------------
@@ -97,23 +136,25 @@ def test_local_tokenizer_json_loads_a_corpus(tmp_path: Path) -> None:
 def test_default_corpus_is_the_stdlib_without_tests(corpus: Corpus) -> None:
     assert corpus.name == "stdlib"
     assert corpus.num_train_tokens > 2_000_000
-    assert len(corpus.train_docs) > 100 and len(corpus.val_docs) > 5
-    names = [d.name for d in corpus.train_docs + corpus.val_docs]
+    assert len(corpus.train) > 100 and len(corpus.val) > 5
+    names = _names(corpus, corpus.train) + _names(corpus, corpus.val)
     assert not any(
         part in {"test", "tests", "site-packages", "__pycache__"} for n in names for part in n.split("/")
     )
     assert not any(n.startswith("_sysconfigdata") for n in names)
     assert {"email", "json", "asyncio", "argparse"} <= set(corpus.groups)
-    assert next(d for d in corpus.train_docs + corpus.val_docs if d.name == "json/decoder.py").group == "json"
-
-
-def test_default_corpus_loads_deterministically(corpus: Corpus) -> None:
-    again = load_corpus("stdlib", tokenizer=ByteTokenizer())
-    assert again.fingerprint == corpus.fingerprint
-    assert [d.name for d in again.val_docs] == [d.name for d in corpus.val_docs]
-    assert all(
-        torch.equal(a.tokens, b.tokens) for a, b in zip(again.train_docs, corpus.train_docs, strict=True)
+    doc = next(
+        d for t in (corpus.train, corpus.val) for d in corpus.documents(t) if d.name == "json/decoder.py"
     )
+    assert doc.group == "json"
+    assert isinstance(corpus.tokens, TokenFile)  # read from the token cache, not held in memory
+
+
+def test_default_corpus_loads_deterministically(corpus: Corpus, tmp_path: Path) -> None:
+    again = load_corpus("stdlib", tokenizer=ByteTokenizer(), cache_dir=str(tmp_path))  # a second build
+    assert again.fingerprint == corpus.fingerprint
+    assert _names(again, again.val) == _names(corpus, corpus.val)
+    assert digest([corpus_stream(again, again.train)]) == digest([corpus_stream(corpus, corpus.train)])
 
 
 def test_validation_split_is_a_hash_of_the_path(corpus: Corpus) -> None:
@@ -122,17 +163,21 @@ def test_validation_split_is_a_hash_of_the_path(corpus: Corpus) -> None:
     def bucket(name: str) -> int:
         return int(hashlib.sha256(name.encode()).hexdigest()[:8], 16) % 100
 
-    assert all(bucket(d.name) < 5 for d in corpus.val_docs)
-    assert all(bucket(d.name) >= 5 for d in corpus.train_docs)
+    assert all(bucket(n) < 5 for n in _names(corpus, corpus.val))
+    assert all(bucket(n) >= 5 for n in _names(corpus, corpus.train))
     share = corpus.num_val_tokens / (corpus.num_train_tokens + corpus.num_val_tokens)
     assert 0.01 < share < 0.15
 
 
 def test_max_bytes_and_val_percent_change_the_fingerprint(corpus: Corpus) -> None:
-    capped = load_corpus(None, tokenizer=ByteTokenizer(), max_bytes=1_000_000)
+    cache = str(corpus.cache_path.parents[1]) if corpus.cache_path else None
+    capped = load_corpus(None, tokenizer=ByteTokenizer(), max_bytes=1_000_000, cache_dir=cache)
     assert 900_000 < capped.source_bytes <= 1_000_000
     assert capped.fingerprint != corpus.fingerprint
-    assert load_corpus(None, tokenizer=ByteTokenizer(), val_percent=10).fingerprint != corpus.fingerprint
+    ten = load_corpus(None, tokenizer=ByteTokenizer(), val_percent=10, cache_dir=cache)
+    assert ten.fingerprint != corpus.fingerprint
+    assert ten.cache_path == corpus.cache_path  # the split is decided when the cache is opened
+    assert set(_names(corpus, corpus.val)) < set(_names(ten, ten.val))
 
 
 def test_stdlib_files_are_sorted_relative_paths() -> None:
@@ -146,38 +191,46 @@ def test_stdlib_files_are_sorted_relative_paths() -> None:
 
 @pytest.mark.parametrize("non_iid", [False, True])
 def test_shards_are_disjoint_and_cover_the_train_set(corpus: Corpus, non_iid: bool) -> None:
+    tables = _shard_docs(corpus, 3, 2, non_iid=non_iid)
+    records = np.concatenate([t.record for t in tables])
+    assert all(len(t) for t in tables)
+    assert len(records) == len(set(records.tolist())) == len(corpus.train)
+    assert set(records.tolist()) == set(corpus.train.record.tolist())
     shards = _all_shards(corpus, 3, 2, non_iid=non_iid)
-    ptrs = [t.data_ptr() for shard in shards.values() for t in shard]
-    assert all(shards.values())
-    assert len(ptrs) == len(set(ptrs)) == len(corpus.train_docs)
-    assert sum(t.numel() for shard in shards.values() for t in shard) == corpus.num_train_tokens
+    assert sum(s.num_tokens for s in shards.values()) == corpus.num_train_tokens
+    # Each stream is its documents' tokens, in the order of the table.
+    table, stream = tables[1], shards[(0, 1)]
+    assert digest([stream]) == digest([corpus_stream(corpus, table)])
+    assert isinstance(stream.sources[0], TokenFile)
 
 
 def test_non_iid_peers_get_different_groups(corpus: Corpus) -> None:
-    group_of = {d.tokens.data_ptr(): d.group for d in corpus.train_docs}
-    shards = _all_shards(corpus, 4, 2, non_iid=True)
-    groups = [{group_of[t.data_ptr()] for k in range(2) for t in shards[(p, k)]} for p in range(4)]
+    tables = _shard_docs(corpus, 4, 2, non_iid=True)
+    groups = [{int(g) for k in range(2) for g in tables[p * 2 + k].group} for p in range(4)]
     for i in range(4):
         for j in range(i + 1, 4):
             assert not groups[i] & groups[j]
-    sizes = [sum(t.numel() for k in range(2) for t in shards[(p, k)]) for p in range(4)]
+    sizes = [tables[p * 2].num_tokens + tables[p * 2 + 1].num_tokens for p in range(4)]
     assert max(sizes) < 1.5 * min(sizes)
 
 
-def test_iid_shards_mix_groups_and_depend_on_seed(corpus: Corpus) -> None:
-    group_of = {d.tokens.data_ptr(): d.group for d in corpus.train_docs}
-    a = shard_corpus(corpus, peer_index=0, num_peers=2, instance_index=0, num_instances=1, seed=0)
-    b = shard_corpus(corpus, peer_index=0, num_peers=2, instance_index=0, num_instances=1, seed=1)
-    assert len({group_of[t.data_ptr()] for t in a}) > 50
-    assert {t.data_ptr() for t in a} != {t.data_ptr() for t in b}
+def test_iid_shards_mix_groups_balance_tokens_and_depend_on_seed(corpus: Corpus) -> None:
+    (a, _) = _shard_docs(corpus, 2, 1, non_iid=False, seed=0)
+    (b, _) = _shard_docs(corpus, 2, 1, non_iid=False, seed=1)
+    assert len(set(a.group.tolist())) > 50
+    assert set(a.record.tolist()) != set(b.record.tolist())
+    sizes = [t.num_tokens for t in _shard_docs(corpus, 3, 2, non_iid=False)]
+    assert max(sizes) - min(sizes) <= 2 * int(corpus.train.length.max())
 
 
 @pytest.mark.parametrize("non_iid", [False, True])
 def test_too_few_documents_fall_back_to_contiguous_tokens(non_iid: bool) -> None:
     small = _small_corpus([1000, 10], groups=["a", "a"])
     shards = _all_shards(small, 2, 2, non_iid=non_iid)
-    assert all(sum(t.numel() for t in s) > 0 for s in shards.values())
-    assert sum(t.numel() for s in shards.values() for t in s) == 1010
+    assert all(s.num_tokens > 0 for s in shards.values())
+    assert sum(s.num_tokens for s in shards.values()) == 1010
+    whole = torch.cat([s.to_tensor() for s in shards.values()])
+    assert sorted(whole.tolist()) == [0] * 1000 + [1] * 10
 
 
 def test_shard_index_out_of_range() -> None:
@@ -225,7 +278,9 @@ def test_restore_streams_rebuilds_merged_streams_or_falls_back(caplog: pytest.Lo
     merged = fresh[2].merged_with(fresh[0])  # slot 0 merged into slot 2
     restored = restore_streams(fresh, [fresh[1].state_dict(), merged.state_dict()])
     assert restored[0] is fresh[1]
-    assert torch.equal(restored[1].stream, torch.cat([fresh[2].stream, fresh[0].stream]))
+    assert torch.equal(
+        restored[1].stream.to_tensor(), torch.cat([fresh[2].stream.to_tensor(), fresh[0].stream.to_tensor()])
+    )
     assert not caplog.records
     other = [TokenSampler([torch.arange(1000, 1000 + 60 + k)], seq_len=8, seed=k) for k in range(3)]
     with caplog.at_level(logging.WARNING):
@@ -263,22 +318,22 @@ def test_directory_of_text_files(tmp_path: Path) -> None:
             (tmp_path / pkg / f"f{i}.md").write_text(f"# {pkg} {i}\n" + "some words here\n" * 20)
     (tmp_path / "top.txt").write_text("top level\n" * 30)
     (tmp_path / ".hidden.txt").write_text("secret")
-    corpus = load_corpus(str(tmp_path), tokenizer=ByteTokenizer())
-    names = {d.name for d in corpus.train_docs + corpus.val_docs}
+    corpus = load_corpus(str(tmp_path), tokenizer=ByteTokenizer(), cache_dir=str(tmp_path / ".cache"))
+    names = set(_names(corpus, corpus.train) + _names(corpus, corpus.val))
     assert len(names) == 25 and "alpha/f0.md" in names and ".hidden.txt" not in names
     assert set(corpus.groups) == {"alpha", "beta", "gamma", "top"}
-    assert corpus.val_docs  # never empty while val_percent > 0
-    assert corpus.train_docs[0].tokens[-2:].tolist() == [10, 10]  # the blank-line separator
+    assert len(corpus.val)  # never empty while val_percent > 0
+    assert _first_doc(corpus).tokens[-2:].tolist() == [10, 10]  # the blank-line separator
 
 
 def test_single_text_file_splits_its_tail_for_validation(tmp_path: Path) -> None:
     (tmp_path / "book.txt").write_text("abcdefghij" * 100)
-    corpus = load_corpus(str(tmp_path / "book.txt"), tokenizer=ByteTokenizer())
+    cache = str(tmp_path / "cache")
+    corpus = load_corpus(str(tmp_path / "book.txt"), tokenizer=ByteTokenizer(), cache_dir=cache)
     assert corpus.num_train_tokens + corpus.num_val_tokens == 1002  # text + blank-line separator
     assert 45 <= corpus.num_val_tokens <= 55
-    assert (
-        corpus.fingerprint == load_corpus(str(tmp_path / "book.txt"), tokenizer=ByteTokenizer()).fingerprint
-    )
+    again = load_corpus(str(tmp_path / "book.txt"), tokenizer=ByteTokenizer(), cache_dir=cache)
+    assert corpus.fingerprint == again.fingerprint
 
 
 @pytest.mark.parametrize("suffix", ["jsonl", "parquet", "csv"])
@@ -292,9 +347,9 @@ def test_data_files_load_through_datasets(tmp_path: Path, suffix: str) -> None:
         frame = pd.DataFrame(ROWS)
         frame.to_parquet(path) if suffix == "parquet" else frame.to_csv(path, index=False)
     corpus = load_corpus(str(path), tokenizer=ByteTokenizer(), cache_dir=str(tmp_path / "cache"))
-    assert len(corpus.train_docs) + len(corpus.val_docs) == len(ROWS)
-    assert corpus.val_docs and len(corpus.val_docs) < 20
-    text = ByteTokenizer().decode(corpus.train_docs[0].tokens)
+    assert len(corpus.train) + len(corpus.val) == len(ROWS)
+    assert 0 < len(corpus.val) < 20
+    text = ByteTokenizer().decode(_first_doc(corpus).tokens)
     assert text.startswith("row ") and "fox" in text
     with pytest.raises(UserError, match="--text-field"):
         load_corpus(
@@ -309,7 +364,7 @@ def test_glob_of_jsonl_files(tmp_path: Path) -> None:
     corpus = load_corpus(
         str(tmp_path / "part*.jsonl"), tokenizer=ByteTokenizer(), cache_dir=str(tmp_path / "c")
     )
-    assert len(corpus.train_docs) + len(corpus.val_docs) == len(ROWS)
+    assert len(corpus.train) + len(corpus.val) == len(ROWS)
 
 
 def test_unknown_dataset_name_fails_fast_and_offline(tmp_path: Path) -> None:
@@ -323,7 +378,7 @@ def test_unknown_dataset_name_fails_fast_and_offline(tmp_path: Path) -> None:
 def test_empty_file_is_a_user_error(tmp_path: Path, name: str) -> None:
     (tmp_path / name).write_text("")
     with pytest.raises(UserError, match="--dataset") as info:
-        load_corpus(str(tmp_path / name), tokenizer=ByteTokenizer())
+        load_corpus(str(tmp_path / name), tokenizer=ByteTokenizer(), cache_dir=str(tmp_path / "cache"))
     assert "\n" not in str(info.value)
 
 
@@ -333,6 +388,6 @@ def test_malformed_and_unreadable_files_are_user_errors(tmp_path: Path) -> None:
         load_corpus(str(tmp_path / "bad.jsonl"), tokenizer=ByteTokenizer(), cache_dir=str(tmp_path / "cache"))
     (tmp_path / "data.bin").write_bytes(b"\x00\x01")
     with pytest.raises(UserError, match="--dataset"):
-        load_corpus(str(tmp_path / "data.bin"), tokenizer=ByteTokenizer())
+        load_corpus(str(tmp_path / "data.bin"), tokenizer=ByteTokenizer(), cache_dir=str(tmp_path / "cache"))
     with pytest.raises(UserError, match="--val-percent"):
         load_corpus(None, tokenizer=ByteTokenizer(), val_percent=80)

@@ -67,9 +67,10 @@ def bpe(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def other_bpe(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Another BPE of exactly the same size: the same model shapes, different ids."""
     path = tmp_path_factory.mktemp("other") / "other.json"
+    corpus = _corpus(ByteTokenizer())
     texts = [
         d.tokens.numpy().tobytes().decode("utf-8", errors="replace")[::-1]
-        for d in _corpus(ByteTokenizer()).train_docs
+        for d in corpus.documents(corpus.train)
     ]
     path.write_text(train_bpe(texts, vocab_size=VOCAB))
     return path
@@ -287,6 +288,6 @@ def test_bytes_per_token(bpe: Path) -> None:
     # What the tokenizer buys: the same sequence length covers several times more text.
     tok = load_tokenizer(str(bpe))
     corpus = _corpus(ByteTokenizer())
-    text = b"".join(d.tokens.numpy().tobytes() for d in corpus.val_docs)
+    text = b"".join(d.tokens.numpy().tobytes() for d in corpus.documents(corpus.val))
     assert len(text) / len(tok.encode_bytes(text)) > 2.0
     assert tok.encode_bytes(text).dtype == torch.int32

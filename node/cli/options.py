@@ -77,7 +77,17 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     model.add_argument("--text-field", default="text", help="text column of a json/parquet/datasets source")
     model.add_argument("--seq-len", type=int, default=128, help="tokens per training sequence")
     model.add_argument("--non-iid", action="store_true", help="each peer gets a different part of the corpus")
-    model.add_argument("--max-corpus-mb", type=finite_float, default=None, help="cap on the corpus read")
+    model.add_argument(
+        "--max-corpus-mb",
+        type=finite_float,
+        default=None,
+        help="explicit cap on the corpus read (default: none)",
+    )
+    model.add_argument(
+        "--data-cache-dir",
+        default=None,
+        help="where the tokenized corpus is cached (default: ~/.cache/adloco)",
+    )
     model.add_argument("--seed", type=int, default=0, help="model init and data order seed")
     model.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N")
 
@@ -188,6 +198,7 @@ def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
             memory_budget_gb=args.memory_budget_gb,
             non_iid=args.non_iid,
             max_corpus_mb=args.max_corpus_mb,
+            data_cache_dir=args.data_cache_dir,
             seed=args.seed,
             device=args.device,
             overlap=args.overlap,

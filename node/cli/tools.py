@@ -105,18 +105,18 @@ def make_tokenizer(args: argparse.Namespace) -> str:
     tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, args.out)
     tokenizer = load_tokenizer(str(args.out))
-    sample = b"".join(doc.tokens.numpy().tobytes() for doc in corpus.val_docs)
+    sample = b"".join(doc.tokens.numpy().tobytes() for doc in corpus.documents(corpus.val))
     ids = len(tokenizer.encode_bytes(sample))
     ratio = f"; {len(sample) / ids:.2f} bytes per token on the validation text" if ids else ""
     return (
-        f"wrote {args.out}: {tokenizer.vocab_size} tokens (byte-level BPE on {len(corpus.train_docs)}"
+        f"wrote {args.out}: {tokenizer.vocab_size} tokens (byte-level BPE on {len(corpus.train)}"
         f" documents, {time.perf_counter() - t0:.0f}s{ratio}); use it with --tokenizer {args.out}"
     )
 
 
 def corpus_texts(corpus: Corpus) -> Iterator[str]:
     """The text of each training document of a corpus loaded with the byte tokenizer, in order."""
-    for doc in corpus.train_docs:
+    for doc in corpus.documents(corpus.train):
         yield doc.tokens.numpy().tobytes().decode("utf-8", errors="replace")
 
 

@@ -70,6 +70,10 @@ class TrainConfig:
     b_max: override the probed hardware batch limit (switch mode engages above it).
     memory_budget_gb: CPU memory for b_max probing (default: half of what is available).
     non_iid: give each peer a different part of the corpus (by top-level package).
+    max_corpus_mb: an explicit cap on the corpus read (MB of source text; default: none, the whole
+        corpus is tokenized once into the token cache and read lazily).
+    data_cache_dir: where the token cache lives (default `~/.cache/adloco`); where the data is
+        read, not what is computed. Point it at a disk with room for the tokenized corpus.
     overlap: DiLoCoX one-step-delay overlap. "off": every round starts from the new θ, after the
         averaging (the synchronous DiLoCo call order train → contribute → apply). "rebase",
         "overwrite", "mix": the instances train the next round while the last one is averaged, and
@@ -106,6 +110,7 @@ class TrainConfig:
     non_iid: bool = False
     val_sequences: int = 32
     max_corpus_mb: float | None = None
+    data_cache_dir: str | None = None
     seed: int = 0
     device: str = "auto"
     overlap: Literal["off", "auto", "rebase", "overwrite", "mix"] = "off"

@@ -23,5 +23,11 @@ def load_data(cfg: TrainConfig) -> tuple[Corpus, Tokenizer]:
     offline_hub()
     tokenizer = load_tokenizer(cfg.tokenizer)
     max_bytes = max(1, int(cfg.max_corpus_mb * 1e6)) if cfg.max_corpus_mb else None
-    corpus = load_corpus(cfg.dataset, tokenizer=tokenizer, text_field=cfg.text_field, max_bytes=max_bytes)
+    corpus = load_corpus(
+        cfg.dataset,
+        tokenizer=tokenizer,
+        text_field=cfg.text_field,
+        max_bytes=max_bytes,
+        cache_dir=cfg.data_cache_dir,
+    )
     return corpus, tokenizer

@@ -1,65 +1,68 @@
 """Sampling the corpus: per-peer shards, the token streams instances train on, validation windows.
 
-`shard_corpus` deals the training documents into disjoint (peer, instance) shards from sorted hashes,
-a `TokenSampler` draws seeded random windows from one shard's token stream (an MIT merge
+`shard_corpus` deals the training documents into disjoint (peer, instance) shards by their keys, a
+`TokenSampler` draws seeded random windows from one shard's token stream (an MIT merge
 concatenates two streams) and `restore_streams` rebuilds such streams for a resumed node,
 `validation_batches` cuts fixed, evenly spaced windows every peer evaluates on identically, and
-`evaluate` measures a model's loss on them.
+`evaluate` measures a model's loss on them. Streams are views of the token cache (`streams.py`):
+a shard costs its piece table, not its tokens, and the sharding is vectorized over documents.
 """
 
 from __future__ import annotations
 
-import hashlib
 import heapq
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
 from ...errors import UserError
-from .corpus import Corpus, Document, hash_hex
+from .corpus import Corpus, DocTable, hash_hex
 from .state import malformed
+from .streams import IntArray, TokenStream, digest
 
 logger = logging.getLogger(__name__)
 
 # Tokens of a stream kept in a sampler's state, at evenly spaced positions: enough to tell which
 # shards an MIT-merged stream was built from (`restore_streams`) at a few KB.
 _PROBES = 512
+_MASK64 = (1 << 64) - 1
 
 
 class TokenSampler:
-    """Random windows of `seq_len` tokens from the concatenation of a shard's documents.
+    """Random windows of `seq_len` tokens from a shard's token stream.
 
     Windows are drawn uniformly (with replacement) from a `torch.Generator` seeded with `seed`, so
-    the batches depend only on the documents, the seed and the sequence of calls. The model uses
-    `labels=input_ids` and shifts internally.
+    the batches depend only on the stream, the seed and the sequence of calls. The model uses
+    `labels=input_ids` and shifts internally. `docs` is a `TokenStream` (what `shard_corpus`
+    returns) or token tensors, concatenated.
     """
 
-    def __init__(self, docs: Sequence[torch.Tensor], *, seq_len: int, seed: int) -> None:
+    def __init__(self, docs: TokenStream | Sequence[torch.Tensor], *, seq_len: int, seed: int) -> None:
         if seq_len <= 0:
             raise UserError(f"--seq-len: must be positive, got {seq_len}")
-        self.stream = torch.cat([d.reshape(-1) for d in docs]) if docs else torch.empty(0, dtype=torch.int64)
+        self.stream = docs if isinstance(docs, TokenStream) else TokenStream.of_tensors(docs)
         self.seq_len = seq_len
-        if self.stream.numel() < seq_len:
+        if self.stream.num_tokens < seq_len:
             raise UserError(
-                f"--seq-len: {seq_len} is larger than the data: this shard has {self.stream.numel()} tokens; "
-                "use a shorter sequence, fewer peers or instances, or a larger dataset"
+                f"--seq-len: {seq_len} is larger than the data: this shard has {self.stream.num_tokens}"
+                " tokens; use a shorter sequence, fewer peers or instances, or a larger dataset"
             )
-        self._offsets = torch.arange(seq_len)
         self._generator = torch.Generator().manual_seed(seed)
         self._sha256: str | None = None  # of the stream, which never changes once built
 
     @property
     def num_tokens(self) -> int:
         """Tokens in the shard."""
-        return int(self.stream.numel())
+        return self.stream.num_tokens
 
     def next_batch(self, batch_size: int) -> torch.Tensor:
         """Return a (batch_size, seq_len) int64 tensor of windows."""
-        high = self.stream.numel() - self.seq_len + 1
+        high = self.stream.num_tokens - self.seq_len + 1
         starts = torch.randint(0, high, (batch_size,), generator=self._generator)
-        return self.stream[starts[:, None] + self._offsets].long()
+        return self.stream.windows(starts, self.seq_len)
 
     def merged_with(self, other: TokenSampler) -> TokenSampler:
         """Return a sampler over both shards that continues this one's random stream.
@@ -68,7 +71,7 @@ class TokenSampler:
         """
         if other.seq_len != self.seq_len:
             raise ValueError(f"cannot merge samplers of seq_len {self.seq_len} and {other.seq_len}")
-        merged = TokenSampler([self.stream, other.stream], seq_len=self.seq_len, seed=0)
+        merged = TokenSampler(self.stream.concat(other.stream), seq_len=self.seq_len, seed=0)
         merged.set_state(self.get_state())
         return merged
 
@@ -85,18 +88,19 @@ class TokenSampler:
 
         `stream` (length, dtype, sha256 and the tokens at up to 512 evenly spaced positions, a few
         KB) is how `restore_streams` rebuilds a stream that MIT merges concatenated from several
-        shards; `load_state_dict` restores only the position.
+        shards; `load_state_dict` restores only the position. The sha256 reads the whole stream
+        once (in bounded chunks) and is kept.
         """
         if self._sha256 is None:
-            self._sha256 = _digest([self.stream])
+            self._sha256 = digest([self.stream])
         n = self.num_tokens
         return {
             "rng": self.get_state(),
             "stream": {
                 "tokens": n,
-                "dtype": str(self.stream.dtype),
+                "dtype": self.stream.dtype,
                 "sha256": self._sha256,
-                "probe": self.stream[_probe_positions(n)].long(),
+                "probe": torch.from_numpy(self.stream.take(_probe_positions(n))),
             },
         }
 
@@ -126,53 +130,106 @@ def shard_corpus(
     num_instances: int,
     non_iid: bool = False,
     seed: int = 0,
-) -> list[torch.Tensor]:
-    """Return the token tensors of one (peer, instance) shard of the training documents.
+) -> TokenStream:
+    """Return the token stream of one (peer, instance) shard of the training documents.
 
     The num_peers × num_instances shards are disjoint and together cover the training set. IID:
-    documents in seed-dependent hash order are dealt to the least-loaded shard. Non-IID: whole
-    groups (top-level packages), largest first, go to the least-loaded peer, so each peer sees
-    different packages; a peer's documents are then dealt IID among its instances. With fewer
-    documents than shards, the token stream is cut into contiguous pieces instead.
+    the documents in seed-dependent key-hash order are cut into runs of about equal tokens, one per
+    shard. Non-IID: whole groups (top-level packages, or blocks of dataset rows), largest first, go
+    to the least-loaded peer, so each peer sees different packages (with fewer groups than peers,
+    runs of consecutive documents instead); a peer's documents are then cut IID among its
+    instances. With fewer documents than shards, the token stream is cut into contiguous pieces.
+    Every decision depends on the documents' keys and sizes only, never on where they sit in the
+    cache, so every peer computes the same shards whatever order its files were listed in.
     """
+    docs, cut = _shard(
+        corpus.train,
+        peer_index=peer_index,
+        num_peers=num_peers,
+        instance_index=instance_index,
+        num_instances=num_instances,
+        non_iid=non_iid,
+        seed=seed,
+    )
+    stream = corpus_stream(corpus, docs)
+    if cut is None:
+        return stream
+    index, count = cut
+    n = stream.num_tokens
+    return stream.slice(index * n // count, (index + 1) * n // count)
+
+
+def shard_documents(
+    corpus: Corpus,
+    *,
+    peer_index: int,
+    num_peers: int,
+    instance_index: int,
+    num_instances: int,
+    non_iid: bool = False,
+    seed: int = 0,
+) -> DocTable | None:
+    """The documents of the shard `shard_corpus` returns, in its order; None if it cuts documents."""
+    docs, cut = _shard(
+        corpus.train,
+        peer_index=peer_index,
+        num_peers=num_peers,
+        instance_index=instance_index,
+        num_instances=num_instances,
+        non_iid=non_iid,
+        seed=seed,
+    )
+    return docs if cut is None else None
+
+
+def corpus_stream(corpus: Corpus, docs: DocTable) -> TokenStream:
+    """The documents of `docs`, in that order, as one stream over the corpus's tokens."""
+    return TokenStream.of(corpus.tokens, docs.start, docs.length)
+
+
+def _shard(
+    docs: DocTable,
+    *,
+    peer_index: int,
+    num_peers: int,
+    instance_index: int,
+    num_instances: int,
+    non_iid: bool,
+    seed: int,
+) -> tuple[DocTable, tuple[int, int] | None]:
+    """The shard's documents, and (index, count) if the shard is piece `index` of `count` of their stream."""
     if not (0 <= peer_index < num_peers and 0 <= instance_index < num_instances):
         raise ValueError(
             f"shard ({peer_index}, {instance_index}) outside {num_peers} peers x {num_instances} instances"
         )
-    docs = corpus.train_docs
+    index, count = peer_index * num_instances + instance_index, num_peers * num_instances
     if non_iid:
         peer_docs = _non_iid_peer_docs(docs, peer_index=peer_index, num_peers=num_peers)
         if peer_docs is None:
-            return _contiguous_piece(
-                docs, peer_index * num_instances + instance_index, num_peers * num_instances
-            )
-        return _iid_shard(peer_docs, index=instance_index, count=num_instances, seed=seed)
-    return _iid_shard(
-        docs, index=peer_index * num_instances + instance_index, count=num_peers * num_instances, seed=seed
-    )
-
-
-def _iid_shard(docs: Sequence[Document], *, index: int, count: int, seed: int) -> list[torch.Tensor]:
+            return docs, (index, count)
+        docs, index, count = peer_docs, instance_index, num_instances
     if len(docs) < count:
-        return _contiguous_piece(docs, index, count)
-    order = sorted(range(len(docs)), key=lambda i: hash_hex(f"{seed}:{docs[i].name}"))
-    bins = _deal_least_loaded([int(docs[i].tokens.numel()) for i in order], count)
-    return [docs[order[j]].tokens for j in sorted(bins[index])]
+        return docs, (index, count)
+    order = np.lexsort((docs.record, _mix(docs.key, seed)))
+    bounds = _balanced_cut(docs.length[order], count)
+    return docs.take(order[bounds[index] : bounds[index + 1]]), None
 
 
-def _non_iid_peer_docs(docs: Sequence[Document], *, peer_index: int, num_peers: int) -> list[Document] | None:
-    """The documents of this peer's groups; documents stand in for groups when groups are too few."""
+def _non_iid_peer_docs(docs: DocTable, *, peer_index: int, num_peers: int) -> DocTable | None:
+    """The documents of this peer's groups; runs of documents stand in for groups when too few."""
     if len(docs) < num_peers:
         return None
-    by_group: dict[str, list[Document]] = {}
-    for doc in docs:
-        by_group.setdefault(doc.group, []).append(doc)
-    if len(by_group) < num_peers:
-        by_group = {doc.name: [doc] for doc in docs}
-    sizes = {g: sum(int(d.tokens.numel()) for d in ds) for g, ds in by_group.items()}
-    names = sorted(by_group, key=lambda g: (-sizes[g], g))
-    bins = _deal_least_loaded([sizes[g] for g in names], num_peers)
-    return [doc for j in sorted(bins[peer_index], key=lambda j: names[j]) for doc in by_group[names[j]]]
+    present, inverse = np.unique(docs.group, return_inverse=True)
+    if present.size < num_peers:
+        bounds = _balanced_cut(docs.length, num_peers)
+        return docs.take(np.arange(bounds[peer_index], bounds[peer_index + 1]))
+    sizes = np.zeros(present.size, dtype=np.int64)
+    np.add.at(sizes, inverse, docs.length)
+    # Largest first, ties by group index (group names are sorted for file corpora).
+    names = sorted(range(present.size), key=lambda g: (-int(sizes[g]), int(present[g])))
+    bins = _deal_least_loaded([int(sizes[g]) for g in names], num_peers)
+    mine = np.array([names[j] for j in bins[peer_index]], dtype=np.int64)
+    return docs.take(np.flatnonzero(np.isin(inverse, mine)))
 
 
 def _deal_least_loaded(sizes: Sequence[int], count: int) -> list[list[int]]:
@@ -186,32 +243,69 @@ def _deal_least_loaded(sizes: Sequence[int], count: int) -> list[list[int]]:
     return bins
 
 
-def _contiguous_piece(docs: Sequence[Document], index: int, count: int) -> list[torch.Tensor]:
-    stream = torch.cat([d.tokens for d in docs]) if docs else torch.empty(0, dtype=torch.int64)
-    n = stream.numel()
-    return [stream[index * n // count : (index + 1) * n // count]]
+def _balanced_cut(lengths: IntArray, count: int) -> IntArray:
+    """Bounds 0 = b_0 < b_1 < ... < b_count = n cutting the items, in order, into `count` runs.
+
+    Item i goes to the run its token midpoint falls in (equal shares of the total), then the bounds
+    are pushed apart so that every run holds at least one item (n >= count). Integer arithmetic.
+    """
+    n = lengths.size
+    ends = np.cumsum(lengths)
+    total = int(ends[-1]) if n else 0
+    inner = np.arange(1, count, dtype=np.int64)
+    targets = inner * (2 * total) // count
+    bounds = np.searchsorted(2 * ends - lengths, targets, side="left").astype(np.int64)
+    bounds = np.clip(bounds, inner, n - count + inner)
+    bounds = np.maximum.accumulate(bounds - inner) + inner
+    return np.concatenate([[0], bounds, [n]]).astype(np.int64)
+
+
+def _mix(keys: np.ndarray[Any, np.dtype[np.uint64]], seed: int) -> np.ndarray[Any, np.dtype[np.uint64]]:
+    """A seed-dependent permutation order of 64-bit keys (splitmix64 of key xor mixed seed)."""
+    z = keys ^ np.uint64(_splitmix64(seed & _MASK64))
+    with np.errstate(over="ignore"):
+        z = z + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def _splitmix64(value: int) -> int:
+    z = (value + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def validation_stream(corpus: Corpus) -> TokenStream:
+    """The validation documents as one stream, the same on every peer.
+
+    Files come in path order (as before the token cache), data rows in key order.
+    """
+    return corpus_stream(corpus, corpus.val)
 
 
 def validation_batches(corpus: Corpus, *, seq_len: int, num_sequences: int, seed: int = 0) -> torch.Tensor:
     """Return fixed (num_sequences, seq_len) int64 windows of the validation documents.
 
-    Windows are evenly spaced over the concatenated validation set, shifted by an offset derived
-    from `seed` with integer arithmetic only, so every peer evaluates on identical tokens.
+    Windows are evenly spaced over the validation stream (`validation_stream`), shifted by an
+    offset derived from `seed` with integer arithmetic only, so every peer evaluates on identical
+    tokens; only these windows are read.
     """
     if num_sequences <= 0:
         raise ValueError(f"num_sequences must be positive, got {num_sequences}")
-    if not corpus.val_docs:
+    if not len(corpus.val):
         raise UserError("--val-percent: the corpus has no validation documents; use a value above 0")
-    stream = torch.cat([d.tokens for d in corpus.val_docs])
-    span = stream.numel() - seq_len + 1
+    stream = validation_stream(corpus)
+    span = stream.num_tokens - seq_len + 1
     if span <= 0:
         raise UserError(
-            f"--seq-len: {seq_len} is larger than the validation set ({stream.numel()} tokens); "
+            f"--seq-len: {seq_len} is larger than the validation set ({stream.num_tokens} tokens); "
             "use a shorter sequence or a larger --val-percent"
         )
     offset = int(hash_hex(f"val:{seed}")[:8], 16) % max(1, span // num_sequences)
     starts = torch.tensor([i * span // num_sequences + offset for i in range(num_sequences)])
-    return stream[starts[:, None] + torch.arange(seq_len)].long()
+    return stream.windows(starts, seq_len)
 
 
 # Logits of one evaluation micro-batch at most this large (fp32): a 50k vocabulary at 128 tokens
@@ -312,7 +406,7 @@ def _stream_info(stream: Mapping[str, Any]) -> _StreamInfo:
     return info
 
 
-def _stream_plan(streams: Sequence[torch.Tensor], saved: Sequence[_StreamInfo]) -> list[list[int]] | None:
+def _stream_plan(streams: Sequence[TokenStream], saved: Sequence[_StreamInfo]) -> list[list[int]] | None:
     """For each saved stream, the fresh streams it is made of, in order; None if one has no match."""
     plan: list[list[int]] = []
     used: set[int] = set()
@@ -325,7 +419,7 @@ def _stream_plan(streams: Sequence[torch.Tensor], saved: Sequence[_StreamInfo]) 
     return plan
 
 
-def _decompose(streams: Sequence[torch.Tensor], info: _StreamInfo, used: set[int]) -> list[int] | None:
+def _decompose(streams: Sequence[TokenStream], info: _StreamInfo, used: set[int]) -> list[int] | None:
     """The unused fresh streams whose concatenation, in this order, is the saved stream; None if none."""
     positions = _probe_positions(info.tokens)
     if info.probe.shape != positions.shape:
@@ -334,14 +428,14 @@ def _decompose(streams: Sequence[torch.Tensor], info: _StreamInfo, used: set[int
     def search(offset: int, chosen: list[int]) -> list[int] | None:
         if offset == info.tokens:
             parts = [streams[i] for i in chosen]
-            ok = str(parts[0].dtype) == info.dtype and _digest(parts) == info.sha256
+            ok = parts[0].dtype == info.dtype and digest(parts) == info.sha256
             return chosen if ok else None
         for i, stream in enumerate(streams):
-            end = offset + stream.numel()
+            end = offset + stream.num_tokens
             if i in used or i in chosen or end > info.tokens:
                 continue
-            lo, hi = torch.searchsorted(positions, torch.tensor([offset, end])).tolist()
-            if not torch.equal(stream[positions[lo:hi] - offset].long(), info.probe[lo:hi]):
+            lo, hi = np.searchsorted(positions, [offset, end]).tolist()
+            if not np.array_equal(stream.take(positions[lo:hi] - offset), info.probe[lo:hi].numpy()):
                 continue
             found = search(end, [*chosen, i])
             if found is not None:
@@ -362,13 +456,6 @@ def _fallback_plan(tokens: Sequence[int], count: int) -> list[list[int]]:
     return groups
 
 
-def _probe_positions(length: int) -> torch.Tensor:
+def _probe_positions(length: int) -> IntArray:
     count = min(length, _PROBES)
-    return torch.arange(count, dtype=torch.int64) * (length - 1) // max(count - 1, 1)
-
-
-def _digest(parts: Sequence[torch.Tensor]) -> str:
-    digest = hashlib.sha256()
-    for part in parts:
-        digest.update(part.contiguous().numpy().data)
-    return digest.hexdigest()
+    return np.arange(count, dtype=np.int64) * (length - 1) // max(count - 1, 1)

@@ -113,6 +113,13 @@ class HFTokenizer:
         self._tok.save_pretrained(str(directory))
 
 
+def tokenizer_identity(tokenizer: Tokenizer) -> str:
+    """A name for the ids `tokenizer` gives, the same wherever it is loaded: keys the token cache."""
+    if isinstance(tokenizer, ByteTokenizer):
+        return "bytes"
+    return f"hf:{tokenizer.fingerprint}"
+
+
 def load_tokenizer(spec: str | None = None) -> Tokenizer:
     """Return the tokenizer named by `spec`.
 
