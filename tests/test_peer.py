@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 from dataclasses import replace
 
 import pytest
@@ -64,8 +63,8 @@ def test_first_step_statistics_are_those_of_its_micro_batch_gradients(
 ) -> None:
     # The instance gathers them tensor by tensor in a second backward pass; here each micro-batch's
     # gradient is computed whole, on a copy that draws the same batches, and given to grad_stats.
-    inst = _peer(corpus).instances[0]
-    twin, plain = copy.deepcopy(inst), copy.deepcopy(inst)
+    # Three peers of one config and seed: the same weights and the same batches, bit for bit.
+    inst, twin, plain = (_peer(corpus).instances[0] for _ in range(3))
     _, stats = inst.inner_step(plan, collect_stats=True)
     micro, accum = twin._stats_split(plan)
     grads = []
