@@ -225,6 +225,23 @@ def test_shift_moves_progress_onto_the_new_theta(corpus: Corpus, mode: str) -> N
         torch.testing.assert_close(s, b)  # Δ is measured from the new θ from now on
 
 
+@pytest.mark.parametrize("mode", ["rebase", "overwrite", "mix"])
+def test_a_joiner_that_never_trained_takes_theta_when_it_catches_up(corpus: Corpus, mode: str) -> None:
+    """Overlap on, no round begun yet: catching up (replay or download) puts the instances on the
+    swarm's θ, with no progress of their own to carry over."""
+    cfg = replace(OVERLAP, overlap=mode)
+    a, replayer, downloader = (_peer(corpus, n, i, cfg) for n, i in (("a", 0), ("r", 1), ("d", 1)))
+    for _ in range(2):
+        _round([a])
+    replayer.catch_up(a.state.history)
+    downloader.adopt_state(a.state, expected_hash=a.state.theta_hash())
+    for peer in (replayer, downloader):
+        assert peer.state.theta_hash() == a.state.theta_hash()
+        inst = peer.instances[0]
+        for p, s, t in zip(inst.params, inst.start, peer.state.theta, strict=True):
+            assert torch.equal(p.detach(), t) and torch.equal(s, t)
+
+
 def test_overlap_update_lands_mid_round_and_progress_is_rebased(corpus: Corpus) -> None:
     peers = [_peer(corpus, "a", 0, OVERLAP), _peer(corpus, "b", 1, OVERLAP)]
     contributions = [p.contribute(p.train_round())[0] for p in peers]

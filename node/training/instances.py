@@ -139,8 +139,13 @@ class Instance:
         rebase: weights ← θ + (weights − start), the local progress of the round kept on top of θ.
         overwrite: weights ← θ, the progress since the round started is dropped.
         mix: weights ← mix·weights + (1 − mix)·θ (Streaming DiLoCo's α-mixing).
-        In every mode the start becomes θ, so the round's Δ is measured from the global θ.
+        In every mode the start becomes θ, so the round's Δ is measured from the global θ. An
+        instance that has not begun a round yet (a joiner catching up before it trains) has no
+        progress to carry: it simply starts from θ.
         """
+        if not self.start:
+            self.begin(theta)
+            return
         if self.start_is_shared:
             raise RuntimeError("shift() needs a round begun with its own start (begin(..., share=False))")
         for p, s, t in zip(self.params, self.start, theta, strict=True):

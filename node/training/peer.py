@@ -355,7 +355,7 @@ class Peer:
         )
         return choice.spec
 
-    def _apply(self, update: Update) -> None:
+    def _apply(self, update: Update, *, rebase: bool = True) -> None:
         self._check_update(update)
         if self.before_change is not None:
             self.before_change()
@@ -373,7 +373,7 @@ class Peer:
         self.state.round += 1
         self.state.history.append(update)
         self._trim_history()
-        if self.overlap:
+        if self.overlap and rebase:
             self.rebase_instances()
 
     def _trim_history(self) -> None:
@@ -409,13 +409,18 @@ class Peer:
         self.phase_round = self.state.round
 
     def catch_up(self, updates: Sequence[Update]) -> int:
-        """Replay the averaged updates this peer missed, in order; returns how many were applied."""
+        """Replay the averaged updates this peer missed, in order; returns how many were applied.
+        Under overlap the instances move onto the final θ once, not through every replayed one."""
         applied = 0
-        for update in updates:
-            if update.round < self.state.round:
-                continue
-            self._apply(update)
-            applied += 1
+        try:
+            for update in updates:
+                if update.round < self.state.round:
+                    continue
+                self._apply(update, rebase=False)
+                applied += 1
+        finally:  # a bad update stops the replay: the instances still follow the θ reached
+            if applied and self.overlap:
+                self.rebase_instances()
         return applied
 
     def adopt_state(self, other: PeerState, *, expected_hash: str) -> None:
