@@ -257,12 +257,15 @@ def test_slow_node_contributes_late_and_corrected_without_holding_others(
     fast_hashes = _rounds(fast[0][1])
     together = [e for e in slow_rounds if e["group_size"] > 1]
     assert together and all(fast_hashes[e["round"]] == e["theta_hash"] for e in together), slow_rounds
-    # The fast nodes never waited for the slow one: most of their rounds ran without it, and none
-    # took as long as the slow node's local phase.
-    fast_rounds = [e for e in _events(fast[0][1]) if e["event"] == "round"]
-    assert sum(1 for e in fast_rounds if e["group_size"] == 2) >= 3
-    slow_phase = 5 * min(e["compute_s"] for e in slow_rounds)
-    assert max(e["round_s"] for e in fast_rounds) < slow_phase + 2.0 + 0.5 + 5.0
+    # The fast nodes never waited for the slow one: while its late Δ was being computed they applied
+    # the τ rounds it missed without it (groups of at most the two of them), and most of their rounds
+    # ran without it.
+    fast_rounds = [e for _, s in fast for e in _events(s) if e["event"] == "round"]
+    first_late = late[0]
+    missed = range(first_late["round"] - first_late["staleness"], first_late["round"])
+    without = {e["round"] for e in fast_rounds if e["round"] in missed and e["group_size"] <= 2}
+    assert without == set(missed), (first_late, fast_rounds)
+    assert sum(1 for e in _events(fast[0][1]) if e["event"] == "round" and e["group_size"] == 2) >= 3
     # DyLU: once the slow node has seen the others' step times (its first applied round) it shortens
     # H to its speed for the rounds after.
     assert slow_rounds[0]["inner_steps"] == 8
