@@ -32,6 +32,9 @@ from typing import Any
 
 import torch
 
+# Run as `python bench/gpu.py`, this folder is on sys.path: the 124M config is memory.py's own.
+from memory import GPT2_124M
+
 from adloco.node.training.config import TrainConfig
 from adloco.node.training.model import count_parameters
 from adloco.node.training.peer import Peer
@@ -39,14 +42,7 @@ from adloco.node.training.runtime import load_data
 from adloco.protocol.algorithms.allreduce import reduce_group
 
 MODELS: dict[str, dict[str, Any]] = {
-    "gpt2-124m": {
-        "model_type": "gpt2",
-        "n_embd": 768,
-        "n_layer": 12,
-        "n_head": 12,
-        "n_positions": 1024,
-        "vocab_size": 50257,
-    },
+    "gpt2-124m": GPT2_124M,
     "llama-1b": {
         "model_type": "llama",
         "hidden_size": 2048,
