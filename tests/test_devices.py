@@ -113,6 +113,7 @@ def test_a_staged_peer_trains_bit_identically_and_keeps_theta_apart(corpus: Corp
     cfg = replace(CFG, overlap=overlap)
     plain = _peer(corpus, cfg)
     staged = _peer(corpus, cfg, Placement(train=CPU, state=CPU, staged=True))
+    _assert_state_apart(staged)
     for _ in range(2):
         assert _round(plain) == _round(staged)
     assert plain.state.theta_hash() == staged.state.theta_hash()
@@ -120,11 +121,15 @@ def test_a_staged_peer_trains_bit_identically_and_keeps_theta_apart(corpus: Corp
     assert plain.validation_loss() == staged.validation_loss()
     # Evaluating θ through the instance gave the instance its own weights back, bit for bit.
     assert all(torch.equal(p, w) for p, w in zip(staged.instances[0].params, weights, strict=True))
-    # θ, m and the round starts (θ itself without overlap) are the state's memory, never the
-    # instances' parameters.
-    params = {p.untyped_storage().data_ptr() for inst in staged.instances for p in inst.params}
-    starts = [t for inst in staged.instances for t in inst.start]
-    for t in (*staged.state.theta, *staged.state.momentum, *starts):
+    _assert_state_apart(staged)
+
+
+def _assert_state_apart(peer: Peer) -> None:
+    """θ, m and the round starts (θ itself without overlap) are the state's own memory, never the
+    instances' parameters."""
+    params = {p.untyped_storage().data_ptr() for inst in peer.instances for p in inst.params}
+    starts = [t for inst in peer.instances for t in inst.start]
+    for t in (*peer.state.theta, *peer.state.momentum, *starts):
         assert t.untyped_storage().data_ptr() not in params
 
 
