@@ -207,12 +207,14 @@ def _probe_cuda(
 
     def try_step(b: int) -> None:
         x = torch.randint(0, vocab_size, (b, seq_len), device=device)
-        with autocast(device, autocast_dtype):
-            loss = model(input_ids=x, labels=x).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        torch.cuda.synchronize(device)
+        try:
+            with autocast(device, autocast_dtype):
+                loss = model(input_ids=x, labels=x).loss
+            loss.backward()
+            optimizer.step()
+            torch.cuda.synchronize(device)
+        finally:  # also after an OOM: the next try starts without this one's gradients
+            optimizer.zero_grad(set_to_none=True)
 
     # The weights wait on the host (a copy on the device would take the memory being measured).
     saved = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
