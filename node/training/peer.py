@@ -117,6 +117,15 @@ class Peer:
             autocast_dtype=self.autocast_dtype,
             state_on_device=self.placement.state == self.device,
         )
+        dtype = str(self.autocast_dtype).removeprefix("torch.")
+        logger.info(
+            "instances on %s in %s%s; θ and the outer state on %s%s",
+            self.device,
+            "fp32" if self.autocast_dtype is None else f"{dtype} autocast",
+            ", activation checkpointing" if cfg.activation_checkpointing else "",
+            self.placement.state,
+            " (pinned)" if self.placement.pin else "",
+        )
         self.val_batches = validation_batches(corpus, seq_len=cfg.seq_len, num_sequences=cfg.val_sequences)
         self.error_feedback = ErrorFeedback()
         self._codecs: dict[str, Codec] = {}
