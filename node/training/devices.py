@@ -145,7 +145,8 @@ def resolve_precision(spec: str, device: torch.device) -> torch.dtype | None:
     """
     if device.type != "cuda":
         return precision_dtype(spec, device_type=device.type, bf16_native=device.type == "cpu")
-    native = torch.cuda.is_bf16_supported(including_emulation=False)
+    with torch.cuda.device(device):  # the check is of the current device: make it this one
+        native = torch.cuda.is_bf16_supported(including_emulation=False)
     return precision_dtype(
         spec, device_type="cuda", bf16_native=native, device_name=torch.cuda.get_device_name(device)
     )
