@@ -53,7 +53,7 @@ class Placement:
     state: torch.device = HOST
     staged: bool = False
     pin: bool = False
-    _staging: torch.Tensor | None = field(default=None, repr=False)
+    _staging: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
     def for_training(cls, train: torch.device) -> Placement:
