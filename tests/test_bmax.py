@@ -7,6 +7,7 @@ import gc
 import pytest
 import torch
 
+from adloco.errors import UserError
 from adloco.node.training.bmax import cpu_b_max, cuda_b_max, saved_activation_bytes
 from adloco.node.training.model import build_model
 
@@ -59,3 +60,13 @@ def test_cuda_search_finds_the_largest_fitting_batch(fits_up_to: int) -> None:
     b = cuda_b_max(try_step)
     assert b == max(1, int(fits_up_to * 0.9) if fits_up_to > 1 else fits_up_to)
     assert len(tried) <= 13  # log2(4096) + 1 probes
+
+
+def test_cuda_search_says_so_when_not_even_one_sequence_fits(monkeypatch: pytest.MonkeyPatch) -> None:
+    def try_step(b: int) -> None:
+        raise torch.cuda.OutOfMemoryError("simulated")
+
+    if not torch.cuda.is_available():
+        monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    with pytest.raises(UserError, match="--b-max: not even one sequence"):
+        cuda_b_max(try_step)

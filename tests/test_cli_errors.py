@@ -69,6 +69,7 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
     for vocab in (256, 300, 1000):
         _llama_config(vocab).save_pretrained(d / f"llama{vocab}")
+    _jetmoe_config().save_pretrained(d / "jetmoe")
     return d
 
 
@@ -82,6 +83,22 @@ def _llama_config(vocab_size: int) -> Any:
         num_hidden_layers=1,
         num_attention_heads=2,
         num_key_value_heads=2,
+    )
+
+
+def _jetmoe_config() -> Any:
+    """A causal LM that transformers cannot checkpoint (supports_gradient_checkpointing False)."""
+    from transformers import JetMoeConfig
+
+    return JetMoeConfig(
+        vocab_size=256,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_key_value_heads=2,
+        kv_channels=16,
+        intermediate_size=64,
+        num_local_experts=2,
+        num_experts_per_tok=1,
     )
 
 
@@ -127,6 +144,7 @@ DATA_CASES = [
     ("--model", ["--model", "{d}/llama1000"]),
     ("--model", ["--model", "{d}/llama256/config.json", "--tokenizer", "{d}/bpe300.json"]),
     ("--model", ["--model", "{d}/llama300", "--tokenizer", "bytes"]),
+    ("--activation-checkpointing", ["--model", "{d}/jetmoe", "--activation-checkpointing"]),
 ]
 TRAIN_CASES = [
     ("--codec", ["--codec", "int9"]),
@@ -152,6 +170,8 @@ TRAIN_CASES = [
     ("--threads", ["--threads", "0"]),
     ("--device", ["--device", "nosuch"]),
     ("--device", ["--device", "cuda:99"]),
+    ("--device", ["--device", "mps"]),  # not on this machine
+    ("--device", ["--device", "meta"]),
 ]
 SIM_CASES = [
     ("--rounds", ["--rounds", "-1"]),
@@ -202,6 +222,7 @@ ARGPARSE_CASES = [
     ("--inner-lr", ["--inner-lr", "nan"]),
     ("--outer-lr", ["--outer-lr", "inf"]),
     ("--batch-test", ["--batch-test", "bogus"]),
+    ("--precision", ["--precision", "fp16"]),
 ]
 
 
@@ -221,7 +242,14 @@ def test_port_in_use(option: str, capsys: pytest.CaptureFixture[str]) -> None:
 
 
 @pytest.mark.parametrize(
-    ("variable", "value"), [("ADLOCO_BATCH_SIZE", "lots"), ("ADLOCO_OVERLAP", "always"), ("ADLOCO_DYLU", "2")]
+    ("variable", "value"),
+    [
+        ("ADLOCO_BATCH_SIZE", "lots"),
+        ("ADLOCO_OVERLAP", "always"),
+        ("ADLOCO_DYLU", "2"),
+        ("ADLOCO_PRECISION", "half"),
+        ("ADLOCO_ACTIVATION_CHECKPOINTING", "maybe"),
+    ],
 )
 def test_bad_environment_variable(
     variable: str, value: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]

@@ -11,6 +11,7 @@ import torch
 
 from ...errors import UserError
 from ..training.config import TrainConfig
+from ..training.devices import resolve_device, resolve_precision
 
 
 def finite_float(text: str) -> float:
@@ -59,6 +60,10 @@ def check_device(spec: str) -> None:
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if device.type == "cuda" and (device.index or 0) >= count:
         raise UserError(f"--device: {spec!r} is not available here ({count} CUDA devices); use auto or cpu")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise UserError(f"--device: {spec!r} is not available here; use auto or cpu")
+    if device.type not in ("cpu", "cuda", "mps"):
+        raise UserError(f"--device: a node trains on cpu, cuda or cuda:N, not {spec!r}")
 
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
@@ -89,7 +94,24 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         help="where the tokenized corpus is cached (default: ~/.cache/adloco)",
     )
     model.add_argument("--seed", type=int, default=0, help="model init and data order seed")
-    model.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N")
+    model.add_argument(
+        "--device",
+        default="auto",
+        help="where the instances train: auto (CUDA when present), cpu, cuda, cuda:N (θ and the outer"
+        " state stay in host memory)",
+    )
+    model.add_argument(
+        "--precision",
+        choices=("auto", "fp32", "bf16"),
+        default="auto",
+        help="the instances' forward passes: auto (bf16 autocast on GPUs with native bf16, else fp32),"
+        " fp32, or bf16 (also on a CPU); weights, optimizer and θ stay fp32",
+    )
+    model.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        help="recompute activations in the backward pass: ~1/3 more compute, a larger b_max",
+    )
 
     local = p.add_argument_group("local training (AdLoCo)")
     local.add_argument("--instances", type=int, default=2, help="K_0, MIT instances per peer")
@@ -201,10 +223,13 @@ def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
             data_cache_dir=args.data_cache_dir,
             seed=args.seed,
             device=args.device,
+            precision=args.precision,
+            activation_checkpointing=args.activation_checkpointing,
             overlap=args.overlap,
             overlap_mix=args.overlap_mix,
         )
     except ValueError as e:
         raise config_error(e, args) from None
     check_device(cfg.device)
+    resolve_precision(cfg.precision, resolve_device(cfg.device))
     return cfg

@@ -2,10 +2,14 @@
 
 On CUDA it is found by binary search over real forward+backward+AdamW steps, treating an
 out-of-memory error as "does not fit" (AdLoCo `utils/max_batch_calculator.py`, with the same 0.9
-safety factor). On CPU an OOM kills the process instead of raising, so we measure instead: the bytes
-autograd saves for backward at batch 1 and 2 (exactly, with saved-tensor hooks) give the activation
-memory per sample, and b_max is what fits into a memory budget after weights, gradients and AdamW
-state. Switch mode (gradient accumulation) takes over above b_max.
+safety factor), while the memory the other instances' gradients and AdamW state and the statistics
+pass will take is held aside. On CPU an OOM kills the process instead of raising, so we measure
+instead: the bytes autograd saves for backward at batch 1 and 2 (exactly, with saved-tensor hooks)
+give the activation memory per sample, and b_max is what fits into a memory budget after every
+instance's weights, gradients and AdamW state, the statistics buffers and, on a CPU, the peer's
+state (θ, m, Δ, the error-feedback residual). Both probe with the training's precision (autocast)
+and activation checkpointing (a property of the model). Switch mode (gradient accumulation) takes
+over above b_max.
 """
 
 from __future__ import annotations
@@ -16,10 +20,21 @@ from collections.abc import Callable
 
 import torch
 
+from ...errors import UserError
+from .devices import autocast
+
 logger = logging.getLogger(__name__)
 
 SAFETY = 0.9
 UPPER = 4096
+# Bytes per parameter: an instance's fp32 weights, gradients and two AdamW moments; and the peer's
+# state where it shares the device (θ, m, Δ and the error-feedback residual, fp32).
+INSTANCE_BYTES = 16
+STATE_BYTES = 16
+# The norm-test statistics pass (instances.py `_ChunkSums`) holds, beside the step's gradients, the
+# micro-batch gradient it is reading and its deviation from the mean: at most this many tensors of
+# the largest parameter's size at once.
+STATS_TENSORS = 3
 
 
 def available_memory_bytes() -> int:
@@ -34,8 +49,16 @@ def available_memory_bytes() -> int:
     return 4 << 30
 
 
-def saved_activation_bytes(model: torch.nn.Module, *, batch: int, seq_len: int, vocab_size: int) -> int:
-    """Bytes autograd keeps for backward after one forward pass at this batch size."""
+def saved_activation_bytes(
+    model: torch.nn.Module,
+    *,
+    batch: int,
+    seq_len: int,
+    vocab_size: int,
+    autocast_dtype: torch.dtype | None = None,
+) -> int:
+    """Bytes autograd keeps for backward after one forward pass at this batch size (in training
+    mode, autocast to `autocast_dtype`, as an instance's forward runs)."""
     total = 0
     seen: set[int] = set()
 
@@ -52,9 +75,14 @@ def saved_activation_bytes(model: torch.nn.Module, *, batch: int, seq_len: int, 
 
     device = next(model.parameters()).device
     x = torch.randint(0, vocab_size, (batch, seq_len), device=device)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model(input_ids=x, labels=x).loss
-    del loss
+    was_training = model.training
+    model.train()  # activation checkpointing acts in training mode only
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast(device, autocast_dtype):
+            loss = model(input_ids=x, labels=x).loss
+        del loss
+    finally:
+        model.train(was_training)
     param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
     # Parameters saved for backward are not activations: they exist at any batch size.
     for p in model.parameters():
@@ -64,15 +92,33 @@ def saved_activation_bytes(model: torch.nn.Module, *, batch: int, seq_len: int, 
     return total
 
 
+def static_bytes(model: torch.nn.Module, *, instances: int, state_on_device: bool) -> int:
+    """Memory that does not grow with the batch: every instance's weights, gradients and AdamW
+    moments, the statistics pass's buffers, and the peer's state where it shares the device."""
+    n_params = sum(p.numel() for p in model.parameters())
+    largest = max((p.numel() for p in model.parameters()), default=0)
+    state = STATE_BYTES * n_params if state_on_device else 0
+    return INSTANCE_BYTES * n_params * instances + STATS_TENSORS * 4 * largest + state
+
+
 def cpu_b_max(
-    model: torch.nn.Module, *, seq_len: int, vocab_size: int, budget_bytes: int, instances: int = 1
+    model: torch.nn.Module,
+    *,
+    seq_len: int,
+    vocab_size: int,
+    budget_bytes: int,
+    instances: int = 1,
+    autocast_dtype: torch.dtype | None = None,
+    state_on_device: bool = True,
 ) -> int:
     """b_max on CPU from measured activation bytes per sample and a memory budget for all instances."""
-    n_params = sum(p.numel() for p in model.parameters())
-    # fp32 weights + gradients + AdamW's two moments, per instance.
-    static = 16 * n_params * instances
-    a1 = saved_activation_bytes(model, batch=1, seq_len=seq_len, vocab_size=vocab_size)
-    a2 = saved_activation_bytes(model, batch=2, seq_len=seq_len, vocab_size=vocab_size)
+    static = static_bytes(model, instances=instances, state_on_device=state_on_device)
+    a1, a2 = (
+        saved_activation_bytes(
+            model, batch=b, seq_len=seq_len, vocab_size=vocab_size, autocast_dtype=autocast_dtype
+        )
+        for b in (1, 2)
+    )
     per_sample = max(a2 - a1, 1)
     fixed = max(a1 - per_sample, 0)
     room = SAFETY * budget_bytes - static - fixed
@@ -81,7 +127,8 @@ def cpu_b_max(
 
 
 def cuda_b_max(try_step: Callable[[int], None], *, upper: int = UPPER) -> int:
-    """Largest b in [1, upper] for which try_step(b) does not raise CUDA OOM (binary search)."""
+    """Largest b in [1, upper] for which try_step(b) does not raise CUDA OOM (binary search), times
+    the safety factor. UserError when not even b = 1 fits."""
     lo, hi = 0, upper
     while lo < hi:
         mid = (lo + hi + 1) // 2
@@ -92,6 +139,11 @@ def cuda_b_max(try_step: Callable[[int], None], *, upper: int = UPPER) -> int:
             hi = mid - 1
         finally:
             torch.cuda.empty_cache()
+    if lo == 0:
+        raise UserError(
+            "--b-max: not even one sequence per step fits in GPU memory; try --activation-checkpointing,"
+            " --precision bf16, a shorter --seq-len, fewer --instances or a smaller --model"
+        )
     return max(1, int(lo * SAFETY) if lo > 1 else lo)
 
 
@@ -102,34 +154,81 @@ def probe_b_max(
     vocab_size: int,
     instances: int,
     memory_budget_bytes: int | None = None,
+    autocast_dtype: torch.dtype | None = None,
+    state_on_device: bool = True,
 ) -> int:
-    """b_max for `model` on its device; the budget (CPU) defaults to half of available memory."""
+    """b_max for one of `instances` instances of `model` on its device, whose forward passes
+    autocast to `autocast_dtype`; `state_on_device`: the peer's θ, m, Δ and residual share that
+    device's memory (a CPU peer). The budget (CPU) defaults to half of available memory."""
     device = next(model.parameters()).device
     if device.type == "cuda":
-        return _probe_cuda(model, seq_len=seq_len, vocab_size=vocab_size)
+        return _probe_cuda(
+            model, seq_len=seq_len, vocab_size=vocab_size, instances=instances, autocast_dtype=autocast_dtype
+        )
     budget = memory_budget_bytes or available_memory_bytes() // 2
-    b = cpu_b_max(model, seq_len=seq_len, vocab_size=vocab_size, budget_bytes=budget, instances=instances)
+    b = cpu_b_max(
+        model,
+        seq_len=seq_len,
+        vocab_size=vocab_size,
+        budget_bytes=budget,
+        instances=instances,
+        autocast_dtype=autocast_dtype,
+        state_on_device=state_on_device,
+    )
     logger.info("b_max=%d (CPU, budget %.1f GiB, %d instance(s))", b, budget / 2**30, instances)
     return b
 
 
-def _probe_cuda(model: torch.nn.Module, *, seq_len: int, vocab_size: int) -> int:
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)
+def _probe_cuda(
+    model: torch.nn.Module,
+    *,
+    seq_len: int,
+    vocab_size: int,
+    instances: int,
+    autocast_dtype: torch.dtype | None,
+) -> int:
+    """The binary search on `model`'s device. Every instance's weights are already there; the probe's
+    AdamW stands for this instance's, and what the others' gradients and moments and the statistics
+    pass will take is allocated aside for the whole search."""
     device = next(model.parameters()).device
+    n_params = sum(p.numel() for p in model.parameters())
+    # Without the per-instance weights (already allocated) and this instance's own 12 bytes.
+    aside = static_bytes(model, instances=instances, state_on_device=False) - INSTANCE_BYTES * n_params
+    aside -= 4 * n_params * (instances - 1)
+    try:
+        reserved = torch.empty(aside, dtype=torch.uint8, device=device)
+    except torch.cuda.OutOfMemoryError:
+        raise UserError(
+            f"--instances: the gradients and AdamW state of {instances} instances of this model do not"
+            f" fit on {torch.cuda.get_device_name(device)}; use fewer --instances or a smaller --model"
+        ) from None
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)
+    model.train()
 
     def try_step(b: int) -> None:
         x = torch.randint(0, vocab_size, (b, seq_len), device=device)
-        model(input_ids=x, labels=x).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        torch.cuda.synchronize(device)
+        try:
+            with autocast(device, autocast_dtype):
+                loss = model(input_ids=x, labels=x).loss
+            loss.backward()
+            optimizer.step()
+            torch.cuda.synchronize(device)
+        finally:  # also after an OOM: the next try starts without this one's gradients
+            optimizer.zero_grad(set_to_none=True)
 
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    # The weights wait on the host (a copy on the device would take the memory being measured).
+    saved = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
     try:
         b = cuda_b_max(try_step)
     finally:
-        model.load_state_dict(state)
-        optimizer.zero_grad(set_to_none=True)
+        del reserved
+        optimizer.state.clear()  # the probe's AdamW moments: the instance's own come at its first step
+        with torch.no_grad():
+            for k, v in model.state_dict().items():
+                v.copy_(saved[k])
+        for p in model.parameters():
+            p.grad = None
+        torch.cuda.empty_cache()
     logger.info("b_max=%d (CUDA, %s)", b, torch.cuda.get_device_name(device))
     return b
 

@@ -83,6 +83,18 @@ class TrainConfig:
         T_comm ≤ H·t_step, measured), else that round waits (the driver decides, `Peer.train_round(
         from_theta=True)`). The caller must then apply each update during or after the *next* local
         round (the swarm and the simulator do).
+    device: where the instances train: "auto" (CUDA when present), "cpu", "cuda", "cuda:N". θ, the
+        outer momentum, Δ, the error-feedback residual and the kept updates stay in host memory
+        whatever the device (`devices.Placement`).
+    precision: the instances' forward passes: "auto" autocasts to bf16 on a CUDA GPU with native
+        bf16 (Ampere or later) and runs fp32 elsewhere; "fp32" never autocasts; "bf16" autocasts
+        also on a CPU (slower than fp32 on most CPUs). Master weights, gradients, AdamW state and θ
+        stay fp32, so peers of different precisions average together. Try fp32 if the inner loss
+        of a bf16 run diverges where an fp32 run's does not.
+    activation_checkpointing: recompute each layer's activations in the backward pass instead of
+        keeping them (transformers' activation/gradient checkpointing): about a third more compute
+        for activation memory of one layer instead of all, so b_max grows. Turn it on when b_max
+        is small (the log's "b_max=") and rounds run in switch mode (accumulation > 1).
     """
 
     model: str | None = None
@@ -113,6 +125,8 @@ class TrainConfig:
     data_cache_dir: str | None = None
     seed: int = 0
     device: str = "auto"
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    activation_checkpointing: bool = False
     overlap: Literal["off", "auto", "rebase", "overwrite", "mix"] = "off"
     overlap_mix: float = 0.5
 
@@ -144,6 +158,8 @@ class TrainConfig:
                 raise ValueError(f"{name} must be > 0, got {value}")
         if self.overlap not in ("off", "auto", "rebase", "overwrite", "mix"):
             raise ValueError(f"overlap must be off, auto, rebase, overwrite or mix, got {self.overlap!r}")
+        if self.precision not in ("auto", "fp32", "bf16"):
+            raise ValueError(f"precision must be auto, fp32 or bf16, got {self.precision!r}")
         if not 0 <= self.overlap_mix <= 1:
             raise ValueError(f"overlap_mix must be in [0, 1], got {self.overlap_mix}")
         if self.device != "auto":

@@ -29,8 +29,8 @@ import torch
 
 from ...protocol.algorithms.batchtest import GradStats, stats_from_sums
 from ...protocol.algorithms.merge import merge_weighted
-from ...protocol.algorithms.pseudograd import pseudo_gradient
 from ...protocol.algorithms.switch import BatchPlan
+from .devices import Placement, autocast
 from .sampling import TokenSampler
 from .state import malformed, mapping, tensors_like
 
@@ -72,7 +72,11 @@ class InstanceRound:
 
 
 class Instance:
-    """A model instance with persistent AdamW state, fed by its own token stream."""
+    """A model instance with persistent AdamW state, fed by its own token stream.
+
+    `placement` says where θ and the round start live (default: with the model, as on a CPU);
+    `autocast_dtype` is the precision of its forward passes (None: fp32), see `devices.py`.
+    """
 
     def __init__(
         self,
@@ -81,12 +85,17 @@ class Instance:
         model: torch.nn.Module,
         sampler: TokenSampler,
         inner: InnerConfig,
+        placement: Placement | None = None,
+        autocast_dtype: torch.dtype | None = None,
     ) -> None:
         self.slot = slot
         self.model = model
         self.sampler = sampler
         self.inner = inner
         self.params = [p for p in model.parameters() if p.requires_grad]
+        device = self.params[0].device
+        self.placement = placement or Placement(train=device, state=device)
+        self.autocast_dtype = autocast_dtype
         self.optimizer = torch.optim.AdamW(
             self.params,
             lr=inner.lr,
@@ -105,8 +114,7 @@ class Instance:
     @torch.no_grad()
     def load(self, theta: Sequence[torch.Tensor]) -> None:
         """Set the instance's parameters to θ (copied, so the instance never aliases global state)."""
-        for p, t in zip(self.params, theta, strict=True):
-            p.copy_(t, non_blocking=True)
+        self.placement.load(self.params, theta)
 
     @property
     def start_is_shared(self) -> bool:
@@ -126,7 +134,8 @@ class Instance:
             self.start = list(theta)
             return
         if self._own_start is None:
-            self._own_start = [p.detach().clone() for p in self.params]
+            # On the state device: on a GPU the round start takes host memory, not device memory.
+            self._own_start = [self.placement.state_copy(p) for p in self.params]
         else:
             for s, p in zip(self._own_start, self.params, strict=True):
                 s.copy_(p)
@@ -148,13 +157,14 @@ class Instance:
             return
         if self.start_is_shared:
             raise RuntimeError("shift() needs a round begun with its own start (begin(..., share=False))")
+        # θ and the start live on the state device: one tensor at a time crosses (no copy on a CPU).
         for p, s, t in zip(self.params, self.start, theta, strict=True):
             if mode == "rebase":
-                p.add_(t - s)
+                p.add_((t - s).to(p.device))
             elif mode == "overwrite":
                 p.copy_(t)
             elif mode == "mix":
-                p.mul_(mix).add_(t, alpha=1 - mix)
+                p.mul_(mix).add_(t.to(p.device), alpha=1 - mix)
             else:
                 raise ValueError(f"unknown overlap mode {mode!r}")
             s.copy_(t)
@@ -190,8 +200,7 @@ class Instance:
         # Until the next step nothing reads the gradients: free them for the exchange that follows.
         self.optimizer.zero_grad(set_to_none=True)
         compute_s = time.perf_counter() - t0
-        with torch.no_grad():
-            delta = pseudo_gradient(self.start, [p.detach() for p in self.params])
+        delta = self.placement.delta(self.start, self.params)
         samples = plan.effective * steps
         return InstanceRound(
             delta=delta,
@@ -214,7 +223,8 @@ class Instance:
             batch = self.sampler.next_batch(micro).to(self.device, non_blocking=True)
             if collect_stats:
                 replay.append((batch, _rng_state(self.device)))
-            loss = self.model(input_ids=batch, labels=batch).loss
+            with autocast(self.device, self.autocast_dtype):
+                loss = self.model(input_ids=batch, labels=batch).loss
             (loss / accum).backward()
             total_loss += float(loss.detach())
         stats = None
@@ -248,7 +258,9 @@ class Instance:
             for m, (batch, rng) in enumerate(replay):
                 _set_rng_state(self.device, rng)
                 acc.chunk = m
-                self.model(input_ids=batch, labels=batch).loss.backward()
+                with autocast(self.device, self.autocast_dtype):
+                    loss = self.model(input_ids=batch, labels=batch).loss
+                loss.backward()
         finally:
             for handle in handles:
                 handle.remove()
@@ -269,14 +281,13 @@ class Instance:
         """AdLoCo MIT merge, this instance surviving: weights become their weighted mean, this
         instance keeps its AdamW state and takes over the other's data stream (its compute share).
         Merges happen between local rounds (a merge decided mid-round waits for the round's end),
-        so the round start, which the next round sets anew, is not merged."""
-        merged = merge_weighted(
-            dict(self.model.named_parameters()),
-            dict(other.model.named_parameters()),
-            weight_a=weight,
-            weight_b=other_weight,
-        )
+        so the round start, which the next round sets anew, is not merged. One tensor at a time: the
+        merged weights never exist as a third copy of the model."""
+        others = dict(other.model.named_parameters())
+        if others.keys() != dict(self.model.named_parameters()).keys():
+            raise ValueError("cannot merge instances of different models")
         for name, p in self.model.named_parameters():
+            merged = merge_weighted({name: p}, {name: others[name]}, weight_a=weight, weight_b=other_weight)
             p.copy_(merged[name])
         self.sampler = self.sampler.merged_with(other.sampler)
 

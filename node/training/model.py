@@ -93,6 +93,28 @@ def build_model(
     return model
 
 
+def enable_activation_checkpointing(model: PreTrainedModel) -> None:
+    """Recompute each layer's activations in the backward pass (`--activation-checkpointing`).
+
+    transformers' own switch (`activation_checkpointing_enable`, called `gradient_checkpointing_enable`
+    before transformers 5), with torch's non-reentrant checkpoint: it saves each layer's inputs and
+    replays the layer's forward, random state included, in the backward pass. Raises UserError for
+    an architecture that does not support it.
+    """
+    if not model.supports_gradient_checkpointing:
+        raise UserError(
+            f"--activation-checkpointing: {type(model).__name__} does not support it; run without it"
+        )
+    kwargs = {"use_reentrant": False}
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    # No key/value cache in training; the models would otherwise turn it off with a warning.
+    model.config.use_cache = False
+
+
 def resolve_config(spec: str | None, *, vocab_size: int = 256, max_seq_len: int = 1024) -> PretrainedConfig:
     """Return the transformers config `build_model` would use for `spec` (see there)."""
     name = spec or DEFAULT_MODEL

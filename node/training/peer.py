@@ -45,8 +45,9 @@ from ...protocol.algorithms.switch import BatchPlan
 from .bmax import probe_b_max
 from .config import TrainConfig
 from .corpus import Corpus
+from .devices import Placement, resolve_device, resolve_precision
 from .instances import Instance, InstanceRound
-from .model import build_model, model_fingerprint
+from .model import build_model, enable_activation_checkpointing, model_fingerprint
 from .replica import HISTORY_ROUNDS, PeerState, Update, initial_state
 from .rounds import ContributionInfo, LocalRound
 from .sampling import TokenSampler, evaluate, restore_streams, shard_corpus, validation_batches
@@ -56,18 +57,13 @@ from .tokenizer import ByteTokenizer, Tokenizer, tokenizer_files
 logger = logging.getLogger(__name__)
 
 
-def resolve_device(spec: str) -> torch.device:
-    """'auto' → CUDA when present, else CPU."""
-    if spec == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(spec)
-
-
 class Peer:
     """A peer's state, its MIT instances, and the local half of every round.
 
     `vocab_size` is the model's; `tokenizer` is what `corpus` was tokenized with (default the byte
     tokenizer): its fingerprint is part of the peer's `fingerprint` and of its checkpoints.
+    `placement`: where the instances train and where θ and the rest of the state live (default:
+    `Placement.for_training` of `cfg.device`: the state in host memory, see `devices.py`).
     """
 
     def __init__(
@@ -80,10 +76,14 @@ class Peer:
         corpus: Corpus,
         vocab_size: int,
         tokenizer: Tokenizer | None = None,
+        placement: Placement | None = None,
     ) -> None:
         self.peer_id = peer_id
         self.cfg = cfg
-        self.device = resolve_device(cfg.device)
+        self.placement = placement or Placement.for_training(resolve_device(cfg.device))
+        self.device = self.placement.train
+        # Checked before the model is built: a bad --precision fails in a second, not a minute.
+        self.autocast_dtype = resolve_precision(cfg.precision, self.device)
         self.vocab_size = vocab_size
         self.tokenizer: Tokenizer = tokenizer or ByteTokenizer()
         if tokenizer is not None and tokenizer.vocab_size != vocab_size:
@@ -91,14 +91,19 @@ class Peer:
         self._tokenizer_files: dict[str, bytes] | None = None
         # Every peer builds the same seeded model, so θ_0 is identical without a download. The first
         # instance trains this very model; θ is evaluated through it (`validation_loss`), no copy.
+        max_seq_len = max(1024, cfg.seq_len)
+        built = build_model(cfg.model, vocab_size=vocab_size, seed=cfg.seed, max_seq_len=max_seq_len)
+        # The architecture as built, for checkpoints and export (checkpointing turns its cache off).
+        self._model_config = built.config.to_json_string()
+        if cfg.activation_checkpointing:
+            enable_activation_checkpointing(built)
         # (typed as a Module: transformers types `PreTrainedModel.to` too narrowly for a device)
-        model = cast(
-            torch.nn.Module,
-            build_model(cfg.model, vocab_size=vocab_size, seed=cfg.seed, max_seq_len=max(1024, cfg.seq_len)),
-        ).to(self.device)
+        model = cast(torch.nn.Module, built)
         self.names = [n for n, p in model.named_parameters() if p.requires_grad]
         self._model_fingerprint = model_fingerprint(model)
-        self.state = initial_state(model, cfg)
+        # θ_0 is copied from the model on the host before the model moves to the training device.
+        self.state = initial_state(model, cfg, copy=self.placement.host_copy)
+        model.to(self.device)
         self.instances = [
             self._make_instance(corpus, model, slot=k, index=index, num_peers=num_peers)
             for k in range(cfg.instances)
@@ -109,6 +114,17 @@ class Peer:
             vocab_size=vocab_size,
             instances=cfg.instances,
             memory_budget_bytes=int(cfg.memory_budget_gb * 2**30) if cfg.memory_budget_gb else None,
+            autocast_dtype=self.autocast_dtype,
+            state_on_device=self.placement.state == self.device,
+        )
+        dtype = str(self.autocast_dtype).removeprefix("torch.")
+        logger.info(
+            "instances on %s in %s%s; θ and the outer state on %s%s",
+            self.device,
+            "fp32" if self.autocast_dtype is None else f"{dtype} autocast",
+            ", activation checkpointing" if cfg.activation_checkpointing else "",
+            self.placement.state,
+            " (pinned)" if self.placement.pin else "",
         )
         self.val_batches = validation_batches(corpus, seq_len=cfg.seq_len, num_sequences=cfg.val_sequences)
         self.error_feedback = ErrorFeedback()
@@ -144,7 +160,14 @@ class Peer:
                 f" this peer's data shard ({sampler.num_tokens} tokens); use a smaller batch or more data"
             )
         own = model if slot == 0 else copy.deepcopy(model)
-        return Instance(slot=slot, model=own, sampler=sampler, inner=self.cfg.inner)
+        return Instance(
+            slot=slot,
+            model=own,
+            sampler=sampler,
+            inner=self.cfg.inner,
+            placement=self.placement,
+            autocast_dtype=self.autocast_dtype,
+        )
 
     # ---- local phase -------------------------------------------------------------------------
 
@@ -361,7 +384,7 @@ class Peer:
             self.before_change()
         # Tensor by tensor: one decoded tensor at a time, never a decoded copy of the whole model.
         for name, theta, momentum in zip(self.names, self.state.theta, self.state.momentum, strict=True):
-            delta = decode(update.averaged[name]).to(self.device)
+            delta = decode(update.averaged[name]).to(self.placement.state)
             outer_step([theta], [momentum], [delta], self.cfg.outer)
         if update.merge is not None:
             if self._in_round:
@@ -434,8 +457,8 @@ class Peer:
         if tensors_hash(other.theta) != expected_hash:
             raise ValueError("downloaded θ does not match the published θ hash")
         self.state = PeerState(
-            theta=[t.detach().clone().to(self.device) for t in other.theta],
-            momentum=[t.detach().clone().to(self.device) for t in other.momentum],
+            theta=[self.placement.host_copy(t) for t in other.theta],
+            momentum=[self.placement.state_copy(t) for t in other.momentum],
             round=other.round,
             schedule=other.schedule,
             history=list(other.history),
@@ -471,9 +494,20 @@ class Peer:
 
     @torch.no_grad()
     def validation_loss(self) -> float:
-        """Mean validation loss of θ on the fixed validation windows (identical on every peer)."""
-        model = self.instances[0].model
-        return evaluate(model, self.val_batches, micro_batch=16, parameters=self.named_theta())
+        """Mean validation loss of θ on the fixed validation windows (identical on every peer).
+
+        In fp32 whatever `--precision`, so peers of different precisions report comparable losses.
+        Through the first instance: θ given in place of its weights (functional_call), or, where θ
+        lives on the host (a GPU peer), swapped into it tensor by tensor and its weights back after.
+        """
+        inst = self.instances[0]
+        if not self.placement.staged:
+            return evaluate(inst.model, self.val_batches, micro_batch=16, parameters=self.named_theta())
+        held = self.placement.swap(inst.params, self.state.theta)
+        try:
+            return evaluate(inst.model, self.val_batches, micro_batch=16)
+        finally:
+            self.placement.load(inst.params, held)
 
     def named_theta(self) -> dict[str, torch.Tensor]:
         return dict(zip(self.names, self.state.theta, strict=True))
@@ -507,7 +541,7 @@ class Peer:
         return {
             **self.state.state_dict(),
             "model_fingerprint": self._model_fingerprint,
-            "model_config": cast(Any, self.instances[0].model).config.to_json_string(),
+            "model_config": self._model_config,
             "tokenizer_fingerprint": self.tokenizer.fingerprint,
             "tokenizer_files": dict(self._tokenizer_files),
             "names": list(self.names),
@@ -533,7 +567,9 @@ class Peer:
             raise RuntimeError("cannot load a state during a local round")
         self._check_compatible(mapping(state, "peer state"))
         with malformed("peer state"):
-            replicated = PeerState.from_state_dict(state, like=self.state, device=self.device)
+            replicated = PeerState.from_state_dict(
+                state, like=self.state, copy_theta=self.placement.host_copy, copy=self.placement.state_copy
+            )
             saved = state["instances"]
             if not isinstance(saved, list) or not saved:
                 raise ValueError("peer state: no instances")

@@ -7,7 +7,7 @@ all of it bit for bit; θ's hash is what they publish and check each other again
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +19,12 @@ from .config import TrainConfig
 from .state import integer, mapping, tensors_like
 
 HISTORY_ROUNDS = 8  # averaged updates each peer keeps for laggards to replay
+
+Copy = Callable[[torch.Tensor], torch.Tensor]  # one tensor's copy, placed where the state lives
+
+
+def _clone(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().clone()
 
 
 @dataclass(frozen=True)
@@ -83,14 +89,17 @@ class PeerState:
         }
 
     @classmethod
-    def from_state_dict(cls, state: Mapping[str, Any], *, like: PeerState, device: torch.device) -> PeerState:
-        """A state dict's replicated state, copied onto `device` and checked: tensors shaped like
-        `like`'s, θ matching the hash it was saved with (ValueError otherwise)."""
+    def from_state_dict(
+        cls, state: Mapping[str, Any], *, like: PeerState, copy: Copy, copy_theta: Copy | None = None
+    ) -> PeerState:
+        """A state dict's replicated state, copied tensor by tensor with `copy` (θ with `copy_theta`,
+        default `copy`) and checked: tensors shaped like `like`'s, θ matching the hash it was saved
+        with (ValueError otherwise)."""
         theta = tensors_like(state["theta"], like.theta, "theta")
         momentum = tensors_like(state["momentum"], like.momentum, "momentum")
         replicated = cls(
-            theta=[t.to(device, copy=True) for t in theta],
-            momentum=[t.to(device, copy=True) for t in momentum],
+            theta=[(copy_theta or copy)(t) for t in theta],
+            momentum=[copy(t) for t in momentum],
             round=integer(state["round"], "round"),
             schedule=Schedule.from_dict(mapping(state["schedule"], "schedule")),
             history=[Update.from_state_dict(mapping(u, "update")) for u in state["history"]],
@@ -100,9 +109,13 @@ class PeerState:
         return replicated
 
 
-def initial_state(model: torch.nn.Module, cfg: TrainConfig) -> PeerState:
-    """θ_0 (the seeded model's weights, identical on every peer), m = 0, r = 0, S_0 from the config."""
-    theta = [p.detach().clone() for p in model.parameters() if p.requires_grad]
+def initial_state(model: torch.nn.Module, cfg: TrainConfig, *, copy: Copy | None = None) -> PeerState:
+    """θ_0 (the seeded model's weights, identical on every peer), m = 0, r = 0, S_0 from the config.
+
+    θ is copied from the model tensor by tensor with `copy` (default: a clone on the model's device);
+    m is zeros where θ is.
+    """
+    theta = [(copy or _clone)(p) for p in model.parameters() if p.requires_grad]
     return PeerState(
         theta=theta,
         momentum=[torch.zeros_like(t) for t in theta],
