@@ -56,7 +56,7 @@ from hivemind.p2p import P2P
 
 from ..algorithms.allreduce import Contribution
 from ..algorithms.codecs import Codec, payload_shape
-from ..algorithms.parts import DEFAULT_OUTLIER_FACTOR, assign_parts, check_outlier_factor, round_traffic
+from ..algorithms.parts import DEFAULT_OUTLIER_FACTOR, assign_parts, check_outlier_factor, most_bytes_moved
 from .averager import MemberResult
 from .matchmaking import Group, Matchmaker, RoundFailed, layout_of
 from .member import assemble, fetch
@@ -336,7 +336,7 @@ class HivemindAverager:
         sizes = [len(contribution.payloads[k]) for k in keys]
         owner_index = assign_parts(sizes, len(group.members))
         owners = {k: group.members[i] for k, i in zip(keys, owner_index, strict=True)}
-        moved = _most_bytes_moved(sizes, owner_index, len(group.members))
+        moved = most_bytes_moved(sizes, owner_index, len(group.members))
         session = await self._open_session(group, contribution, owners, codec, moved, grouped_at)
         state = RoundState(group, session)
         ready.set_result(state)
@@ -470,12 +470,6 @@ class HivemindAverager:
                 raise RoundFailed("our own reduction failed")
             answers[self._peer_id] = state.session.result
         return answers
-
-
-def _most_bytes_moved(sizes: list[int], owner_index: list[int], members: int) -> int:
-    """The most payload bytes one member sends or receives in the round (both phases together)."""
-    sent, received = round_traffic(owner_index, [sizes] * members, sizes, members)
-    return max(*sent, *received)
 
 
 def _check_knobs(
