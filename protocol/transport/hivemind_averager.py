@@ -10,7 +10,7 @@ owner.py collects the members' payloads of the parts this peer owns, reduces the
 
 **Deadlines from bytes.** A round's phases take as long as their bytes need: every peer derives,
 from the group and the payload sizes (which the group id covers), the most bytes one peer moves in
-the round (`parts.round_traffic`), and gives each phase `wire.bytes_timeout` of them, with the
+the round (`parts.most_bytes_moved`), and gives each phase `wire.bytes_timeout` of them, with the
 phase's floor (`part_timeout_s`, `reduce_timeout_s`). An owner holds its parts open until
 `grouped + part deadline` at the rate it measured in earlier rounds when that is faster than the
 configured `bandwidth_bps` (a measurement only tightens, as in the state download); a member waits
