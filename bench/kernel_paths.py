@@ -1,0 +1,291 @@
+"""Do the computations that decide θ give the same bits on every CPU kernel path and thread count?
+
+Peers on different hardware must hold bit-identical θ after every round (issue 9 §3), or fork healing
+downloads the whole state every round. This script runs the θ-deciding computations in fresh
+processes that differ only in the kernels torch, MKL and numpy pick, and compares sha256 of what
+each produces:
+
+- `ATEN_CPU_CAPABILITY` default / avx2 (torch's elementwise and reduction kernels as on a machine
+  without AVX-512, or without any vector unit it knows);
+- torch intra-op threads 1 and 3 beside the default 2 (where a parallel loop splits a tensor, and so
+  which values land in a vector body or a scalar tail, and the order of a reduction);
+- `MKL_ENABLE_INSTRUCTIONS=AVX2` (MKL's matrix products as on AVX2 hardware);
+- `NPY_DISABLE_CPU_FEATURES` (numpy's loops without any SIMD beyond SSE3).
+
+The inputs (θ, m, and two rounds of averaged Δ̄ encoded with every codec) are drawn once by the
+driver and saved, so every variant reads the same bits. Each variant then decodes every payload,
+applies the two rounds as `Peer._apply` does (decode, then `outer_step`, tensor by tensor; both
+Nesterov conventions), and measures the adaptive chooser's relative errors and choices on the
+first round's Δ̄. Tensor sizes are a few million values with odd tails (`--size full`) or a few
+hundred thousand (`--size small`, what tests/test_kernel_paths.py runs).
+
+`--time-outer` also times `outer_step` on the tensors of a GPT-2 124M model (one process, default
+threads), now and at `--baseline-rev` (the module loaded from git), and reports the medians.
+
+    python bench/kernel_paths.py                          # full sizes, all variants, ~1 min
+    python bench/kernel_paths.py --size small --json      # what the test runs
+    python bench/kernel_paths.py --time-outer --baseline-rev 61cf624 --out bench/results/kernel_paths.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from adloco.protocol.algorithms.adaptive import DEFAULT_CANDIDATES, choose_codec, measured_error
+from adloco.protocol.algorithms.codecs import decode, encode_tensors, make_codec
+from adloco.protocol.algorithms.outer import OuterConfig, outer_step
+
+ROOT = Path(__file__).resolve().parent.parent
+OUTER_PATH = "protocol/algorithms/outer.py"
+SPECS = ("none", "fp16", "int8", "int4", "lowrank:4", "lowrank:32")
+MAX_REL_ERRORS = (0.01, 0.1, 0.3, 0.6, 0.9)
+SHAPES = {
+    "full": {
+        "attn.c_attn.weight": (768, 2304),
+        "mlp.c_proj.weight": (3072, 768),
+        "odd.weight": (777, 1001),
+        "tail": (1_000_003,),
+        "ln.bias": (768,),
+    },
+    "small": {
+        "attn.weight": (333, 1001),
+        "tail": (100_003,),
+        "narrow.weight": (64, 2304),
+        "ln.bias": (768,),
+    },
+}
+# numpy's dispatched SIMD targets, all off: its loops run their SSE3 baseline.
+NUMPY_NO_SIMD = "SSSE3 SSE41 POPCNT SSE42 AVX F16C FMA3 AVX2 AVX512F AVX512CD AVX512_SKX AVX512_CLX"
+VARIANTS: dict[str, dict[str, str]] = {
+    "reference": {},
+    "aten-default": {"ATEN_CPU_CAPABILITY": "default"},
+    "aten-avx2": {"ATEN_CPU_CAPABILITY": "avx2"},
+    "threads-1": {"KERNEL_PATHS_THREADS": "1"},
+    "threads-3": {"KERNEL_PATHS_THREADS": "3"},
+    "mkl-avx2": {"MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+    "numpy-sse3": {"NPY_DISABLE_CPU_FEATURES": NUMPY_NO_SIMD},
+}
+
+
+def digest(tensors: list[torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+# --- inputs -------------------------------------------------------------------------------------
+
+
+def make_inputs(size: str, path: Path) -> None:
+    """θ, m and two rounds of Δ̄ of pseudo-gradient scale, every round encoded with every codec."""
+    gen = torch.Generator().manual_seed(0)
+    shapes = SHAPES[size]
+    theta = {k: torch.randn(s, generator=gen) * 0.02 for k, s in shapes.items()}
+    momentum = {k: torch.randn(s, generator=gen) * 1e-3 for k, s in shapes.items()}
+    rounds = []
+    for _ in range(2):
+        # A low-rank part plus noise, so low-rank codecs meet some error bounds and miss others.
+        delta = {}
+        for k, s in shapes.items():
+            noise = torch.randn(s, generator=gen)
+            if len(s) == 2:
+                u, v = torch.randn(s[0], 2, generator=gen), torch.randn(2, s[1], generator=gen)
+                noise = noise * 0.3 + u @ v
+            delta[k] = noise * 1e-3
+        rounds.append({spec: encode_tensors(make_codec(spec), delta) for spec in SPECS})
+    torch.save({"theta": theta, "momentum": momentum, "rounds": rounds}, path)
+
+
+# --- worker -------------------------------------------------------------------------------------
+
+
+def run_worker(path: Path) -> dict[str, Any]:
+    """Every θ-deciding result of this process's kernel path, as short sha256 digests or hex floats."""
+    threads = os.environ.get("KERNEL_PATHS_THREADS")
+    if threads:
+        torch.set_num_threads(int(threads))
+    data = torch.load(path)
+    out: dict[str, Any] = {
+        "capability": torch.backends.cpu.get_cpu_capability(),
+        "threads": torch.get_num_threads(),
+    }
+    first = data["rounds"][0]
+    for spec in SPECS:
+        out[f"decode {spec}"] = digest([decode(p) for p in first[spec].values()])
+    for spec in SPECS:
+        for convention in ("n1", "n2"):
+            theta, momentum = apply_rounds(data, spec, OuterConfig(convention=convention))
+            out[f"apply {spec} {convention} θ"] = digest(theta)
+            out[f"apply {spec} {convention} m"] = digest(momentum)
+    averaged = {k: decode(p) for k, p in first["none"].items()}
+    for spec in DEFAULT_CANDIDATES:
+        out[f"error {spec}"] = measured_error(spec, averaged).hex()
+    out["choices"] = [choose_codec(averaged, max_rel_error=e).spec for e in MAX_REL_ERRORS]
+    return out
+
+
+def apply_rounds(
+    data: dict[str, Any], spec: str, cfg: OuterConfig
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Both rounds applied as `Peer._apply` applies one: decode a tensor, outer-step it, the next."""
+    theta = [t.clone() for t in data["theta"].values()]
+    momentum = [t.clone() for t in data["momentum"].values()]
+    for payloads in data["rounds"]:
+        for name, p, m in zip(data["theta"], theta, momentum, strict=True):
+            outer_step([p], [m], [decode(payloads[spec][name])], cfg)
+    return theta, momentum
+
+
+# --- driver -------------------------------------------------------------------------------------
+
+
+def run_variants(size: str, variants: dict[str, dict[str, str]]) -> dict[str, dict[str, Any]]:
+    """Each variant's worker output, every worker in a fresh process reading the same inputs."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "inputs.pt"
+        make_inputs(size, path)
+        results = {}
+        for name, env in variants.items():
+            proc = subprocess.run(
+                [sys.executable, __file__, "--worker", str(path)],
+                env={**os.environ, **env},
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+            if proc.returncode != 0:
+                raise RuntimeError(f"variant {name} failed:\n{proc.stderr[-3000:]}")
+            results[name] = json.loads(proc.stdout)
+        return results
+
+
+def differences(results: dict[str, dict[str, Any]]) -> dict[str, list[str]]:
+    """Result key -> the variants whose value differs from the first variant's."""
+    names = list(results)
+    reference = results[names[0]]
+    found: dict[str, list[str]] = {}
+    for key, value in reference.items():
+        if key in ("capability", "threads"):
+            continue
+        differ = [n for n in names[1:] if results[n][key] != value]
+        if differ:
+            found[key] = differ
+    return found
+
+
+def relative_spread(results: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """For each measured error that differs: max |e − e_ref| / e_ref over the variants."""
+    reference = next(iter(results.values()))
+    spread = {}
+    for key, value in reference.items():
+        if key.startswith("error "):
+            ref = float.fromhex(value)
+            worst = max(abs(float.fromhex(r[key]) - ref) for r in results.values())
+            if worst:
+                spread[key] = worst / ref
+    return spread
+
+
+# --- outer-step timing --------------------------------------------------------------------------
+
+
+def load_outer(rev: str) -> ModuleType:
+    """The outer module as it was at git revision `rev`, imported under a name of its own."""
+    source = subprocess.run(
+        ["git", "show", f"{rev}:{OUTER_PATH}"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout
+    name = "bench_outer_baseline"
+    spec = importlib.util.spec_from_loader(name, loader=None)
+    assert spec is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up by name
+    exec(compile(source, f"{rev[:10]}:{OUTER_PATH}", "exec"), module.__dict__)
+    return module
+
+
+def gpt2_124m_shapes() -> list[tuple[int, ...]]:
+    """The parameter shapes of GPT-2 124M (tied embedding counted once): 124.4M values."""
+    block = [(768,), (768,), (768, 2304), (2304,), (768, 768), (768,), (768,), (768,)]
+    block += [(768, 3072), (3072,), (3072, 768), (768,)]
+    return [(50257, 768), (1024, 768), *block * 12, (768,), (768,)]
+
+
+def time_outer(reps: int, baseline_rev: str | None) -> dict[str, Any]:
+    """Median seconds of one `outer_step` over GPT-2 124M-shaped θ, m, Δ (both conventions)."""
+    gen = torch.Generator().manual_seed(1)
+    shapes = gpt2_124m_shapes()
+    delta = [torch.randn(s, generator=gen) * 1e-3 for s in shapes]
+    modules = {"now": sys.modules[outer_step.__module__]}
+    if baseline_rev:
+        modules["before"] = load_outer(baseline_rev)
+    timings: dict[str, Any] = {"values": sum(d.numel() for d in delta), "threads": torch.get_num_threads()}
+    for label, module in modules.items():
+        for convention in ("n1", "n2"):
+            cfg = module.OuterConfig(convention=convention)
+            theta = [torch.zeros(s) for s in shapes]
+            momentum = [torch.zeros(s) for s in shapes]
+            times = []
+            for _ in range(reps):
+                start = time.perf_counter()
+                module.outer_step(theta, momentum, delta, cfg)
+                times.append(time.perf_counter() - start)
+            timings[f"{label} {convention}"] = {"median_s": statistics.median(times), "reps": reps}
+    return timings
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--size", choices=sorted(SHAPES), default="full")
+    parser.add_argument("--json", action="store_true", help="print the whole report as JSON")
+    parser.add_argument("--time-outer", action="store_true", help="also time outer_step at 124M values")
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--baseline-rev", default=None, help="git revision of outer.py to time beside")
+    parser.add_argument("--out", type=Path, default=None, help="also write the JSON report here")
+    args = parser.parse_args()
+    if args.worker is not None:
+        print(json.dumps(run_worker(args.worker)))
+        return
+    results = run_variants(args.size, VARIANTS)
+    report: dict[str, Any] = {
+        "size": args.size,
+        "variants": {n: {"env": VARIANTS[n], **{k: r[k] for k in ("capability", "threads")}} for n, r in results.items()},
+        "differences": differences(results),
+        "error_spread": relative_spread(results),
+        "choices": {n: r["choices"] for n, r in results.items()},
+    }
+    if args.time_outer:
+        report["outer_step"] = time_outer(args.reps, args.baseline_rev)
+    if args.out is not None:
+        args.out.write_text(json.dumps(report, indent=1) + "\n")
+    if args.json:
+        print(json.dumps(report))
+        return
+    for name, info in report["variants"].items():
+        print(f"{name:14s} capability {info['capability']:7s} threads {info['threads']}  {info['env']}")
+    print("differs from the reference:" if report["differences"] else "every result identical")
+    for key, names in report["differences"].items():
+        print(f"  {key:28s} {', '.join(names)}")
+    for key, spread in report["error_spread"].items():
+        print(f"  {key:28s} relative spread {spread:.2e}")
+    for key, value in report.get("outer_step", {}).items():
+        print(f"  outer_step {key}: {value}")
+
+
+if __name__ == "__main__":
+    main()
