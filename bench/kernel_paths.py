@@ -9,29 +9,30 @@ each produces:
   without AVX-512, or without any vector unit it knows);
 - torch intra-op threads 1 and 3 beside the default 2 (where a parallel loop splits a tensor, and so
   which values land in a vector body or a scalar tail, and the order of a reduction);
-- `MKL_ENABLE_INSTRUCTIONS=AVX2` (MKL's matrix products as on AVX2 hardware);
+- `MKL_ENABLE_INSTRUCTIONS=AVX2` (MKL's matrix products as on AVX2 hardware) and `MKL_CBWR=COMPATIBLE`
+  (its generic kernels, as on a CPU MKL has no tuned path for);
 - `NPY_DISABLE_CPU_FEATURES` (numpy's loops without any SIMD beyond SSE3).
 
 The inputs (θ, m, and two rounds of averaged Δ̄ encoded with every codec) are drawn once by the
 driver and saved, so every variant reads the same bits. Each variant then decodes every payload,
 applies the two rounds as `Peer._apply` does (decode, then `outer_step`, tensor by tensor; both
-Nesterov conventions), and measures the adaptive chooser's relative errors and choices on the
-first round's Δ̄. Tensor sizes are a few million values with odd tails (`--size full`) or a few
-hundred thousand (`--size small`, what tests/test_kernel_paths.py runs).
+Nesterov conventions), and on the first round's Δ̄ encodes the dense codecs, draws a fresh low-rank
+codec's random start and measures the adaptive chooser's relative errors and choices. Tensor sizes
+are a few million values with odd tails (`--size full`) or a few hundred thousand (`--size small`,
+what tests/test_kernel_paths.py runs).
 
 `--time-outer` also times `outer_step` on the tensors of a GPT-2 124M model (one process, default
-threads), now and at `--baseline-rev` (the module loaded from git), and reports the medians.
+threads) beside the fused step it replaced (`fused_outer_step`), and reports the medians.
 
     python bench/kernel_paths.py                          # full sizes, all variants, ~1 min
-    python bench/kernel_paths.py --size small --json      # what the test runs
-    python bench/kernel_paths.py --time-outer --baseline-rev 61cf624 --out bench/results/kernel_paths.json
+    python bench/kernel_paths.py --size small --variants reference,aten-default,threads-3 --json
+    python bench/kernel_paths.py --time-outer --out bench/results/kernel_paths.json
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
-import importlib.util
 import json
 import os
 import statistics
@@ -40,17 +41,14 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import torch
 
 from adloco.protocol.algorithms.adaptive import DEFAULT_CANDIDATES, choose_codec, measured_error
-from adloco.protocol.algorithms.codecs import decode, encode_tensors, make_codec
+from adloco.protocol.algorithms.codecs import LowRankCodec, decode, encode_tensors, make_codec
 from adloco.protocol.algorithms.outer import OuterConfig, outer_step
 
-ROOT = Path(__file__).resolve().parent.parent
-OUTER_PATH = "protocol/algorithms/outer.py"
 SPECS = ("none", "fp16", "int8", "int4", "lowrank:4", "lowrank:32")
 MAX_REL_ERRORS = (0.01, 0.1, 0.3, 0.6, 0.9)
 SHAPES = {
@@ -77,6 +75,7 @@ VARIANTS: dict[str, dict[str, str]] = {
     "threads-1": {"KERNEL_PATHS_THREADS": "1"},
     "threads-3": {"KERNEL_PATHS_THREADS": "3"},
     "mkl-avx2": {"MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+    "mkl-compatible": {"MKL_CBWR": "COMPATIBLE"},
     "numpy-sse3": {"NPY_DISABLE_CPU_FEATURES": NUMPY_NO_SIMD},
 }
 
@@ -133,6 +132,12 @@ def run_worker(path: Path) -> dict[str, Any]:
             out[f"apply {spec} {convention} θ"] = digest(theta)
             out[f"apply {spec} {convention} m"] = digest(momentum)
     averaged = {k: decode(p) for k, p in first["none"].items()}
+    for spec in ("fp16", "int8", "int4"):
+        payloads = encode_tensors(make_codec(spec), averaged).values()
+        out[f"encode {spec}"] = hashlib.sha256(b"".join(payloads)).hexdigest()[:16]
+    # The random start of a fresh low-rank codec, which every member's adaptive choice draws.
+    start = LowRankCodec(4)._initial_q("attn.weight", 1001, 4)
+    out["lowrank first Q"] = digest([start])
     for spec in DEFAULT_CANDIDATES:
         out[f"error {spec}"] = measured_error(spec, averaged).hex()
     out["choices"] = [choose_codec(averaged, max_rel_error=e).spec for e in MAX_REL_ERRORS]
@@ -204,18 +209,15 @@ def relative_spread(results: dict[str, dict[str, Any]]) -> dict[str, float]:
 # --- outer-step timing --------------------------------------------------------------------------
 
 
-def load_outer(rev: str) -> ModuleType:
-    """The outer module as it was at git revision `rev`, imported under a name of its own."""
-    source = subprocess.run(
-        ["git", "show", f"{rev}:{OUTER_PATH}"], cwd=ROOT, capture_output=True, text=True, check=True
-    ).stdout
-    name = "bench_outer_baseline"
-    spec = importlib.util.spec_from_loader(name, loader=None)
-    assert spec is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up by name
-    exec(compile(source, f"{rev[:10]}:{OUTER_PATH}", "exec"), module.__dict__)
-    return module
+def fused_outer_step(
+    params: list[torch.Tensor], momentum: list[torch.Tensor], delta: list[torch.Tensor], cfg: OuterConfig
+) -> None:
+    """The outer step as it was before issue 9 §3 (fused `alpha=` ops), the timing's baseline."""
+    new_weight = 1.0 if cfg.convention == "n1" else 1.0 - cfg.momentum
+    with torch.no_grad():
+        for p, m, d in zip(params, momentum, delta, strict=True):
+            m.mul_(cfg.momentum).add_(d, alpha=new_weight)
+            p.add_(d.add(m, alpha=cfg.momentum), alpha=-cfg.lr)
 
 
 def gpt2_124m_shapes() -> list[tuple[int, ...]]:
@@ -225,52 +227,61 @@ def gpt2_124m_shapes() -> list[tuple[int, ...]]:
     return [(50257, 768), (1024, 768), *block * 12, (768,), (768,)]
 
 
-def time_outer(reps: int, baseline_rev: str | None) -> dict[str, Any]:
-    """Median seconds of one `outer_step` over GPT-2 124M-shaped θ, m, Δ (both conventions)."""
+def time_outer(reps: int) -> dict[str, Any]:
+    """Median seconds of one outer step over GPT-2 124M-shaped θ, m, Δ: now and fused as before."""
     gen = torch.Generator().manual_seed(1)
     shapes = gpt2_124m_shapes()
     delta = [torch.randn(s, generator=gen) * 1e-3 for s in shapes]
-    modules = {"now": sys.modules[outer_step.__module__]}
-    if baseline_rev:
-        modules["before"] = load_outer(baseline_rev)
     timings: dict[str, Any] = {"values": sum(d.numel() for d in delta), "threads": torch.get_num_threads()}
-    for label, module in modules.items():
-        for convention in ("n1", "n2"):
-            cfg = module.OuterConfig(convention=convention)
-            theta = [torch.zeros(s) for s in shapes]
-            momentum = [torch.zeros(s) for s in shapes]
-            times = []
-            for _ in range(reps):
+    steps = {"fused (before)": fused_outer_step, "now": outer_step}
+    for convention in ("n1", "n2"):
+        cfg = OuterConfig(convention=convention)
+        states = {
+            label: ([torch.zeros(s) for s in shapes], [torch.zeros(s) for s in shapes]) for label in steps
+        }
+        times: dict[str, list[float]] = {label: [] for label in steps}
+        for _ in range(reps):  # alternating, so that both see the same load on a shared machine
+            for label, step in steps.items():
                 start = time.perf_counter()
-                module.outer_step(theta, momentum, delta, cfg)
-                times.append(time.perf_counter() - start)
-            timings[f"{label} {convention}"] = {"median_s": statistics.median(times), "reps": reps}
+                step(*states[label], delta, cfg)
+                times[label].append(time.perf_counter() - start)
+        for label, samples in times.items():
+            median = round(statistics.median(samples), 4)
+            timings[f"{label} {convention}"] = {"median_s": median, "reps": reps}
     return timings
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--size", choices=sorted(SHAPES), default="full")
+    parser.add_argument(
+        "--variants", default=",".join(VARIANTS), help="comma-separated, the first is the reference"
+    )
     parser.add_argument("--json", action="store_true", help="print the whole report as JSON")
     parser.add_argument("--time-outer", action="store_true", help="also time outer_step at 124M values")
     parser.add_argument("--reps", type=int, default=7)
-    parser.add_argument("--baseline-rev", default=None, help="git revision of outer.py to time beside")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON report here")
     args = parser.parse_args()
     if args.worker is not None:
         print(json.dumps(run_worker(args.worker)))
         return
-    results = run_variants(args.size, VARIANTS)
+    chosen = {name: VARIANTS[name] for name in args.variants.split(",")}
+    results = run_variants(args.size, chosen)
     report: dict[str, Any] = {
         "size": args.size,
-        "variants": {n: {"env": VARIANTS[n], **{k: r[k] for k in ("capability", "threads")}} for n, r in results.items()},
+        "variants": {
+            n: {"env": chosen[n], "capability": r["capability"], "threads": r["threads"]}
+            for n, r in results.items()
+        },
         "differences": differences(results),
         "error_spread": relative_spread(results),
         "choices": {n: r["choices"] for n, r in results.items()},
     }
     if args.time_outer:
-        report["outer_step"] = time_outer(args.reps, args.baseline_rev)
+        report["outer_step"] = time_outer(args.reps)
     if args.out is not None:
         args.out.write_text(json.dumps(report, indent=1) + "\n")
     if args.json:
