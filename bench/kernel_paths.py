@@ -13,6 +13,7 @@ each produces:
   (its generic kernels, as on a CPU MKL has no tuned path for);
 - `NPY_DISABLE_CPU_FEATURES` (numpy's loops without any SIMD beyond SSE3).
 
+Each variant first builds the default model from its seed (θ_0, which peers never download).
 The inputs (θ, m, and two rounds of averaged Δ̄ encoded with every codec) are drawn once by the
 driver and saved, so every variant reads the same bits. Each variant then decodes every payload,
 applies the two rounds as `Peer._apply` does (decode, then `outer_step`, tensor by tensor; both
@@ -45,6 +46,7 @@ from typing import Any
 
 import torch
 
+from adloco.node.training.model import build_model
 from adloco.protocol.algorithms.adaptive import DEFAULT_CANDIDATES, choose_codec, measured_error
 from adloco.protocol.algorithms.codecs import LowRankCodec, decode, encode_tensors, make_codec
 from adloco.protocol.algorithms.outer import OuterConfig, outer_step
@@ -123,6 +125,8 @@ def run_worker(path: Path) -> dict[str, Any]:
         "capability": torch.backends.cpu.get_cpu_capability(),
         "threads": torch.get_num_threads(),
     }
+    # θ_0: every peer builds the seeded model instead of downloading it.
+    out["model θ_0"] = digest([t.detach() for t in build_model(None, seed=0).parameters()])
     first = data["rounds"][0]
     for spec in SPECS:
         out[f"decode {spec}"] = digest([decode(p) for p in first[spec].values()])
