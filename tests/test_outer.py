@@ -18,8 +18,9 @@ def test_n1_matches_torch_sgd_nesterov():
         ref.grad = d.clone()
         opt.step()
         outer_step([ours], [mom], [d], cfg)
-    assert torch.equal(ours, ref.detach())
-    assert torch.equal(mom, opt.state[ref]["momentum_buffer"])
+    # Not bit for bit: SGD fuses products into sums (FMA) where its kernel can, outer_step never.
+    torch.testing.assert_close(ours, ref.detach(), rtol=1e-6, atol=1e-7)
+    assert torch.equal(mom, opt.state[ref]["momentum_buffer"])  # μ m + Δ: nothing to fuse
 
 
 def _two_steps(convention):

@@ -87,10 +87,14 @@ def test_three_nodes_agree_every_round_and_other_runs_stay_apart(procs: Procs, t
     assert beta[-1]["theta_hash"] not in {records[-1]["theta_hash"] for records in alpha.values()}
 
 
-def _start_node(procs: Procs, tmp_path: Path, name: str, peers: list[str], *args: str) -> tuple[object, Path]:
+def _start_node(
+    procs: Procs, tmp_path: Path, name: str, peers: list[str], *args: str, env: dict[str, str] | None = None
+) -> tuple[object, Path]:
     status = tmp_path / f"{name}.jsonl"
     proc = procs.start(
-        name, ["adloco-node", "--peers", *peers, "--run-id", "r", "--status-file", str(status), *FAST, *args]
+        name,
+        ["adloco-node", "--peers", *peers, "--run-id", "r", "--status-file", str(status), *FAST, *args],
+        env=env,
     )
     return proc, status
 
@@ -270,3 +274,37 @@ def test_slow_node_contributes_late_and_corrected_without_holding_others(
     # H to its speed for the rounds after.
     assert slow_rounds[0]["inner_steps"] == 8
     assert slow_rounds[-1]["inner_steps"] < 8
+
+
+def test_nodes_on_different_kernel_paths_hold_identical_theta(procs: Procs, tmp_path: Path) -> None:
+    """Issue 9 §3: one node on torch's scalar kernels (no vector unit, so no FMA), one on another
+    thread count with MKL's generic kernels, one as this machine runs by default; with the adaptive
+    codec, whose choice each computes apart. They hold the same θ after every round, never healing
+    a fork (which would mean downloading the whole state)."""
+    peers = _bootstrap(procs, tmp_path)
+    rounds = 4
+    kernels = [
+        ({}, ()),
+        ({"ATEN_CPU_CAPABILITY": "default"}, ()),
+        ({"MKL_CBWR": "COMPATIBLE"}, ("--threads", "2")),
+    ]
+    # δ 0.9 makes the chooser weigh low-rank codecs against int4 every round (low-rank decodes
+    # through a matrix product, int4 through numpy): each part of the apply path gets its turn.
+    adaptive = ("--codec", "adaptive", "--max-rel-error", "0.9", "--rounds", str(rounds))
+    nodes = [
+        _start_node(procs, tmp_path, f"n{i}", peers, "--data-shard", str(i), *adaptive, *args, env=env)
+        for i, (env, args) in enumerate(kernels)
+    ]
+    for i, (proc, _) in enumerate(nodes):
+        assert proc.wait(timeout=240) == 0, procs.log(f"n{i}")
+
+    records = [[e for e in _events(status) if e["event"] == "round"] for _, status in nodes]
+    for i, mine in enumerate(records):
+        assert [r["round"] for r in mine] == list(range(1, rounds + 1)), procs.log(f"n{i}")
+    for r in range(rounds):
+        hashes = {mine[r]["theta_hash"] for mine in records}
+        assert len(hashes) == 1, f"round {r + 1}: θ differs across kernel paths: {hashes}"
+    assert any(mine[r]["group_size"] == 3 for mine in records for r in range(rounds))
+    healed = [e for _, status in nodes for e in _events(status) if e["event"] == "fork_healed"]
+    assert not healed, healed
+    print(f"\ncodecs per round: {[r['codec'] for r in records[0]]}")

@@ -12,13 +12,16 @@ different models never mix; `config_from_json` rebuilds the config a checkpoint 
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import logging
 import os
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from ...errors import UserError
 
@@ -60,7 +63,8 @@ def build_model(
             or a transformers model type ("llama", "gpt2", ...) for that type's default config.
         vocab_size: the tokenizer's vocabulary size; presets and bare types use it, a config file
             must state the same.
-        seed: the same seed gives bit-identical weights on every machine with the same torch.
+        seed: the same seed gives bit-identical weights on every machine with the same torch, whatever
+            its vector unit and thread count (`PortableInit`).
         max_seq_len: the longest sequence a preset must support (its position limit).
 
     Raises:
@@ -75,7 +79,7 @@ def build_model(
     from transformers import AutoModelForCausalLM
 
     # fork_rng keeps the caller's global RNG stream untouched by the initialisation.
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), PortableInit():
         torch.manual_seed(seed)
         try:
             model: PreTrainedModel = AutoModelForCausalLM.from_config(
@@ -113,6 +117,83 @@ def enable_activation_checkpointing(model: PreTrainedModel) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     # No key/value cache in training; the models would otherwise turn it off with a warning.
     model.config.use_cache = False
+
+
+class PortableInit(TorchFunctionMode):
+    """Random fills of float32 CPU tensors drawn the same on every CPU kernel path.
+
+    torch's float32 `normal_` has an AVX2 kernel that draws other values than its scalar one
+    (ATEN_CPU_CAPABILITY=default), and the scale and shift of `normal_`/`uniform_` may be fused into
+    an FMA or not; so a seeded model had another θ_0 on a machine without AVX2, and its peers never
+    agreed (issue 9 §3). Inside this mode both draw N(0, 1) or U(0, 1) in float64, where torch has
+    one scalar kernel and the unit scale and zero shift round exactly, then scale and shift in float64
+    and round to float32 once. Same generator, same distribution; other values than torch's.
+    """
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Sequence[type],
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        signature = _fill_signature(func)
+        if signature is not None:
+            renamed = {{"from": "low", "to": "high"}.get(k, k): v for k, v in kwargs.items()}
+            call = signature.bind(*args, **renamed)
+            call.apply_defaults()
+            tensor, first, second, generator = call.arguments.values()
+            if getattr(tensor, "_is_hf_initialized", False):
+                return tensor  # what transformers' wrappers of nn.init do: weights it already set
+            if isinstance(tensor, torch.Tensor) and tensor.dtype == torch.float32 and not tensor.is_cuda:
+                return _portable_fill(tensor, func.__name__ == "normal_", first, second, generator)
+        return func(*args, **kwargs)
+
+
+def _signature(first: str, second: str) -> inspect.Signature:
+    """(tensor, first, second, generator): the parameters of a torch random fill."""
+    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    return inspect.Signature(
+        [
+            inspect.Parameter("tensor", kind),
+            inspect.Parameter(first, kind, default=0.0),
+            inspect.Parameter(second, kind, default=1.0),
+            inspect.Parameter("generator", kind, default=None),
+        ]
+    )
+
+
+_NORMAL = _signature("mean", "std")
+_UNIFORM_METHOD = _signature("low", "high")  # Tensor.uniform_'s "from" and "to", renamed
+_UNIFORM_INIT = _signature("a", "b")
+
+
+def _fill_signature(func: Callable[..., Any]) -> inspect.Signature | None:
+    """The signature of `func` if it is a random fill this mode draws itself: the Tensor methods, and
+    nn.init's functions, which reach the mode under whatever name `torch.nn.init` holds then
+    (transformers replaces them with wrappers of the same signature)."""
+    name = getattr(func, "__name__", None)
+    if name not in ("normal_", "uniform_"):
+        return None
+    if func is getattr(torch.Tensor, name):
+        return _NORMAL if name == "normal_" else _UNIFORM_METHOD
+    if func is getattr(torch.nn.init, name) or getattr(func, "__module__", "") == "torch.nn.init":
+        return _NORMAL if name == "normal_" else _UNIFORM_INIT
+    return None
+
+
+def _portable_fill(
+    tensor: torch.Tensor, normal: bool, first: float, second: float, generator: torch.Generator | None
+) -> torch.Tensor:
+    """N(first, second²) or U[first, second) into `tensor`: drawn in float64, rounded once."""
+    draw = torch.empty(tensor.shape, dtype=torch.float64)
+    if normal:
+        draw.normal_(generator=generator).mul_(second).add_(first)
+    else:
+        draw.uniform_(generator=generator).mul_(second - first).add_(first)
+    with torch.no_grad():
+        return tensor.copy_(draw)
 
 
 def resolve_config(spec: str | None, *, vocab_size: int = 256, max_seq_len: int = 1024) -> PretrainedConfig:

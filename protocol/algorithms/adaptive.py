@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from .codecs import decode_tensors, encode_tensors, make_codec
+from .fixed_order import sum_of_squares
 
 DEFAULT_CANDIDATES: tuple[str, ...] = (
     "none",
@@ -101,8 +102,9 @@ def choose_codec(
 def relative_error(x: TensorOrDict, x_hat: TensorOrDict) -> float:
     """‖x − x̂‖ / max(‖x‖, tiny), the norms taken over all tensors of a dict together."""
     pairs = _paired(x, x_hat)
-    diff = sum(float((a.double() - b.double()).square().sum()) for a, b in pairs)
-    norm = sum(float(a.double().square().sum()) for a, _ in pairs)
+    # Fixed-order sums: every member of a group computes this apart and must choose alike.
+    diff = sum(sum_of_squares(a, minus=b) for a, b in pairs)
+    norm = sum(sum_of_squares(a) for a, _ in pairs)
     return math.sqrt(diff) / max(math.sqrt(norm), _TINY)
 
 

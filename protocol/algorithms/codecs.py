@@ -47,6 +47,9 @@ of L2 per core) steps of 2**15 to 2**18 values were within 6% of each other, 2**
 #     lowrank = header | rank u32 | len(P) u32 | P payload | Q payload
 #               (P, Q: dense payloads of shapes (rank, m) and (rank, n); tensor = P.T @ Q)
 _ID_NONE, _ID_FP16, _ID_INT8, _ID_INT4, _ID_LOWRANK = range(5)
+_PRODUCT_BLOCK = 1 << 18
+"""float64 values per block of `low_rank_product` (2 MB): blocks of 2**15 were twice as slow, the
+per-call overhead of the rank-1 updates dominating."""
 _HEADER = struct.Struct("<2sBBB")
 _U32 = struct.Struct("<I")
 _LOWRANK_PARAMS = struct.Struct("<II")
@@ -374,10 +377,10 @@ class LowRankCodec(Codec):
     A tensor is viewed as M of shape (shape[0], prod(shape[1:])). Each encode runs one power
     iteration from the previous Q for this key (Vogels et al. 2019, arXiv 1905.13727):
     P = orth(M Q), Q = Mᵀ P, and sends P and Q through the dense `factor` codec. The first Q for a
-    key is drawn from a generator seeded by (`seed`, key), so two fresh instances encode the same
-    input to identical bytes. Tensors with ndim <= 1, or for which the factors would not save at
-    least `min_compression_ratio` of the values (hivemind's PowerSGD rule), are encoded densely
-    with the factor codec instead; the rank is capped at min(m, n).
+    key is drawn (uniform in [-1, 1)) from a generator seeded by (`seed`, key), so two fresh
+    instances encode the same input to identical bytes. Tensors with ndim <= 1, or for which the
+    factors would not save at least `min_compression_ratio` of the values (hivemind's PowerSGD
+    rule), are encoded densely with the factor codec instead; the rank is capped at min(m, n).
     """
 
     def __init__(
@@ -455,9 +458,13 @@ class LowRankCodec(Codec):
         previous = self._warm_q.get(key)
         if previous is not None and tuple(previous.shape) == (n, rank):
             return previous
-        # crc32, not hash(): Python string hashes are salted per process.
-        generator = torch.Generator().manual_seed((self.seed * 1_000_003 + zlib.crc32(key.encode())) % 2**63)
-        return torch.randn(n, rank, generator=generator)
+        # crc32, not hash(): Python string hashes are salted per process. Uniform on a grid of 2**-23
+        # from integers, not torch.randn: randn's vectorized kernels draw other values than its
+        # scalar one (ATEN_CPU_CAPABILITY=default), and every member of a group encodes with a fresh
+        # codec in the adaptive choice, which must come out the same on all of them (issue 9 §3).
+        rng = np.random.default_rng((self.seed * 1_000_003 + zlib.crc32(key.encode())) % 2**63)
+        grid = rng.integers(-(2**23), 2**23, size=(n, rank), dtype=np.int32)
+        return torch.from_numpy(grid.astype(np.float32) * np.float32(2**-23))
 
 
 # --- decode -------------------------------------------------------------------------------------
@@ -554,7 +561,35 @@ def _read_lowrank(payload: bytes, shape: tuple[int, ...], offset: int) -> _Build
     m, n = shape[0], math.prod(shape[1:])
     if p_shape != (rank, m) or q_shape != (rank, n):
         raise ValueError(f"corrupt low-rank payload: factors {p_shape}, {q_shape} for {shape}")
-    return lambda: (build_p().T @ build_q()).reshape(shape)
+    return lambda: low_rank_product(build_p(), build_q()).reshape(shape)
+
+
+def low_rank_product(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Pᵀ Q for factors P (rank, m) and Q (rank, n), the same bits on every CPU and BLAS.
+
+    A float32 matrix product sums the rank terms in an order, and with or without FMA, that the
+    BLAS picks per CPU (MKL_CBWR=COMPATIBLE alone changes the result), so every member decoding the
+    same average would hold a different θ (issue 9 §3). Here each product of two float32 values is
+    exact in float64, the terms are added in rank order in float64, and the sum rounds to float32
+    once (float64 products being exact, fused or not is the same). A few times slower than sgemm:
+    the 124M model's embedding at rank 32 took 0.4 s against 0.13 s on one thread.
+    """
+    rank, m = p.shape
+    n = q.shape[1]
+    out = torch.empty(m, n)
+    if rank == 0 or m == 0 or n == 0:
+        return out.zero_()
+    p64, q64 = p.to(torch.float64), q.to(torch.float64)
+    rows = max(1, _PRODUCT_BLOCK // n)
+    acc = torch.empty(min(rows, m), n, dtype=torch.float64)
+    for start in range(0, m, rows):
+        stop = min(start + rows, m)
+        block = acc[: stop - start]
+        torch.outer(p64[0, start:stop], q64[0], out=block)
+        for k in range(1, rank):
+            block.addcmul_(p64[k, start:stop, None], q64[k, None, :])
+        out[start:stop] = block
+    return out
 
 
 _DENSE_READERS: dict[int, _Reader] = {

@@ -55,8 +55,10 @@ def outer_step(
     """Apply one outer Nesterov step in place: update the momentum buffers m, then θ.
 
     `delta` is the averaged pseudo-gradient Δ (gradient sign). With cfg.convention "n1" this is
-    bit-for-bit what `torch.optim.SGD(lr=η, momentum=μ, nesterov=True)` does with grad = Δ and a
-    zero-initialised momentum buffer. Raises ValueError if the lists or shapes do not line up.
+    `torch.optim.SGD(lr=η, momentum=μ, nesterov=True)` with grad = Δ and a zero-initialised momentum
+    buffer, up to the last bit: SGD fuses products into sums where the kernel can, this rounds
+    every operation, so that the result is the same bits on every CPU kernel path and thread count.
+    Raises ValueError if the lists or shapes do not line up.
     """
     if not len(params) == len(momentum) == len(delta):
         raise ValueError(f"got {len(params)} params, {len(momentum)} momenta, {len(delta)} deltas")
@@ -66,8 +68,22 @@ def outer_step(
                 f"tensor {i}: param {tuple(p.shape)}, momentum {tuple(m.shape)}, delta {tuple(d.shape)}"
             )
     mu, lr = cfg.momentum, cfg.lr
-    new_weight = 1.0 if cfg.convention == "n1" else 1.0 - mu
     with torch.no_grad():
         for p, m, d in zip(params, momentum, delta, strict=True):
-            m.mul_(mu).add_(d, alpha=new_weight)
-            p.add_(d.add(m, alpha=mu), alpha=-lr)
+            _nesterov(p, m, d, mu=mu, lr=lr, dampened=cfg.convention == "n2")
+
+
+def _nesterov(p: Tensor, m: Tensor, d: Tensor, *, mu: float, lr: float, dampened: bool) -> None:
+    """m ← μ m + w Δ; θ ← θ − η (Δ + μ m), every product and sum its own correctly rounded op.
+
+    No `alpha=` (and no addcmul or lerp): their vectorized kernels fuse a·b + c into one FMA, while
+    the scalar tails, ATEN_CPU_CAPABILITY=default and CPUs without FMA round twice, so peers on
+    different hardware would hold θ differing in the last bit, and fork healing would download the
+    whole state every round (issue 9 §3; bench/kernel_paths.py measures it, docs/results.md).
+    """
+    m.mul_(mu)
+    m.add_(d.mul(1.0 - mu) if dampened else d)
+    step = torch.mul(m, mu)
+    step.add_(d)
+    step.mul_(lr)
+    p.sub_(step)
