@@ -40,6 +40,7 @@ GPT2_124M = {
     "vocab_size": 50257,
 }
 TRAIN_ARGS = ["--seq-len", "128", "--batch-size", "2", "--inner-steps", "2", "--instances", "1"]
+VOCAB = GPT2_124M["vocab_size"]
 RESULTS = Path(__file__).resolve().parent / "results" / "memory.json"
 
 
@@ -115,39 +116,52 @@ def _run(cmd: list[str], *, cwd: Path, timeout_s: float) -> tuple[dict[int, tupl
     return peaks, time.perf_counter() - t0
 
 
+def make_tokenizer(work: Path) -> Path:
+    """A byte-level BPE of GPT-2's vocabulary size on the embedded corpus (`adloco-node tokenizer`):
+    the config's embedding needs a tokenizer of its size, as a run owner would make one."""
+    out = work / "tokenizer.json"
+    cmd = [
+        sys.executable, "-m", "adloco.node.cli.entry", "tokenizer", "--vocab-size", str(VOCAB),
+        "--min-frequency", "1", "--out", str(out),
+    ]  # fmt: skip
+    subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=work)
+    return out
+
+
 def count_parameters(config: Path) -> int:
     from adloco.node.training.model import build_model
 
-    model = build_model(str(config), vocab_size=256)
+    model = build_model(str(config), vocab_size=VOCAB)
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
 def library_baseline(config: Path) -> int:
     """Peak RSS of a process that imports the libraries and builds the model once (4 B/param)."""
     code = (
-        "import sys, adloco.node.training.model as m; m.build_model(sys.argv[1], vocab_size=256);"
-        "print(open('/proc/self/status').read())"
+        "import sys, adloco.node.training.model as m;"
+        "m.build_model(sys.argv[1], vocab_size=int(sys.argv[2])); print(open('/proc/self/status').read())"
     )
-    cmd = [sys.executable, "-c", code, str(config)]
+    cmd = [sys.executable, "-c", code, str(config), str(VOCAB)]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True)
     line = next(ln for ln in out.stdout.splitlines() if ln.startswith("VmHWM:"))
     return int(line.split()[1]) * 1024
 
 
-def measure_solo(config: Path, work: Path) -> dict[str, float]:
+def measure_solo(config: Path, tokenizer: Path, work: Path) -> dict[str, float]:
     cmd = [
         sys.executable, "-m", "adloco.node.cli.entry", "--offline", "--rounds", "2",
-        "--model", str(config), *TRAIN_ARGS, "--checkpoint-dir", str(work / "ckpt-solo"),
+        "--model", str(config), "--tokenizer", str(tokenizer), *TRAIN_ARGS,
+        "--checkpoint-dir", str(work / "ckpt-solo"),
     ]  # fmt: skip
     peaks, wall = _run(cmd, cwd=work, timeout_s=1800)
     return {"peak_bytes": float(peaks[min(peaks)][1]), "wall_s": wall}
 
 
-def measure_swarm(config: Path, work: Path, nodes: int) -> dict[str, object]:
+def measure_swarm(config: Path, tokenizer: Path, work: Path, nodes: int) -> dict[str, object]:
     out = work / f"swarm-{time.time_ns()}"
     cmd = [
         sys.executable, "-m", "adloco.node.cli.launcher", "--nodes", str(nodes), "--rounds", "2",
-        "--out", str(out), "--model", str(config), *TRAIN_ARGS,
+        "--out", str(out), "--model", str(config), "--tokenizer", str(tokenizer), *TRAIN_ARGS,
     ]  # fmt: skip
     peaks, wall = _run(cmd, cwd=work, timeout_s=3600)
     node_peaks = sorted(
@@ -169,6 +183,7 @@ def main() -> None:
         work = Path(tmp)
         config = work / "gpt2-124m.json"
         config.write_text(json.dumps(GPT2_124M))
+        tokenizer = make_tokenizer(work)
         params = count_parameters(config)
         print(f"GPT-2 124M config: {params:,} parameters", flush=True)
         floor = {
@@ -189,7 +204,7 @@ def main() -> None:
         }
         print(f"libraries + one model build: {baseline / 2**30:.2f} GiB ({baseline / params:.1f} B/param)")
         if "solo" in modes:
-            runs = [measure_solo(config, work) for _ in range(args.repeats)]
+            runs = [measure_solo(config, tokenizer, work) for _ in range(args.repeats)]
             peak = statistics.median(r["peak_bytes"] for r in runs)
             result["solo"] = {"runs": runs, "median_peak_bytes": peak, "bytes_per_param": peak / params}
             print(
@@ -198,7 +213,7 @@ def main() -> None:
                 flush=True,
             )
         if "swarm" in modes:
-            swarm = measure_swarm(config, work, args.nodes)
+            swarm = measure_swarm(config, tokenizer, work, args.nodes)
             node_peaks = swarm["node_peak_bytes"]
             assert isinstance(node_peaks, list)
             result["swarm"] = {**swarm, "bytes_per_param": [p / params for p in node_peaks]}
