@@ -14,7 +14,7 @@ the resident memory of a process that only imports torch and transformers and bu
 (the interpreter and libraries' share, which does not scale with the model). Every figure is
 measured when the script runs. From the repository root:
 
-    python bench/memory.py                       # solo + 3-node swarm, ~6 min on 2 cores, ~14 GB
+    python bench/memory.py                       # solo + 3-node swarm, ~10 min on 2 cores, ~14 GB
     python bench/memory.py --modes solo --repeats 3 --out /tmp/memory.json
 """
 
@@ -161,7 +161,7 @@ def measure_swarm(config: Path, tokenizer: Path, work: Path, nodes: int) -> dict
     out = work / f"swarm-{time.time_ns()}"
     cmd = [
         sys.executable, "-m", "adloco.node.cli.launcher", "--nodes", str(nodes), "--rounds", "2",
-        "--out", str(out), "--model", str(config), "--tokenizer", str(tokenizer), *TRAIN_ARGS,
+        "--out", str(out), "--tokenizer", str(tokenizer), "--", "--model", str(config), *TRAIN_ARGS,
     ]  # fmt: skip
     peaks, wall = _run(cmd, cwd=work, timeout_s=3600)
     node_peaks = sorted(
@@ -212,6 +212,7 @@ def main() -> None:
                 f" (median of {len(runs)}; runs {[round(r['peak_bytes'] / params, 1) for r in runs]})",
                 flush=True,
             )
+            _write(args.out, result)  # kept if the swarm run fails
         if "swarm" in modes:
             swarm = measure_swarm(config, tokenizer, work, args.nodes)
             node_peaks = swarm["node_peak_bytes"]
@@ -222,9 +223,13 @@ def main() -> None:
                 f" {[round(p / params, 1) for p in node_peaks]} B/param, {swarm['wall_s']:.0f} s",
                 flush=True,
             )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    _write(args.out, result)
     print(f"wrote {args.out}")
+
+
+def _write(out: Path, result: dict[str, object]) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":
