@@ -71,6 +71,14 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
+def _parent(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[1])  # the field after the state, past the name
+
+
 def _cmdline(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
@@ -86,6 +94,7 @@ class PeakWatcher:
         self.root = root
         self.interval_s = interval_s
         self.peaks: dict[int, tuple[str, int]] = {}
+        self.parents: dict[int, int | None] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -97,6 +106,8 @@ class PeakWatcher:
                 if hwm is not None:
                     name = self.peaks.get(pid, (_cmdline(pid), 0))[0] or _cmdline(pid)
                     self.peaks[pid] = (name, hwm)
+                    if pid not in self.parents:
+                        self.parents[pid] = _parent(pid)
             time.sleep(self.interval_s)
 
     def stop(self) -> dict[int, tuple[str, int]]:
@@ -105,15 +116,15 @@ class PeakWatcher:
         return self.peaks
 
 
-def _run(cmd: list[str], *, cwd: Path, timeout_s: float) -> tuple[dict[int, tuple[str, int]], float]:
+def _run(cmd: list[str], *, cwd: Path, timeout_s: float) -> tuple[PeakWatcher, float]:
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     watcher = PeakWatcher(proc.pid)
     out, _ = proc.communicate(timeout=timeout_s)
-    peaks = watcher.stop()
+    watcher.stop()
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{out[-4000:]}")
-    return peaks, time.perf_counter() - t0
+    return watcher, time.perf_counter() - t0
 
 
 def make_tokenizer(work: Path) -> Path:
@@ -153,8 +164,8 @@ def measure_solo(config: Path, tokenizer: Path, work: Path) -> dict[str, float]:
         "--model", str(config), "--tokenizer", str(tokenizer), *TRAIN_ARGS,
         "--checkpoint-dir", str(work / "ckpt-solo"),
     ]  # fmt: skip
-    peaks, wall = _run(cmd, cwd=work, timeout_s=1800)
-    return {"peak_bytes": float(peaks[min(peaks)][1]), "wall_s": wall}
+    watcher, wall = _run(cmd, cwd=work, timeout_s=1800)
+    return {"peak_bytes": float(watcher.peaks[watcher.root][1]), "wall_s": wall}
 
 
 def measure_swarm(config: Path, tokenizer: Path, work: Path, nodes: int) -> dict[str, object]:
@@ -163,12 +174,22 @@ def measure_swarm(config: Path, tokenizer: Path, work: Path, nodes: int) -> dict
         sys.executable, "-m", "adloco.node.cli.launcher", "--nodes", str(nodes), "--rounds", "2",
         "--out", str(out), "--tokenizer", str(tokenizer), "--", "--model", str(config), *TRAIN_ARGS,
     ]  # fmt: skip
-    peaks, wall = _run(cmd, cwd=work, timeout_s=3600)
-    node_peaks = sorted(
-        float(hwm) for name, hwm in peaks.values() if "launcher" not in name and "p2pd" not in name
-        and "bootstrap" not in name and hwm > 1 << 30
-    )  # fmt: skip
-    return {"node_peak_bytes": node_peaks, "wall_s": wall}
+    watcher, wall = _run(cmd, cwd=work, timeout_s=3600)
+    peaks, parents = watcher.peaks, watcher.parents
+    # The launcher's children are the bootstrap peer and the nodes; each node forks its DHT
+    # process (hivemind), whose resident set starts as the pages it inherits from the node.
+    nodes = [
+        pid for pid, (name, _) in peaks.items()
+        if parents.get(pid) == watcher.root and "p2pd" not in name and "bootstrap" not in name
+    ]  # fmt: skip
+    forked = [
+        pid for pid, (name, _) in peaks.items() if parents.get(pid) in nodes and "p2pd" not in name
+    ]  # fmt: skip
+    return {
+        "node_peak_bytes": sorted(float(peaks[pid][1]) for pid in nodes),
+        "forked_dht_peak_bytes": sorted(float(peaks[pid][1]) for pid in forked),
+        "wall_s": wall,
+    }
 
 
 def main() -> None:
@@ -217,10 +238,13 @@ def main() -> None:
             swarm = measure_swarm(config, tokenizer, work, args.nodes)
             node_peaks = swarm["node_peak_bytes"]
             assert isinstance(node_peaks, list)
+            forked = swarm["forked_dht_peak_bytes"]
+            assert isinstance(forked, list)
             result["swarm"] = {**swarm, "bytes_per_param": [p / params for p in node_peaks]}
             print(
                 f"swarm of {args.nodes}: node peaks {[round(p / 2**30, 2) for p in node_peaks]} GiB ="
-                f" {[round(p / params, 1) for p in node_peaks]} B/param, {swarm['wall_s']:.0f} s",
+                f" {[round(p / params, 1) for p in node_peaks]} B/param; their forked DHT processes"
+                f" {[round(p / 2**30, 2) for p in forked]} GiB; {swarm['wall_s']:.0f} s",
                 flush=True,
             )
     _write(args.out, result)
