@@ -29,7 +29,6 @@ from ..solo.trainer import train_solo
 from ..swarm.node import SwarmConfig, SwarmNode
 from ..training.config import TrainConfig
 from ..training.rounds import format_round
-from ..training.runtime import tune_malloc
 from .options import add_train_arguments, finite_float, set_threads, train_config_from_args
 
 
@@ -219,7 +218,6 @@ def run(args: argparse.Namespace) -> None:
         raise UserError(f"--rounds: must be >= 0 (0 trains until stopped), got {args.rounds}")
     set_threads(args.threads)
     cfg = train_config_from_args(args)
-    tune_malloc()  # before the model is built: every tensor the node allocates follows it
     stop = threading.Event()
     if args.offline:
         signal.signal(signal.SIGTERM, lambda *_: stop.set())

@@ -22,7 +22,7 @@ from ...errors import UserError
 from ..sim.engine import SimConfig, Simulator, records_as_dicts
 from ..sim.plots import plot_runs
 from ..training.rounds import RoundRecord, format_round
-from ..training.runtime import load_data, tune_malloc
+from ..training.runtime import load_data
 from .options import (
     add_train_arguments,
     config_error,
@@ -134,7 +134,6 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         set_threads(args.threads)
-        tune_malloc()
         run(config_from_args(args), args.out, quiet=args.quiet)
     except UserError as e:
         print(f"adloco-sim: error: {e}", file=sys.stderr)
