@@ -14,7 +14,7 @@ the resident memory of a process that only imports torch and transformers and bu
 (the interpreter and libraries' share, which does not scale with the model). Every figure is
 measured when the script runs. From the repository root:
 
-    python bench/memory.py                       # solo + 3-node swarm, ~10 min on 2 cores, ~14 GB
+    python bench/memory.py                       # solo + 3-node swarm, ~5 min on 2 cores, nodes of 5-6 GB
     python bench/memory.py --modes solo --repeats 3 --out /tmp/memory.json
 """
 
