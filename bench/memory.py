@@ -14,7 +14,7 @@ the resident memory of a process that only imports torch and transformers and bu
 (the interpreter and libraries' share, which does not scale with the model). Every figure is
 measured when the script runs. From the repository root:
 
-    python bench/memory.py                       # solo + 3-node swarm, ~6 min on 2 cores, ~14 GB
+    python bench/memory.py                       # solo + 3-node swarm, ~5 min on 2 cores, nodes of 5-6 GB
     python bench/memory.py --modes solo --repeats 3 --out /tmp/memory.json
 """
 
@@ -40,6 +40,7 @@ GPT2_124M = {
     "vocab_size": 50257,
 }
 TRAIN_ARGS = ["--seq-len", "128", "--batch-size", "2", "--inner-steps", "2", "--instances", "1"]
+VOCAB = GPT2_124M["vocab_size"]
 RESULTS = Path(__file__).resolve().parent / "results" / "memory.json"
 
 
@@ -70,6 +71,14 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
+def _parent(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[1])  # the field after the state, past the name
+
+
 def _cmdline(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
@@ -85,6 +94,7 @@ class PeakWatcher:
         self.root = root
         self.interval_s = interval_s
         self.peaks: dict[int, tuple[str, int]] = {}
+        self.parents: dict[int, int | None] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -96,6 +106,8 @@ class PeakWatcher:
                 if hwm is not None:
                     name = self.peaks.get(pid, (_cmdline(pid), 0))[0] or _cmdline(pid)
                     self.peaks[pid] = (name, hwm)
+                    if pid not in self.parents:
+                        self.parents[pid] = _parent(pid)
             time.sleep(self.interval_s)
 
     def stop(self) -> dict[int, tuple[str, int]]:
@@ -104,57 +116,80 @@ class PeakWatcher:
         return self.peaks
 
 
-def _run(cmd: list[str], *, cwd: Path, timeout_s: float) -> tuple[dict[int, tuple[str, int]], float]:
+def _run(cmd: list[str], *, cwd: Path, timeout_s: float) -> tuple[PeakWatcher, float]:
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     watcher = PeakWatcher(proc.pid)
     out, _ = proc.communicate(timeout=timeout_s)
-    peaks = watcher.stop()
+    watcher.stop()
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{out[-4000:]}")
-    return peaks, time.perf_counter() - t0
+    return watcher, time.perf_counter() - t0
+
+
+def make_tokenizer(work: Path) -> Path:
+    """A byte-level BPE of GPT-2's vocabulary size on the embedded corpus (`adloco-node tokenizer`):
+    the config's embedding needs a tokenizer of its size, as a run owner would make one."""
+    out = work / "tokenizer.json"
+    cmd = [
+        sys.executable, "-m", "adloco.node.cli.entry", "tokenizer", "--vocab-size", str(VOCAB),
+        "--min-frequency", "1", "--out", str(out),
+    ]  # fmt: skip
+    subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=work)
+    return out
 
 
 def count_parameters(config: Path) -> int:
     from adloco.node.training.model import build_model
 
-    model = build_model(str(config), vocab_size=256)
+    model = build_model(str(config), vocab_size=VOCAB)
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
 def library_baseline(config: Path) -> int:
     """Peak RSS of a process that imports the libraries and builds the model once (4 B/param)."""
     code = (
-        "import sys, adloco.node.training.model as m; m.build_model(sys.argv[1], vocab_size=256);"
-        "print(open('/proc/self/status').read())"
+        "import sys, adloco.node.training.model as m;"
+        "m.build_model(sys.argv[1], vocab_size=int(sys.argv[2])); print(open('/proc/self/status').read())"
     )
-    cmd = [sys.executable, "-c", code, str(config)]
+    cmd = [sys.executable, "-c", code, str(config), str(VOCAB)]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True)
     line = next(ln for ln in out.stdout.splitlines() if ln.startswith("VmHWM:"))
     return int(line.split()[1]) * 1024
 
 
-def measure_solo(config: Path, work: Path) -> dict[str, float]:
+def measure_solo(config: Path, tokenizer: Path, work: Path) -> dict[str, float]:
     cmd = [
         sys.executable, "-m", "adloco.node.cli.entry", "--offline", "--rounds", "2",
-        "--model", str(config), *TRAIN_ARGS, "--checkpoint-dir", str(work / "ckpt-solo"),
+        "--model", str(config), "--tokenizer", str(tokenizer), *TRAIN_ARGS,
+        "--checkpoint-dir", str(work / "ckpt-solo"),
     ]  # fmt: skip
-    peaks, wall = _run(cmd, cwd=work, timeout_s=1800)
-    return {"peak_bytes": float(peaks[min(peaks)][1]), "wall_s": wall}
+    watcher, wall = _run(cmd, cwd=work, timeout_s=1800)
+    return {"peak_bytes": float(watcher.peaks[watcher.root][1]), "wall_s": wall}
 
 
-def measure_swarm(config: Path, work: Path, nodes: int) -> dict[str, object]:
+def measure_swarm(config: Path, tokenizer: Path, work: Path, nodes: int) -> dict[str, object]:
     out = work / f"swarm-{time.time_ns()}"
     cmd = [
         sys.executable, "-m", "adloco.node.cli.launcher", "--nodes", str(nodes), "--rounds", "2",
-        "--out", str(out), "--model", str(config), *TRAIN_ARGS,
+        "--out", str(out), "--tokenizer", str(tokenizer), "--", "--model", str(config), *TRAIN_ARGS,
     ]  # fmt: skip
-    peaks, wall = _run(cmd, cwd=work, timeout_s=3600)
-    node_peaks = sorted(
-        float(hwm) for name, hwm in peaks.values() if "launcher" not in name and "p2pd" not in name
-        and "bootstrap" not in name and hwm > 1 << 30
-    )  # fmt: skip
-    return {"node_peak_bytes": node_peaks, "wall_s": wall}
+    watcher, wall = _run(cmd, cwd=work, timeout_s=3600)
+    peaks, parents = watcher.peaks, watcher.parents
+    # The launcher's children are the bootstrap peer and the nodes; each node forks its DHT
+    # process (hivemind), whose resident set starts as the pages it inherits from the node.
+    nodes = [
+        pid for pid, (name, _) in peaks.items()
+        if parents.get(pid) == watcher.root and "p2pd" not in name and "bootstrap" not in name
+    ]  # fmt: skip
+    forked = [
+        pid for pid, (name, _) in peaks.items() if parents.get(pid) in nodes and "p2pd" not in name
+    ]  # fmt: skip
+    return {
+        "node_peak_bytes": sorted(float(peaks[pid][1]) for pid in nodes),
+        "forked_dht_peak_bytes": sorted(float(peaks[pid][1]) for pid in forked),
+        "wall_s": wall,
+    }
 
 
 def main() -> None:
@@ -169,6 +204,7 @@ def main() -> None:
         work = Path(tmp)
         config = work / "gpt2-124m.json"
         config.write_text(json.dumps(GPT2_124M))
+        tokenizer = make_tokenizer(work)
         params = count_parameters(config)
         print(f"GPT-2 124M config: {params:,} parameters", flush=True)
         floor = {
@@ -189,7 +225,7 @@ def main() -> None:
         }
         print(f"libraries + one model build: {baseline / 2**30:.2f} GiB ({baseline / params:.1f} B/param)")
         if "solo" in modes:
-            runs = [measure_solo(config, work) for _ in range(args.repeats)]
+            runs = [measure_solo(config, tokenizer, work) for _ in range(args.repeats)]
             peak = statistics.median(r["peak_bytes"] for r in runs)
             result["solo"] = {"runs": runs, "median_peak_bytes": peak, "bytes_per_param": peak / params}
             print(
@@ -197,19 +233,27 @@ def main() -> None:
                 f" (median of {len(runs)}; runs {[round(r['peak_bytes'] / params, 1) for r in runs]})",
                 flush=True,
             )
+            _write(args.out, result)  # kept if the swarm run fails
         if "swarm" in modes:
-            swarm = measure_swarm(config, work, args.nodes)
+            swarm = measure_swarm(config, tokenizer, work, args.nodes)
             node_peaks = swarm["node_peak_bytes"]
             assert isinstance(node_peaks, list)
+            forked = swarm["forked_dht_peak_bytes"]
+            assert isinstance(forked, list)
             result["swarm"] = {**swarm, "bytes_per_param": [p / params for p in node_peaks]}
             print(
                 f"swarm of {args.nodes}: node peaks {[round(p / 2**30, 2) for p in node_peaks]} GiB ="
-                f" {[round(p / params, 1) for p in node_peaks]} B/param, {swarm['wall_s']:.0f} s",
+                f" {[round(p / params, 1) for p in node_peaks]} B/param; their forked DHT processes"
+                f" {[round(p / 2**30, 2) for p in forked]} GiB; {swarm['wall_s']:.0f} s",
                 flush=True,
             )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    _write(args.out, result)
     print(f"wrote {args.out}")
+
+
+def _write(out: Path, result: dict[str, object]) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":

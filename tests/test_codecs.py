@@ -525,6 +525,18 @@ def test_error_feedback_residual_is_what_receivers_miss() -> None:
     )
 
 
+def test_error_feedback_in_place_gives_the_out_of_place_bits_and_leaves_delta_alone() -> None:
+    delta = {"w": gaussian(300, seed=5)}
+    original = delta["w"].clone()
+    feedback, codec = ErrorFeedback(), make_codec("int8")
+    first = feedback.compress(codec, delta)["w"]
+    e1 = original - decode(first)
+    second = feedback.compress_tensor(codec, "w", delta["w"])
+    assert second == codec.encode("w", original + e1)
+    assert torch.equal(feedback.state_dict()["w"], (original + e1) - decode(second))
+    assert torch.equal(delta["w"], original)  # the caller's Δ is read, never written
+
+
 def test_error_feedback_lossless_codec_keeps_no_residual() -> None:
     feedback = ErrorFeedback()
     feedback.compress(make_codec("none"), {"w": gaussian(10)})

@@ -5,7 +5,13 @@ import math
 import pytest
 import torch
 
-from adloco.protocol.algorithms.pseudograd import flat_norm, pseudo_gradient, tensors_hash, weighted_mean
+from adloco.protocol.algorithms.pseudograd import (
+    PseudoGradient,
+    flat_norm,
+    pseudo_gradient,
+    tensors_hash,
+    weighted_mean,
+)
 
 
 def test_pseudo_gradient_has_gradient_sign():
@@ -22,6 +28,37 @@ def test_pseudo_gradient_rejects_mismatch():
         pseudo_gradient([torch.zeros(2)], [torch.zeros(3)])
     with pytest.raises(ValueError):
         pseudo_gradient([torch.zeros(2)], [])
+
+
+def test_lazy_pseudo_gradient_reads_what_the_eager_one_computes():
+    gen = torch.Generator().manual_seed(0)
+    start = [torch.randn(5, 3, generator=gen), torch.randn(7, generator=gen)]
+    end = [torch.randn(5, 3, generator=gen), torch.randn(7, generator=gen)]
+    lazy = PseudoGradient(start, end)
+    assert len(lazy) == 2 and lazy.is_lazy
+    for a, b in zip(lazy, pseudo_gradient(start, end), strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(lazy[-1], start[1] - end[1]) and len(lazy[0:2]) == 2
+    with pytest.raises(IndexError):
+        lazy[2]
+    with pytest.raises(ValueError):
+        PseudoGradient([torch.zeros(2)], [torch.zeros(3)])
+
+
+def test_lazy_pseudo_gradient_refuses_a_side_that_moved_and_keeps_a_materialized_one():
+    start, end = [torch.ones(4)], [torch.zeros(4)]
+    moved = PseudoGradient(start, end)
+    kept = PseudoGradient(start, end)
+    kept.materialize()
+    assert not kept.is_lazy
+    end[0].add_(1.0)  # the instance trains on, or θ takes an outer step
+    with pytest.raises(RuntimeError, match="changed in place"):
+        moved[0]
+    assert torch.equal(kept[0], torch.ones(4))  # the Δ of before the change
+    kept.release()
+    kept.materialize()  # a no-op once released
+    with pytest.raises(RuntimeError, match="release"):
+        kept[0]
 
 
 def test_weighted_mean_normalizes_weights():

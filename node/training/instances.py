@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +30,7 @@ import torch
 
 from ...protocol.algorithms.batchtest import GradStats, stats_from_sums
 from ...protocol.algorithms.merge import merge_weighted
+from ...protocol.algorithms.pseudograd import PseudoGradient
 from ...protocol.algorithms.switch import BatchPlan
 from .devices import Placement, autocast
 from .sampling import TokenSampler
@@ -62,7 +64,7 @@ class InnerConfig:
 class InstanceRound:
     """What one instance produced in one round."""
 
-    delta: list[torch.Tensor]
+    delta: Sequence[torch.Tensor]  # a `PseudoGradient`, or on another training device Δ on the host
     tokens: int
     samples: int
     steps: int
@@ -106,14 +108,25 @@ class Instance:
         # own tensors (a round from θ that nothing moves meanwhile: no copy) or this instance's copy.
         self.start: list[torch.Tensor] = []
         self._own_start: list[torch.Tensor] | None = None
+        # The last round's Δ, read from the start and the weights while someone still holds it.
+        self._delta: weakref.ref[PseudoGradient] | None = None
 
     @property
     def device(self) -> torch.device:
         return self.params[0].device
 
+    def settle_delta(self) -> None:
+        """Compute the last round's Δ whole if it is still held: the weights or the start (which may
+        be θ itself) are about to change. Called by everything that changes them."""
+        delta = self._delta() if self._delta is not None else None
+        if delta is not None:
+            delta.materialize()
+        self._delta = None
+
     @torch.no_grad()
     def load(self, theta: Sequence[torch.Tensor]) -> None:
         """Set the instance's parameters to θ (copied, so the instance never aliases global state)."""
+        self.settle_delta()
         self.placement.load(self.params, theta)
 
     @property
@@ -128,6 +141,7 @@ class Instance:
         `share`: the start is θ's tensors themselves, saving a copy of the model. Only for a round
         in which the caller changes θ neither in place nor through `shift` before `run_round` ends.
         """
+        self.settle_delta()
         if theta is not None:
             self.load(theta)
         if theta is not None and share:
@@ -155,6 +169,7 @@ class Instance:
         if not self.start:
             self.begin(theta)
             return
+        self.settle_delta()
         if self.start_is_shared:
             raise RuntimeError("shift() needs a round begun with its own start (begin(..., share=False))")
         # θ and the start live on the state device: one tensor at a time crosses (no copy on a CPU).
@@ -182,8 +197,11 @@ class Instance:
 
         With θ the round starts there (`share_theta`: from θ's own tensors, see `begin`). With None it
         continues a round `begin(None)` started, and Δ is measured from the start as `shift` may have
-        moved it meanwhile. The gradients are freed when the round ends.
+        moved it meanwhile. The gradients are freed when the round ends. Δ is a `PseudoGradient`
+        read from the start and the weights: until the instance or θ next changes, which computes it
+        whole first (`settle_delta`), it costs no memory.
         """
+        self.settle_delta()
         if theta is not None:
             self.begin(theta, share=share_theta)
         self.model.train()
@@ -200,7 +218,14 @@ class Instance:
         # Until the next step nothing reads the gradients: free them for the exchange that follows.
         self.optimizer.zero_grad(set_to_none=True)
         compute_s = time.perf_counter() - t0
-        delta = self.placement.delta(self.start, self.params)
+        delta: Sequence[torch.Tensor]
+        if self.placement.staged:
+            # Training on another device: Δ comes to the host through the staging buffer, whole.
+            delta = self.placement.delta(self.start, self.params)
+        else:
+            lazy = PseudoGradient(self.start, self.params)
+            self._delta = weakref.ref(lazy)
+            delta = lazy
         samples = plan.effective * steps
         return InstanceRound(
             delta=delta,
@@ -214,6 +239,7 @@ class Instance:
 
     def inner_step(self, plan: BatchPlan, *, collect_stats: bool) -> tuple[float, GradStats | None]:
         """One AdamW step over plan.accum micro-batches; optionally the per-micro-batch gradient stats."""
+        self.settle_delta()
         micro, accum = self._stats_split(plan) if collect_stats else (plan.micro, plan.accum)
         self.optimizer.zero_grad(set_to_none=True)
         # With statistics: each micro-batch and the random state it ran under (dropout), to replay it.
@@ -283,6 +309,8 @@ class Instance:
         Merges happen between local rounds (a merge decided mid-round waits for the round's end),
         so the round start, which the next round sets anew, is not merged. One tensor at a time: the
         merged weights never exist as a third copy of the model."""
+        self.settle_delta()
+        other.settle_delta()
         others = dict(other.model.named_parameters())
         if others.keys() != dict(self.model.named_parameters()).keys():
             raise ValueError("cannot merge instances of different models")
@@ -322,6 +350,7 @@ class Instance:
         """Restore a `state_dict` (copied, so the instance never aliases it); the sampler continues
         the saved random sequence on its own stream. ValueError, nothing changed, if it does not fit."""
         params, moments = self._checked(state)
+        self.settle_delta()
         with torch.no_grad():
             for p, saved_p in zip(self.params, params, strict=True):
                 p.copy_(saved_p)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import logging
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, cast
@@ -38,7 +39,7 @@ from ...protocol.algorithms.codecs import Codec, decode, make_codec
 from ...protocol.algorithms.feedback import ErrorFeedback
 from ...protocol.algorithms.heloco import correct, dylu_inner_steps, staleness_weight
 from ...protocol.algorithms.outer import outer_step
-from ...protocol.algorithms.pseudograd import tensors_hash, weighted_mean
+from ...protocol.algorithms.pseudograd import PseudoGradient, tensors_hash, weighted_mean
 from ...protocol.algorithms.report import PeerReport, dylu_ratio, overlap_byte_budget
 from ...protocol.algorithms.schedule import accumulation_for, next_schedule
 from ...protocol.algorithms.switch import BatchPlan
@@ -139,6 +140,8 @@ class Peer:
         # Called just before θ and m change in place (an outer step, applied or replayed), from the
         # thread that applies it: the swarm's state offers freeze a round a joiner is downloading.
         self.before_change: Callable[[], None] | None = None
+        # The Δ last contributed: spent once its round is applied (see `apply_round`).
+        self._contributed: weakref.ref[PseudoGradient] | None = None
 
     def _make_instance(
         self, corpus: Corpus, model: torch.nn.Module, *, slot: int, index: int, num_peers: int
@@ -246,10 +249,14 @@ class Peer:
     ) -> LocalRound:
         """The node's Δ (token-weighted over its instances) and report; deferred merges happen here."""
         tokens = sum(r.tokens for r in results)
+        delta: Sequence[torch.Tensor]
         if len(results) == 1:
-            delta = results[0].delta  # what the weighted mean of one gives, without a copy
+            delta = results[0].delta  # what the weighted mean of one gives, read when contributed
         else:
             delta = weighted_mean([r.delta for r in results], [float(r.tokens) for r in results])
+            for r in results:
+                if isinstance(r.delta, PseudoGradient):
+                    r.delta.release()  # read tensor by tensor into the mean; never computed whole
         compute_s = sum(r.compute_s for r in results)
         slot_stats = [r.stats for r in results]
         for victim, survivor, batch in self._deferred_merges:
@@ -316,7 +323,14 @@ class Peer:
         weight = local.tokens * staleness_weight(
             tau, kind=self.cfg.staleness_weight, tokens=local.tokens, ref_tokens=self._ref_tokens()
         )
-        payloads = self.error_feedback.compress(self.codec(spec), dict(zip(self.names, delta, strict=True)))
+        # Tensor by tensor: with a `PseudoGradient` only one tensor of Δ exists at a time.
+        codec = self.codec(spec)
+        payloads = {
+            name: self.error_feedback.compress_tensor(codec, name, d)
+            for name, d in zip(self.names, delta, strict=True)
+        }
+        if isinstance(delta, PseudoGradient):
+            self._contributed = weakref.ref(delta)
         wire = sum(len(p) for p in payloads.values())
         report = replace(
             local.report, staleness=tau, base_round=local.base_round, bandwidth_bps=bandwidth_bps
@@ -350,7 +364,15 @@ class Peer:
     def apply_round(self, result: GroupResult) -> Update:
         """Outer step with the group's average, then what the group's reports decide: the next
         schedule (fresh reports of the current slot count), the next codec when adaptive (within
-        the byte budget of the members' links), and this peer's DyLU ratio; returns the update."""
+        the byte budget of the members' links), and this peer's DyLU ratio; returns the update.
+
+        The local round contributed to this round is spent: its Δ is released, not computed whole
+        before the outer step changes θ (a late contribution's Δ was, when its catch-up changed θ).
+        """
+        contributed = self._contributed() if self._contributed is not None else None
+        if contributed is not None:
+            contributed.release()
+        self._contributed = None
         fresh = [
             r
             for r in result.reports
@@ -382,6 +404,8 @@ class Peer:
         self._check_update(update)
         if self.before_change is not None:
             self.before_change()
+        for inst in self.instances:
+            inst.settle_delta()  # a round's Δ may be read from θ itself, which changes now
         # Tensor by tensor: one decoded tensor at a time, never a decoded copy of the whole model.
         for name, theta, momentum in zip(self.names, self.state.theta, self.state.momentum, strict=True):
             delta = decode(update.averaged[name]).to(self.placement.state)

@@ -11,7 +11,7 @@ records; a swarm node writes each as a `round` event of its status file (`to_dic
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
@@ -26,7 +26,7 @@ class LocalRound:
     """A peer's local result for one round, before compression."""
 
     base_round: int
-    delta: list[torch.Tensor]
+    delta: Sequence[torch.Tensor]  # a `PseudoGradient` for one instance: see `Instance.run_round`
     tokens: int
     samples: int
     mean_loss: float

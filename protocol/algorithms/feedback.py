@@ -28,21 +28,28 @@ class ErrorFeedback:
 
     def compress(self, codec: Codec, tensors: Mapping[str, torch.Tensor]) -> dict[str, bytes]:
         """Encode Δ + e for every tensor and update the residuals."""
-        payloads: dict[str, bytes] = {}
-        for key, delta in tensors.items():
-            corrected = to_cpu_float(delta)
-            residual = self._residuals.get(key)
-            if residual is not None:
-                if residual.shape != corrected.shape:
-                    raise ValueError(
-                        f"{key}: shape {tuple(corrected.shape)} != residual {tuple(residual.shape)}; reset()"
-                    )
-                corrected = corrected + residual
-            payloads[key] = codec.encode(key, corrected)
-            residual = corrected - decode(payloads[key])
-            # A non-finite round is rejected downstream; keeping its NaN would poison every later one.
-            self._residuals[key] = torch.nan_to_num(residual, nan=0.0, posinf=0.0, neginf=0.0)
-        return payloads
+        return {key: self.compress_tensor(codec, key, delta) for key, delta in tensors.items()}
+
+    def compress_tensor(self, codec: Codec, key: str, delta: torch.Tensor) -> bytes:
+        """Encode Δ + e for one tensor and update its residual.
+
+        e ← Δ + e − decode(c) in e's own buffer: besides e, one tensor's decoded payload is all this
+        allocates (the same operations as out of place, so the same bits)."""
+        delta = to_cpu_float(delta)
+        residual = self._residuals.get(key)
+        if residual is None:
+            payload = codec.encode(key, delta)
+            residual = self._residuals[key] = delta - decode(payload)
+        else:
+            if residual.shape != delta.shape:
+                raise ValueError(
+                    f"{key}: shape {tuple(delta.shape)} != residual {tuple(residual.shape)}; reset()"
+                )
+            payload = codec.encode(key, residual.add_(delta))
+            residual.sub_(decode(payload))
+        # A non-finite round is rejected downstream; keeping its NaN would poison every later one.
+        residual.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+        return payload
 
     def residual_norm(self) -> float:
         """L2 norm of all residuals together."""

@@ -3,19 +3,21 @@
 A DiLoCo pseudo-gradient is Δ = θ_start − θ_end (DiLoCo, arXiv 2311.08105): it has the sign of a
 gradient, so the outer step θ ← θ − η·Δ moves θ toward the local models. A "vector" here is a list of
 tensors, one per parameter, in a fixed order that all peers share. `tensors_hash` is how peers check
-that they hold the same θ after an outer step.
+that they hold the same θ after an outer step. A `PseudoGradient` is Δ read tensor by tensor from the
+two models it is the difference of, so a round's Δ never needs a copy of the model.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from typing import overload
 
 import torch
 from torch import Tensor
 
-__all__ = ["flat_norm", "pseudo_gradient", "tensors_hash", "weighted_mean"]
+__all__ = ["PseudoGradient", "flat_norm", "pseudo_gradient", "tensors_hash", "weighted_mean"]
 
 
 def pseudo_gradient(start: Sequence[Tensor], end: Sequence[Tensor]) -> list[Tensor]:
@@ -26,6 +28,72 @@ def pseudo_gradient(start: Sequence[Tensor], end: Sequence[Tensor]) -> list[Tens
     _check_same_layout(start, end, what="start/end")
     with torch.no_grad():
         return [s.detach() - e.detach() for s, e in zip(start, end, strict=True)]
+
+
+class PseudoGradient(Sequence[Tensor]):
+    """Δ = start − end per tensor, each computed when it is read: a pseudo-gradient without a copy.
+
+    Holds the two lists of tensors themselves, so reading tensor j costs one tensor, and a reader
+    that encodes Δ tensor by tensor never holds all of it. Its values are those of
+    `pseudo_gradient(start, end)` as long as neither side changes: whoever is about to change one in
+    place calls `materialize()` first (Δ is then computed whole and kept), or `release()` if Δ will
+    not be read again. Reading a tensor whose sides changed in place since, or after `release()`,
+    raises RuntimeError rather than returning another Δ.
+    """
+
+    def __init__(self, start: Sequence[Tensor], end: Sequence[Tensor]) -> None:
+        _check_same_layout(start, end, what="start/end")
+        self._pairs: list[tuple[Tensor, Tensor]] | None = [
+            (s.detach(), e.detach()) for s, e in zip(start, end, strict=True)
+        ]
+        # In-place changes bump a tensor's version counter (shared with its views and detached twins).
+        self._versions = [(s._version, e._version) for s, e in self._pairs]
+        self._values: list[Tensor] | None = None
+        self._len = len(self._pairs)
+
+    @property
+    def is_lazy(self) -> bool:
+        """Still read from its two sides (not materialized, not released)."""
+        return self._pairs is not None
+
+    def materialize(self) -> None:
+        """Compute and keep every tensor of Δ now, before either side changes (no-op once released)."""
+        if self._pairs is not None:
+            self._values = [self._compute(j) for j in range(self._len)]
+            self._pairs = None
+
+    def release(self) -> None:
+        """Drop Δ: it will not be read again (reading raises RuntimeError)."""
+        self._pairs, self._values = None, None
+
+    def __len__(self) -> int:
+        return self._len
+
+    @overload
+    def __getitem__(self, index: int) -> Tensor: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[Tensor]: ...
+    def __getitem__(self, index: int | slice) -> Tensor | list[Tensor]:
+        if isinstance(index, slice):
+            return [self[j] for j in range(*index.indices(self._len))]
+        if not -self._len <= index < self._len:
+            raise IndexError(f"pseudo-gradient index {index} out of range ({self._len} tensors)")
+        j = index % self._len
+        if self._values is not None:
+            return self._values[j]
+        return self._compute(j)
+
+    def __iter__(self) -> Iterator[Tensor]:
+        return (self[j] for j in range(self._len))
+
+    def _compute(self, j: int) -> Tensor:
+        if self._pairs is None:
+            raise RuntimeError("pseudo-gradient read after release()")
+        s, e = self._pairs[j]
+        if (s._version, e._version) != self._versions[j]:
+            raise RuntimeError(f"pseudo-gradient tensor {j}: a side changed in place; materialize() before")
+        with torch.no_grad():
+            return s - e
 
 
 def weighted_mean(vectors: Sequence[Sequence[Tensor]], weights: Sequence[float]) -> list[Tensor]:

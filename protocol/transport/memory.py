@@ -198,6 +198,9 @@ class MemoryHub:
         with self._cond:
             gathering.result = result
             gathering.reduced = True
+            # Reduced: the contributions' payloads are not read again, and a hub keeps its rounds for
+            # ttl_s (a solo node's whole next round), so let them go now.
+            gathering.entries.clear()
             self._cond.notify_all()
 
 

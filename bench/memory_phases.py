@@ -1,0 +1,107 @@
+"""Where a solo node's resident memory peaks: VmRSS sampled every 2 ms, labelled by phase.
+
+A debugging aid beside bench/memory.py (which measures the peak alone): it runs `adloco-node` in
+this process with the round's phases wrapped (peer start-up, each round's training with its forward,
+backward, norm-test statistics, clipping and AdamW step; contribute, average, apply, validation)
+and prints, per phase, the largest and the last VmRSS seen in it, then VmHWM. The sampler is a
+Python thread, so a peak shorter than a few ms can be missed; the VmHWM line never misses one.
+Arguments are `adloco-node`'s, e.g. (from a folder holding the config and a 50257-token
+tokenizer.json, as bench/memory.py makes them):
+
+    python bench/memory_phases.py --offline --rounds 2 --model gpt2-124m.json \\
+        --tokenizer tokenizer.json --seq-len 128 --batch-size 2 --inner-steps 2 --instances 1
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+_stack = ["start"]
+_peaks: dict[str, list[int]] = {}  # phase -> [largest, last]
+
+
+def _rss() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _sample() -> None:
+    while True:
+        rss, phase = _rss(), "/".join(_stack)
+        seen = _peaks.setdefault(phase, [rss, rss])
+        seen[0], seen[1] = max(seen[0], rss), rss
+        time.sleep(0.002)
+
+
+def _label(owner: Any, name: str, tag: str) -> None:
+    fn: Callable[..., Any] = getattr(owner, name)
+
+    @functools.wraps(fn)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        _stack.append(tag)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _stack.pop()
+
+    setattr(owner, name, wrapped)
+
+
+def _report() -> None:
+    for phase, (largest, last) in _peaks.items():
+        print(f"{phase:36s} peak {largest / 2**30:6.3f} GiB   last {last / 2**30:6.3f} GiB", file=sys.stderr)
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            print(f"VmHWM {int(line.split()[1]) / 2**20:.3f} GiB", file=sys.stderr)
+
+
+def main() -> int:
+    threading.Thread(target=_sample, daemon=True).start()
+    import torch
+    from transformers import GPT2LMHeadModel
+
+    from adloco.node.cli.entry import main as node_main
+    from adloco.node.solo import trainer
+    from adloco.node.training.instances import Instance
+    from adloco.node.training.peer import Peer
+
+    for owner, name, tag in [
+        (Peer, "__init__", "peer_init"),
+        (Peer, "train_round", "train"),
+        (Peer, "contribute", "contribute"),
+        (Peer, "apply_round", "apply"),
+        (Peer, "validation_loss", "val"),
+        (Instance, "_chunk_stats", "stats"),
+        (torch.optim.AdamW, "step", "adamw"),
+        (torch.nn.utils, "clip_grad_norm_", "clip"),
+        (torch.Tensor, "backward", "bwd"),
+        (GPT2LMHeadModel, "forward", "fwd"),
+        (trainer.MemoryAverager, "average", "average"),
+    ]:
+        _label(owner, name, tag)
+    one_round = trainer._round
+    rounds = 0
+
+    def labelled_round(*args: Any, **kwargs: Any) -> Any:
+        nonlocal rounds
+        rounds += 1
+        _stack[:] = [f"r{rounds}"]
+        return one_round(*args, **kwargs)
+
+    trainer._round = labelled_round  # type: ignore[assignment]
+    try:
+        return node_main(sys.argv[1:])
+    finally:
+        _report()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
