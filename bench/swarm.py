@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from memory import GPT2_124M, TRAIN_ARGS, PeakWatcher, count_parameters
+from memory import GPT2_124M, TRAIN_ARGS, PeakWatcher, count_parameters, make_tokenizer
 
 RESULTS = Path(__file__).resolve().parent / "results" / "swarm_124m.json"
 NET = ["--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--no-nat-port-map", "--control-port", "0"]
@@ -71,10 +71,12 @@ class Node:
             os.killpg(self.proc.pid, signal.SIGKILL)
 
 
-def _node_cmd(peers: list[str], model: str, *, rounds: int, shard: int, work: Path, name: str) -> list[str]:
+def _node_cmd(
+    peers: list[str], model: list[str], *, rounds: int, shard: int, work: Path, name: str
+) -> list[str]:
     return [
         "adloco-node", "--peers", *peers, "--run-id", "bench", "--rounds", str(rounds),
-        "--data-shard", str(shard), "--data-shards", "8", "--model", model, *TRAIN_ARGS,
+        "--data-shard", str(shard), "--data-shards", "8", "--model", *model, *TRAIN_ARGS,
         "--threads", "1", "--checkpoint-dir", str(work / f"ckpt-{name}"), *NET,
     ]  # fmt: skip
 
@@ -102,11 +104,16 @@ def _peaks(node: Node, params: int) -> dict[str, float]:
 
 
 def run(args: argparse.Namespace, work: Path) -> dict[str, object]:
-    model = args.model
+    model, extra = args.model, []
     if model == "gpt2-124m":
         config = work / "gpt2-124m.json"
         config.write_text(json.dumps(GPT2_124M))
-        model = str(config)
+        model, params = str(config), count_parameters(config)
+        extra = ["--tokenizer", str(make_tokenizer(work))]  # the config's vocabulary, as memory.py
+    else:
+        from adloco.node.training.model import build_model
+
+        params = sum(p.numel() for p in build_model(model, vocab_size=256).parameters())
     maddrs = work / "bootstrap.json"
     boot_cmd = ["adloco-bootstrap", "--identity-path", str(work / "b.key"), *NET[:3]]
     bootstrap = Node("bootstrap", [*boot_cmd, "--maddrs-file", str(maddrs)], work, status=False)
@@ -115,10 +122,12 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, object]:
         _wait("bootstrap", maddrs.exists, 120, [bootstrap])
         peers = json.loads(maddrs.read_text())
         for i in range(args.nodes):
-            cmd = _node_cmd(peers, model, rounds=args.rounds, shard=i, work=work, name=f"n{i}")
+            cmd = _node_cmd(peers, [model, *extra], rounds=args.rounds, shard=i, work=work, name=f"n{i}")
             nodes.append(Node(f"n{i}", cmd, work))
         _wait(f"round {args.join_at}", lambda: len(nodes[0].rounds()) >= args.join_at, args.timeout_s, nodes)
-        cmd = _node_cmd(peers, model, rounds=args.joiner_rounds, shard=args.nodes, work=work, name="joiner")
+        cmd = _node_cmd(
+            peers, [model, *extra], rounds=args.joiner_rounds, shard=args.nodes, work=work, name="joiner"
+        )
         joiner = Node("joiner", cmd, work)
         nodes.append(joiner)
         for node in nodes:
@@ -129,7 +138,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, object]:
     finally:
         for node in [*nodes, bootstrap]:
             node.kill()
-    return summarize(nodes, joiner, count_parameters(Path(model)), args)
+    return summarize(nodes, joiner, params, args)
 
 
 def summarize(nodes: list[Node], joiner: Node, params: int, args: argparse.Namespace) -> dict[str, object]:
