@@ -30,9 +30,12 @@ from ...protocol.transport.state_transfer import StateServer, TransferSettings
 from ..operations.checkpoint import peek_checkpoint
 from ..operations.metrics import NodeMetrics
 from ..training.config import TrainConfig
+from ..training.corpus import Corpus
+from ..training.model import check_model
 from ..training.peer import Peer
 from ..training.rounds import RoundRecord
 from ..training.runtime import load_data
+from ..training.tokenizer import Tokenizer
 from .loop import LoopConfig, RoundLoop
 from .offers import StateOffers
 from .ops import NodeOps, StatusLog
@@ -85,14 +88,29 @@ class SwarmNode:
         self.metrics = metrics or NodeMetrics()
         self.status = StatusLog(swarm.status_file)
         self.lock = threading.Lock()  # guards peer.state against the state server's thread
-        # Everything that can fail on bad input happens before the DHT (and its p2pd) starts.
+        # Bad data, tokenizer or model flags fail before the DHT (and its p2pd) starts.
         corpus, tokenizer = load_data(cfg)
         self.data_shard = _data_shard(swarm)
+        check_model(cfg.model, vocab_size=tokenizer.vocab_size, max_seq_len=max(1024, cfg.seq_len))
+        # hivemind forks the DHT process from this one: started before the model is built, it does
+        # not inherit the weights and state, whose pages it would otherwise keep (copy-on-write) as
+        # this process rewrites them every round (2.1 GiB per node at GPT-2 124M).
+        self.dht = start_dht(net)
+        try:
+            self._build(corpus, tokenizer)
+            self._join()
+        except BaseException:
+            self.dht.shutdown()
+            raise
+
+    def _build(self, corpus: Corpus, tokenizer: Tokenizer) -> None:
+        """The Peer (model, instances, state) and what only needs it."""
+        swarm = self.swarm
         self.peer = Peer(
             peer_id="",
             index=self.data_shard,
             num_peers=swarm.data_shards,
-            cfg=cfg,
+            cfg=self.cfg,
             corpus=corpus,
             vocab_size=tokenizer.vocab_size,
             tokenizer=tokenizer,
@@ -107,12 +125,6 @@ class SwarmNode:
             checkpoint_every=swarm.checkpoint_every,
             data_shard=self.data_shard,
         )
-        self.dht = start_dht(net)
-        try:
-            self._join()
-        except BaseException:
-            self.dht.shutdown()
-            raise
 
     def _join(self) -> None:
         """The transports on the started DHT, and the parts that use them."""

@@ -97,6 +97,15 @@ def build_model(
     return model
 
 
+def check_model(spec: str | None, *, vocab_size: int = 256, max_seq_len: int = 1024) -> None:
+    """What `build_model` would refuse, refused without building it (no weights are allocated):
+    for callers that must fail on bad input before they start other processes."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    config = resolve_config(spec, vocab_size=vocab_size, max_seq_len=max_seq_len)
+    config.dtype = torch.float32
+    _check_size(config, spec)
+
+
 def enable_activation_checkpointing(model: PreTrainedModel) -> None:
     """Recompute each layer's activations in the backward pass (`--activation-checkpointing`).
 
