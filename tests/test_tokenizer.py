@@ -239,17 +239,22 @@ def test_a_checkpoint_from_before_the_tokenizer_was_recorded_is_a_byte_one(
 def test_the_swarm_prefix_includes_the_tokenizer(
     two_tokenizers: tuple[Tokenizer, Tokenizer], bpe: Path, other_bpe: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Build SwarmNode up to its DHT (not started): the prefix it namespaces the run with.
+    # Build SwarmNode up to joining the swarm (no DHT started): the prefix it namespaces the run with.
     seen: list[str] = []
 
     class Stop(Exception):
         pass
 
-    def no_dht(net: NetworkConfig) -> None:
+    class NoDHT:
+        def shutdown(self) -> None:
+            pass
+
+    def no_join(node: swarm_node.SwarmNode) -> None:
         raise Stop
 
     monkeypatch.setattr(swarm_node, "run_prefix", lambda run_id, fingerprint: seen.append(fingerprint) or "p")
-    monkeypatch.setattr(swarm_node, "start_dht", no_dht)
+    monkeypatch.setattr(swarm_node, "start_dht", lambda net: NoDHT())
+    monkeypatch.setattr(swarm_node.SwarmNode, "_join", no_join)
     for spec in (bpe, other_bpe):
         cfg = TrainConfig(
             tokenizer=str(spec),
