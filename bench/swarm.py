@@ -26,6 +26,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -196,8 +197,9 @@ def main() -> None:
     ap.add_argument("--timeout-s", type=float, default=3600.0, help="give up on any one wait after this")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory(prefix="adloco-swarm-bench-") as tmp:
-        result = run(args, Path(tmp))
+    work = Path(tempfile.mkdtemp(prefix="adloco-swarm-bench-"))
+    result = run(args, work)  # a failure leaves the folder, with every node's log, behind
+    shutil.rmtree(work)
     params = result["params"]
     print(json.dumps(result["per_node"], indent=1))
     print(
