@@ -73,13 +73,19 @@ class Node:
 
 
 def _node_cmd(
-    peers: list[str], model: list[str], *, rounds: int, shard: int, work: Path, name: str
+    peers: list[str], model: list[str], *, rounds: int, shard: int, work: Path, name: str, extra: list[str]
 ) -> list[str]:
     return [
         "adloco-node", "--peers", *peers, "--run-id", "bench", "--rounds", str(rounds),
         "--data-shard", str(shard), "--data-shards", "8", "--model", *model, *TRAIN_ARGS,
-        "--threads", "1", "--checkpoint-dir", str(work / f"ckpt-{name}"), *NET,
+        "--threads", "1", "--checkpoint-dir", str(work / f"ckpt-{name}"), *NET, *extra,
     ]  # fmt: skip
+
+
+def _node_args(args: argparse.Namespace) -> list[str]:
+    """What every node gets on top of the benchmark's own arguments."""
+    replay = [] if args.replay_mb is None else ["--replay-mb", str(args.replay_mb)]
+    return [*args.node_arg, *replay]
 
 
 def _wait(what: str, ok: Callable[[], bool], timeout_s: float, nodes: list[Node]) -> None:
@@ -115,6 +121,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, object]:
         from adloco.node.training.model import build_model
 
         params = sum(p.numel() for p in build_model(model, vocab_size=256).parameters())
+    node_args = _node_args(args)
     maddrs = work / "bootstrap.json"
     boot_cmd = ["adloco-bootstrap", "--identity-path", str(work / "b.key"), *NET[:3]]
     bootstrap = Node("bootstrap", [*boot_cmd, "--maddrs-file", str(maddrs)], work, status=False)
@@ -123,11 +130,19 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, object]:
         _wait("bootstrap", maddrs.exists, 120, [bootstrap])
         peers = json.loads(maddrs.read_text())
         for i in range(args.nodes):
-            cmd = _node_cmd(peers, [model, *extra], rounds=args.rounds, shard=i, work=work, name=f"n{i}")
+            cmd = _node_cmd(
+                peers, [model, *extra], rounds=args.rounds, shard=i, work=work, name=f"n{i}", extra=node_args
+            )
             nodes.append(Node(f"n{i}", cmd, work))
         _wait(f"round {args.join_at}", lambda: len(nodes[0].rounds()) >= args.join_at, args.timeout_s, nodes)
         cmd = _node_cmd(
-            peers, [model, *extra], rounds=args.joiner_rounds, shard=args.nodes, work=work, name="joiner"
+            peers,
+            [model, *extra],
+            rounds=args.joiner_rounds,
+            shard=args.nodes,
+            work=work,
+            name="joiner",
+            extra=node_args,
         )
         joiner = Node("joiner", cmd, work)
         nodes.append(joiner)
@@ -177,6 +192,7 @@ def summarize(nodes: list[Node], joiner: Node, params: int, args: argparse.Names
         "nodes": args.nodes,
         "rounds": args.rounds,
         "train_args": TRAIN_ARGS,
+        "node_args": _node_args(args),
         "median_round_s": statistics.median(round_s) if round_s else None,
         "median_round_wire_bytes_sent": statistics.median(sent) if sent else None,
         "contribution_bytes": statistics.median(payload) if payload else None,
@@ -194,6 +210,14 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--join-at", type=int, default=3, help="start the joiner after this many rounds")
     ap.add_argument("--joiner-rounds", type=int, default=2)
+    ap.add_argument(
+        "--replay-mb",
+        type=float,
+        help="every node's --replay-mb (0: no kept updates, so the joiner must download the state)",
+    )
+    ap.add_argument(
+        "--node-arg", action="append", default=[], help="one more argument for every node (repeatable)"
+    )
     ap.add_argument("--timeout-s", type=float, default=3600.0, help="give up on any one wait after this")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
