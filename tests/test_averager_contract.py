@@ -122,7 +122,7 @@ class Swarm:
         else:
             self.nodes += n
 
-    def averager(self, node: int, prefix: str = "run-a") -> Averager:
+    def averager(self, node: int, prefix: str = "run-a", **knobs: Any) -> Averager:
         averager: Averager
         if self.kind == "hivemind":
             from adloco.protocol.transport.hivemind_averager import HivemindAverager
@@ -134,6 +134,7 @@ class Swarm:
                 grace_s=GRACE_S,
                 part_timeout_s=PART_TIMEOUT_S,
                 reduce_timeout_s=REDUCE_TIMEOUT_S,
+                **knobs,
             )
         else:
             averager = MemoryAverager(self.hub, f"peer{node}", prefix=prefix)
@@ -574,3 +575,96 @@ def test_rejected_field_parsing(field: Any, ok: bool) -> None:
     assert (parsed is not None) == ok
     if ok:
         assert parsed == (field or {})
+
+
+SMALL_CHUNK = 64 << 10
+BIG_SHAPES = {"embed": (256, 300), "proj": (200, 256), "norm": (64,)}  # fp32: 300 kB, 200 kB, 256 B
+
+
+def test_parts_of_many_chunks_average_bit_identically_reading_one_chunk_at_a_time() -> None:
+    """Chunks of 64 KiB: every part of more than one chunk goes as several frames, both ways. The
+    result is `reduce_group`'s to the bit, and no frame body read on any stream exceeded a chunk
+    (measured by the frame reader of each peer, over the requests it served and the answers it got)."""
+    swarm = Swarm("hivemind")
+    try:
+        swarm.add_nodes(3)
+        averagers = [swarm.averager(i, chunk_bytes=SMALL_CHUNK) for i in range(3)]
+        contributions = _contributions(averagers, "none", seed=12, shapes=BIG_SHAPES)
+        outcomes = _average_together(averagers, contributions, round=0, spec="none")
+        _assert_matches_reduce_group(outcomes, contributions, "none")
+        for o in outcomes:
+            assert o.result is not None
+            t = o.result.traffic
+            assert t.payload_received > 3 * SMALL_CHUNK  # many chunks went through this peer
+            assert 0 < t.largest_frame_body <= SMALL_CHUNK
+    finally:
+        swarm.close()
+
+
+@pytest.mark.parametrize("lie", ["announces_more", "sends_more"])
+def test_a_member_announcing_or_sending_more_than_its_parts_is_dropped_and_the_others_complete(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lie: str
+) -> None:
+    """The member that owns nothing (highest peer id, two equal parts) lies to every owner: it
+    announces one byte more per part, or announces the right sizes and sends its first part plus one
+    byte in one frame. The owners refuse it before reading a byte of that payload (their payload
+    counts are exactly those of the honest round) and drop it; the honest members complete the
+    round without it, equal to `reduce_group` over them."""
+    from hivemind.p2p import PeerID
+
+    from adloco.protocol.transport import hivemind_averager
+    from adloco.protocol.transport.matchmaking import RoundFailed
+    from adloco.protocol.transport.member import request_header
+    from adloco.protocol.transport.wire import PROTOCOL_VERSION, read_frame, write_frame
+
+    shapes = {"embed": (48, 32), "proj": (48, 32)}
+    swarm = Swarm("hivemind")
+    try:
+        swarm.add_nodes(3, identities=_identities(tmp_path, 3))
+        averagers = sorted((swarm.averager(i) for i in range(3)), key=lambda a: a.peer_id)
+        liar = averagers[2]
+        contributions = _contributions(averagers, "int8", seed=13, shapes=shapes)
+        replies: list[tuple[dict[str, Any], bytes]] = []
+        real_fetch = hivemind_averager.fetch
+
+        async def lying_fetch(p2p: Any, handler: str, state: Any, **kw: Any) -> Any:
+            if kw["peer_id"] != liar.peer_id:
+                return await real_fetch(p2p, handler, state, **kw)
+            keys, payloads = kw["keys"], kw["contribution"].payloads
+            header = request_header(
+                state,
+                peer_id=kw["peer_id"],
+                keys=keys,
+                contribution=kw["contribution"],
+                with_metadata=kw["with_metadata"],
+            )
+            if lie == "announces_more":
+                header["s"] = [n + 1 for n in header["s"]]
+            _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(kw["owner"]), handler)
+            try:
+                await write_frame(writer, header, [], state.meter)
+                go, _ = await read_frame(reader, state.meter, max_body=0)
+                rest = b""
+                if go.get("ok"):
+                    await write_frame(
+                        writer, {"v": PROTOCOL_VERSION}, [payloads[keys[0]] + b"\0"], state.meter
+                    )
+                    rest = await reader.read()  # the owner closes the stream without a word
+                replies.append((go, rest))
+            finally:
+                writer.close()
+            raise RoundFailed("the liar is done")
+
+        monkeypatch.setattr(hivemind_averager, "fetch", lying_fetch)
+        outcomes = _average_together(averagers, contributions, round=0, spec="int8")
+        honest_outcomes, (liar_outcome,) = outcomes[:2], outcomes[2:]
+        assert liar_outcome.result is None
+        _assert_matches_reduce_group(honest_outcomes, contributions[:2], "int8")
+        assert replies  # the liar stops at its first failed exchange (and cancels the others)
+        for go, rest in replies:
+            if lie == "announces_more":
+                assert go["ok"] is False and "part sizes" in go["e"]
+            else:
+                assert go["ok"] is True and rest == b""
+    finally:
+        swarm.close()

@@ -8,7 +8,13 @@ import pytest
 import torch
 
 from adloco.protocol.algorithms.codecs import decode, make_codec
-from adloco.protocol.algorithms.parts import DEFAULT_OUTLIER_FACTOR, assign_parts, reduce_part, round_traffic
+from adloco.protocol.algorithms.parts import (
+    DEFAULT_OUTLIER_FACTOR,
+    assign_parts,
+    most_bytes_moved,
+    reduce_part,
+    round_traffic,
+)
 
 NONE = make_codec("none")
 
@@ -222,3 +228,13 @@ def test_round_traffic_rejects_inconsistent_sizes() -> None:
         round_traffic([0, 1], [[1, 2], [3]], [5, 6], 2)
     with pytest.raises(ValueError):
         round_traffic([0, 2], [[1, 2], [3, 4]], [5, 6], 2)
+
+
+def test_most_bytes_moved_is_the_busiest_link_of_the_round() -> None:
+    # Three members; member 0 owns the 100-byte part, member 1 the two 30-byte ones, member 2 none.
+    # Member 0 receives 2 x 100 and sends 60 up + 2 x 100 down: 260 out; member 1 sends 100 + 2 x 60.
+    owners = assign_parts([100, 30, 30], 3)
+    assert owners == [0, 1, 2]
+    owners = [0, 1, 1]
+    assert most_bytes_moved([100, 30, 30], owners, 3) == 260
+    assert most_bytes_moved([100, 30, 30], [0, 0, 0], 1) == 0  # alone: nothing on the wire

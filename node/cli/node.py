@@ -20,6 +20,8 @@ from ...errors import UserError
 from ...protocol.transport.dht import NetworkConfig, parse_maddrs
 from ...protocol.transport.manifest import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES
 from ...protocol.transport.state_transfer import TransferSettings
+from ...protocol.transport.wire import DEFAULT_CHUNK_BYTES as DEFAULT_EXCHANGE_CHUNK
+from ...protocol.transport.wire import MAX_CHUNK_BYTES as MAX_EXCHANGE_CHUNK
 from ...settings import EPILOG, add_config_argument, parse_settings
 from ..operations import reachability
 from ..operations.checkpoint import check_checkpoint_dir
@@ -94,13 +96,50 @@ def add_network_arguments(p: argparse.ArgumentParser) -> None:
         "--no-nat-port-map", action="store_true", help="do not ask the router for a port mapping"
     )
     net.add_argument("--window-s", type=float, default=3.0, help="matchmaking window per round (s)")
-    net.add_argument("--part-timeout-s", type=float, default=15.0, help="wait for a silent member (s)")
+    add_exchange_arguments(p)
     net.add_argument("--data-shard", type=int, default=None, help="this node's data shard (default: random)")
     net.add_argument("--data-shards", type=int, default=16, help="number of data shards of the run")
     net.add_argument(
         "--simulate-slowdown", type=float, default=1.0, help="testing: make this node F× slower (idle time)"
     )
     add_state_transfer_arguments(p)
+
+
+def add_exchange_arguments(p: argparse.ArgumentParser) -> None:
+    ex = p.add_argument_group("averaging exchange (deadlines grow with the bytes of a round)")
+    ex.add_argument(
+        "--grace-s",
+        type=finite_float,
+        default=0.5,
+        help="wait after a round's window before reading its group (s); raise it if rounds fail with"
+        " 'group mismatch' (DHT latency or clock skew)",
+    )
+    ex.add_argument(
+        "--part-timeout-s",
+        type=finite_float,
+        default=15.0,
+        help="floor of the part deadline: an owner waits at least this long for a silent member (s)",
+    )
+    ex.add_argument(
+        "--reduce-timeout-s",
+        type=finite_float,
+        default=10.0,
+        help="floor of the answer phase (s): the owners' reductions and answers; raise it if members"
+        " give up with 'no answer from owner(s)' on a slow CPU",
+    )
+    ex.add_argument(
+        "--exchange-bandwidth-mbps",
+        type=finite_float,
+        default=10.0,
+        help="rate each peer is expected to move averaging bytes at, each way (Mbit/s); deadlines give"
+        " a round's bytes 4x what they need at it; lower it if honest members on slow links get dropped",
+    )
+    ex.add_argument(
+        "--exchange-chunk-mb",
+        type=finite_float,
+        default=DEFAULT_EXCHANGE_CHUNK / 2**20,
+        help="payloads travel in frames of at most this size (MiB): what a stream's reader holds at once",
+    )
 
 
 def add_state_transfer_arguments(p: argparse.ArgumentParser) -> None:
@@ -145,6 +184,16 @@ def network_from_args(args: argparse.Namespace) -> NetworkConfig:
 def swarm_from_args(args: argparse.Namespace) -> SwarmConfig:
     if args.window_s < 0 or args.part_timeout_s <= 0:
         raise UserError("--window-s must be >= 0 and --part-timeout-s > 0")
+    if args.grace_s < 0 or args.reduce_timeout_s <= 0:
+        raise UserError("--grace-s must be >= 0 and --reduce-timeout-s > 0")
+    if not args.exchange_bandwidth_mbps > 0:
+        raise UserError(f"--exchange-bandwidth-mbps: must be > 0, got {args.exchange_bandwidth_mbps:g}")
+    exchange_chunk = round(args.exchange_chunk_mb * 2**20)
+    if not MIN_CHUNK_BYTES <= exchange_chunk <= MAX_EXCHANGE_CHUNK:
+        raise UserError(
+            f"--exchange-chunk-mb: must be in [{MIN_CHUNK_BYTES / 2**20:g}, {MAX_EXCHANGE_CHUNK / 2**20:g}],"
+            f" got {args.exchange_chunk_mb:g}"
+        )
     if not 1.0 <= args.simulate_slowdown < 1000:
         raise UserError(f"--simulate-slowdown: must be in [1, 1000), got {args.simulate_slowdown}")
     if args.data_shards < 1 or (args.data_shard is not None and not 0 <= args.data_shard < args.data_shards):
@@ -158,7 +207,11 @@ def swarm_from_args(args: argparse.Namespace) -> SwarmConfig:
         run_id=args.run_id,
         rounds=args.rounds,
         window_s=args.window_s,
+        grace_s=args.grace_s,
         part_timeout_s=args.part_timeout_s,
+        reduce_timeout_s=args.reduce_timeout_s,
+        exchange_bandwidth_bps=args.exchange_bandwidth_mbps * 1e6 / 8,
+        exchange_chunk_bytes=exchange_chunk,
         status_file=args.status_file,
         data_shard=args.data_shard,
         data_shards=args.data_shards,

@@ -27,6 +27,7 @@ from ...protocol.transport.dht import NetworkConfig, start_dht, visible_maddrs
 from ...protocol.transport.hivemind_averager import HivemindAverager
 from ...protocol.transport.records import RunRecords, run_prefix
 from ...protocol.transport.state_transfer import StateServer, TransferSettings
+from ...protocol.transport.wire import DEFAULT_CHUNK_BYTES
 from ..operations.checkpoint import peek_checkpoint
 from ..operations.metrics import NodeMetrics
 from ..training.config import TrainConfig
@@ -52,18 +53,25 @@ class SwarmConfig:
 
     run_id: swarms with different run ids never mix. window_s: the matchmaking window: how long a
         round waits for more ready peers after the first (raise it if groups often miss peers that
-        finish a little later; it never waits for the slowest peer). part_timeout_s: how long an
-        owner waits for parts before dropping a silent member. data_shard / data_shards: which part
-        of the corpus this node trains on (default: random). simulate_slowdown: a test and benchmark
-        knob that makes this node F× slower (it idles (F−1)× its compute time after each local
-        phase), to study heterogeneous swarms on one machine. state_transfer: how joiners download
-        the state (chunk size, bandwidth, timeout floor, donors: `TransferSettings`).
+        finish a little later; it never waits for the slowest peer). grace_s, part_timeout_s,
+        reduce_timeout_s, exchange_bandwidth_bps, exchange_chunk_bytes: the averaging exchange's
+        knobs (`HivemindAverager`: the wait before reading a group, the floors of the part deadline
+        and of the answer phase, the rate deadlines assume, the chunk size). data_shard /
+        data_shards: which part of the corpus this node trains on (default: random).
+        simulate_slowdown: a test and benchmark knob that makes this node F× slower (it idles
+        (F−1)× its compute time after each local phase), to study heterogeneous swarms on one
+        machine. state_transfer: how joiners download the state (chunk size, bandwidth, timeout
+        floor, donors: `TransferSettings`).
     """
 
     run_id: str = "default"
     rounds: int = 0
     window_s: float = 3.0
+    grace_s: float = 0.5
     part_timeout_s: float = 15.0
+    reduce_timeout_s: float = 10.0
+    exchange_bandwidth_bps: float = 10e6 / 8
+    exchange_chunk_bytes: int = DEFAULT_CHUNK_BYTES
     status_file: Path | None = None
     data_shard: int | None = None
     data_shards: int = 16
@@ -71,11 +79,6 @@ class SwarmConfig:
     checkpoint_dir: Path | None = None
     checkpoint_every: int = 10
     state_transfer: TransferSettings = field(default_factory=TransferSettings)
-
-    @property
-    def average_timeout_s(self) -> float:
-        """How long one averaging call may take at most (matchmaking, parts, answers)."""
-        return self.window_s + 2 * self.part_timeout_s + 30
 
 
 class SwarmNode:
@@ -132,8 +135,17 @@ class SwarmNode:
         self.peer_id = self.peer.peer_id = self.dht.peer_id.to_base58()
         records = RunRecords(self.dht, prefix=self.prefix, run_id=swarm.run_id, ttl_s=RECORD_TTL_S)
         self.averager = HivemindAverager(
-            self.dht, prefix=self.prefix, window_s=swarm.window_s, part_timeout_s=swarm.part_timeout_s
+            self.dht,
+            prefix=self.prefix,
+            window_s=swarm.window_s,
+            grace_s=swarm.grace_s,
+            part_timeout_s=swarm.part_timeout_s,
+            reduce_timeout_s=swarm.reduce_timeout_s,
+            bandwidth_bps=swarm.exchange_bandwidth_bps,
+            chunk_bytes=swarm.exchange_chunk_bytes,
         )
+        # fp32 is the largest encoding of the pseudo-gradient: a bound for every codec of the run.
+        fp32_bytes = 4 * sum(t.numel() for t in self.peer.named_theta().values())
         self.offers = StateOffers(self.peer, self.lock, chunk_bytes=swarm.state_transfer.chunk_bytes)
         self.server = StateServer(
             self.dht,
@@ -161,7 +173,7 @@ class SwarmNode:
             cfg=LoopConfig(
                 rounds=swarm.rounds,
                 part_timeout_s=swarm.part_timeout_s,
-                average_timeout_s=swarm.average_timeout_s,
+                average_timeout_s=self.averager.call_timeout_s(fp32_bytes),
                 simulate_slowdown=swarm.simulate_slowdown,
             ),
         )

@@ -257,6 +257,14 @@ def round_traffic(
     return sent, received
 
 
+def most_bytes_moved(sizes: Sequence[int], owners: Sequence[int], num_members: int) -> int:
+    """The most payload bytes one member sends or receives in a round where every member's payload
+    of tensor t is `sizes[t]` bytes, the average too (both phases together): what the slowest link
+    of the group must carry, and what the exchange's deadlines are sized for."""
+    sent, received = round_traffic(owners, [sizes] * num_members, sizes, num_members)
+    return max(*sent, *received)
+
+
 def _check_traffic_shapes(
     owners: Sequence[int], up_sizes: Sequence[Sequence[int]], down_sizes: Sequence[int], num_members: int
 ) -> None:

@@ -34,7 +34,8 @@ class Traffic:
     protocol's own overhead. The transport beneath the streams (libp2p framing, encryption, TCP) is
     not counted. `exchange_s`: seconds from the group's formation to the last answer (the transfer
     and the reductions, without matchmaking; 0 in process): the bytes over it bound this member's
-    link from below.
+    link from below. `largest_frame_body`: the most bytes this member read off a stream in one frame,
+    what a stream's reader held at once (0 in process).
     """
 
     payload_sent: int
@@ -42,6 +43,7 @@ class Traffic:
     wire_sent: int
     wire_received: int
     exchange_s: float = 0.0
+    largest_frame_body: int = 0
 
     @property
     def overhead(self) -> int:

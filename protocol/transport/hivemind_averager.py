@@ -8,6 +8,15 @@ member.py sends each owner this member's payloads of its parts and assembles the
 owner.py collects the members' payloads of the parts this peer owns, reduces them once with
 `parts.reduce_parts` and answers everyone with the same bytes.
 
+**Deadlines from bytes.** A round's phases take as long as their bytes need: every peer derives,
+from the group and the payload sizes (which the group id covers), the most bytes one peer moves in
+the round (`parts.most_bytes_moved`), and gives each phase `wire.bytes_timeout` of them, with the
+phase's floor (`part_timeout_s`, `reduce_timeout_s`). An owner holds its parts open until
+`grouped + part deadline` at the rate it measured in earlier rounds when that is faster than the
+configured `bandwidth_bps` (a measurement only tightens, as in the state download); a member waits
+for the answers at the configured rate, so it never gives up on an owner sooner than the owner
+gives up on members configured alike.
+
 **Failure rule.** Invariant: every member that returns a result returns bit-identical `averaged`
 bytes, identical `members` and `reports`. Consequences, all accepted for now:
 - a member that dies or stalls before sending is dropped after `part_timeout_s` and the others
@@ -47,12 +56,12 @@ from hivemind.p2p import P2P
 
 from ..algorithms.allreduce import Contribution
 from ..algorithms.codecs import Codec, payload_shape
-from ..algorithms.parts import DEFAULT_OUTLIER_FACTOR, assign_parts, check_outlier_factor
+from ..algorithms.parts import DEFAULT_OUTLIER_FACTOR, assign_parts, check_outlier_factor, most_bytes_moved
 from .averager import MemberResult
-from .matchmaking import Matchmaker, RoundFailed, layout_of
+from .matchmaking import Group, Matchmaker, RoundFailed, layout_of
 from .member import assemble, fetch
 from .owner import Answer, Incoming, OwnerHandler, OwnerSession, RoundState
-from .wire import PROTOCOL_VERSION, daemon_listen_maddr
+from .wire import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, PROTOCOL_VERSION, bytes_timeout, daemon_listen_maddr
 
 logger = logging.getLogger(__name__)
 
@@ -68,10 +77,20 @@ class HivemindAverager:
     - `grace_s`: wait after the close before reading the group, so late-propagating registrations
       are seen. Must exceed DHT store latency plus clock skew; symptom of too small: rounds where
       members return None with "group mismatch".
-    - `part_timeout_s`: how long an owner waits for members' parts after forming the group before it
-      reduces without the missing ones. Must exceed the slowest member's upload of its parts.
-    - `reduce_timeout_s`: how much longer a member waits for the owners' answers (the reduction
-      itself and the download of the averaged parts).
+    - `part_timeout_s`: the floor of the part deadline: an owner waits at least this long for
+      members' parts after forming the group before it reduces without the missing ones (and a
+      request header must arrive within it). The deadline grows with the bytes (module docstring).
+    - `reduce_timeout_s`: the floor of the answer phase: how much longer a member waits for the
+      owners' answers (the reduction itself and the download of the averaged parts), and how long
+      an owner may take to write one answer. Raise it if large reductions on a slow CPU make
+      members give up ("no answer from 1 owner(s)").
+    - `bandwidth_bps`: the bytes/s a peer is expected to move at least, each way; the deadlines give
+      the round's bytes `slack` times what they need at this rate. Lower it if honest members on a
+      slow link are dropped ("owner reduces without ... (part deadline)"); too low only makes
+      failures slow to detect.
+    - `chunk_bytes`: payloads go on the wire in frames of at most this many bytes (receivers take up
+      to `wire.MAX_CHUNK_BYTES`): what a stream's reader holds at once. Smaller costs a frame
+      header (~10 bytes) per chunk.
     - `record_ttl_s`: lifetime of readiness records; a call for a round older than this opens a
       new group instead of being late.
     - `outlier_factor`: this peer, as an owner, rejects a member's part whose L2 norm exceeds this
@@ -91,18 +110,27 @@ class HivemindAverager:
         grace_s: float = 0.5,
         part_timeout_s: float = 10.0,
         reduce_timeout_s: float = 5.0,
+        bandwidth_bps: float = 10e6 / 8,
+        slack: float = 4.0,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         record_ttl_s: float = 120.0,
         outlier_factor: float | None = DEFAULT_OUTLIER_FACTOR,
         on_stage: Callable[[str, int], None] | None = None,
     ) -> None:
         _check_knobs(prefix, window_s, grace_s, part_timeout_s, reduce_timeout_s, record_ttl_s)
+        if not bandwidth_bps > 0 or not slack >= 1 or not 0 < chunk_bytes <= MAX_CHUNK_BYTES:
+            raise ValueError(f"bandwidth_bps must be > 0, slack >= 1, chunk_bytes in (0, {MAX_CHUNK_BYTES}]")
         self.dht = dht
         self.prefix = prefix
         self.window_s = window_s
         self.grace_s = grace_s
         self.part_timeout_s = part_timeout_s
         self.reduce_timeout_s = reduce_timeout_s
+        self.bandwidth_bps = bandwidth_bps
+        self.slack = slack
+        self.chunk_bytes = chunk_bytes
         self.record_ttl_s = record_ttl_s
+        self.measured_bps: float | None = None  # this peer's rate over its earlier exchanges
         self.outlier_factor = check_outlier_factor(outlier_factor)
         self._on_stage = on_stage
         digest = hashlib.sha256(prefix.encode()).hexdigest()[:24]
@@ -139,8 +167,9 @@ class HivemindAverager:
         self._handler = handler = OwnerHandler(
             peer_id=self._peer_id,
             round_state=lambda r: asyncio.shield(self._round_future(r)),
-            part_timeout_s=self.part_timeout_s,
+            header_timeout_s=self.part_timeout_s,
             wait_s=self.window_s + self.grace_s + self.part_timeout_s,
+            chunk_bytes=self.chunk_bytes,
         )
         self._call(self._p2p.add_binary_stream_handler(self._handler_name, handler.serve), timeout=30)
 
@@ -153,6 +182,21 @@ class HivemindAverager:
     def matchmaking_s(self) -> float:
         """Window plus grace: no call returns a result sooner."""
         return self.window_s + self.grace_s
+
+    def phase_s(self, nbytes: int, *, floor_s: float, measured: bool = False) -> float:
+        """How long a phase moving `nbytes` per peer may take: `wire.bytes_timeout` at the configured
+        rate, or (`measured`) at the faster of it and the rate this peer measured."""
+        rate = max(self.bandwidth_bps, self.measured_bps or 0.0) if measured else self.bandwidth_bps
+        return bytes_timeout(nbytes, rate, slack=self.slack, floor_s=floor_s)
+
+    def call_timeout_s(self, payload_bytes: int) -> float:
+        """A caller's `timeout` for contributions of `payload_bytes` in all: matchmaking, then both
+        phases sized for 2 × `payload_bytes` per peer (what a member of a balanced group moves at
+        most: its parts up, the averages of its own parts to everyone), and the wait for our own
+        answers to go out."""
+        exchange = 2 * payload_bytes
+        answers = self.phase_s(exchange, floor_s=self.reduce_timeout_s)
+        return self.matchmaking_s + self.phase_s(exchange, floor_s=self.part_timeout_s) + 2 * answers
 
     def average(
         self, contribution: Contribution, *, round: int, codec: Codec, timeout: float, join_only: bool = False
@@ -289,14 +333,17 @@ class HivemindAverager:
         self._stage("grouped", round)
         grouped_at = asyncio.get_running_loop().time()
         keys = list(contribution.payloads)
-        owner_index = assign_parts([len(contribution.payloads[k]) for k in keys], len(group.members))
+        sizes = [len(contribution.payloads[k]) for k in keys]
+        owner_index = assign_parts(sizes, len(group.members))
         owners = {k: group.members[i] for k, i in zip(keys, owner_index, strict=True)}
-        state = RoundState(group, await self._open_session(group, contribution, owners, codec))
+        moved = most_bytes_moved(sizes, owner_index, len(group.members))
+        session = await self._open_session(group, contribution, owners, codec, moved, grouped_at)
+        state = RoundState(group, session)
         ready.set_result(state)
         owned = len(state.session.keys) if state.session else 0
         self._log(round, "group of %d, owning %d of %d parts", len(group.members), owned, len(keys))
         try:
-            answers = await self._collect(state, contribution, owners)
+            answers = await self._collect(state, contribution, owners, codec, moved)
         finally:
             if state.session is not None:
                 state.session.answered()
@@ -306,9 +353,10 @@ class HivemindAverager:
             keys=keys,
             owners=owners,
             answers=answers,
-            idle_timeout_s=self.reduce_timeout_s,
+            idle_timeout_s=self.phase_s(moved, floor_s=self.reduce_timeout_s),
             exchange_s=asyncio.get_running_loop().time() - grouped_at,
         )
+        self._measure(result)
         self._log(
             round,
             "averaged with %d members, %d wire bytes out, %d in, %d parts rejected",
@@ -319,24 +367,48 @@ class HivemindAverager:
         )
         return result
 
+    def _exchange_budget_s(self, moved: int) -> float:
+        """How long a member waits for every answer after forming the group, at the configured rate."""
+        return self.phase_s(moved, floor_s=self.part_timeout_s) + self.phase_s(
+            moved, floor_s=self.reduce_timeout_s
+        )
+
+    def _measure(self, result: MemberResult) -> None:
+        """Fold this round's rate into `measured_bps`: the bytes this peer moved each way over the
+        whole exchange (waits and reductions included, so it errs on the slow side)."""
+        t = result.traffic
+        moved = max(t.wire_sent, t.wire_received)
+        if moved and t.exchange_s > 0:
+            rate = moved / t.exchange_s
+            self.measured_bps = rate if self.measured_bps is None else (self.measured_bps + rate) / 2
+
     async def _open_session(
-        self, group: Any, contribution: Contribution, owners: Mapping[str, str], codec: Codec
+        self,
+        group: Group,
+        contribution: Contribution,
+        owners: Mapping[str, str],
+        codec: Codec,
+        moved: int,
+        grouped_at: float,
     ) -> OwnerSession | None:
         keys = [k for k, owner in owners.items() if owner == self._peer_id]
         if not keys:
             return None
         own = {k: bytes(contribution.payloads[k]) for k in keys}
-        loop = asyncio.get_running_loop()
         # From the headers: our own payloads are decoded once, with the others', when we reduce.
         shapes = {k: payload_shape(p) for k, p in own.items()}
         session = OwnerSession(
             group=group,
             keys=keys,
             shapes=shapes,
+            sizes=[len(own[k]) for k in keys],
             codec=codec,
             outlier_factor=self.outlier_factor,
             with_metadata=next(iter(owners.values())) == self._peer_id,
-            deadline=loop.time() + self.part_timeout_s,
+            deadline=grouped_at + self.phase_s(moved, floor_s=self.part_timeout_s, measured=True),
+            # Only frees the stream of a member that stopped reading: never sooner than the member
+            # itself gives up (its whole budget), so load on this peer cannot cut an answer short.
+            answer_timeout_s=self._exchange_budget_s(moved),
         )
         # Our own slot is released by _run_round once it has taken the result (not on the wire).
         incoming = Incoming(contribution.weight, contribution.tokens, own, bytes(contribution.metadata))
@@ -345,9 +417,19 @@ class HivemindAverager:
         return session
 
     async def _collect(
-        self, state: RoundState, contribution: Contribution, owners: Mapping[str, str]
+        self,
+        state: RoundState,
+        contribution: Contribution,
+        owners: Mapping[str, str],
+        codec: Codec,
+        moved: int,
     ) -> dict[str, Answer]:
         """Every owner's answer for its parts (our own session's included); RoundFailed otherwise."""
+        # An owner's average of part k is a payload of k's shape from the round's codec, or a
+        # contributor's payload forwarded as is: never longer than the larger of the two.
+        bounds = {
+            k: max(len(p), codec.wire_bytes(payload_shape(p))) for k, p in contribution.payloads.items()
+        }
         by_owner: dict[str, list[str]] = {}
         for key, owner in owners.items():
             by_owner.setdefault(owner, []).append(key)
@@ -363,6 +445,8 @@ class HivemindAverager:
                     keys=keys,
                     contribution=contribution,
                     with_metadata=owner == metadata_owner,
+                    chunk_bytes=self.chunk_bytes,
+                    answer_bounds={k: bounds[k] for k in keys},
                 )
             )
             for owner, keys in by_owner.items()
@@ -371,7 +455,7 @@ class HivemindAverager:
         waits: list[asyncio.Future[Any]] = list(fetches.values())
         if state.session is not None:
             waits.append(self._spawn(state.session.done.wait()))
-        budget = self.part_timeout_s + self.reduce_timeout_s
+        budget = self._exchange_budget_s(moved)
         done, pending = await asyncio.wait(waits, timeout=budget, return_when=asyncio.FIRST_EXCEPTION)
         for task in pending:
             task.cancel()

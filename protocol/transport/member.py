@@ -1,7 +1,11 @@
 """The member's side of a round: send each owner its parts, gather the answers, assemble the result.
 
 Every member opens one stream to each other owner and sends its payloads of that owner's parts,
-weight and tokens; the owner of the first tensor also receives its encoded report. A member returns
+weight and tokens; the owner of the first tensor also receives its encoded report. The payloads go
+in chunk frames once the owner has accepted the request header (the framing is in owner.py), and
+the averaged parts come back the same way: the member reads an answer only if each announced size
+is within what the owner's codec can produce for that part, so no owner can make it read more. A
+member returns
 a result only if it received every part, all parts name the same contributor set, that set contains
 itself and lies within its group, and the reports came back for every contributor; otherwise
 `RoundFailed`. Members that return results therefore share one group id and hold the bytes each
@@ -22,8 +26,10 @@ from ..algorithms.allreduce import Contribution, gather_reports
 from ..algorithms.parts import merge_rejected
 from .averager import MemberResult
 from .matchmaking import RoundFailed
-from .owner import Answer, RoundState, str_list
-from .wire import PROTOCOL_VERSION, read_frame, write_frame
+from .owner import Answer, RoundState, size_list, str_list
+from .wire import PROTOCOL_VERSION, read_chunks, read_frame, write_chunks, write_frame
+
+GO_HEADER_BYTES = 1 << 12  # the owner's go or refusal after a request header
 
 
 def parse_rejected(value: Any, contributors: Sequence[str], num_parts: int) -> dict[str, int] | None:
@@ -42,6 +48,23 @@ def parse_rejected(value: Any, contributors: Sequence[str], num_parts: int) -> d
     return dict(value)
 
 
+def request_header(
+    state: RoundState, *, peer_id: str, keys: list[str], contribution: Contribution, with_metadata: bool
+) -> dict[str, Any]:
+    """The request header announcing our payloads of `keys` to their owner (owner.py's framing)."""
+    return {
+        "v": PROTOCOL_VERSION,
+        "r": state.group.round,
+        "g": state.group.group_id,
+        "p": peer_id,
+        "w": float(contribution.weight),
+        "t": float(contribution.tokens),
+        "k": keys,
+        "s": [len(contribution.payloads[k]) for k in keys],
+        "m": bytes(contribution.metadata) if with_metadata else None,
+    }
+
+
 async def fetch(
     p2p: P2P,
     handler: str,
@@ -52,25 +75,27 @@ async def fetch(
     keys: list[str],
     contribution: Contribution,
     with_metadata: bool,
+    chunk_bytes: int,
+    answer_bounds: Mapping[str, int],
 ) -> Answer:
-    """Send `owner` our payloads of `keys` (and our report if `with_metadata`); return its answer."""
-    header = {
-        "v": PROTOCOL_VERSION,
-        "r": state.group.round,
-        "g": state.group.group_id,
-        "p": peer_id,
-        "w": float(contribution.weight),
-        "t": float(contribution.tokens),
-        "k": keys,
-        "m": bytes(contribution.metadata) if with_metadata else None,
-    }
+    """Send `owner` our payloads of `keys` (and our report if `with_metadata`) in chunks of
+    `chunk_bytes`; return its answer, whose part k may be at most `answer_bounds[k]` bytes."""
+    header = request_header(
+        state, peer_id=peer_id, keys=keys, contribution=contribution, with_metadata=with_metadata
+    )
     try:
         _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(owner), handler)
     except Exception as e:
         raise RoundFailed(f"cannot reach owner {owner[-8:]}: {e}") from e
     try:
-        await write_frame(writer, header, [contribution.payloads[k] for k in keys], state.meter)
-        response, body = await read_frame(reader, state.meter)
+        await write_frame(writer, header, [], state.meter)
+        go, _ = await read_frame(reader, state.meter, max_header=GO_HEADER_BYTES, max_body=0)
+        if not go.get("ok"):
+            raise RoundFailed(f"owner {owner[-8:]} refused: {go.get('e')}")
+        await write_chunks(writer, [contribution.payloads[k] for k in keys], chunk_bytes, state.meter)
+        response, _ = await read_frame(reader, state.meter, max_body=0)
+        sizes = _answer_sizes(response, owner=owner, keys=keys, bounds=answer_bounds)
+        body = await read_chunks(reader, sizes, state.meter)
     except (OSError, EOFError, asyncio.IncompleteReadError, ValueError) as e:
         raise RoundFailed(f"exchange with owner {owner[-8:]} broke: {e!r}") from e
     finally:
@@ -78,11 +103,25 @@ async def fetch(
     return _parse_answer(response, body, owner=owner, keys=keys, with_metadata=with_metadata)
 
 
+def _answer_sizes(
+    response: dict[str, Any], *, owner: str, keys: list[str], bounds: Mapping[str, int]
+) -> list[int]:
+    """The part sizes an answer header announces, each within its bound; RoundFailed otherwise."""
+    if not response.get("ok"):
+        raise RoundFailed(f"owner {owner[-8:]} refused: {response.get('e')}")
+    try:
+        sizes = size_list(response.get("s"), len(keys))
+    except ValueError as e:
+        raise RoundFailed(f"owner {owner[-8:]} answered with a malformed header: {e}") from e
+    over = [k for k, size in zip(keys, sizes, strict=True) if size > bounds[k]]
+    if over:
+        raise RoundFailed(f"owner {owner[-8:]} announced oversized parts {over[:3]}")
+    return sizes
+
+
 def _parse_answer(
     response: dict[str, Any], body: list[bytes], *, owner: str, keys: list[str], with_metadata: bool
 ) -> Answer:
-    if not response.get("ok"):
-        raise RoundFailed(f"owner {owner[-8:]} refused: {response.get('e')}")
     gathered = response.get("gm")
     try:
         answered_keys = str_list(response.get("k"))

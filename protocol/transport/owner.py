@@ -1,21 +1,37 @@
 """The owner's side of a round: take the members' payloads of the parts it owns, reduce once, answer.
 
-An owner collects contributions until all members have sent or `part_timeout_s` has passed since it
-formed the group, reduces its parts once with `parts.reduce_parts` (screening out non-finite and
-outlier payloads), encodes each average once with its codec, and answers every member that
-contributed in time with the same bytes, the sorted list of contributors it included, how many of
-each one's parts it rejected and, for the owner of the first tensor, the contributors' encoded
-reports. It refuses a request whose group id differs from its own (another view of the members or
-another tensor layout), from a non-member, with the wrong parts, or whose payloads are malformed or
-not of the owner's shapes: `codecs.payload_shape` checks each as `decode` would, without decoding
-it, so the owner decodes every payload once, when it reduces. The owner's own parts never touch the
-wire.
+An owner collects contributions until all members have sent (or were dropped) or its part deadline
+has passed (`OwnerSession.deadline`, derived from the bytes of the round), reduces its parts once
+with `parts.reduce_parts` (screening out non-finite and outlier payloads), encodes each average once
+with its codec, and answers every member that contributed in time with the same bytes, the sorted
+list of contributors it included, how many of each one's parts it rejected and, for the owner of the
+first tensor, the contributors' encoded reports. The owner's own parts never touch the wire.
 
-    request  = v, r round, g group id, p sender, w weight, t tokens, k part keys, n part lengths,
+A member's parts come in three steps on one stream. The request header announces the part sizes;
+the owner refuses it, before a single payload byte, if its group id differs from its own (another
+view of the members or another tensor layout), if the stream's peer is not the member it names or
+not in the group, if the parts are not the ones this peer owns, or if a size differs from the
+owner's own payload of that part (the group id covers every payload size, so honest members agree
+exactly). Otherwise it says go, and reads the payloads as chunk frames (`wire.read_chunks`): a chunk
+larger than what is left of its part is refused before it is read. Payloads arrive in full before
+they count; `codecs.payload_shape` then checks each as `decode` would, without decoding it, so the
+owner decodes every payload once, when it reduces. A member refused after its header was accepted
+(it sent more than announced, a malformed payload) is dropped from the round: the owner no longer
+waits for it.
+
+Why payloads are buffered per part and reduced at the deadline, not summed as chunks arrive: the
+screening needs every payload of a part (the median norm) and the bit-identical sum needs the final
+contributor set and order, neither known before all members are in or the deadline passed. The
+owner therefore holds its parts' payloads (as it must, to screen), never a whole frame of a member,
+and reads at most one chunk per stream at a time.
+
+    request  = v, r round, g group id, p sender, w weight, t tokens, k part keys, s part sizes,
                m encoded report (only to the owner of the first tensor, else nil)
-    response = v, ok, e error text (when not ok), c contributors (sorted), k, n,
+    go       = v, ok, e error text (when not ok)
+    payloads = chunk frames, part after part, each at most a chunk and what is left of its part
+    response = v, ok, e error text (when not ok), c contributors (sorted), k, s part sizes,
                gm contributors' reports (only from the owner of the first tensor),
-               x {contributor: number of its parts rejected}
+               x {contributor: number of its parts rejected}; then the parts as chunk frames
 """
 
 from __future__ import annotations
@@ -31,7 +47,7 @@ from ..algorithms.codecs import Codec, payload_shape
 from ..algorithms.parts import reduce_parts
 from ..algorithms.report import MAX_REPORT_BYTES
 from .matchmaking import Group
-from .wire import PROTOCOL_VERSION, Meter, read_frame, write_frame
+from .wire import PROTOCOL_VERSION, Meter, read_chunks, read_frame, write_chunks, write_frame
 
 logger = logging.getLogger(__name__)
 
@@ -43,21 +59,34 @@ def str_list(value: Any) -> list[str]:
     return value
 
 
+def size_list(value: Any, count: int) -> list[int]:
+    """`value` if it is a list of `count` byte sizes (ints >= 0); ValueError otherwise."""
+    if (
+        not isinstance(value, list)
+        or len(value) != count
+        or not all(type(v) is int and v >= 0 for v in value)
+    ):
+        raise ValueError(f"expected {count} part sizes")
+    return value
+
+
 @dataclass(frozen=True)
 class Request:
-    """One member's parts for one owner, as read off the stream (types checked)."""
+    """One member's request header for one owner, as read off the stream (types checked)."""
 
     round: int
     group_id: bytes
     peer: str
     weight: float
     tokens: float
-    payloads: dict[str, bytes]
+    keys: list[str]
+    sizes: list[int]
     metadata: bytes | None
 
     @classmethod
-    def parse(cls, header: dict[str, Any], body: list[bytes]) -> Request:
+    def parse(cls, header: dict[str, Any]) -> Request:
         keys = str_list(header.get("k"))
+        sizes = size_list(header.get("s"), len(keys))
         round, group_id, peer = header.get("r"), header.get("g"), header.get("p")
         weight, tokens, metadata = header.get("w"), header.get("t"), header.get("m")
         if not (
@@ -67,13 +96,11 @@ class Request:
             and isinstance(weight, (int, float))
             and isinstance(tokens, (int, float))
             and (metadata is None or isinstance(metadata, bytes))
-            and len(keys) == len(body)
         ):
             raise ValueError("malformed request header")
         if metadata is not None and len(metadata) > MAX_REPORT_BYTES:
             metadata = b""  # relayed as an empty, hence malformed, report: every member drops it alike
-        payloads = dict(zip(keys, body, strict=True))
-        return cls(round, group_id, peer, float(weight), float(tokens), payloads, metadata)
+        return cls(round, group_id, peer, float(weight), float(tokens), keys, sizes, metadata)
 
 
 @dataclass(frozen=True)
@@ -145,19 +172,25 @@ class OwnerSession:
         group: Group,
         keys: list[str],
         shapes: dict[str, tuple[int, ...]],
+        sizes: list[int],
         codec: Codec,
         outlier_factor: float | None,
         with_metadata: bool,
         deadline: float,
+        answer_timeout_s: float,
     ) -> None:
         self.group = group
         self.keys = keys
         self.shapes = shapes
+        self.sizes = sizes
         self.codec = codec
         self.outlier_factor = outlier_factor
         self.with_metadata = with_metadata
-        self.deadline = deadline
+        self.deadline = deadline  # loop time
+        self.answer_timeout_s = answer_timeout_s
         self.contributions: dict[str, Incoming] = {}
+        self.receiving: set[str] = set()
+        self.dropped: set[str] = set()
         self.closed = False
         self.result: Answer | None = None
         self.done = asyncio.Event()
@@ -165,15 +198,34 @@ class OwnerSession:
         self._all_in = asyncio.Event()
         self._answering = 0
 
+    def receive(self, peer: str) -> bool:
+        """Reserve `peer`'s one incoming stream; False once closed, or if `peer` already sent, is
+        sending or was dropped (a member cannot make the owner buffer its parts twice)."""
+        if self.closed or peer in self.contributions or peer in self.receiving or peer in self.dropped:
+            return False
+        self.receiving.add(peer)
+        return True
+
     def admit(self, peer: str, incoming: Incoming) -> bool:
         """Take a contribution; False once the session has closed or for a second one from `peer`."""
-        if self.closed or peer in self.contributions:
+        self.receiving.discard(peer)
+        if self.closed or peer in self.contributions or peer in self.dropped:
             return False
         self.contributions[peer] = incoming
         self._answering += 1
-        if len(self.contributions) == len(self.group.members):
-            self._all_in.set()
+        self._update_all_in()
         return True
+
+    def drop(self, peer: str) -> None:
+        """`peer` broke the protocol after its header was accepted: never wait for it again."""
+        self.receiving.discard(peer)
+        if peer not in self.contributions:
+            self.dropped.add(peer)
+            self._update_all_in()
+
+    def _update_all_in(self) -> None:
+        if len(self.contributions) + len(self.dropped) == len(self.group.members):
+            self._all_in.set()
 
     def answered(self) -> None:
         self._answering -= 1
@@ -185,8 +237,12 @@ class OwnerSession:
         try:
             await asyncio.wait_for(self._all_in.wait(), timeout=max(0.0, self.deadline - loop.time()))
         except asyncio.TimeoutError:
-            missing = sorted(set(self.group.members) - set(self.contributions))
-            logger.info("round %d: owner reduces without %s (part timeout)", self.group.round, missing)
+            missing = sorted(set(self.group.members) - set(self.contributions) - self.dropped)
+            logger.info("round %d: owner reduces without %s (part deadline)", self.group.round, missing)
+        if self.dropped:
+            logger.warning(
+                "round %d: owner dropped %s", self.group.round, sorted(p[-8:] for p in self.dropped)
+            )
         self.closed = True
         try:
             contributions = dict(self.contributions)
@@ -219,11 +275,25 @@ class RoundState:
     meter: Meter = field(default_factory=Meter)
 
 
+def _violation(session: OwnerSession, request: Request) -> str | None:
+    """How a member of the group announced other parts than the ones it must send (None: it did
+    not); the group id covers every payload size, so honest members announce exactly ours."""
+    if request.keys != session.keys:
+        return "these are not the parts this peer owns"
+    if session.with_metadata and request.metadata is None:
+        return "metadata missing"
+    if request.sizes != session.sizes:
+        return f"part sizes {request.sizes} announced, {session.sizes} expected"
+    return None
+
+
 class OwnerHandler:
     """The stream handler members call: one request in, one answer (or refusal) out.
 
     `round_state(r)` resolves to this peer's state for round r once its own group is known (None if
-    it has none); a request waits for it at most `wait_s`.
+    it has none); a request waits for it at most `wait_s`. A request header must arrive within
+    `header_timeout_s`; the payloads must be in by the session's deadline; the answer is written
+    within the session's `answer_timeout_s`. Answers go out in chunks of `chunk_bytes`.
     """
 
     def __init__(
@@ -231,61 +301,106 @@ class OwnerHandler:
         *,
         peer_id: str,
         round_state: Callable[[int], Awaitable[RoundState | None]],
-        part_timeout_s: float,
+        header_timeout_s: float,
         wait_s: float,
+        chunk_bytes: int,
     ) -> None:
         self.peer_id = peer_id
         self._round_state = round_state
-        self._part_timeout_s = part_timeout_s
+        self._header_timeout_s = header_timeout_s
         self._wait_s = wait_s
+        self._chunk_bytes = chunk_bytes
 
-    async def serve(self, _info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def serve(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Take one member's parts, answer with the averaged parts (or a refusal)."""
         meter = Meter()
         state: RoundState | None = None
+        receiving: OwnerSession | None = None
         admitted: OwnerSession | None = None
         try:
-            header, body = await asyncio.wait_for(read_frame(reader, meter), timeout=self._part_timeout_s)
-            request = Request.parse(header, body)
+            header, _ = await asyncio.wait_for(
+                read_frame(reader, meter, max_body=0), timeout=self._header_timeout_s
+            )
+            request = Request.parse(header)
             state = await asyncio.wait_for(self._round_state(request.round), timeout=self._wait_s)
-            refusal = self._refusal(state, request)
+            refusal = self._refusal(state, request, str(info.peer_id.to_base58()))
             if refusal is None and state is not None and state.session is not None:
-                incoming = Incoming(request.weight, request.tokens, request.payloads, request.metadata)
-                if state.session.admit(request.peer, incoming):
-                    admitted = state.session
+                session = state.session
+                violation = _violation(session, request)
+                if violation is not None:
+                    session.drop(request.peer)  # a member of the group that announced the wrong parts
+                    refusal = violation
+                elif session.receive(request.peer):
+                    receiving = session
                 else:
-                    refusal = "the owner has already reduced (too late) or got this member twice"
+                    refusal = "the owner has already reduced (too late), or got or dropped this member"
+            if receiving is None:
+                await self._refuse(writer, request, refusal, meter)
+                return
+            await write_frame(writer, {"v": PROTOCOL_VERSION, "ok": True}, [], meter)
+            admitted = await self._receive(reader, writer, receiving, request, meter)
             if admitted is None:
-                logger.debug("round %d: refused %s: %s", request.round, request.peer[-8:], refusal)
-                await write_frame(writer, {"v": PROTOCOL_VERSION, "ok": False, "e": refusal}, [], meter)
                 return
             await admitted.done.wait()
-            await self._answer(writer, admitted, meter)
-        except (OSError, EOFError, asyncio.IncompleteReadError, asyncio.TimeoutError, ValueError) as e:
+            await asyncio.wait_for(self._answer(writer, admitted, meter), timeout=admitted.answer_timeout_s)
+        except ValueError as e:  # a protocol violation: the member is out of this round
+            logger.info("averaging stream refused: %s", e)
+            if receiving is not None and admitted is None:
+                receiving.drop(request.peer)
+        except (OSError, EOFError, asyncio.IncompleteReadError, asyncio.TimeoutError) as e:
             logger.debug("averaging stream dropped: %r", e)
         finally:
             writer.close()
+            if receiving is not None and admitted is None:
+                receiving.receiving.discard(request.peer)
             if state is not None:
                 state.meter.add(meter)
             if admitted is not None:
                 admitted.answered()
 
-    def _refusal(self, state: RoundState | None, request: Request) -> str | None:
-        """Why this request cannot join our reduction (None if it can)."""
+    async def _receive(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        session: OwnerSession,
+        request: Request,
+        meter: Meter,
+    ) -> OwnerSession | None:
+        """Read the announced payloads by the session's deadline and admit them (None: refused)."""
+        remaining = session.deadline - asyncio.get_running_loop().time()
+        body = await asyncio.wait_for(read_chunks(reader, request.sizes, meter), timeout=max(0.0, remaining))
+        payloads = dict(zip(request.keys, body, strict=True))
+        # On the event loop: the check is cheap, and on the reduction's executor it would queue
+        # behind a running reduction.
+        error = shape_error(payloads, session.shapes)
+        if error is not None:
+            raise ValueError(f"{request.peer[-8:]}: {error}")
+        incoming = Incoming(request.weight, request.tokens, payloads, request.metadata)
+        if session.admit(request.peer, incoming):
+            return session
+        await self._refuse(writer, request, "the owner has already reduced (too late)", meter)
+        return None
+
+    async def _refuse(
+        self, writer: asyncio.StreamWriter, request: Request, why: str | None, meter: Meter
+    ) -> None:
+        logger.debug("round %d: refused %s: %s", request.round, request.peer[-8:], why)
+        await write_frame(writer, {"v": PROTOCOL_VERSION, "ok": False, "e": why}, [], meter)
+
+    def _refusal(self, state: RoundState | None, request: Request, stream_peer: str) -> str | None:
+        """Why this request is not for our reduction (None if it is); nothing read past its header."""
         if state is None:
             return "the owner is not in a group for this round"
         session = state.session
         if request.group_id != state.group.group_id:
             return "group mismatch (different view of the members, or a different tensor layout)"
+        if request.peer != stream_peer:
+            return "the request names another peer than the stream's"
         if request.peer not in state.group.members or request.peer == self.peer_id:
             return "not a member of the group"
-        if session is None or list(request.payloads) != session.keys:
-            return "these are not the parts this peer owns"
-        if session.with_metadata and request.metadata is None:
-            return "metadata missing"
-        # On the event loop: the check is cheap, and on the reduction's executor it would queue
-        # behind a running reduction.
-        return shape_error(request.payloads, session.shapes)
+        if session is None:
+            return "this peer owns no parts in the group"
+        return None
 
     async def _answer(self, writer: asyncio.StreamWriter, session: OwnerSession, meter: Meter) -> None:
         result = session.result
@@ -293,12 +408,15 @@ class OwnerHandler:
             header: dict[str, Any] = {"v": PROTOCOL_VERSION, "ok": False, "e": "the owner's reduction failed"}
             await write_frame(writer, header, [], meter)
             return
+        payloads = [result.payloads[k] for k in session.keys]
         header = {
             "v": PROTOCOL_VERSION,
             "ok": True,
             "c": list(result.contributors),
             "k": session.keys,
+            "s": [len(p) for p in payloads],
             "gm": list(result.metadata) if session.with_metadata and result.metadata else None,
             "x": result.rejected,
         }
-        await write_frame(writer, header, [result.payloads[k] for k in session.keys], meter)
+        await write_frame(writer, header, [], meter)
+        await write_chunks(writer, payloads, self._chunk_bytes, meter)

@@ -39,7 +39,7 @@ import hivemind
 from hivemind.p2p import P2P, PeerID
 
 from .manifest import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MAX_MANIFEST_BYTES, ChunkedState, StateManifest
-from .wire import PROTOCOL_VERSION, Meter, daemon_listen_maddr, read_frame, write_frame
+from .wire import PROTOCOL_VERSION, Meter, bytes_timeout, daemon_listen_maddr, read_frame, write_frame
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ class TransferSettings:
 
     def timeout(self, nbytes: int, rate_bps: float) -> float:
         """Seconds a request moving `nbytes` may take at an expected `rate_bps`."""
-        return max(self.timeout_floor_s, self.slack * nbytes / rate_bps)
+        return bytes_timeout(nbytes, rate_bps, slack=self.slack, floor_s=self.timeout_floor_s)
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,14 @@
     frame = u32 big-endian header length | header (MSGPack map with "v" and "n") | body
 
 "n" lists the lengths of the body's parts. `Meter` counts every byte written to or read from a
-stream (wire) and the body bytes alone (payload); their difference is the protocol's overhead.
+stream (wire) and the body bytes alone (payload); their difference is the protocol's overhead. It
+also keeps the largest frame body read, the memory a stream's reader needed at once.
+
+Large payloads travel as a run of chunk frames (`write_chunks` / `read_chunks`): the receiver knows
+each payload's size before the first byte and reads a chunk only if it fits in what is left of that
+size and in `MAX_CHUNK_BYTES`, so its memory per stream is one chunk, whatever the payload size.
+How long moving bytes may take is `bytes_timeout`: expected rate, slack, floor (shared by the state
+download and the averaging exchange).
 """
 
 from __future__ import annotations
@@ -19,10 +26,19 @@ from hivemind.utils.serializer import MSGPackSerializer
 
 from .averager import Traffic
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # v1 sent an averaging request or answer as one frame of up to 4 GiB
 MAX_HEADER_BYTES = 16 << 20
-MAX_BODY_BYTES = 4 << 30
+MAX_CHUNK_BYTES = 16 << 20
+"""The largest chunk frame body any receiver reads: senders chunk at their own size up to this."""
+DEFAULT_CHUNK_BYTES = 4 << 20
+CHUNK_HEADER_BYTES = 64  # a chunk frame's header: {"v": ..., "n": [size]}
 _LEN = struct.Struct(">I")
+
+
+def bytes_timeout(nbytes: int, rate_bps: float, *, slack: float, floor_s: float) -> float:
+    """Seconds moving `nbytes` may take at an expected `rate_bps`: `slack` times what the bytes
+    need at that rate, never less than `floor_s` (stream setup, latency, a busy peer)."""
+    return max(floor_s, slack * nbytes / rate_bps)
 
 
 @dataclass
@@ -33,21 +49,28 @@ class Meter:
     payload_received: int = 0
     wire_sent: int = 0
     wire_received: int = 0
+    largest_body: int = 0
 
     def add(self, other: Meter) -> None:
         self.payload_sent += other.payload_sent
         self.payload_received += other.payload_received
         self.wire_sent += other.wire_sent
         self.wire_received += other.wire_received
+        self.largest_body = max(self.largest_body, other.largest_body)
 
     def traffic(self, exchange_s: float = 0.0) -> Traffic:
         return Traffic(
-            self.payload_sent, self.payload_received, self.wire_sent, self.wire_received, exchange_s
+            self.payload_sent,
+            self.payload_received,
+            self.wire_sent,
+            self.wire_received,
+            exchange_s,
+            largest_frame_body=self.largest_body,
         )
 
 
 async def write_frame(
-    writer: asyncio.StreamWriter, header: dict[str, Any], body: Sequence[bytes], meter: Meter
+    writer: asyncio.StreamWriter, header: dict[str, Any], body: Sequence[bytes | memoryview], meter: Meter
 ) -> None:
     raw = MSGPackSerializer.dumps({**header, "n": [len(b) for b in body]})
     writer.write(_LEN.pack(len(raw)) + raw)
@@ -64,7 +87,7 @@ async def read_frame(
     meter: Meter,
     *,
     max_header: int = MAX_HEADER_BYTES,
-    max_body: int = MAX_BODY_BYTES,
+    max_body: int = MAX_CHUNK_BYTES,
 ) -> tuple[dict[str, Any], list[bytes]]:
     """One frame; ValueError, before reading them, on a header over `max_header` bytes or a body
     over `max_body` (a reader that knows what it expects passes its own bounds)."""
@@ -83,7 +106,49 @@ async def read_frame(
     body = [await reader.readexactly(n) for n in lengths]
     meter.wire_received += sum(lengths)
     meter.payload_received += sum(lengths)
+    meter.largest_body = max(meter.largest_body, sum(lengths))
     return header, body
+
+
+async def write_chunks(
+    writer: asyncio.StreamWriter, payloads: Sequence[bytes], chunk_bytes: int, meter: Meter
+) -> None:
+    """Each payload as frames of at most `chunk_bytes` (an empty payload sends none), in order."""
+    if not 0 < chunk_bytes <= MAX_CHUNK_BYTES:
+        raise ValueError(f"chunk size must be in (0, {MAX_CHUNK_BYTES}], got {chunk_bytes}")
+    header = {"v": PROTOCOL_VERSION}
+    for payload in payloads:
+        view = memoryview(payload)
+        for at in range(0, len(view), chunk_bytes):
+            await write_frame(writer, header, [view[at : at + chunk_bytes]], meter)
+
+
+async def read_chunks(reader: asyncio.StreamReader, sizes: Sequence[int], meter: Meter) -> list[bytes]:
+    """Payloads of the given sizes, sent by `write_chunks` (at any chunk size up to MAX_CHUNK_BYTES).
+
+    ValueError before reading a chunk's bytes when the chunk is larger than what is left of its
+    payload or than MAX_CHUNK_BYTES: a sender never gets more bytes in than the sizes agreed on.
+    Each payload's buffer (of its agreed size) is allocated before its first chunk is read; the
+    payload is returned as bytes (a copy of one payload at a time: decoders and hashes want bytes).
+    """
+    payloads: list[bytes] = []
+    for size in sizes:
+        buffer = bytearray(size) if size else bytearray()
+        filled = 0
+        while filled < size:
+            _, body = await read_frame(
+                reader,
+                meter,
+                max_header=CHUNK_HEADER_BYTES,
+                max_body=min(size - filled, MAX_CHUNK_BYTES),
+            )
+            if len(body) != 1 or not body[0]:
+                raise ValueError("a chunk frame must carry exactly one non-empty piece")
+            buffer[filled : filled + len(body[0])] = body[0]
+            filled += len(body[0])
+        payloads.append(bytes(buffer))
+        del buffer
+    return payloads
 
 
 async def daemon_listen_maddr(_dht: hivemind.DHT, node: Any) -> Any:
