@@ -12,6 +12,7 @@ carries a marker in its environment, and after each test none of them may still 
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import dataclasses
 import math
@@ -666,5 +667,69 @@ def test_a_member_announcing_or_sending_more_than_its_parts_is_dropped_and_the_o
                 assert go["ok"] is False and "part sizes" in go["e"]
             else:
                 assert go["ok"] is True and rest == b""
+    finally:
+        swarm.close()
+
+
+def test_an_owner_counts_an_answer_given_only_once_the_member_has_read_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each node shuts its averager and DHT down as soon as its `average` returns (as a node ending
+    its last round does). The second member reads its answers 0.5 s late: the first node's call
+    returns only after that member has read the first node's answer, so no p2pd is stopped with
+    an answer in flight, and both hold `reduce_group`'s result."""
+    import contextvars
+
+    from adloco.protocol.transport import hivemind_averager, member
+
+    swarm = Swarm("hivemind")
+    try:
+        swarm.add_nodes(2)
+        averagers = [swarm.averager(i) for i in range(2)]
+        slow = averagers[1].peer_id
+        reading_for: contextvars.ContextVar[str | None] = contextvars.ContextVar("reading_for", default=None)
+        read_done: dict[str, float] = {}  # owner -> when the slow member had read its answer
+        real_fetch, real_read = hivemind_averager.fetch, member.read_chunks
+
+        async def fetch(p2p: Any, handler: str, state: Any, **kw: Any) -> Any:
+            reading_for.set(kw["owner"] if kw["peer_id"] == slow else None)
+            return await real_fetch(p2p, handler, state, **kw)
+
+        async def read_chunks(reader: Any, sizes: Any, meter: Any) -> Any:
+            owner = reading_for.get()
+            if owner is None:
+                return await real_read(reader, sizes, meter)
+            await asyncio.sleep(0.5)
+            body = await real_read(reader, sizes, meter)
+            read_done[owner] = time.monotonic()
+            return body
+
+        monkeypatch.setattr(hivemind_averager, "fetch", fetch)
+        monkeypatch.setattr(member, "read_chunks", read_chunks)
+        contributions = _contributions(averagers, "int8", seed=21)
+        results: list[MemberResult | None] = [None, None]
+        returned = [0.0, 0.0]
+        start = threading.Barrier(2)
+
+        def node(i: int) -> None:
+            start.wait()
+            results[i] = averagers[i].average(
+                contributions[i], round=0, codec=make_codec("int8"), timeout=CALL_TIMEOUT_S
+            )
+            returned[i] = time.monotonic()
+            averagers[i].shutdown()
+            swarm.dhts[i].shutdown()
+
+        threads = [threading.Thread(target=node, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=CALL_TIMEOUT_S + 10)
+        expected = reduce_group(contributions, codec=make_codec("int8"))
+        for r in results:
+            assert r is not None and r.averaged == expected.averaged
+        first = averagers[0].peer_id
+        assert first in read_done, "the slow member read no answer of the first node"
+        assert returned[0] >= read_done[first]
     finally:
         swarm.close()

@@ -342,7 +342,10 @@ class OwnerHandler:
             if admitted is None:
                 return
             await admitted.done.wait()
-            await asyncio.wait_for(self._answer(writer, admitted, meter), timeout=admitted.answer_timeout_s)
+            await asyncio.wait_for(
+                self._answer_until_received(reader, writer, admitted, meter),
+                timeout=admitted.answer_timeout_s,
+            )
         except ValueError as e:  # a protocol violation: the member is out of this round
             logger.info("averaging stream refused: %s", e)
             if receiving is not None and admitted is None:
@@ -401,6 +404,18 @@ class OwnerHandler:
         if session is None:
             return "this peer owns no parts in the group"
         return None
+
+    async def _answer_until_received(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, session: OwnerSession, meter: Meter
+    ) -> None:
+        """Answer, then wait for the member to close its end, which it does once it has read the
+        answer. Until then the answer is not given: bytes written may still sit in this process's
+        p2pd, and an owner that counted them as given could end its last round and stop its p2pd
+        with the answer in flight."""
+        await self._answer(writer, session, meter)
+        await writer.drain()
+        if await reader.read(1):
+            raise ValueError("the member sent more after its parts")
 
     async def _answer(self, writer: asyncio.StreamWriter, session: OwnerSession, meter: Meter) -> None:
         result = session.result
