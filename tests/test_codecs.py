@@ -537,6 +537,52 @@ def test_error_feedback_in_place_gives_the_out_of_place_bits_and_leaves_delta_al
     assert torch.equal(delta["w"], original)  # the caller's Δ is read, never written
 
 
+def test_error_feedback_in_bf16_sends_fp32_delta_plus_e_and_keeps_its_rounding() -> None:
+    """A bf16 residual costs 2 bytes per value; what is encoded is Δ + e formed in fp32, and what is
+    kept is exactly Δ + e − decode(c) rounded once to bf16."""
+    delta = {"w": gaussian(300, seed=6)}
+    feedback, codec = ErrorFeedback(torch.bfloat16), make_codec("int8")
+    first = feedback.compress(codec, delta)["w"]
+    e1 = (delta["w"] - decode(first)).to(torch.bfloat16)
+    assert torch.equal(feedback.state_dict()["w"], e1) and e1.element_size() == 2
+    second = feedback.compress_tensor(codec, "w", delta["w"])
+    assert second == codec.encode("w", delta["w"] + e1.float())
+    e2 = feedback.state_dict()["w"]
+    assert e2.dtype == torch.bfloat16
+    assert torch.equal(e2, ((delta["w"] + e1.float()) - decode(second)).to(torch.bfloat16))
+
+
+def test_error_feedback_in_bf16_still_sends_delta_on_average() -> None:
+    delta = {"w": gaussian(32, 24, seed=3), "b": gaussian(24, seed=4)}
+    single = relative_error(delta, decode_tensors(encode_tensors(make_codec("int4"), delta)))
+    feedback, codec = ErrorFeedback(torch.bfloat16), make_codec("int4")
+    total = {key: torch.zeros_like(t) for key, t in delta.items()}
+    for _ in range(50):
+        for key, t in decode_tensors(feedback.compress(codec, delta)).items():
+            total[key] += t
+    assert relative_error(delta, {key: t / 50 for key, t in total.items()}) < 0.1 * single
+
+
+@pytest.mark.parametrize(
+    ("saved", "loaded"), [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)]
+)
+def test_error_feedback_loads_a_residual_saved_in_the_other_dtype(
+    saved: torch.dtype, loaded: torch.dtype
+) -> None:
+    source = ErrorFeedback(saved)
+    source.compress(make_codec("int4"), {"w": gaussian(100)})
+    target = ErrorFeedback(loaded)
+    target.load_state_dict(source.state_dict())
+    restored = target.state_dict()["w"]
+    assert restored.dtype == loaded
+    assert torch.equal(restored, source.state_dict()["w"].to(loaded))
+
+
+def test_error_feedback_refuses_another_residual_dtype() -> None:
+    with pytest.raises(ValueError, match="residual dtype"):
+        ErrorFeedback(torch.float16)
+
+
 def test_error_feedback_lossless_codec_keeps_no_residual() -> None:
     feedback = ErrorFeedback()
     feedback.compress(make_codec("none"), {"w": gaussian(10)})

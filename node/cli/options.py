@@ -141,6 +141,12 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     )
     outer.add_argument("--codec", default="int8", help="none|fp16|int8|int4|lowrank:R[:fp16|int4]|adaptive")
     outer.add_argument(
+        "--residual-dtype",
+        choices=("float32", "bfloat16"),
+        default=TrainConfig.residual_dtype,
+        help="dtype of the error-feedback residual kept between rounds (bfloat16: half the memory)",
+    )
+    outer.add_argument(
         "--max-rel-error", type=finite_float, default=0.1, help="δ of the adaptive codec chooser"
     )
     outer.add_argument(
@@ -216,6 +222,7 @@ def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
             max_staleness=args.max_staleness,
             dylu=args.dylu,
             replay_mb=args.replay_mb,
+            residual_dtype=args.residual_dtype,
             b_max=args.b_max,
             memory_budget_gb=args.memory_budget_gb,
             non_iid=args.non_iid,

@@ -33,9 +33,10 @@ def train_solo(
 ) -> tuple[Peer, list[RoundRecord]]:
     """Train alone for `rounds` rounds (0: until `should_stop`); returns the peer and its rounds.
 
-    Alone there is no transfer to overlap with, so rounds run in the synchronous order (overlap off).
+    Alone there is no transfer to overlap with, so rounds run in the synchronous order (overlap off),
+    and no laggard to replay the averaged updates, so none is kept (replay_mb 0).
     """
-    cfg = replace(cfg, overlap="off")
+    cfg = replace(cfg, overlap="off", replay_mb=0.0)
     corpus, tokenizer = load_data(cfg)
     peer = Peer(
         peer_id=PEER_ID,

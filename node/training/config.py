@@ -67,6 +67,8 @@ class TrainConfig:
         `HISTORY_ROUNDS` whose encoded bytes fit in this many MB (0 keeps none; a peer further behind
         than what others keep downloads the full state). Each costs about the codec's bytes per
         parameter (1 for int8), so for large models this bounds a real share of the node's memory.
+    residual_dtype: the dtype the error-feedback residual is kept in between rounds: "bfloat16"
+        halves its memory (2 bytes per parameter instead of 4); Δ + e is still formed in fp32.
     b_max: override the probed hardware batch limit (switch mode engages above it).
     memory_budget_gb: CPU memory for b_max probing (default: half of what is available).
     non_iid: give each peer a different part of the corpus (by top-level package).
@@ -117,6 +119,7 @@ class TrainConfig:
     max_staleness: int = 16
     dylu: bool = False
     replay_mb: float = 256.0
+    residual_dtype: Literal["float32", "bfloat16"] = "float32"
     b_max: int | None = None
     memory_budget_gb: float | None = None
     non_iid: bool = False
@@ -150,6 +153,8 @@ class TrainConfig:
             raise ValueError(f"max_rel_error must be > 0, got {self.max_rel_error}")
         if not (math.isfinite(self.replay_mb) and self.replay_mb >= 0):
             raise ValueError(f"replay_mb must be >= 0, got {self.replay_mb}")
+        if self.residual_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"residual_dtype must be float32 or bfloat16, got {self.residual_dtype!r}")
         if self.max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
         for name in ("max_corpus_mb", "memory_budget_gb"):

@@ -36,7 +36,7 @@ from ...protocol.algorithms.adaptive import choose_codec
 from ...protocol.algorithms.allreduce import Contribution, GroupResult
 from ...protocol.algorithms.batchtest import pool_stats
 from ...protocol.algorithms.codecs import Codec, decode, make_codec
-from ...protocol.algorithms.feedback import ErrorFeedback
+from ...protocol.algorithms.feedback import RESIDUAL_DTYPES, ErrorFeedback
 from ...protocol.algorithms.heloco import correct, dylu_inner_steps, staleness_weight
 from ...protocol.algorithms.outer import outer_step
 from ...protocol.algorithms.pseudograd import PseudoGradient, tensors_hash, weighted_mean
@@ -128,7 +128,7 @@ class Peer:
             " (pinned)" if self.placement.pin else "",
         )
         self.val_batches = validation_batches(corpus, seq_len=cfg.seq_len, num_sequences=cfg.val_sequences)
-        self.error_feedback = ErrorFeedback()
+        self.error_feedback = ErrorFeedback(RESIDUAL_DTYPES[cfg.residual_dtype])
         self._codecs: dict[str, Codec] = {}
         # DyLU (Async DiLoCo): this peer's speed relative to the fastest; H shrinks in proportion.
         self.dylu_speed_ratio: float | None = None
@@ -600,7 +600,7 @@ class Peer:
             kept = self.instances[: len(saved)]
             for inst, inst_state in zip(kept, saved, strict=True):
                 inst.check_state_dict(inst_state)
-            feedback = ErrorFeedback()
+            feedback = ErrorFeedback(RESIDUAL_DTYPES[self.cfg.residual_dtype])
             feedback.load_state_dict(mapping(state["error_feedback"], "error feedback"))
             codecs = {
                 key: self._codec_from_state(key, mapping(codec_state, f"codec {key}"))

@@ -15,15 +15,22 @@ import torch
 
 from .codecs import Codec, decode, to_cpu_float
 
+RESIDUAL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
 
 class ErrorFeedback:
     """Per-key residual e so that what receivers miss this round is sent in later rounds.
 
     `compress` sends c = C(Δ + e) and keeps e ← Δ + e − decode(c): the residual is measured on what
-    receivers actually reconstruct (algorithms.md §4.4, step 4).
+    receivers actually reconstruct (algorithms.md §4.4, step 4). Δ + e and the new residual are
+    formed in fp32; e is stored in `dtype` (bf16 halves its memory and rounds it to 8 significant
+    bits: the rounding error is itself fed back no more, about 2^-9 of e per round).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
+        if dtype not in RESIDUAL_DTYPES.values():
+            raise ValueError(f"residual dtype must be one of {sorted(RESIDUAL_DTYPES)}, got {dtype}")
+        self.dtype = dtype
         self._residuals: dict[str, torch.Tensor] = {}
 
     def compress(self, codec: Codec, tensors: Mapping[str, torch.Tensor]) -> dict[str, bytes]:
@@ -33,22 +40,31 @@ class ErrorFeedback:
     def compress_tensor(self, codec: Codec, key: str, delta: torch.Tensor) -> bytes:
         """Encode Δ + e for one tensor and update its residual.
 
-        e ← Δ + e − decode(c) in e's own buffer: besides e, one tensor's decoded payload is all this
-        allocates (the same operations as out of place, so the same bits)."""
+        In fp32, e ← Δ + e − decode(c) in e's own buffer: besides e, one tensor's decoded payload
+        is all this allocates (the same operations as out of place, so the same bits). In bf16,
+        Δ + e is one fp32 temporary of this tensor, and the new e is rounded into e's buffer."""
         delta = to_cpu_float(delta)
         residual = self._residuals.get(key)
+        if residual is not None and residual.shape != delta.shape:
+            raise ValueError(
+                f"{key}: shape {tuple(delta.shape)} != residual {tuple(residual.shape)}; reset()"
+            )
         if residual is None:
             payload = codec.encode(key, delta)
-            residual = self._residuals[key] = delta - decode(payload)
-        else:
-            if residual.shape != delta.shape:
-                raise ValueError(
-                    f"{key}: shape {tuple(delta.shape)} != residual {tuple(residual.shape)}; reset()"
-                )
+            error = delta - decode(payload)
+        elif residual.dtype == torch.float32:
             payload = codec.encode(key, residual.add_(delta))
-            residual.sub_(decode(payload))
+            error = residual.sub_(decode(payload))
+        else:
+            error = delta + residual  # fp32 (type promotion)
+            payload = codec.encode(key, error)
+            error.sub_(decode(payload))
         # A non-finite round is rejected downstream; keeping its NaN would poison every later one.
-        residual.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+        error.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+        if residual is None:
+            self._residuals[key] = error if self.dtype == torch.float32 else error.to(self.dtype)
+        elif error is not residual:
+            residual.copy_(error)
         return payload
 
     def residual_norm(self) -> float:
@@ -64,8 +80,11 @@ class ErrorFeedback:
         return {key: e.clone() for key, e in self._residuals.items()}
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
-        """Restore residuals saved by `state_dict`; ValueError, nothing changed, if one is no float tensor."""
+        """Restore residuals saved by `state_dict` (in any float dtype: they are kept in this
+        feedback's); ValueError, nothing changed, if one is no float tensor."""
         for key, e in state.items():
             if not (isinstance(key, str) and isinstance(e, torch.Tensor) and e.is_floating_point()):
                 raise ValueError(f"error-feedback residual {key!r} is not a float tensor")
-        self._residuals = {key: to_cpu_float(e).clone() for key, e in state.items()}
+        self._residuals = {
+            key: e.detach().to("cpu", self.dtype, copy=True).contiguous() for key, e in state.items()
+        }
