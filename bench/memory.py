@@ -16,6 +16,7 @@ measured when the script runs. From the repository root:
 
     python bench/memory.py                       # solo + 3-node swarm, ~5 min on 2 cores, nodes of 5-6 GB
     python bench/memory.py --modes solo --repeats 3 --out /tmp/memory.json
+    python bench/memory.py --modes solo --node-arg=--residual-dtype --node-arg=bfloat16
 """
 
 from __future__ import annotations
@@ -158,21 +159,24 @@ def library_baseline(config: Path) -> int:
     return int(line.split()[1]) * 1024
 
 
-def measure_solo(config: Path, tokenizer: Path, work: Path) -> dict[str, float]:
+def measure_solo(config: Path, tokenizer: Path, work: Path, node_args: list[str]) -> dict[str, float]:
     cmd = [
         sys.executable, "-m", "adloco.node.cli.entry", "--offline", "--rounds", "2",
         "--model", str(config), "--tokenizer", str(tokenizer), *TRAIN_ARGS,
-        "--checkpoint-dir", str(work / "ckpt-solo"),
+        "--checkpoint-dir", str(work / "ckpt-solo"), *node_args,
     ]  # fmt: skip
     watcher, wall = _run(cmd, cwd=work, timeout_s=1800)
     return {"peak_bytes": float(watcher.peaks[watcher.root][1]), "wall_s": wall}
 
 
-def measure_swarm(config: Path, tokenizer: Path, work: Path, nodes: int) -> dict[str, object]:
+def measure_swarm(
+    config: Path, tokenizer: Path, work: Path, nodes: int, node_args: list[str]
+) -> dict[str, object]:
     out = work / f"swarm-{time.time_ns()}"
     cmd = [
         sys.executable, "-m", "adloco.node.cli.launcher", "--nodes", str(nodes), "--rounds", "2",
         "--out", str(out), "--tokenizer", str(tokenizer), "--", "--model", str(config), *TRAIN_ARGS,
+        *node_args,
     ]  # fmt: skip
     watcher, wall = _run(cmd, cwd=work, timeout_s=3600)
     peaks, parents = watcher.peaks, watcher.parents
@@ -197,6 +201,9 @@ def main() -> None:
     ap.add_argument("--modes", default="solo,swarm", help="comma-separated: solo, swarm")
     ap.add_argument("--repeats", type=int, default=1, help="solo runs (the median is reported)")
     ap.add_argument("--nodes", type=int, default=3)
+    ap.add_argument(
+        "--node-arg", action="append", default=[], help="one more flag for every node (repeatable)"
+    )
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
     modes = args.modes.split(",")
@@ -214,18 +221,21 @@ def main() -> None:
             "theta": 4,
             "outer momentum": 4,
         }
-        by_design = {"error-feedback residual (int8)": 4}
+        residual = 2 if _flag(args.node_arg, "--residual-dtype") == "bfloat16" else 4
+        by_design = {"error-feedback residual (int8)": residual}
         baseline = library_baseline(config)
         result: dict[str, object] = {
             "params": params,
             "train_args": TRAIN_ARGS,
+            "node_args": args.node_arg,
+            "allocator_env": {k: v for k, v in os.environ.items() if k.startswith(("MALLOC_", "GLIBC_"))},
             "floor_bytes_per_param": floor,
             "by_design_bytes_per_param": by_design,
             "libraries_and_one_model_bytes": baseline,
         }
         print(f"libraries + one model build: {baseline / 2**30:.2f} GiB ({baseline / params:.1f} B/param)")
         if "solo" in modes:
-            runs = [measure_solo(config, tokenizer, work) for _ in range(args.repeats)]
+            runs = [measure_solo(config, tokenizer, work, args.node_arg) for _ in range(args.repeats)]
             peak = statistics.median(r["peak_bytes"] for r in runs)
             result["solo"] = {"runs": runs, "median_peak_bytes": peak, "bytes_per_param": peak / params}
             print(
@@ -235,7 +245,7 @@ def main() -> None:
             )
             _write(args.out, result)  # kept if the swarm run fails
         if "swarm" in modes:
-            swarm = measure_swarm(config, tokenizer, work, args.nodes)
+            swarm = measure_swarm(config, tokenizer, work, args.nodes, args.node_arg)
             node_peaks = swarm["node_peak_bytes"]
             assert isinstance(node_peaks, list)
             forked = swarm["forked_dht_peak_bytes"]
@@ -249,6 +259,16 @@ def main() -> None:
             )
     _write(args.out, result)
     print(f"wrote {args.out}")
+
+
+def _flag(args: list[str], name: str) -> str | None:
+    """The value given to `name` in `args` (as `name value` or `name=value`), None if absent."""
+    for i, arg in enumerate(args):
+        if arg == name and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith(name + "="):
+            return arg.split("=", 1)[1]
+    return None
 
 
 def _write(out: Path, result: dict[str, object]) -> None:

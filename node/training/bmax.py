@@ -22,6 +22,7 @@ import torch
 
 from ...errors import UserError
 from .devices import autocast
+from .loss import causal_lm_loss
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +80,7 @@ def saved_activation_bytes(
     model.train()  # activation checkpointing acts in training mode only
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast(device, autocast_dtype):
-            loss = model(input_ids=x, labels=x).loss
+            loss = causal_lm_loss(model, x)
         del loss
     finally:
         model.train(was_training)
@@ -209,7 +210,7 @@ def _probe_cuda(
         x = torch.randint(0, vocab_size, (b, seq_len), device=device)
         try:
             with autocast(device, autocast_dtype):
-                loss = model(input_ids=x, labels=x).loss
+                loss = causal_lm_loss(model, x)
             loss.backward()
             optimizer.step()
             torch.cuda.synchronize(device)

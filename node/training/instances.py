@@ -33,6 +33,7 @@ from ...protocol.algorithms.merge import merge_weighted
 from ...protocol.algorithms.pseudograd import PseudoGradient
 from ...protocol.algorithms.switch import BatchPlan
 from .devices import Placement, autocast
+from .loss import causal_lm_loss
 from .sampling import TokenSampler
 from .state import malformed, mapping, tensors_like
 
@@ -250,7 +251,7 @@ class Instance:
             if collect_stats:
                 replay.append((batch, _rng_state(self.device)))
             with autocast(self.device, self.autocast_dtype):
-                loss = self.model(input_ids=batch, labels=batch).loss
+                loss = causal_lm_loss(self.model, batch)
             (loss / accum).backward()
             total_loss += float(loss.detach())
         stats = None
@@ -285,7 +286,7 @@ class Instance:
                 _set_rng_state(self.device, rng)
                 acc.chunk = m
                 with autocast(self.device, self.autocast_dtype):
-                    loss = self.model(input_ids=batch, labels=batch).loss
+                    loss = causal_lm_loss(self.model, batch)
                 loss.backward()
         finally:
             for handle in handles:

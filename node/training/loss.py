@@ -1,0 +1,124 @@
+"""The training loss without the whole logits tensor.
+
+`model(input_ids=x, labels=x).loss` forms the logits of every token at once, (B, T, V) in fp32,
+keeps their log-softmax for the backward pass and then their gradient: three tensors of B·T·V·4
+bytes (77 MB each at GPT-2's 50257 words and 3 × 128 tokens; 1.6 GB each at 8 × 1024). Past the
+transformer body the loss is a linear map and a cross-entropy, so `causal_lm_loss` runs the body,
+then forms the logits a chunk of tokens at a time and, in the same pass, the loss's gradient with
+respect to the hidden states and to the output embedding (softmax − one-hot, over the token count),
+as Liger's fused linear cross-entropy does. One chunk's logits exist at a time, none is kept, and
+backward only scales the two kept gradients by the incoming one: no logits are ever formed again.
+
+What is kept instead: the hidden states' gradient (B·T·D, the size of one layer's activations) and
+the output embedding's gradient (V·D), which the backward pass hands to autograd as that weight's
+gradient, so it is the gradient the step needs anyway, formed earlier (at the end of the forward
+pass rather than at the start of the backward one).
+
+Used where the architecture's causal-LM head is exactly `lm_head(base_model(x).last_hidden_state)`
+with a bias-free linear head (`FUSED_TYPES`); any other model gets transformers' own loss.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+# Model types whose logits are the bias-free output embedding applied to the base model's last
+# hidden state (final norm included), with no scaling or capping of the logits.
+FUSED_TYPES = frozenset({"gpt2", "llama", "mistral", "qwen2", "bloom", "gpt_neox"})
+# The logits of one chunk, fp32: tokens per chunk = this / (4 · vocabulary).
+CHUNK_BYTES = 16 << 20
+
+
+def fused_head(model: nn.Module) -> tuple[nn.Module, nn.Linear] | None:
+    """(base model, output embedding) when `causal_lm_loss` can fuse the head; None otherwise."""
+    config = getattr(model, "config", None)
+    if getattr(config, "model_type", None) not in FUSED_TYPES:
+        return None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    base = getattr(model, "base_model", None)
+    if not isinstance(head, nn.Linear) or head.bias is not None or base is None or base is model:
+        return None
+    return base, head
+
+
+def causal_lm_loss(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy of `model` on `input_ids` (B, T), the loss of
+    `model(input_ids=input_ids, labels=input_ids)`, with the logits formed a chunk at a time."""
+    fused = fused_head(model)
+    if fused is None:
+        loss: torch.Tensor = model(input_ids=input_ids, labels=input_ids).loss
+        return loss
+    base, head = fused
+    hidden = base(input_ids=input_ids, use_cache=False).last_hidden_state
+    targets = input_ids[:, 1:].reshape(-1)
+    hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])
+    dtype = torch.get_autocast_dtype(hidden.device.type) if _autocasting(hidden.device) else None
+    grads = torch.is_grad_enabled() and (hidden.requires_grad or head.weight.requires_grad)
+    out: torch.Tensor = _FusedLinearCrossEntropy.apply(hidden, head.weight, targets, dtype, grads)
+    return out
+
+
+def _autocasting(device: torch.device) -> bool:
+    return bool(torch.is_autocast_enabled(device.type))
+
+
+class _FusedLinearCrossEntropy(torch.autograd.Function):
+    """mean_i CE(h_i · Wᵀ, t_i), with d/dh and d/dW computed in the forward pass, chunk by chunk."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        targets: torch.Tensor,
+        dtype: torch.dtype | None,
+        grads: bool,
+    ) -> torch.Tensor:
+        n, vocab = targets.numel(), weight.shape[0]
+        if n == 0:
+            raise ValueError("no next-token targets: sequences need at least 2 tokens")
+        need_h, need_w = grads and ctx.needs_input_grad[0], grads and ctx.needs_input_grad[1]
+        rows = max(1, CHUNK_BYTES // (4 * vocab))
+        compute = dtype or weight.dtype
+        with torch.autocast(hidden.device.type, enabled=False):
+            w = weight.detach().to(compute)
+            grad_h = torch.empty_like(hidden) if need_h else None
+            grad_w = torch.zeros_like(weight) if need_w else None
+            total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+            for start in range(0, n, rows):
+                h = hidden[start : start + rows].detach().to(compute)
+                t = targets[start : start + rows]
+                logits = (h @ w.T).float()  # (rows, V): the one chunk of logits that exists
+                lse = torch.logsumexp(logits, dim=1)
+                total += (lse - logits.gather(1, t[:, None]).squeeze(1)).sum()
+                if grad_h is None and grad_w is None:
+                    continue
+                # d(sum of CE)/d logits = softmax − one-hot; the mean divides by n.
+                g = logits.sub_(lse[:, None]).exp_()
+                g[torch.arange(len(t), device=g.device), t] -= 1.0
+                g.div_(n)
+                gc = g.to(compute)
+                if grad_h is not None:
+                    grad_h[start : start + rows] = gc @ w
+                if grad_w is not None:
+                    if compute == torch.float32:
+                        grad_w.addmm_(gc.T, h)
+                    else:
+                        grad_w += (gc.T @ h).float()
+        if grad_h is not None:
+            ctx.save_for_backward(grad_h)  # grows with the batch: counted as an activation
+        ctx.grad_w = grad_w  # the weight's own gradient: not an activation (bmax)
+        ctx.has_grad_h = grad_h is not None
+        return total / n
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        grad_h = ctx.saved_tensors[0] * grad_out if ctx.has_grad_h else None
+        grad_w = ctx.grad_w
+        ctx.grad_w = None
+        if grad_w is not None and not bool(grad_out == 1):
+            grad_w.mul_(grad_out)
+        return grad_h, grad_w, None, None, None

@@ -1,0 +1,128 @@
+"""`causal_lm_loss`: transformers' loss and gradients, without the whole logits tensor."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from adloco.node.training import loss as loss_module
+from adloco.node.training.loss import causal_lm_loss, fused_head
+from adloco.node.training.model import build_model
+
+VOCAB = 300
+TINY_GPT2 = (
+    '{"model_type": "gpt2", "n_embd": 32, "n_layer": 2, "n_head": 2, "n_positions": 64, "vocab_size": 300}'
+)
+
+
+@pytest.fixture
+def gpt2_config(tmp_path: pytest.TempPathFactory) -> str:
+    path = tmp_path / "gpt2.json"  # type: ignore[operator]
+    path.write_text(TINY_GPT2)
+    return str(path)
+
+
+def _model(spec: str) -> torch.nn.Module:
+    model = build_model(spec, vocab_size=VOCAB, max_seq_len=64)
+    model.eval()  # no dropout: both losses see the same forward pass
+    return model
+
+
+def _loss_and_grads(model: torch.nn.Module, fn: object, x: torch.Tensor) -> tuple[float, list[torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    loss = fn(model, x)  # type: ignore[operator]
+    loss.backward()
+    return float(loss.detach()), [p.grad.clone() for p in model.parameters()]
+
+
+def _reference(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    out: torch.Tensor = model(input_ids=x, labels=x).loss
+    return out
+
+
+@pytest.mark.parametrize("spec", ["tiny-llama", "gpt2", "bloom"])
+def test_loss_and_every_gradient_match_transformers_over_several_uneven_chunks(
+    spec: str, gpt2_config: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Chunks of 7 tokens over 3 × 19 targets (the last chunk shorter); gpt2 and bloom tie the output
+    embedding to the input one, so its gradient is the sum of both uses."""
+    monkeypatch.setattr(loss_module, "CHUNK_BYTES", 4 * VOCAB * 7)
+    model = _model(gpt2_config if spec == "gpt2" else spec)
+    assert fused_head(model) is not None
+    x = torch.randint(0, VOCAB, (3, 20), generator=torch.Generator().manual_seed(1))
+    ref_loss, ref_grads = _loss_and_grads(model, _reference, x)
+    loss, grads = _loss_and_grads(model, causal_lm_loss, x)
+    assert loss == pytest.approx(ref_loss, rel=1e-6)
+    for g, r in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-6)
+
+
+def test_the_incoming_gradient_scales_both_kept_gradients(gpt2_config: str) -> None:
+    """Accumulation backpropagates loss / accum: every gradient is that fraction of the full one."""
+    model = _model(gpt2_config)
+    x = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(2))
+    _, full = _loss_and_grads(model, causal_lm_loss, x)
+    _, third = _loss_and_grads(model, lambda m, b: causal_lm_loss(m, b) / 3, x)
+    for f, t in zip(full, third, strict=True):
+        torch.testing.assert_close(t, f / 3, rtol=1e-5, atol=1e-8)
+
+
+def test_bf16_autocast_stays_close_to_the_fp32_reference(gpt2_config: str) -> None:
+    model = _model(gpt2_config)
+    x = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(3))
+    ref_loss, ref_grads = _loss_and_grads(model, _reference, x)
+
+    def bf16(m: torch.nn.Module, b: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return causal_lm_loss(m, b)
+
+    loss, grads = _loss_and_grads(model, bf16, x)
+    assert loss == pytest.approx(ref_loss, rel=2e-2)
+    for g, r in zip(grads, ref_grads, strict=True):
+        assert g.dtype == torch.float32
+        assert float((g - r).norm()) <= 0.05 * float(r.norm()) + 1e-6
+
+
+def test_without_autograd_only_the_loss_is_computed(gpt2_config: str) -> None:
+    model = _model(gpt2_config)
+    x = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        loss = causal_lm_loss(model, x)
+        assert float(loss) == pytest.approx(float(_reference(model, x)), rel=1e-6)
+    assert not loss.requires_grad
+
+
+def test_no_logits_sized_tensor_is_kept_for_the_backward_pass(gpt2_config: str) -> None:
+    """What autograd keeps after the forward pass (its saved tensors, by storage) shrinks by at least
+    the logits-sized log-softmax transformers' loss keeps (B·T·V·4 bytes)."""
+
+    def saved_bytes(fn: object, x: torch.Tensor) -> int:
+        seen: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = fn(model, x)  # type: ignore[operator]
+        del loss
+        return sum(seen.values())
+
+    model = _model(gpt2_config)
+    x = torch.randint(0, VOCAB, (4, 64), generator=torch.Generator().manual_seed(5))
+    logits_bytes = 4 * 64 * VOCAB * 4
+    assert saved_bytes(causal_lm_loss, x) <= saved_bytes(_reference, x) - logits_bytes
+
+
+def test_other_architectures_get_transformers_own_loss(tmp_path: pytest.TempPathFactory) -> None:
+    """OPT is not in FUSED_TYPES: its loss is transformers' own, to the bit."""
+    path = tmp_path / "opt.json"  # type: ignore[operator]
+    path.write_text(
+        '{"model_type": "opt", "hidden_size": 32, "num_hidden_layers": 2, "ffn_dim": 64,'
+        ' "num_attention_heads": 2, "max_position_embeddings": 64, "word_embed_proj_dim": 32,'
+        ' "vocab_size": 300}'
+    )
+    model = _model(str(path))
+    assert fused_head(model) is None
+    x = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(6))
+    assert torch.equal(causal_lm_loss(model, x), _reference(model, x))
