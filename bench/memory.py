@@ -16,7 +16,7 @@ measured when the script runs. From the repository root:
 
     python bench/memory.py                       # solo + 3-node swarm, ~5 min on 2 cores, nodes of 5-6 GB
     python bench/memory.py --modes solo --repeats 3 --out /tmp/memory.json
-    python bench/memory.py --modes solo --node-arg=--residual-dtype --node-arg=bfloat16
+    python bench/memory.py --modes solo --node-arg=--residual-dtype --node-arg=float32
 """
 
 from __future__ import annotations
@@ -221,8 +221,8 @@ def main() -> None:
             "theta": 4,
             "outer momentum": 4,
         }
-        residual = 2 if _flag(args.node_arg, "--residual-dtype") == "bfloat16" else 4
-        by_design = {"error-feedback residual (int8)": residual}
+        residual = 4 if _flag(args.node_arg, "--residual-dtype") == "float32" else 2
+        by_design = {"error-feedback residual": residual}
         baseline = library_baseline(config)
         result: dict[str, object] = {
             "params": params,

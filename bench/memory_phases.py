@@ -66,10 +66,11 @@ def _report() -> None:
 def main() -> int:
     threading.Thread(target=_sample, daemon=True).start()
     import torch
-    from transformers import GPT2LMHeadModel
+    from transformers import GPT2Model
 
     from adloco.node.cli.entry import main as node_main
     from adloco.node.solo import trainer
+    from adloco.node.training import instances
     from adloco.node.training.instances import Instance
     from adloco.node.training.peer import Peer
 
@@ -83,7 +84,8 @@ def main() -> int:
         (torch.optim.AdamW, "step", "adamw"),
         (torch.nn.utils, "clip_grad_norm_", "clip"),
         (torch.Tensor, "backward", "bwd"),
-        (GPT2LMHeadModel, "forward", "fwd"),
+        (instances, "causal_lm_loss", "loss"),  # the body's forward ("fwd"), then the fused head
+        (GPT2Model, "forward", "fwd"),
         (trainer.MemoryAverager, "average", "average"),
     ]:
         _label(owner, name, tag)

@@ -45,13 +45,20 @@ def test_loss_and_every_gradient_match_transformers_over_several_uneven_chunks(
     spec: str, gpt2_config: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Chunks of 7 tokens over 3 × 19 targets (the last chunk shorter); gpt2 and bloom tie the output
-    embedding to the input one, so its gradient is the sum of both uses."""
+    embedding to the input one, so its gradient is the sum of both uses (the lookup's one sparse,
+    the sum dense)."""
     monkeypatch.setattr(loss_module, "CHUNK_BYTES", 4 * VOCAB * 7)
     model = _model(gpt2_config if spec == "gpt2" else spec)
     assert fused_head(model) is not None
+    embedding = model.get_input_embeddings()
+    tied = embedding.weight is model.get_output_embeddings().weight
+    assert embedding.sparse == tied  # build_model: a tied lookup's gradient is sparse
     x = torch.randint(0, VOCAB, (3, 20), generator=torch.Generator().manual_seed(1))
+    embedding.sparse = False  # the reference: transformers' loss, dense gradients throughout
     ref_loss, ref_grads = _loss_and_grads(model, _reference, x)
+    embedding.sparse = tied
     loss, grads = _loss_and_grads(model, causal_lm_loss, x)
+    assert all(g.layout == torch.strided for g in grads)
     assert loss == pytest.approx(ref_loss, rel=1e-6)
     for g, r in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-6)

@@ -29,7 +29,8 @@ logger = logging.getLogger(__name__)
 SAFETY = 0.9
 UPPER = 4096
 # Bytes per parameter: an instance's fp32 weights, gradients and two AdamW moments; and the peer's
-# state where it shares the device (θ, m, Δ and the error-feedback residual, fp32).
+# state where it shares the device (θ, m, Δ and the error-feedback residual, fp32: an upper bound,
+# the residual is bf16 by default).
 INSTANCE_BYTES = 16
 STATE_BYTES = 16
 # The norm-test statistics pass (instances.py `_ChunkSums`) holds, beside the step's gradients, the
