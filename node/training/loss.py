@@ -89,7 +89,8 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             grad_w = torch.zeros_like(weight) if need_w else None
             total = torch.zeros((), dtype=torch.float32, device=hidden.device)
             for start in range(0, n, rows):
-                h = hidden[start : start + rows].detach().to(compute)
+                h32 = hidden[start : start + rows].detach().float()
+                h = h32.to(compute)
                 t = targets[start : start + rows]
                 logits = (h @ w.T).float()  # (rows, V): the one chunk of logits that exists
                 lse = torch.logsumexp(logits, dim=1)
@@ -100,14 +101,11 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 g = logits.sub_(lse[:, None]).exp_()
                 g[torch.arange(len(t), device=g.device), t] -= 1.0
                 g.div_(n)
-                gc = g.to(compute)
                 if grad_h is not None:
-                    grad_h[start : start + rows] = gc @ w
+                    grad_h[start : start + rows] = g.to(compute) @ w
                 if grad_w is not None:
-                    if compute == torch.float32:
-                        grad_w.addmm_(gc.T, h)
-                    else:
-                        grad_w += (gc.T @ h).float()
+                    # In fp32 and in place, whatever the autocast: no V x D temporary per chunk.
+                    grad_w.addmm_(g.T, h32)
         if grad_h is not None:
             ctx.save_for_backward(grad_h)  # grows with the batch: counted as an activation
         ctx.grad_w = grad_w  # the weight's own gradient: not an activation (bmax)
