@@ -36,7 +36,7 @@ from adloco.protocol.algorithms import codecs
 from adloco.protocol.algorithms.allreduce import Contribution, reduce_group
 from adloco.protocol.algorithms.codecs import decode_tensors, encode_tensors, make_codec
 from adloco.protocol.algorithms.report import PeerReport
-from adloco.protocol.transport.averager import Averager, MemberResult
+from adloco.protocol.transport.averager import Averager, MemberResult, NotOpened
 from adloco.protocol.transport.memory import MemoryAverager, MemoryHub
 
 pytestmark = pytest.mark.timeout(60)
@@ -294,6 +294,27 @@ def test_join_only_never_opens_a_round_but_joins_one_opened_by_another(swarm: Sw
         == outcomes["fresh"].members
         == tuple(sorted(c.peer_id for c in contributions))
     )
+
+
+def test_join_only_with_a_bounded_wait_says_no_round_was_opened_and_never_registered(swarm: Swarm) -> None:
+    """A join-only call that nobody opens a round for raises NotOpened after its `join_wait_s`, long
+    before its timeout, having stored nothing: a fresh peer then opens that round alone."""
+    swarm.add_nodes(2)
+    fresh, late = swarm.averager(0), swarm.averager(1)
+    contributions = _contributions([fresh, late], "int8", seed=6)
+    began = time.monotonic()
+    with pytest.raises(NotOpened):
+        late.average(
+            contributions[1],
+            round=4,
+            codec=make_codec("int8"),
+            timeout=CALL_TIMEOUT_S,
+            join_only=True,
+            join_wait_s=0.5,
+        )
+    assert time.monotonic() - began < 0.5 + SLACK_S
+    alone = fresh.average(contributions[0], round=4, codec=make_codec("int8"), timeout=CALL_TIMEOUT_S)
+    assert alone is not None and alone.members == (fresh.peer_id,)
 
 
 def test_two_prefixes_on_the_same_nodes_never_mix(swarm: Swarm) -> None:

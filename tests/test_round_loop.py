@@ -30,7 +30,7 @@ from adloco.node.training.replica import Update
 from adloco.node.training.runtime import load_data
 from adloco.protocol.algorithms.allreduce import Contribution, reduce_group
 from adloco.protocol.algorithms.codecs import Codec
-from adloco.protocol.transport.averager import MemberResult, Traffic
+from adloco.protocol.transport.averager import MemberResult, NotOpened, Traffic
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -52,11 +52,13 @@ class Call:
     round_id: int
     join_only: bool
     at: float
+    join_wait_s: float | None = None
 
 
 class ScriptedAverager:
     """Answers call i with `answers[i]`: "late" (None at once, as for a registration after the
-    window) or "alone" (the caller's contribution averaged as a group of one); late once they run out."""
+    window), "not_opened" (`NotOpened`, as a join-only call no peer opened a round for) or "alone"
+    (the caller's contribution averaged as a group of one); late once they run out."""
 
     matchmaking_s = 0.0
 
@@ -67,10 +69,20 @@ class ScriptedAverager:
         self.calls: list[Call] = []
 
     def average(
-        self, contribution: Contribution, *, round: int, codec: Codec, timeout: float, join_only: bool = False
+        self,
+        contribution: Contribution,
+        *,
+        round: int,
+        codec: Codec,
+        timeout: float,
+        join_only: bool = False,
+        join_wait_s: float | None = None,
     ) -> MemberResult | None:
-        self.calls.append(Call(round, join_only, time.monotonic()))
-        if (self.answers.pop(0) if self.answers else "late") == "late":
+        self.calls.append(Call(round, join_only, time.monotonic(), join_wait_s))
+        answer = self.answers.pop(0) if self.answers else "late"
+        if answer == "not_opened":
+            raise NotOpened(f"round {round}: scripted")
+        if answer == "late":
             self.on_late()
             return None
         group = reduce_group([contribution], codec=codec)
@@ -181,3 +193,29 @@ def test_a_stop_ends_the_wait_for_a_failed_try(corpus: Corpus) -> None:
     loop.run(stop.is_set)
     assert time.monotonic() - t0 < 10.0  # SIGTERM and drain are not held up by the wait
     assert len(averager.calls) == 1 and peer.state.round == 0
+
+
+@pytest.mark.parametrize("overlap", ["off", "rebase"])
+def test_a_late_delta_no_fresh_peer_takes_is_dropped_and_the_peer_opens_the_next_round_at_once(
+    corpus: Corpus, overlap: str
+) -> None:
+    """Every fresh peer left (or all are late): the late, join-only call finds no round opened
+    within its bounded wait. Its Δ is dropped and the peer trains afresh and opens the round itself
+    at once: it never registered, so there is no failed try to wait out (the exchange budget, here
+    30 s; at GPT-2 124M's default rate hours, which stalled a benchmark swarm)."""
+    peer = _peer(corpus, "me", overlap)
+    swarm = ScriptedSwarm(peer, _others_round_zero(corpus))
+    averager = ScriptedAverager("me", ["late", "not_opened", "alone"], on_late=swarm.others_apply)
+    loop = _loop(peer, averager, swarm, timeout_s=30.0)
+    t0 = time.monotonic()
+    loop.run(lambda: loop.ops.counters.applied >= 1)
+    assert time.monotonic() - t0 < 15.0
+
+    _, late, fresh = averager.calls
+    assert (late.round_id, late.join_only) == (1 * ROUND_ID_STRIDE, True)
+    assert late.join_wait_s is not None and late.join_wait_s < 30.0
+    assert (fresh.round_id, fresh.join_only, fresh.join_wait_s) == (1 * ROUND_ID_STRIDE + 1, False, None)
+    # Without overlap round 0's Δ went in late and was dropped; with it, round 0's failed try is
+    # dropped too, and the next local round's Δ went in late.
+    assert loop.ops.counters.dropped == (1 if overlap == "off" else 2)
+    assert peer.state.round == 2

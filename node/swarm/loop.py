@@ -26,7 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from ...protocol.algorithms.allreduce import Contribution
-from ...protocol.transport.averager import Averager, MemberResult
+from ...protocol.transport.averager import Averager, MemberResult, NotOpened
 from ..operations.control import AveragingInfo
 from ..operations.metrics import NodeMetrics
 from ..training.peer import Peer, overlap_this_round
@@ -42,6 +42,13 @@ SETTLE_POLL_S = 0.25
 # Averager round ids are single-use: id = round × stride + the number of earlier tries at that round.
 # Peers that reach a round meet at its first id; after a round failed everywhere they meet at the next.
 ROUND_ID_STRIDE = 1000
+# A late contribution waits this many of its own local rounds (at least JOIN_WAIT_MIN_S) for a fresh
+# peer to open the round it joins: fresh peers began that round's local training when its state was
+# published, which this peer has just caught up to. If none opens, no fresh peer is left (the ones
+# it caught up from finished, or every peer is late) and the late Δ is dropped, so this peer trains
+# afresh and opens the next round itself instead of waiting out the whole exchange budget.
+JOIN_WAIT_LOCAL_ROUNDS = 2.0
+JOIN_WAIT_MIN_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -124,7 +131,11 @@ class RoundLoop:
             contribution, info = self.peer.contribute(local, bandwidth_bps=self._link_bps)
             if contribution is None:
                 return False  # too stale: dropped, counted by the caller
-            result = self._average(contribution, info, self._next_round_id())
+            try:
+                result = self._average(contribution, info, self._next_round_id())
+            except NotOpened as e:
+                logger.info("[%s round=%d] late Δ dropped: %s", *self._tag(), e)
+                return False
             if result is None:
                 logger.info("[%s round=%d] no group this time (attempt %d)", *self._tag(), attempt)
                 continue
@@ -277,7 +288,8 @@ class RoundLoop:
     ) -> MemberResult | None:
         """One averaging call (on the averaging thread under overlap), accounted for."""
         t0 = time.perf_counter()
-        result, error = None, ""
+        result, error, registered = None, "", True
+        late = info.staleness > 0
         try:
             result = self.averager.average(
                 contribution,
@@ -285,17 +297,25 @@ class RoundLoop:
                 codec=self.peer.downlink_codec(info.codec),
                 timeout=self.cfg.average_timeout_s,
                 # A late contribution joins a round fresh peers opened; it never opens one alone.
-                join_only=info.staleness > 0,
+                join_only=late,
+                join_wait_s=self._join_wait_s() if late else None,
             )
             error = "" if result is not None else "no complete group this round"
             return result
+        except NotOpened as e:
+            error, registered = f"late, dropped: {e}", False
+            raise
         except Exception as e:
             error = repr(e)
             raise
         finally:
-            if result is None:
+            if result is None and registered:  # a try others may still be running
                 self._failed = (round_id // ROUND_ID_STRIDE, time.monotonic())
             self._averaged(round_id // ROUND_ID_STRIDE, info, result, time.perf_counter() - t0, error)
+
+    def _join_wait_s(self) -> float:
+        """How long a late contribution waits for a fresh peer to open its round."""
+        return max(JOIN_WAIT_MIN_S, JOIN_WAIT_LOCAL_ROUNDS * (self._last_compute_s or 0.0))
 
     def _averaged(
         self, round: int, info: ContributionInfo, result: MemberResult | None, seconds: float, error: str

@@ -65,6 +65,11 @@ class MemberResult(GroupResult):
     traffic: Traffic
 
 
+class NotOpened(Exception):
+    """A join-only call found no round opened by another peer within its wait. It never registered,
+    so no group holds this peer: unlike a failed try, nothing of it can still be running elsewhere."""
+
+
 @runtime_checkable
 class Averager(Protocol):
     """One peer's handle on the swarm's averaging; `average` blocks the calling (trainer) thread."""
@@ -75,14 +80,23 @@ class Averager(Protocol):
         ...
 
     def average(
-        self, contribution: Contribution, *, round: int, codec: Codec, timeout: float, join_only: bool = False
+        self,
+        contribution: Contribution,
+        *,
+        round: int,
+        codec: Codec,
+        timeout: float,
+        join_only: bool = False,
+        join_wait_s: float | None = None,
     ) -> MemberResult | None:
         """Average `contribution` with the peers ready for `round`; None if no group / failed.
 
         `codec` encodes the averages of the parts this peer owns (its downlink codec). Returns
         within `timeout` seconds. `join_only`: never open the round, only join one another peer
         opened (late contributions: a late peer alone would otherwise apply its stale Δ as a whole
-        round, and a group disjoint from the fresh peers' could complete the same round).
+        round, and a group disjoint from the fresh peers' could complete the same round); if no
+        other peer has opened it within `join_wait_s` (None: within `timeout`), raises `NotOpened`
+        without having registered.
         """
         ...
 

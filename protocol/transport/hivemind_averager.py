@@ -199,12 +199,20 @@ class HivemindAverager:
         return self.matchmaking_s + self.phase_s(exchange, floor_s=self.part_timeout_s) + 2 * answers
 
     def average(
-        self, contribution: Contribution, *, round: int, codec: Codec, timeout: float, join_only: bool = False
+        self,
+        contribution: Contribution,
+        *,
+        round: int,
+        codec: Codec,
+        timeout: float,
+        join_only: bool = False,
+        join_wait_s: float | None = None,
     ) -> MemberResult | None:
         """Register for `round`, form the group, exchange parts; see the module docstring.
 
         Raises ValueError for a contribution of another peer or with no tensors, and for a second
-        call with the same round; RuntimeError after shutdown.
+        call with the same round; RuntimeError after shutdown; `NotOpened` when a join-only call
+        found no round opened within `join_wait_s`.
         """
         if self._closed:
             raise RuntimeError("average() after shutdown()")
@@ -214,7 +222,7 @@ class HivemindAverager:
             raise ValueError(f"contribution of {contribution.peer_id!r} given to averager {self._peer_id!r}")
         if not contribution.payloads:
             raise ValueError("a contribution needs at least one tensor")
-        coro = self._average(contribution, round, codec, timeout, join_only)
+        coro = self._average(contribution, round, codec, timeout, join_only, join_wait_s)
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)
         try:
             # The coroutine bounds itself by `timeout`; the margin only guards against a stuck loop.
@@ -299,7 +307,13 @@ class HivemindAverager:
     # ---- one round, member side ------------------------------------------------------------------
 
     async def _average(
-        self, contribution: Contribution, round: int, codec: Codec, timeout: float, join_only: bool
+        self,
+        contribution: Contribution,
+        round: int,
+        codec: Codec,
+        timeout: float,
+        join_only: bool,
+        join_wait_s: float | None,
     ) -> MemberResult | None:
         if round in self._joined:
             raise ValueError(f"round {round} was already averaged by this peer; rounds are single-use")
@@ -307,7 +321,7 @@ class HivemindAverager:
         ready = self._round_future(round)
         try:
             return await asyncio.wait_for(
-                self._run_round(contribution, round, codec, ready, join_only), timeout
+                self._run_round(contribution, round, codec, ready, join_only, join_wait_s), timeout
             )
         except asyncio.TimeoutError:
             self._log(round, "gave up after the caller's timeout of %.1f s", timeout, level=logging.WARNING)
@@ -326,8 +340,11 @@ class HivemindAverager:
         codec: Codec,
         ready: asyncio.Future[RoundState | None],
         join_only: bool,
+        join_wait_s: float | None,
     ) -> MemberResult | None:
-        group = await self._matchmaker.matchmake(round, layout_of(contribution.payloads), join_only=join_only)
+        group = await self._matchmaker.matchmake(
+            round, layout_of(contribution.payloads), join_only=join_only, join_wait_s=join_wait_s
+        )
         if group is None:
             return None
         self._stage("grouped", round)

@@ -8,7 +8,7 @@ the key again and takes as the group the peers registered at a time <= T (T reco
 read), sorted by peer id; group_id = hash(prefix, r, members, tensor layout). Peers whose reads
 agree compute the same group without talking; clocks are assumed synchronized to well within
 `grace_s` (hivemind's DHT time is the wall clock). A late contribution matchmakes with `join_only`:
-it waits until another peer has registered and never opens a round itself.
+it waits until another peer has registered (at most `join_wait_s`) and never opens a round itself.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ from typing import Any
 import hivemind
 from hivemind.utils import get_dht_time
 from hivemind.utils.serializer import MSGPackSerializer
+
+from .averager import NotOpened
 
 logger = logging.getLogger(__name__)
 
@@ -102,11 +104,17 @@ class Matchmaker:
         self._on_stage = on_stage
         self._log = log
 
-    async def matchmake(self, round: int, layout: bytes, *, join_only: bool = False) -> Group | None:
-        """This peer's group for `round`, or None when it came too late; RoundFailed on DHT errors."""
+    async def matchmake(
+        self, round: int, layout: bytes, *, join_only: bool = False, join_wait_s: float | None = None
+    ) -> Group | None:
+        """This peer's group for `round`, or None when it came too late; RoundFailed on DHT errors;
+        `NotOpened` when `join_only` waited `join_wait_s` and no other peer had registered."""
         key = f"{self.prefix}.round{round}"
         if join_only:
-            await self._await_opened(key)
+            try:
+                await asyncio.wait_for(self._await_opened(key), join_wait_s)
+            except asyncio.TimeoutError:
+                raise NotOpened(f"round {round}: no peer opened it within {join_wait_s:.1f} s") from None
         registered = await self._register(key, round)
         records = await self._registrations(key, registered)
         close, _ = close_and_members(records, self.window_s)

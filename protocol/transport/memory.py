@@ -19,7 +19,7 @@ import torch
 from ..algorithms.allreduce import Contribution, GroupResult, reduce_group
 from ..algorithms.codecs import Codec
 from ..algorithms.parts import DEFAULT_OUTLIER_FACTOR, assign_parts, check_outlier_factor
-from .averager import MemberResult, Traffic
+from .averager import MemberResult, NotOpened, Traffic
 
 logger = logging.getLogger(__name__)
 
@@ -125,18 +125,25 @@ class MemoryHub:
         *,
         timeout: float,
         join_only: bool = False,
+        join_wait_s: float | None = None,
     ) -> MemberResult | None:
         """Join (or open) the group of (prefix, round); block until it is reduced or `timeout`.
 
-        With `join_only`, wait (within `timeout`) until another peer has opened the round.
+        With `join_only`, wait (within `timeout`, and `join_wait_s` if given) until another peer
+        has opened the round: None when the timeout ends the wait, `NotOpened` when join_wait_s does.
         """
         deadline = self._clock() + timeout
         peer = contribution.peer_id
         with self._cond:
-            if join_only and not self._cond.wait_for(
-                lambda: (prefix, round) in self._rounds, timeout=max(0.0, deadline - self._clock())
-            ):
-                return None
+            if join_only:
+                wait = max(0.0, deadline - self._clock())
+                bounded = join_wait_s is not None and join_wait_s < wait
+                if not self._cond.wait_for(
+                    lambda: (prefix, round) in self._rounds, timeout=join_wait_s if bounded else wait
+                ):
+                    if bounded:
+                        raise NotOpened(f"round {round}: no peer opened it within {join_wait_s:.1f} s")
+                    return None
             gathering, opened = self._open(prefix, round)
             if peer in gathering.seen:
                 raise ValueError(f"peer {peer} already called round {round}; rounds are single-use")
@@ -241,14 +248,29 @@ class MemoryAverager:
         return self._hub.matchmaking_s
 
     def average(
-        self, contribution: Contribution, *, round: int, codec: Codec, timeout: float, join_only: bool = False
+        self,
+        contribution: Contribution,
+        *,
+        round: int,
+        codec: Codec,
+        timeout: float,
+        join_only: bool = False,
+        join_wait_s: float | None = None,
     ) -> MemberResult | None:
         """Join the hub's group for (prefix, `round`); see `MemoryHub.join`."""
         if self._closed:
             raise RuntimeError("average() after shutdown()")
         if contribution.peer_id != self._peer_id:
             raise ValueError(f"contribution of {contribution.peer_id!r} given to averager {self._peer_id!r}")
-        return self._hub.join(self._prefix, round, contribution, codec, timeout=timeout, join_only=join_only)
+        return self._hub.join(
+            self._prefix,
+            round,
+            contribution,
+            codec,
+            timeout=timeout,
+            join_only=join_only,
+            join_wait_s=join_wait_s,
+        )
 
     def shutdown(self) -> None:
         """Refuse further rounds (there is nothing to release in process)."""
