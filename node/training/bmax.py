@@ -212,7 +212,7 @@ def _probe_cuda(
         try:
             with autocast(device, autocast_dtype):
                 loss = causal_lm_loss(model, x)
-            loss.backward()
+            torch.autograd.backward(loss)
             optimizer.step()
             torch.cuda.synchronize(device)
         finally:  # also after an OOM: the next try starts without this one's gradients

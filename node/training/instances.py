@@ -252,7 +252,7 @@ class Instance:
                 replay.append((batch, _rng_state(self.device)))
             with autocast(self.device, self.autocast_dtype):
                 loss = causal_lm_loss(self.model, batch)
-            (loss / accum).backward()
+            torch.autograd.backward(loss / accum)
             total_loss += float(loss.detach())
         stats = None
         if len(replay) >= 2:
@@ -287,7 +287,7 @@ class Instance:
                 acc.chunk = m
                 with autocast(self.device, self.autocast_dtype):
                     loss = causal_lm_loss(self.model, batch)
-                loss.backward()
+                torch.autograd.backward(loss)
         finally:
             for handle in handles:
                 handle.remove()

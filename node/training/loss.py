@@ -37,7 +37,8 @@ def fused_head(model: nn.Module) -> tuple[nn.Module, nn.Linear] | None:
     config = getattr(model, "config", None)
     if getattr(config, "model_type", None) not in FUSED_TYPES:
         return None
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
     base = getattr(model, "base_model", None)
     if not isinstance(head, nn.Linear) or head.bias is not None or base is None or base is model:
         return None
@@ -57,7 +58,9 @@ def causal_lm_loss(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
     hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])
     dtype = torch.get_autocast_dtype(hidden.device.type) if _autocasting(hidden.device) else None
     grads = torch.is_grad_enabled() and (hidden.requires_grad or head.weight.requires_grad)
-    out: torch.Tensor = _FusedLinearCrossEntropy.apply(hidden, head.weight, targets, dtype, grads)
+    out: torch.Tensor = _FusedLinearCrossEntropy.apply(  # type: ignore[no-untyped-call]
+        hidden, head.weight, targets, dtype, grads
+    )
     return out
 
 
@@ -69,7 +72,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     """mean_i CE(h_i · Wᵀ, t_i), with d/dh and d/dW computed in the forward pass, chunk by chunk."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         hidden: torch.Tensor,
         weight: torch.Tensor,
@@ -113,7 +116,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         return total / n
 
     @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         grad_h = ctx.saved_tensors[0] * grad_out if ctx.has_grad_h else None
         grad_w = ctx.grad_w
         ctx.grad_w = None
