@@ -289,7 +289,7 @@ class SwarmSync:
                 round=self.peer.state.round,
                 source=source_name,
                 chunks={d[-6:]: n for d, n in report.kept.items()},
-                dropped=sorted(d[-6:] for d in report.dropped),
+                dropped={d[-6:]: why for d, why in sorted(report.dropped.items())},
                 seconds=round(report.seconds, 3),
             )
         self.ops.status.write(
