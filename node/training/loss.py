@@ -56,16 +56,13 @@ def causal_lm_loss(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
     hidden = base(input_ids=input_ids, use_cache=False).last_hidden_state
     targets = input_ids[:, 1:].reshape(-1)
     hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])
-    dtype = torch.get_autocast_dtype(hidden.device.type) if _autocasting(hidden.device) else None
+    device_type = hidden.device.type
+    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
     grads = torch.is_grad_enabled() and (hidden.requires_grad or head.weight.requires_grad)
     out: torch.Tensor = _FusedLinearCrossEntropy.apply(  # type: ignore[no-untyped-call]
         hidden, head.weight, targets, dtype, grads
     )
     return out
-
-
-def _autocasting(device: torch.device) -> bool:
-    return bool(torch.is_autocast_enabled(device.type))
 
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
