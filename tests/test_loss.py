@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from adloco.node.training import loss as loss_module
-from adloco.node.training.loss import causal_lm_loss, fused_head
+from adloco.node.training.loss import TiedEmbedding, causal_lm_loss, fused_head
 from adloco.node.training.model import build_model
 
 VOCAB = 300
@@ -45,23 +45,52 @@ def test_loss_and_every_gradient_match_transformers_over_several_uneven_chunks(
     spec: str, gpt2_config: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Chunks of 7 tokens over 3 × 19 targets (the last chunk shorter); gpt2 and bloom tie the output
-    embedding to the input one, so its gradient is the sum of both uses (the lookup's one sparse,
-    the sum dense)."""
+    embedding to the input one, so its gradient is the sum of both uses (the lookup's rows added to
+    the head's gradient in place; transformers' loss through the same lookup gets its dense one)."""
     monkeypatch.setattr(loss_module, "CHUNK_BYTES", 4 * VOCAB * 7)
     model = _model(gpt2_config if spec == "gpt2" else spec)
     assert fused_head(model) is not None
     embedding = model.get_input_embeddings()
     tied = embedding.weight is model.get_output_embeddings().weight
-    assert embedding.sparse == tied  # build_model: a tied lookup's gradient is sparse
+    assert isinstance(embedding, TiedEmbedding) == tied  # build_model ties the lookup's gradient
     x = torch.randint(0, VOCAB, (3, 20), generator=torch.Generator().manual_seed(1))
-    embedding.sparse = False  # the reference: transformers' loss, dense gradients throughout
     ref_loss, ref_grads = _loss_and_grads(model, _reference, x)
-    embedding.sparse = tied
     loss, grads = _loss_and_grads(model, causal_lm_loss, x)
     assert all(g.layout == torch.strided for g in grads)
     assert loss == pytest.approx(ref_loss, rel=1e-6)
     for g, r in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-6)
+
+
+def test_a_tied_weight_gets_the_head_gradient_itself_with_the_lookup_rows_added_in_place(
+    gpt2_config: str,
+) -> None:
+    """The tied weight's gradient is the tensor the fused head formed in the forward pass (no second
+    V x D tensor), it is the sum of both uses, and gradient accumulation still adds up."""
+    model = _model(gpt2_config)
+    weight = model.get_input_embeddings().weight
+    formed: list[int] = []
+    zeros_like = torch.zeros_like
+
+    def spy(t: torch.Tensor, **kwargs: object) -> torch.Tensor:
+        out = zeros_like(t, **kwargs)  # type: ignore[arg-type]
+        if t is weight:
+            formed.append(out.data_ptr())
+        return out
+
+    x = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(6))
+    _, ref_grads = _loss_and_grads(model, _reference, x)
+    model.zero_grad(set_to_none=True)
+    torch.zeros_like = spy  # type: ignore[assignment]
+    try:
+        torch.autograd.backward(causal_lm_loss(model, x))
+    finally:
+        torch.zeros_like = zeros_like  # type: ignore[assignment]
+    assert weight.grad is not None and formed == [weight.grad.data_ptr()]
+    torch.testing.assert_close(weight.grad, ref_grads[0], rtol=1e-4, atol=1e-6)
+    assert model.get_input_embeddings().pending is None
+    torch.autograd.backward(causal_lm_loss(model, x))  # accumulates onto the first
+    torch.testing.assert_close(weight.grad, 2 * ref_grads[0], rtol=1e-4, atol=1e-6)
 
 
 def test_the_incoming_gradient_scales_both_kept_gradients(gpt2_config: str) -> None:
@@ -133,3 +162,38 @@ def test_other_architectures_get_transformers_own_loss(tmp_path: pytest.TempPath
     assert fused_head(model) is None
     x = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(6))
     assert torch.equal(causal_lm_loss(model, x), _reference(model, x))
+
+
+def test_gpt2s_activation_runs_fused_with_the_same_values_and_keeps_less_for_backward(
+    gpt2_config: str,
+) -> None:
+    """build_model swaps transformers' gelu_new (five saved intermediate tensors) for PyTorch's tanh
+    GELU kernel: the same function to float rounding, and at least three B·T·4D tensors less kept
+    per layer for the backward pass."""
+    from transformers.activations import NewGELUActivation
+
+    from adloco.node.training.model import TanhGELU
+
+    model = _model(gpt2_config)
+    swapped = [(m, n) for m in model.modules() for n, c in m.named_children() if isinstance(c, TanhGELU)]
+    assert len(swapped) == 2 and not any(isinstance(m, NewGELUActivation) for m in model.modules())
+    x = torch.randn(4, 8, 128, generator=torch.Generator().manual_seed(7)) * 4
+    torch.testing.assert_close(TanhGELU()(x), NewGELUActivation()(x), rtol=0, atol=1e-6)
+
+    def saved_bytes(ids: torch.Tensor) -> int:
+        seen: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            causal_lm_loss(model, ids)
+        return sum(seen.values())
+
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(8))
+    fused = saved_bytes(ids)
+    for module, name in swapped:
+        setattr(module, name, NewGELUActivation())
+    hidden_4d = 2 * 16 * 4 * 32 * 4  # B·T·4D fp32
+    assert saved_bytes(ids) - fused >= 3 * hidden_4d * len(swapped)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from adloco.errors import UserError
+from adloco.node.training import instances
 from adloco.node.training.config import TrainConfig
 from adloco.node.training.corpus import Corpus
 from adloco.node.training.peer import Peer
@@ -57,13 +58,17 @@ def test_first_step_statistics_and_tokens(corpus: Corpus) -> None:
     assert any(float(d.abs().max()) > 0 for d in result.delta)  # the round did move the weights
 
 
+@pytest.mark.parametrize("slice_elements", [None, 7])
 @pytest.mark.parametrize("plan", [BatchPlan(micro=4, accum=1), BatchPlan(micro=2, accum=3)])
 def test_first_step_statistics_are_those_of_its_micro_batch_gradients(
-    corpus: Corpus, plan: BatchPlan
+    corpus: Corpus, plan: BatchPlan, slice_elements: int | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # The instance gathers them tensor by tensor in a second backward pass; here each micro-batch's
+    # The instance gathers them tensor by tensor in a second backward pass (each tensor a slice at a
+    # time: 7 elements cuts every tensor into many, the last one shorter); here each micro-batch's
     # gradient is computed whole, on a copy that draws the same batches, and given to grad_stats.
     # Three peers of one config and seed: the same weights and the same batches, bit for bit.
+    if slice_elements is not None:
+        monkeypatch.setattr(instances, "STATS_SLICE", slice_elements)
     inst, twin, plain = (_peer(corpus).instances[0] for _ in range(3))
     _, stats = inst.inner_step(plan, collect_stats=True)
     micro, accum = twin._stats_split(plan)
@@ -81,6 +86,11 @@ def test_first_step_statistics_are_those_of_its_micro_batch_gradients(
     plain.inner_step(BatchPlan(micro=micro, accum=accum), collect_stats=False)
     for p, q in zip(inst.params, plain.params, strict=True):
         assert torch.equal(p, q)
+
+
+def test_the_inner_adamw_runs_pytorchs_fused_kernel_on_a_cpu(corpus: Corpus) -> None:
+    inst = _peer(corpus).instances[0]
+    assert inst.params[0].device.type == "cpu" and inst.optimizer.defaults["fused"] is True
 
 
 def test_accumulated_step_statistics_come_from_its_micro_batches(corpus: Corpus) -> None:

@@ -22,6 +22,7 @@ import torch
 
 from ...errors import UserError
 from .devices import autocast
+from .instances import adamw
 from .loss import causal_lm_loss
 
 logger = logging.getLogger(__name__)
@@ -204,7 +205,7 @@ def _probe_cuda(
             f"--instances: the gradients and AdamW state of {instances} instances of this model do not"
             f" fit on {torch.cuda.get_device_name(device)}; use fewer --instances or a smaller --model"
         ) from None
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)
+    optimizer = adamw(list(model.parameters()), lr=0.0)
     model.train()
 
     def try_step(b: int) -> None:

@@ -99,11 +99,8 @@ class Instance:
         device = self.params[0].device
         self.placement = placement or Placement(train=device, state=device)
         self.autocast_dtype = autocast_dtype
-        self.optimizer = torch.optim.AdamW(
-            self.params,
-            lr=inner.lr,
-            weight_decay=inner.weight_decay,
-            betas=(inner.beta1, inner.beta2),
+        self.optimizer = adamw(
+            self.params, lr=inner.lr, weight_decay=inner.weight_decay, betas=(inner.beta1, inner.beta2)
         )
         # Where the current round started: Δ = start − weights at the end of the round. Either θ's
         # own tensors (a round from θ that nothing moves meanwhile: no copy) or this instance's copy.
@@ -385,6 +382,18 @@ class Instance:
 _RngState = tuple[torch.Tensor, torch.Tensor | None]
 
 
+def adamw(params: Sequence[torch.Tensor], **options: Any) -> torch.optim.AdamW:
+    """AdamW with PyTorch's fused kernel wherever the device has one (CPUs and GPUs alike).
+
+    On a CPU the default (one parameter at a time, no fused kernel) forms the update's temporaries
+    tensor by tensor: at GPT-2 124M a step took 202 ms and 294 MB above the state, the fused one
+    34 ms and nothing (bench/results/adamw.json). The inner optimizer's state never needs to be
+    bit-identical between peers: only θ does.
+    """
+    fused = {p.device.type for p in params} in ({"cpu"}, {"cuda"})
+    return torch.optim.AdamW(params, fused=fused or None, **options)
+
+
 def _rng_state(device: torch.device) -> _RngState:
     """The random state a forward pass draws from (dropout): the CPU one, and the device's."""
     return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
@@ -394,6 +403,10 @@ def _set_rng_state(device: torch.device, state: _RngState) -> None:
     torch.set_rng_state(state[0])
     if state[1] is not None:
         torch.cuda.set_rng_state(state[1], device)
+
+
+# Elements per slice of a gradient tensor in the norm-test sums (4 MiB of fp32 temporaries).
+STATS_SLICE = 1 << 20
 
 
 class _ChunkSums:
@@ -419,13 +432,17 @@ class _ChunkSums:
                 g = param.grad
                 assert g is not None
                 param.grad = None  # read and freed: no copy of the model's gradients builds up
-                g_mean = mean.float()
-                dev = g.float() - g_mean
-                self.sq_dev += torch.dot(dev.reshape(-1), dev.reshape(-1)).double()
-                self.ip[self.chunk] += torch.dot(g.float().reshape(-1), g_mean.reshape(-1)).double()
-                if not counted:
-                    self.sq_norm += torch.dot(g_mean.reshape(-1), g_mean.reshape(-1)).double()
-                    counted = True
+                flat, flat_mean = g.reshape(-1), mean.reshape(-1)
+                # A slice at a time: the difference is a temporary of at most STATS_SLICE elements.
+                for start in range(0, flat.numel(), STATS_SLICE):
+                    g_j = flat[start : start + STATS_SLICE].float()
+                    mean_j = flat_mean[start : start + STATS_SLICE].float()
+                    dev = g_j - mean_j
+                    self.sq_dev += torch.dot(dev, dev).double()
+                    self.ip[self.chunk] += torch.dot(g_j, mean_j).double()
+                    if not counted:
+                        self.sq_norm += torch.dot(mean_j, mean_j).double()
+                counted = True
 
         return read
 

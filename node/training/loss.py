@@ -59,8 +59,11 @@ def causal_lm_loss(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
     device_type = hidden.device.type
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
     grads = torch.is_grad_enabled() and (hidden.requires_grad or head.weight.requires_grad)
+    get_lookup = getattr(base, "get_input_embeddings", None)
+    lookup = get_lookup() if callable(get_lookup) else None
+    tied = lookup if isinstance(lookup, TiedEmbedding) and lookup.weight is head.weight else None
     out: torch.Tensor = _FusedLinearCrossEntropy.apply(  # type: ignore[no-untyped-call]
-        hidden, head.weight, targets, dtype, grads
+        hidden, head.weight, targets, dtype, grads, tied
     )
     return out
 
@@ -76,6 +79,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         targets: torch.Tensor,
         dtype: torch.dtype | None,
         grads: bool,
+        tied: TiedEmbedding | None,
     ) -> torch.Tensor:
         n, vocab = targets.numel(), weight.shape[0]
         if n == 0:
@@ -110,6 +114,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             ctx.save_for_backward(grad_h)  # grows with the batch: counted as an activation
         ctx.grad_w = grad_w  # the weight's own gradient: not an activation (bmax)
         ctx.has_grad_h = grad_h is not None
+        ctx.tied = tied
         return total / n
 
     @staticmethod
@@ -119,4 +124,65 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         ctx.grad_w = None
         if grad_w is not None and not bool(grad_out == 1):
             grad_w.mul_(grad_out)
-        return grad_h, grad_w, None, None, None
+        if grad_w is not None and ctx.tied is not None:
+            # The input lookup's backward, which runs later in this pass, adds its rows in place and
+            # hands over the sum: the weight gets one gradient, not two for autograd to add.
+            ctx.tied.pending = grad_w
+            grad_w = None
+        ctx.tied = None
+        return grad_h, grad_w, None, None, None, None
+
+
+class TiedEmbedding(nn.Embedding):
+    """An input embedding whose weight is also the output head (GPT-2, Bloom): the lookup's gradient
+    rows are added in place to the head's gradient of that weight.
+
+    The fused head forms its dense V x D gradient; the lookup's is a few rows. Handed to autograd as
+    two gradients of one weight, they are summed out of place (PyTorch adds a sparse gradient to a
+    dense one into a new tensor, and a dense pair needs the second dense tensor first): a third V x D
+    tensor at the end of every backward pass (1.2 B/param at GPT-2 124M). Here the head parks its
+    gradient in `pending` and the lookup's backward, later in the same pass, adds its rows there
+    and returns the sum as the weight's only gradient. Without a pending gradient (transformers' own
+    loss) the lookup's gradient is the dense one `nn.Embedding` gives. `build_model` installs it.
+    """
+
+    pending: torch.Tensor | None = None
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if not (torch.is_grad_enabled() and self.weight.requires_grad):
+            return super().forward(input)
+        self.pending = None  # a pass whose backward never ran leaves nothing behind
+        out: torch.Tensor = _TiedLookup.apply(input, self.weight, self)  # type: ignore[no-untyped-call]
+        return out
+
+    @staticmethod
+    def plain(module: nn.Module) -> bool:
+        """Whether `module` is an embedding this lookup reproduces exactly (no padding row, norm
+        limit, frequency scaling or sparse gradient)."""
+        return (
+            type(module) is nn.Embedding
+            and module.padding_idx is None
+            and module.max_norm is None
+            and not module.scale_grad_by_freq
+            and not module.sparse
+        )
+
+
+class _TiedLookup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, ids: torch.Tensor, weight: torch.Tensor, owner: TiedEmbedding) -> torch.Tensor:
+        ctx.save_for_backward(ids)
+        ctx.owner = owner
+        ctx.weight_shape, ctx.weight_dtype = weight.shape, weight.dtype
+        return torch.nn.functional.embedding(ids, weight)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        (ids,) = ctx.saved_tensors
+        owner: TiedEmbedding = ctx.owner
+        grad_w, owner.pending = owner.pending, None
+        if grad_w is None:
+            grad_w = torch.zeros(ctx.weight_shape, dtype=ctx.weight_dtype, device=grad_out.device)
+        rows = grad_out.reshape(-1, grad_out.shape[-1]).to(grad_w.dtype)
+        grad_w.index_add_(0, ids.reshape(-1), rows)
+        return None, grad_w, None

@@ -24,6 +24,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ...errors import UserError
+from .loss import TiedEmbedding
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
@@ -88,7 +89,8 @@ def build_model(
         except ValueError:  # an architecture without sdpa support
             torch.manual_seed(seed)
             model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
-    _sparse_tied_embedding(model)
+    _tie_lookup_gradient(model)
+    _fused_tanh_gelu(model)
     logger.info(
         "model %s: %s, %.2fM parameters",
         spec or DEFAULT_MODEL,
@@ -98,15 +100,36 @@ def build_model(
     return model
 
 
-def _sparse_tied_embedding(model: PreTrainedModel) -> None:
-    """Where the input embedding is the output one (GPT-2, Bloom), the lookup's gradient is made
-    sparse: it is added in place to the head's dense gradient of the same weight, which the
-    backward pass forms first, instead of arriving as a second dense V x D tensor at the end of the
-    backward pass, when every other gradient is held too (1.2 B/param at GPT-2 124M). An untied
-    embedding keeps dense gradients (AdamW takes no sparse ones)."""
+def _tie_lookup_gradient(model: PreTrainedModel) -> None:
+    """Where the input embedding is the output one (GPT-2, Bloom), its lookup becomes a
+    `TiedEmbedding`: the lookup's gradient rows are added in place to the fused head's gradient of
+    the same weight, instead of a second V x D tensor being formed at the end of the backward pass
+    when every other gradient is held too (1.2 B/param at GPT-2 124M). Same module, same weight (the
+    class is swapped in place, so the tie and every name stay as they were)."""
     inputs, outputs = model.get_input_embeddings(), model.get_output_embeddings()
-    if isinstance(inputs, torch.nn.Embedding) and outputs is not None and inputs.weight is outputs.weight:
-        inputs.sparse = True
+    if outputs is not None and inputs.weight is outputs.weight and TiedEmbedding.plain(inputs):
+        inputs.__class__ = TiedEmbedding
+
+
+def _fused_tanh_gelu(model: PreTrainedModel) -> None:
+    """Replace transformers' `gelu_new` (GPT-2's activation: the tanh approximation written as five
+    tensor operations, each saving its input for the backward pass) by PyTorch's fused kernel of the
+    same formula, which saves only its input: 160 MB less held per forward pass at GPT-2 124M with
+    batch 3 x 128 (1.3 B/param), outputs equal to within 5e-7. The config still says `gelu_new`, so
+    an exported model loads as before."""
+    from transformers.activations import NewGELUActivation
+
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, NewGELUActivation):
+                setattr(module, name, TanhGELU())
+
+
+class TanhGELU(torch.nn.Module):
+    """GELU's tanh approximation, 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))), in one kernel."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.gelu(x, approximate="tanh")
 
 
 def check_model(spec: str | None, *, vocab_size: int = 256, max_seq_len: int = 1024) -> None:
