@@ -24,7 +24,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -191,7 +191,12 @@ class Outcome:
 
 
 def _average_together(
-    averagers: Sequence[Averager], contributions: Sequence[Contribution], *, round: int, spec: str
+    averagers: Sequence[Averager],
+    contributions: Sequence[Contribution],
+    *,
+    round: int,
+    spec: str,
+    bounds: Any = None,
 ) -> list[Outcome]:
     """Every averager calls `average` at the same moment from its own thread (as trainers do)."""
     outcomes: list[Outcome | None] = [None] * len(averagers)
@@ -201,7 +206,7 @@ def _average_together(
         start.wait()
         began = time.monotonic()
         result = averagers[i].average(
-            contributions[i], round=round, codec=make_codec(spec), timeout=CALL_TIMEOUT_S
+            contributions[i], round=round, codec=make_codec(spec), timeout=CALL_TIMEOUT_S, bounds=bounds
         )
         assert result is None or isinstance(result, MemberResult)
         outcomes[i] = Outcome(result, time.monotonic() - began)
@@ -552,8 +557,9 @@ def test_member_killed_mid_round_never_stalls_the_others(tmp_path: Path, victim_
         swarm.close()
 
 
-def test_an_owner_answering_a_malformed_rejected_field_fails_the_round_for_its_members() -> None:
-    """The owner of the largest part lists a non-member as rejected: the others return None, no crash."""
+def _round_with_a_lying_owner(lie: Callable[[Any], Any], spec: str, seed: int) -> None:
+    """Three members; the owner of the largest part answers with `lie(its result)` instead of its
+    result (its own copy stays intact). The others must return None, and nobody crash."""
     swarm = Swarm("hivemind")
     try:
         swarm.add_nodes(3)
@@ -561,18 +567,35 @@ def test_an_owner_answering_a_malformed_rejected_field_fails_the_round_for_its_m
         owner: Any = min(averagers, key=lambda a: a.peer_id)  # owns "embed", the largest part
         answer = owner._handler._answer
 
-        async def answer_malformed(writer: Any, session: Any, meter: Any) -> None:
-            lying = copy.copy(session)  # the owner's own result stays intact
+        async def answer_lying(writer: Any, session: Any, meter: Any) -> None:
+            lying = copy.copy(session)
             if session.result is not None:
-                lying.result = dataclasses.replace(session.result, rejected={"not-a-member": 1})
+                lying.result = lie(session.result)
             await answer(writer, lying, meter)
 
-        owner._handler._answer = answer_malformed
-        contributions = _contributions(averagers, "int8", seed=9)
-        outcomes = _average_together(averagers, contributions, round=0, spec="int8")
+        owner._handler._answer = answer_lying
+        contributions = _contributions(averagers, spec, seed=seed)
+        outcomes = _average_together(averagers, contributions, round=0, spec=spec)
         assert [o.result is None for o in outcomes] == [a is not owner for a in averagers]
     finally:
         swarm.close()
+
+
+def test_an_owner_answering_a_malformed_rejected_field_fails_the_round_for_its_members() -> None:
+    """The owner of the largest part lists a non-member as rejected: the others return None, no crash."""
+    _round_with_a_lying_owner(lambda r: dataclasses.replace(r, rejected={"not-a-member": 1}), "int8", 9)
+
+
+def test_an_owner_answering_a_part_of_another_shape_fails_the_round_before_decoding_it() -> None:
+    """The owner of the largest part answers it as a valid rank-1 payload of shape (760, 760): within
+    the answer's byte bound (the fp32 size of the (48, 32) part), 376 times its elements once
+    decoded. The others refuse it from its header and return None: no result, so no outer step
+    ever decodes it."""
+    bomb = encode_tensors(make_codec("lowrank:1"), {"embed": torch.ones(760, 760)})["embed"]
+    assert len(bomb) <= 48 * 32 * 4
+    _round_with_a_lying_owner(
+        lambda r: dataclasses.replace(r, payloads={**r.payloads, "embed": bomb}), "none", 15
+    )
 
 
 @pytest.mark.parametrize(
@@ -621,6 +644,40 @@ def test_parts_of_many_chunks_average_bit_identically_reading_one_chunk_at_a_tim
             assert 0 < t.largest_frame_body <= SMALL_CHUNK
     finally:
         swarm.close()
+
+
+@pytest.mark.parametrize(
+    ("weight", "tokens", "why"),
+    [
+        (1e12, 100.0, "weight"),  # the issue's attack: a normal Δ with an inflated weight
+        (2e5, 2e5, "tokens"),  # weight and tokens inflated together, past what the schedule allows
+        (math.nan, 100.0, "finite"),  # before the bounds, this failed every owner's reduction
+        (100.0, -5.0, "finite"),
+    ],
+)
+def test_a_member_claiming_more_than_the_round_allows_is_left_out_and_the_others_complete(
+    swarm: Swarm, tmp_path: Path, weight: float, tokens: float, why: str
+) -> None:
+    """Three members of two equal parts, bounds of 1000 tokens and a weight of at most 1 per token;
+    the third (highest peer id: it owns no part) claims more. Every owner refuses and drops it at its
+    header, the two honest members complete with `reduce_group` over themselves, and the liar gets
+    no result."""
+    from adloco.protocol.algorithms.claims import ClaimBounds
+
+    shapes = {"embed": (48, 32), "proj": (48, 32)}
+    swarm.add_nodes(3, identities=_identities(tmp_path, 3) if swarm.kind == "hivemind" else ())
+    averagers = sorted((swarm.averager(i) for i in range(3)), key=lambda a: a.peer_id)
+    contributions = [
+        dataclasses.replace(c, weight=100.0 * (i + 1), tokens=100.0 * (i + 1))
+        for i, c in enumerate(_contributions(averagers, "int8", seed=14, shapes=shapes))
+    ]
+    bounds = ClaimBounds(max_tokens=1000.0, max_weight_per_token=1.0)
+    assert all(bounds.violation(c.weight, c.tokens) is None for c in contributions)
+    contributions[2] = dataclasses.replace(contributions[2], weight=weight, tokens=tokens)
+    assert why in str(bounds.violation(weight, tokens))
+    outcomes = _average_together(averagers, contributions, round=0, spec="int8", bounds=bounds)
+    assert outcomes[2].result is None
+    _assert_matches_reduce_group(outcomes[:2], contributions[:2], "int8")
 
 
 @pytest.mark.parametrize("lie", ["announces_more", "sends_more"])

@@ -14,7 +14,7 @@ import dataclasses
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import pytest
@@ -29,6 +29,7 @@ from adloco.node.training.peer import Peer
 from adloco.node.training.replica import Update
 from adloco.node.training.runtime import load_data
 from adloco.protocol.algorithms.allreduce import Contribution, reduce_group
+from adloco.protocol.algorithms.claims import ClaimBounds
 from adloco.protocol.algorithms.codecs import Codec
 from adloco.protocol.transport.averager import MemberResult, NotOpened, Traffic
 
@@ -77,6 +78,7 @@ class ScriptedAverager:
         timeout: float,
         join_only: bool = False,
         join_wait_s: float | None = None,
+        bounds: ClaimBounds | None = None,
     ) -> MemberResult | None:
         self.calls.append(Call(round, join_only, time.monotonic(), join_wait_s))
         answer = self.answers.pop(0) if self.answers else "late"
@@ -113,6 +115,9 @@ class ScriptedSwarm:
             self.peer.catch_up([self.update])
             return 1
         return 0
+
+    def vouch(self, members: Sequence[str]) -> None:
+        pass
 
     def publish(self) -> None:
         pass

@@ -37,6 +37,7 @@ from adloco.protocol.transport.manifest import (
 )
 from adloco.protocol.transport.records import StateRecord
 from adloco.protocol.transport.state_transfer import (
+    MAX_DONOR_FAILURES,
     IncompleteDownload,
     ServedState,
     StateServer,
@@ -51,6 +52,7 @@ PREFIX = "adloco.test-state.0"
 CHUNK = 64 << 10
 # Update payloads travel in pieces of the server's chunk size: small here, so they take several.
 SETTINGS = TransferSettings(chunk_bytes=4 << 10, timeout_floor_s=2.0)
+FLAKY_FAILURES = 2
 
 
 @dataclass
@@ -61,9 +63,12 @@ class Donor:
     offers: StateOffers
     server: StateServer | None = None
     dht: DHT | None = None
-    mode: str = "honest"  # "honest", "corrupt", "stall" (after `after` chunks), "die" (likewise)
+    # "honest", "corrupt", "stall" (after `after` chunks), "die" (likewise), "flaky" (after `after`
+    # chunks, fails the next FLAKY_FAILURES requests, then answers again)
+    mode: str = "honest"
     after: int = 0
     reads: int = 0  # chunks read and answered
+    failures: int = 0  # "flaky" requests failed so far
     hit: threading.Event = field(default_factory=threading.Event)  # `after` chunks served
     release: threading.Event = field(default_factory=threading.Event)  # ends a stall
     mutex: threading.Lock = field(default_factory=threading.Lock)
@@ -74,6 +79,9 @@ class Donor:
 
     def _read(self, served: ServedState, index: int) -> bytes:
         with self.mutex:
+            if self.mode == "flaky" and self.reads == self.after and self.failures < FLAKY_FAILURES:
+                self.failures += 1
+                raise RuntimeError("a transient failure")
             limited = self.mode in ("stall", "die") and self.reads >= self.after
             if not limited:
                 self.reads += 1
@@ -89,7 +97,7 @@ class Donor:
 
     def reset(self, mode: str = "honest", after: int = 0) -> None:
         with self.mutex:
-            self.mode, self.after, self.reads = mode, after, 0
+            self.mode, self.after, self.reads, self.failures = mode, after, 0, 0
         self.hit.clear()
         self.release.clear()
 
@@ -246,6 +254,22 @@ def test_a_donor_that_dies_mid_download_is_replaced_by_the_other(swarm: Swarm, d
 
 def target_chunks(swarm: Swarm) -> tuple[str, ...]:
     return swarm.offers.publish().manifest.chunks
+
+
+def test_a_donor_failing_a_few_requests_in_a_row_keeps_its_slot(swarm: Swarm, donors: list[Donor]) -> None:
+    """After 5 chunks a donor fails its next 2 requests (fewer than MAX_DONOR_FAILURES in a row), then
+    answers again: it is not dropped, its failed chunks are fetched again, and it serves on."""
+    flaky, honest = donors
+    flaky.reset("flaky", after=5)
+    joiner = _peer("joiner")
+    downloads = Downloads(swarm.client, joiner)
+    _download(swarm, joiner, downloads, swarm.target([flaky, honest]))
+    _assert_holds_the_holders_state(joiner, swarm.holder)
+    report = downloads.last
+    assert report is not None and not report.dropped
+    assert report.failed[flaky.peer_id] == FLAKY_FAILURES < MAX_DONOR_FAILURES
+    assert report.kept[flaky.peer_id] > 5  # it went on serving after its failures
+    assert report.kept[flaky.peer_id] + report.kept[honest.peer_id] == len(target_chunks(swarm))
 
 
 def test_an_interrupted_download_resumes_without_fetching_verified_chunks_again(

@@ -308,3 +308,36 @@ def test_nodes_on_different_kernel_paths_hold_identical_theta(procs: Procs, tmp_
     healed = [e for _, status in nodes for e in _events(status) if e["event"] == "fork_healed"]
     assert not healed, healed
     print(f"\ncodecs per round: {[r['codec'] for r in records[0]]}")
+
+
+def test_a_peer_claiming_a_far_ahead_round_cannot_hijack_nodes_that_averaged_together(
+    procs: Procs, tmp_path: Path
+) -> None:
+    """Issue 10's hijack: once two nodes have averaged, a third peer of the run publishes a signed
+    state record of round 10^6 and serves random weights under it (tests/hijacker.py). Believed, it
+    would make both download and adopt its state. Now neither moves toward it: they finish their 8
+    rounds with identical θ, no event of theirs names its round or its peer, and their loss falls."""
+    peers = _bootstrap(procs, tmp_path)
+    nodes = [
+        _start_node(procs, tmp_path, f"n{i}", peers, "--rounds", "8", "--data-shard", str(i))
+        for i in range(2)
+    ]
+    wait_for(lambda: all(max(_rounds(s), default=0) >= 2 for _, s in nodes), timeout=180, what="round 2")
+    hijacker = procs.start(
+        "hijacker",
+        ["python", str(Path(__file__).parent / "hijacker.py"), "--peers", *peers, "--run-id", "r",
+         "--data-shard", "3", *FAST],
+    )  # fmt: skip
+    wait_for(lambda: "published round" in procs.log("hijacker"), timeout=120, what="the forged record")
+    hijacker_id = procs.log("hijacker").split("published round 1000000 as ")[1].split()[0]
+    for i, (proc, _) in enumerate(nodes):
+        assert proc.wait(timeout=240) == 0, procs.log(f"n{i}")
+    assert hijacker.poll() is None, procs.log("hijacker")  # it was there, serving, all along
+    rounds = [_rounds(status) for _, status in nodes]
+    assert max(rounds[0]) == max(rounds[1]) == 8
+    assert all(rounds[0][r] == rounds[1][r] for r in set(rounds[0]) & set(rounds[1]))
+    events = [e for _, s in nodes for e in _events(s)]
+    assert all(e.get("round", 0) < 1000 for e in events)
+    assert not [e for e in events if hijacker_id[-6:] in str(e.get("source", ""))]
+    losses = [e["val_loss"] for e in _events(nodes[0][1]) if e["event"] == "round"]
+    assert losses[-1] < losses[1]

@@ -288,6 +288,7 @@ class Simulator:
                 round=round_id,
                 codec=self.peers[i].downlink_codec(self.peers[i].state.schedule.codec),
                 timeout=AVERAGE_TIMEOUT_S,
+                bounds=self.peers[i].claim_bounds(),
             )
             for i, c in contributing
         ]

@@ -64,7 +64,11 @@ def _round(peer: Peer, averager: MemoryAverager, previous: RoundRecord | None) -
     contribution, info = peer.contribute(local)
     assert contribution is not None  # a solo peer is never stale
     result = averager.average(
-        contribution, round=peer.state.round, codec=peer.downlink_codec(schedule.codec), timeout=60.0
+        contribution,
+        round=peer.state.round,
+        codec=peer.downlink_codec(schedule.codec),
+        timeout=60.0,
+        bounds=peer.claim_bounds(),  # its own claim: one beyond the bounds honest peers set is a bug
     )
     if result is None:
         raise RuntimeError("a group of one failed to average")  # in process this is a bug, not a fault

@@ -299,6 +299,7 @@ class RoundLoop:
                 # A late contribution joins a round fresh peers opened; it never opens one alone.
                 join_only=late,
                 join_wait_s=self._join_wait_s() if late else None,
+                bounds=self.peer.claim_bounds(),
             )
             error = "" if result is not None else "no complete group this round"
             return result
@@ -363,6 +364,7 @@ class RoundLoop:
         self.metrics.sent.inc(traffic.wire_sent)
         self.metrics.received.inc(traffic.wire_received)
         self._last = (info, result)
+        self.sync.vouch(result.members)
         self.sync.publish()
 
     def _count_dropped(self, staleness: int) -> None:

@@ -49,6 +49,8 @@ class Counters:
     bytes_*: every byte on its averaging streams (framing included); payload_*: encoded tensors only.
     dropped: contributions that never made it into an applied round. rejected_parts: parts of group
     members the owners screened out. malformed_reports: members' reports every member dropped.
+    unconfirmed_heads: heads the state records named that too few of their donors served themselves
+    (`sync.SwarmSync._confirmed`: forged records, or donors that moved on).
     """
 
     applied: int = 0
@@ -61,6 +63,7 @@ class Counters:
     dropped: int = 0
     rejected_parts: int = 0
     malformed_reports: int = 0
+    unconfirmed_heads: int = 0
 
 
 class NodeOps:

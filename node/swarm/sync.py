@@ -2,9 +2,14 @@
 
 After every applied round a node offers its state (`offers.py`: a manifest of per-chunk hashes) and
 publishes a signed state record (round, θ hash, schedule, the manifest's hash and size) and a beacon
-(progress, for the bootstrap's metrics). Before contributing it reads everyone's records: the head of
-the swarm is the latest round any peer published and the majority θ hash of the other peers at it;
-its donors are the holders of that hash who published the most common manifest. A node behind the
+(progress, for the bootstrap's metrics). Before contributing it reads everyone's records. A node that
+has averaged lately believes only the peers it averaged with (`vouch`, the last `VOUCH_ROUNDS`
+rounds): the head is the latest round whose θ hash more than half of them hold (of those at this
+node's round or later), and before acting on it that many of its donors must serve its manifest
+themselves (a record names a peer but is signed by any key). A node that has averaged with nobody
+(a fresh joiner), or whose vouched peers have all gone, takes the latest round any peer published and
+the majority θ hash of the other peers at it. The donors are the holders of the head's hash who
+published the most common manifest. A node behind the
 head catches up with the simulator's own code (`training.catchup`: replay the averaged updates a
 holder keeps, else download the state), checked against that published hash; the download takes
 chunks from several donors at once, each checked against the manifest, and an unfinished download
@@ -18,7 +23,7 @@ import json
 import logging
 import threading
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from ...protocol.algorithms.schedule import Schedule
@@ -39,6 +44,7 @@ from .ops import NodeOps
 
 logger = logging.getLogger(__name__)
 
+VOUCH_ROUNDS = 8  # rounds a peer this node averaged with keeps vouching for the swarm's head
 SYNC_PASSES = 3  # a download that lands behind the head is followed by a replay in the same sync
 UPDATE_SLACK_BYTES = 4 << 10  # per tensor: a codec header is tens of bytes; an fp32 payload 4/param
 
@@ -64,6 +70,8 @@ class SwarmHead:
     holders: list[str]
     hashes: Counter[str]
     target: DownloadTarget | None = None
+    # Vouched heads: how many of its donors must serve its manifest themselves before it is acted on.
+    quorum: int = 0
 
 
 class Downloads:
@@ -157,15 +165,43 @@ def updates_of(peer: Peer, lock: threading.Lock, from_round: int) -> list[Update
         ]
 
 
-def swarm_head(records: Sequence[StateRecord], me: str) -> SwarmHead | None:
-    """Where the swarm is, from the state records (None: no records yet); see the module docstring."""
+def swarm_head(
+    records: Sequence[StateRecord], me: str, *, vouched: Collection[str] = (), my_round: int = 0
+) -> SwarmHead | None:
+    """Where the swarm is, from the state records (None: no records yet); see the module docstring.
+
+    With `vouched` (the peers this node has averaged with lately) only their records count, and
+    the head is the latest round whose majority θ hash more than half of them hold, among those
+    that published a round >= `my_round` (a peer behind this node does not vote on what lies ahead):
+    one peer's record, or a few made-up ones, cannot move this node. None when no round has such a
+    majority.
+    """
+    known = [r for r in records if r.peer_id in vouched and r.peer_id != me]
+    if known:
+        voters = {r.peer_id for r in known if r.round >= my_round}
+        for top in sorted({r.round for r in known if r.round >= my_round}, reverse=True):
+            best, support = _holders(known, top).most_common(1)[0]
+            if 2 * support > len(voters):
+                return _head_at(known, me, top, best, quorum=len(voters) // 2 + 1)
+        return None
     if not records:
         return None
     top = max(r.round for r in records)
-    hashes = Counter(r.theta_hash for r in records if r.round == top and r.peer_id != me)
+    hashes = _holders([r for r in records if r.peer_id != me], top)
     if not hashes:
         return SwarmHead(top, "", [], hashes)
-    best = hashes.most_common(1)[0][0]
+    return _head_at(records, me, top, hashes.most_common(1)[0][0])
+
+
+def _holders(records: Sequence[StateRecord], top: int) -> Counter[str]:
+    """How many distinct peers published each θ hash at round `top` (a peer named by several
+    records counts once per hash)."""
+    return Counter(h for _, h in {(r.peer_id, r.theta_hash) for r in records if r.round == top})
+
+
+def _head_at(records: Sequence[StateRecord], me: str, top: int, best: str, *, quorum: int = 0) -> SwarmHead:
+    """The head at round `top` with θ hash `best`: its holders and the state to download from them."""
+    hashes = _holders([r for r in records if r.peer_id != me], top)
     agreeing = [r for r in records if r.round == top and r.theta_hash == best and r.peer_id != me]
     holders = sorted({r.peer_id for r in agreeing})
     manifests = Counter((r.manifest_hash, r.manifest_bytes) for r in agreeing)
@@ -173,7 +209,8 @@ def swarm_head(records: Sequence[StateRecord], me: str) -> SwarmHead | None:
     donors = tuple(
         sorted({r.peer_id for r in agreeing if (r.manifest_hash, r.manifest_bytes) == (digest, size)})
     )
-    return SwarmHead(top, best, holders, hashes, DownloadTarget(digest, size, top, best, donors))
+    target = DownloadTarget(digest, size, top, best, donors)
+    return SwarmHead(top, best, holders, hashes, target, quorum)
 
 
 class SwarmSync:
@@ -193,6 +230,20 @@ class SwarmSync:
         self.peer, self.lock, self.records, self.server = peer, lock, records, server
         self.offers, self.ops, self.metrics = offers, ops, metrics
         self.downloads = Downloads(server, peer)
+        # The peers this node averaged with, and the last round it did: what it trusts on where the
+        # swarm is (`swarm_head`), for VOUCH_ROUNDS rounds.
+        self.vouched: dict[str, int] = {}
+
+    def vouch(self, members: Sequence[str]) -> None:
+        """The members of the group whose round this node just applied (authenticated: each sent or
+        answered parts over its own libp2p identity) vouch for the swarm's head from now on."""
+        current = self.peer.state.round
+        for member in members:
+            if member != self.peer.peer_id:
+                self.vouched[member] = current
+        for member, last in list(self.vouched.items()):
+            if current - last > VOUCH_ROUNDS:
+                del self.vouched[member]
 
     def publish(self) -> None:
         """Offer this round's state and announce it (round, θ hash, schedule, manifest), signed, so
@@ -222,7 +273,7 @@ class SwarmSync:
         records = self.records.states()
         self.ops.peers_visible = len({r.peer_id for r in records})
         self.metrics.peers.set(self.ops.peers_visible)
-        return swarm_head(records, self.peer.peer_id)
+        return swarm_head(records, self.peer.peer_id, vouched=self.vouched, my_round=self.peer.state.round)
 
     def sync(self) -> int:
         """Reach the swarm's published round (or heal a fork at it); returns the rounds advanced."""
@@ -267,8 +318,38 @@ class SwarmSync:
     def _catch_up(self, head: SwarmHead, *, replay: bool, event: str) -> bool:
         """Catch up from the holders of the head's hash: replay their kept updates, else download the
         published state from its donors; False if that failed (the next sync tries again)."""
+        if head.quorum and not self._confirmed(head):
+            return False
         source = RemoteSource(self.server, head.holders, self.downloads, head.target)
         return self._run_catch_up(head, source, head.theta_hash, replay=replay, event=event)
+
+    def _confirmed(self, head: SwarmHead) -> bool:
+        """Whether a quorum of the head's donors serve its manifest themselves: a record names its
+        peer but is signed by any key, so records naming honest peers prove nothing until those
+        peers, reached by their own libp2p identity, serve what the records say."""
+        target = head.target
+        if target is None:
+            return False
+        serving: list[str] = []
+        for donor in target.donors:
+            if len(serving) >= head.quorum:
+                break
+            try:
+                self.server.fetch_manifest([donor], digest=target.digest, size=target.size)
+                serving.append(donor)
+            except Exception as e:
+                logger.info("[%s round=%d] %s does not serve the head: %s", *self._tag(), donor[-6:], e)
+        if len(serving) >= head.quorum:
+            return True
+        logger.warning(
+            "[%s round=%d] head round %d not confirmed: %d of its donors serve it, %d needed",
+            *self._tag(),
+            head.round,
+            len(serving),
+            head.quorum,
+        )
+        self.ops.counters.unconfirmed_heads += 1
+        return False
 
     def _run_catch_up(
         self, head: SwarmHead, source: RemoteSource, expected_hash: str, *, replay: bool, event: str
@@ -290,6 +371,7 @@ class SwarmSync:
                 source=source_name,
                 chunks={d[-6:]: n for d, n in report.kept.items()},
                 dropped={d[-6:]: why for d, why in sorted(report.dropped.items())},
+                failed={d[-6:]: n for d, n in sorted(report.failed.items())},
                 seconds=round(report.seconds, 3),
             )
         self.ops.status.write(

@@ -35,6 +35,7 @@ from ...errors import UserError
 from ...protocol.algorithms.adaptive import choose_codec
 from ...protocol.algorithms.allreduce import Contribution, GroupResult
 from ...protocol.algorithms.batchtest import pool_stats
+from ...protocol.algorithms.claims import ClaimBounds, reference_tokens
 from ...protocol.algorithms.codecs import Codec, decode, make_codec
 from ...protocol.algorithms.feedback import RESIDUAL_DTYPES, ErrorFeedback
 from ...protocol.algorithms.heloco import correct, dylu_inner_steps, staleness_weight
@@ -356,8 +357,13 @@ class Peer:
         return [(1 - self.cfg.outer.momentum) * m for m in self.state.momentum]
 
     def _ref_tokens(self) -> int:
-        schedule = self.state.schedule
-        return sum(schedule.batch) * schedule.inner_steps * self.cfg.seq_len
+        return reference_tokens(self.state.schedule, self.cfg.seq_len)
+
+    def claim_bounds(self) -> ClaimBounds:
+        """What another member's contribution to the current round may claim (`claims`)."""
+        return ClaimBounds.for_schedule(
+            self.state.schedule, seq_len=self.cfg.seq_len, staleness_weight=self.cfg.staleness_weight
+        )
 
     # ---- apply -----------------------------------------------------------------------------------
 

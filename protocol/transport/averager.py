@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from ..algorithms.allreduce import Contribution, GroupResult
+from ..algorithms.claims import ClaimBounds
 from ..algorithms.codecs import Codec
 
 
@@ -88,6 +89,7 @@ class Averager(Protocol):
         timeout: float,
         join_only: bool = False,
         join_wait_s: float | None = None,
+        bounds: ClaimBounds | None = None,
     ) -> MemberResult | None:
         """Average `contribution` with the peers ready for `round`; None if no group / failed.
 
@@ -96,7 +98,10 @@ class Averager(Protocol):
         opened (late contributions: a late peer alone would otherwise apply its stale Δ as a whole
         round, and a group disjoint from the fresh peers' could complete the same round); if no
         other peer has opened it within `join_wait_s` (None: within `timeout`), raises `NotOpened`
-        without having registered.
+        without having registered. `bounds`: what another member's contribution may claim
+        (`claims.ClaimBounds`, from the round's schedule); a member claiming more, or a weight or
+        token count that is not finite and >= 0 (checked with or without bounds), is left out of
+        the round and the others complete it.
         """
         ...
 

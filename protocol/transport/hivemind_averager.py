@@ -55,6 +55,7 @@ import hivemind
 from hivemind.p2p import P2P
 
 from ..algorithms.allreduce import Contribution
+from ..algorithms.claims import UNBOUNDED, ClaimBounds
 from ..algorithms.codecs import Codec, payload_shape
 from ..algorithms.parts import DEFAULT_OUTLIER_FACTOR, assign_parts, check_outlier_factor, most_bytes_moved
 from .averager import MemberResult
@@ -207,6 +208,7 @@ class HivemindAverager:
         timeout: float,
         join_only: bool = False,
         join_wait_s: float | None = None,
+        bounds: ClaimBounds | None = None,
     ) -> MemberResult | None:
         """Register for `round`, form the group, exchange parts; see the module docstring.
 
@@ -222,7 +224,7 @@ class HivemindAverager:
             raise ValueError(f"contribution of {contribution.peer_id!r} given to averager {self._peer_id!r}")
         if not contribution.payloads:
             raise ValueError("a contribution needs at least one tensor")
-        coro = self._average(contribution, round, codec, timeout, join_only, join_wait_s)
+        coro = self._average(contribution, round, codec, timeout, join_only, join_wait_s, bounds or UNBOUNDED)
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)
         try:
             # The coroutine bounds itself by `timeout`; the margin only guards against a stuck loop.
@@ -314,6 +316,7 @@ class HivemindAverager:
         timeout: float,
         join_only: bool,
         join_wait_s: float | None,
+        bounds: ClaimBounds,
     ) -> MemberResult | None:
         if round in self._joined:
             raise ValueError(f"round {round} was already averaged by this peer; rounds are single-use")
@@ -321,7 +324,7 @@ class HivemindAverager:
         ready = self._round_future(round)
         try:
             return await asyncio.wait_for(
-                self._run_round(contribution, round, codec, ready, join_only, join_wait_s), timeout
+                self._run_round(contribution, round, codec, ready, join_only, join_wait_s, bounds), timeout
             )
         except asyncio.TimeoutError:
             self._log(round, "gave up after the caller's timeout of %.1f s", timeout, level=logging.WARNING)
@@ -341,6 +344,7 @@ class HivemindAverager:
         ready: asyncio.Future[RoundState | None],
         join_only: bool,
         join_wait_s: float | None,
+        bounds: ClaimBounds,
     ) -> MemberResult | None:
         group = await self._matchmaker.matchmake(
             round, layout_of(contribution.payloads), join_only=join_only, join_wait_s=join_wait_s
@@ -354,7 +358,7 @@ class HivemindAverager:
         owner_index = assign_parts(sizes, len(group.members))
         owners = {k: group.members[i] for k, i in zip(keys, owner_index, strict=True)}
         moved = most_bytes_moved(sizes, owner_index, len(group.members))
-        session = await self._open_session(group, contribution, owners, codec, moved, grouped_at)
+        session = await self._open_session(group, contribution, owners, codec, moved, grouped_at, bounds)
         state = RoundState(group, session)
         ready.set_result(state)
         owned = len(state.session.keys) if state.session else 0
@@ -407,6 +411,7 @@ class HivemindAverager:
         codec: Codec,
         moved: int,
         grouped_at: float,
+        bounds: ClaimBounds,
     ) -> OwnerSession | None:
         keys = [k for k, owner in owners.items() if owner == self._peer_id]
         if not keys:
@@ -421,6 +426,7 @@ class HivemindAverager:
             sizes=[len(own[k]) for k in keys],
             codec=codec,
             outlier_factor=self.outlier_factor,
+            bounds=bounds,
             with_metadata=next(iter(owners.values())) == self._peer_id,
             deadline=grouped_at + self.phase_s(moved, floor_s=self.part_timeout_s, measured=True),
             # Only frees the stream of a member that stopped reading: never sooner than the member

@@ -23,10 +23,11 @@ from typing import Any
 from hivemind.p2p import P2P, PeerID
 
 from ..algorithms.allreduce import Contribution, gather_reports
+from ..algorithms.codecs import payload_shape
 from ..algorithms.parts import merge_rejected
 from .averager import MemberResult
 from .matchmaking import RoundFailed
-from .owner import Answer, RoundState, size_list, str_list
+from .owner import Answer, RoundState, shape_error, size_list, str_list
 from .wire import PROTOCOL_VERSION, read_chunks, read_frame, write_chunks, write_frame
 
 GO_HEADER_BYTES = 1 << 12  # the owner's go or refusal after a request header
@@ -100,6 +101,12 @@ async def fetch(
         raise RoundFailed(f"exchange with owner {owner[-8:]} broke: {e!r}") from e
     finally:
         writer.close()
+    # Each averaged part must decode to our own part's shape: a payload's header states its shape,
+    # so a few bytes could otherwise decode to any size (a low-rank factor pair, say).
+    shapes = {k: payload_shape(contribution.payloads[k]) for k in keys}
+    error = shape_error(dict(zip(keys, body, strict=True)), shapes)
+    if error is not None:
+        raise RoundFailed(f"owner {owner[-8:]} answered a part of another shape: {error}")
     return _parse_answer(response, body, owner=owner, keys=keys, with_metadata=with_metadata)
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..algorithms.allreduce import Contribution, GroupResult, reduce_group
+from ..algorithms.claims import UNBOUNDED, ClaimBounds
 from ..algorithms.codecs import Codec
 from ..algorithms.parts import DEFAULT_OUTLIER_FACTOR, assign_parts, check_outlier_factor
 from .averager import MemberResult, NotOpened, Traffic
@@ -66,7 +67,7 @@ class _Gathering:
 
     closes_at: float
     expected: frozenset[str] | None = None  # set by `MemoryHub.expect`: close once these have joined
-    entries: dict[str, tuple[Contribution, Codec]] = field(default_factory=dict)
+    entries: dict[str, tuple[Contribution, Codec, ClaimBounds]] = field(default_factory=dict)
     seen: set[str] = field(default_factory=set)  # every peer that called, including those who left
     reducing: bool = False
     reduced: bool = False
@@ -126,6 +127,7 @@ class MemoryHub:
         timeout: float,
         join_only: bool = False,
         join_wait_s: float | None = None,
+        bounds: ClaimBounds | None = None,
     ) -> MemberResult | None:
         """Join (or open) the group of (prefix, round); block until it is reduced or `timeout`.
 
@@ -151,7 +153,7 @@ class MemoryHub:
             if not opened and self._clock() >= gathering.closes_at:
                 logger.info("[%s round=%d] arrived after the window closed; not in the group", peer, round)
                 return None
-            gathering.entries[peer] = (contribution, codec)
+            gathering.entries[peer] = (contribution, codec, bounds or UNBOUNDED)
             if not self._wait_for_close(gathering, deadline):
                 del gathering.entries[peer]  # gave up before the close: leave the group cleanly
                 return None
@@ -192,8 +194,17 @@ class MemoryHub:
             self._cond.wait(min(gathering.closes_at, deadline) - now)
 
     def _reduce(self, gathering: _Gathering) -> None:
-        contributions = [c for c, _ in gathering.entries.values()]
-        codecs = {peer: codec for peer, (_, codec) in gathering.entries.items()}
+        # As every owner of the network transport does: a claim another member's bounds refuse
+        # leaves its maker out of the round (honest members agree on the bounds: one schedule).
+        entries = gathering.entries.values()
+        contributions = []
+        for c, _, _ in entries:
+            why = next((w for _, _, b in entries if (w := b.violation(c.weight, c.tokens))), None)
+            if why is None:
+                contributions.append(c)
+            else:
+                logger.warning("%s left out of the round: %s", c.peer_id, why)
+        codecs = {peer: codec for peer, (_, codec, _) in gathering.entries.items()}
         result: GroupResult | None
         try:
             result = reduce_group(
@@ -256,6 +267,7 @@ class MemoryAverager:
         timeout: float,
         join_only: bool = False,
         join_wait_s: float | None = None,
+        bounds: ClaimBounds | None = None,
     ) -> MemberResult | None:
         """Join the hub's group for (prefix, `round`); see `MemoryHub.join`."""
         if self._closed:
@@ -270,6 +282,7 @@ class MemoryAverager:
             timeout=timeout,
             join_only=join_only,
             join_wait_s=join_wait_s,
+            bounds=bounds,
         )
 
     def shutdown(self) -> None:

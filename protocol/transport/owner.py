@@ -43,6 +43,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..algorithms.claims import UNBOUNDED, ClaimBounds
 from ..algorithms.codecs import Codec, payload_shape
 from ..algorithms.parts import reduce_parts
 from ..algorithms.report import MAX_REPORT_BYTES
@@ -178,6 +179,7 @@ class OwnerSession:
         with_metadata: bool,
         deadline: float,
         answer_timeout_s: float,
+        bounds: ClaimBounds = UNBOUNDED,
     ) -> None:
         self.group = group
         self.keys = keys
@@ -185,6 +187,7 @@ class OwnerSession:
         self.sizes = sizes
         self.codec = codec
         self.outlier_factor = outlier_factor
+        self.bounds = bounds
         self.with_metadata = with_metadata
         self.deadline = deadline  # loop time
         self.answer_timeout_s = answer_timeout_s
@@ -276,15 +279,16 @@ class RoundState:
 
 
 def _violation(session: OwnerSession, request: Request) -> str | None:
-    """How a member of the group announced other parts than the ones it must send (None: it did
-    not); the group id covers every payload size, so honest members announce exactly ours."""
+    """How a member of the group announced other parts than the ones it must send, or claimed a
+    weight or tokens the round does not allow (None: neither); the group id covers every payload
+    size, so honest members announce exactly ours."""
     if request.keys != session.keys:
         return "these are not the parts this peer owns"
     if session.with_metadata and request.metadata is None:
         return "metadata missing"
     if request.sizes != session.sizes:
         return f"part sizes {request.sizes} announced, {session.sizes} expected"
-    return None
+    return session.bounds.violation(request.weight, request.tokens)
 
 
 class OwnerHandler:

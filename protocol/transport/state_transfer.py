@@ -11,9 +11,11 @@ per stream (`wire.py`'s frames):
 A joiner learns a manifest's hash and size from the signed state records, fetches the manifest from
 any donor and checks it (hash, then layout against its own model) before reading a single chunk;
 then `download` fetches the missing chunks from several donors at once, verifying each against the
-manifest before keeping it (`ChunkedState`). A donor that fails, stalls past its timeout or serves
-a bad chunk is dropped and its chunk goes back to the queue for the others; the chunks verified so
-far stay, so a download that ran out of donors resumes later with the same `ChunkedState`.
+manifest before keeping it (`ChunkedState`). A donor that serves a bad chunk is dropped at once; one
+that fails or stalls past its timeout `MAX_DONOR_FAILURES` times in a row (a busy donor's stream can
+break mid-chunk) is dropped too; each failed chunk goes back to the queue for the others. The
+chunks verified so far stay, so a download that ran out of donors resumes later with the same
+`ChunkedState`.
 
 Every read is bounded before it happens (request frames, manifest, chunk, update payloads), and
 every request has a timeout derived from its bytes (`TransferSettings.timeout`). The updates the
@@ -93,6 +95,11 @@ class TransferSettings:
         return bytes_timeout(nbytes, rate_bps, slack=self.slack, floor_s=self.timeout_floor_s)
 
 
+MAX_DONOR_FAILURES = 3
+"""Requests to one donor that may break or time out in a row before it is dropped from a download (a
+bad chunk drops it at once)."""
+
+
 @dataclass(frozen=True)
 class ServedState:
     """A state a donor offers: its manifest, the manifest's encoding, and how to read chunk i
@@ -123,6 +130,7 @@ class DownloadReport:
 
     kept: Counter[str] = field(default_factory=Counter)
     refused: Counter[str] = field(default_factory=Counter)
+    failed: Counter[str] = field(default_factory=Counter)  # requests that broke or timed out
     dropped: dict[str, str] = field(default_factory=dict)
     bytes: int = 0
     seconds: float = 0.0
@@ -219,6 +227,7 @@ class StateServer:
         slots = min(s.donors, len(donors))
         first_rate = s.bandwidth_bps / max(1, slots * s.inflight)
         rates: dict[str, float] = {}
+        streak: Counter[str] = Counter()  # each donor's failures since its last good chunk
         t0 = time.monotonic()
 
         async def fetch(donor: str, index: int) -> bytes:
@@ -246,23 +255,31 @@ class StateServer:
                     continue
                 index = queue.popleft()
                 in_flight += 1
-                why = ""
+                why = failure = ""
                 try:
                     data = await fetch(donor, index)
                     if await asyncio.to_thread(state.accept, index, data):
                         report.kept[donor] += 1
                         report.bytes += len(data)
+                        streak[donor] = 0
                     else:
                         report.refused[donor] += 1
                         why = f"chunk {index} does not match the manifest"
                 except Exception as e:
-                    why = f"chunk {index}: {e!r}"[:200]
+                    failure = f"chunk {index}: {e!r}"[:200]
+                    report.failed[donor] += 1
+                    streak[donor] += 1
+                    if streak[donor] >= MAX_DONOR_FAILURES:
+                        why = failure
                 finally:
                     in_flight -= 1
-                if why:
+                if why or failure:
                     queue.appendleft(index)
+                if why:
                     report.dropped.setdefault(donor, why)
                     logger.info("state download: dropped donor %s (%s)", donor[-6:], why)
+                elif failure:
+                    logger.info("state download: donor %s failed (%s), keeps its slot", donor[-6:], failure)
                 changed.set()
 
         async def slot() -> None:

@@ -1,0 +1,76 @@
+"""`swarm_head`: where the swarm is, from state records, and whose records a node believes."""
+
+from __future__ import annotations
+
+from adloco.node.swarm.sync import swarm_head
+from adloco.protocol.transport.records import StateRecord
+
+ME = "me"
+GOOD, BAD, MINE = "a" * 64, "b" * 64, "c" * 64
+
+
+def record(peer: str, round: int, theta: str, manifest: str = "d" * 64) -> StateRecord:
+    return StateRecord(
+        peer_id=peer, round=round, theta_hash=theta, schedule="{}", manifest_hash=manifest, manifest_bytes=100
+    )
+
+
+def test_without_peers_it_averaged_with_a_node_takes_the_latest_round_and_its_majority() -> None:
+    """A fresh node (no vouched peers) has nobody to weigh: the latest round and its majority hash."""
+    head = swarm_head(
+        [record("p1", 4, GOOD), record("p2", 4, GOOD), record("p3", 4, BAD), record(ME, 3, MINE)], ME
+    )
+    assert head is not None and (head.round, head.theta_hash, head.holders, head.quorum) == (
+        4,
+        GOOD,
+        ["p1", "p2"],
+        0,
+    )
+
+
+def test_a_record_from_a_peer_it_never_averaged_with_cannot_move_a_node() -> None:
+    """The hijack of issue 10: one record claiming a far-ahead round. Not vouched: ignored."""
+    records = [record("p1", 7, MINE), record("p2", 7, MINE), record("hijacker", 10**6, BAD)]
+    head = swarm_head(records, ME, vouched={"p1", "p2"}, my_round=7)
+    assert head is not None and (head.round, head.theta_hash) == (7, MINE)
+
+
+def test_one_vouched_peer_ahead_alone_is_no_majority_but_a_majority_ahead_is_followed() -> None:
+    """A peer that did average with this node, then claims a far-ahead round, is outvoted by the two
+    others at this node's round; once both of them are at round 8 the node follows them there."""
+    vouched = {"p1", "p2", "liar"}
+    alone = [record("p1", 7, MINE), record("p2", 7, MINE), record("liar", 50, BAD)]
+    head = swarm_head(alone, ME, vouched=vouched, my_round=7)
+    assert head is not None and (head.round, head.theta_hash) == (7, MINE)
+    ahead = [record("p1", 8, GOOD), record("p2", 8, GOOD), record("liar", 50, BAD)]
+    head = swarm_head(ahead, ME, vouched=vouched, my_round=7)
+    assert head is not None and (head.round, head.theta_hash, head.holders) == (8, GOOD, ["p1", "p2"])
+    assert head.quorum == 2  # two of its donors must serve its manifest before it is acted on
+
+
+def test_made_up_peers_cannot_outvote_a_node_on_its_own_round() -> None:
+    """Fork healing counted identities: two made-up peers with another θ were a majority. Vouched,
+    only the peers this node averaged with count."""
+    records = [record("p1", 7, MINE), record("sybil1", 7, BAD), record("sybil2", 7, BAD)]
+    head = swarm_head(records, ME, vouched={"p1"}, my_round=7)
+    assert head is not None and head.theta_hash == MINE and head.hashes == {MINE: 1}
+
+
+def test_records_naming_one_peer_twice_count_it_once() -> None:
+    """Records are signed by any key, so several may name one peer: each hash counts peers, not
+    records (the head's quorum check then asks the peers themselves)."""
+    records = [record("p1", 8, BAD), record("p1", 8, BAD, manifest="e" * 64), record("p2", 8, GOOD)]
+    records += [record("p3", 8, GOOD)]
+    head = swarm_head(records, ME, vouched={"p1", "p2", "p3"}, my_round=7)
+    assert head is not None and head.theta_hash == GOOD and head.hashes == {GOOD: 2, BAD: 1}
+
+
+def test_no_majority_anywhere_means_no_head() -> None:
+    records = [record("p1", 9, GOOD), record("p2", 8, BAD)]
+    assert swarm_head(records, ME, vouched={"p1", "p2"}, my_round=8) is None
+
+
+def test_when_no_vouched_peer_has_a_record_left_the_node_reads_everyone_again() -> None:
+    """Peers it averaged with that have all left vouch for nothing: as a fresh node."""
+    head = swarm_head([record("new1", 12, GOOD), record("new2", 12, GOOD)], ME, vouched={"gone"}, my_round=7)
+    assert head is not None and (head.round, head.theta_hash, head.quorum) == (12, GOOD, 0)
