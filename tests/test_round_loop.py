@@ -107,7 +107,7 @@ class ScriptedSwarm:
     def others_apply(self) -> None:
         self.published, self.published_at = 1, time.monotonic()
 
-    def head(self) -> SwarmHead | None:
+    def head(self, *, trusted: bool = True) -> SwarmHead | None:
         return SwarmHead(self.published, "", ["others"], Counter())
 
     def sync(self) -> int:

@@ -272,6 +272,32 @@ def test_a_donor_failing_a_few_requests_in_a_row_keeps_its_slot(swarm: Swarm, do
     assert report.kept[flaky.peer_id] + report.kept[honest.peer_id] == len(target_chunks(swarm))
 
 
+@pytest.mark.parametrize(
+    ("change", "why"),
+    [
+        ({"batch": (10**6,)}, "above the cap"),
+        ({"inner_steps": 10**9}, "inner steps"),
+        ({"batch": (2, 2, 2)}, "instance slots"),
+        ({"codec": "bogus"}, "codec"),
+    ],
+)
+def test_a_state_whose_schedule_this_run_cannot_reach_is_refused_before_any_chunk_is_read(
+    swarm: Swarm, donors: list[Donor], change: dict[str, object], why: str
+) -> None:
+    """Issue 10: a downloaded schedule was adopted unchecked (batch and H unbounded, any codec)."""
+    honest = donors[0]
+    original = swarm.holder.state.schedule
+    swarm.holder.state.schedule = replace(original, **change)  # type: ignore[arg-type]
+    try:
+        target = swarm.target([honest])
+        joiner = _peer("joiner")
+        with pytest.raises(ValueError, match=why):
+            Downloads(swarm.client, joiner).fetch(target)
+        assert honest.reads == 0 and joiner.state.round == 0
+    finally:
+        swarm.holder.state.schedule = original
+
+
 def test_an_interrupted_download_resumes_without_fetching_verified_chunks_again(
     swarm: Swarm, donors: list[Donor]
 ) -> None:

@@ -26,6 +26,7 @@ from collections import Counter
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
+from ...protocol.algorithms.codecs import make_codec
 from ...protocol.algorithms.schedule import Schedule
 from ...protocol.transport.manifest import ChunkedState
 from ...protocol.transport.records import BeaconRecord, RunRecords, StateRecord, dht_time
@@ -37,6 +38,7 @@ from ...protocol.transport.state_transfer import (
 )
 from ..operations.metrics import NodeMetrics
 from ..training.catchup import catch_up
+from ..training.config import TrainConfig
 from ..training.peer import Peer
 from ..training.replica import HISTORY_ROUNDS, PeerState, Update
 from .offers import StateOffers, state_layout
@@ -47,6 +49,29 @@ logger = logging.getLogger(__name__)
 VOUCH_ROUNDS = 8  # rounds a peer this node averaged with keeps vouching for the swarm's head
 SYNC_PASSES = 3  # a download that lands behind the head is followed by a replay in the same sync
 UPDATE_SLACK_BYTES = 4 << 10  # per tensor: a codec header is tens of bytes; an fp32 payload 4/param
+
+
+def schedule_refusal(schedule: Schedule, cfg: TrainConfig) -> str | None:
+    """Why a schedule another peer hands over (with its state, or with a kept update) is not one this
+    run's configuration can reach; None when it can. The batch test only grows b up to the cap, MIT
+    only merges slots away, H only shrinks ("constant_tokens"; DyLU is each peer's own), and the codec
+    must be one this node can decode: so a peer cannot make this node train a batch it never could,
+    for ever, with a codec it does not know."""
+    cap = max(cfg.schedule.batch_cap, cfg.batch_size)
+    most_steps = max(cfg.inner_steps, cfg.schedule.min_inner_steps)
+    if schedule.instances > cfg.instances:
+        return f"{schedule.instances} instance slots, this run starts with {cfg.instances}"
+    if max(schedule.batch) > cap:
+        return f"batch {max(schedule.batch)} above the cap {cap}"
+    if schedule.inner_steps > most_steps:
+        return f"{schedule.inner_steps} inner steps, this run's H is at most {most_steps}"
+    if schedule.base_samples > most_steps * cfg.instances * cap:
+        return f"base samples {schedule.base_samples} beyond H x instances x cap"
+    try:
+        make_codec(schedule.codec)
+    except ValueError as e:
+        return f"codec {schedule.codec[:40]!r}: {e}"
+    return None
 
 
 @dataclass(frozen=True)
@@ -79,7 +104,7 @@ class Downloads:
     read, and the unfinished download kept, so the next try resumes it."""
 
     def __init__(self, server: StateServer, peer: Peer) -> None:
-        self.server, self.names = server, list(peer.names)
+        self.server, self.names, self.cfg = server, list(peer.names), peer.cfg
         self.layout = state_layout(peer)
         numel = sum(t.numel() for t in peer.state.theta)
         # The most kept updates a holder may send: HISTORY_ROUNDS rounds, none larger than fp32.
@@ -121,6 +146,9 @@ class Downloads:
         manifest.expect_layout(self.layout)
         if (manifest.round, manifest.theta_hash) != (target.round, target.theta_hash):
             raise ValueError("the manifest is of another round or θ than its records say")
+        why = schedule_refusal(Schedule.from_dict(manifest.schedule), self.cfg)
+        if why is not None:
+            raise ValueError(f"the state's schedule is not one this run can reach: {why}")
         self.partial, self.partial_target = ChunkedState(manifest, target.digest), target
         return self.partial
 
@@ -145,8 +173,19 @@ class RemoteSource:
             except Exception as e:  # a holder that left or answered badly: ask the next one
                 logger.info("kept updates from %s: %s", holder[-6:], e)
                 continue
+            try:
+                updates = [
+                    Update(r.round, r.averaged, Schedule.from_dict(r.schedule), r.merge) for r in records
+                ]
+                refusals = [schedule_refusal(u.schedule, self.downloads.cfg) for u in updates]
+            except ValueError as e:
+                refusals = [str(e)]
+            if any(refusals):
+                why = next(r for r in refusals if r)
+                logger.info("kept updates from %s: a schedule this run cannot reach: %s", holder[-6:], why)
+                continue
             self.answered = holder
-            return [Update(r.round, r.averaged, Schedule.from_dict(r.schedule), r.merge) for r in records]
+            return updates
         return []
 
     def state(self) -> PeerState:
@@ -268,12 +307,15 @@ class SwarmSync:
         )
         self.records.publish_beacon(beacon)
 
-    def head(self) -> SwarmHead | None:
-        """Where the swarm is, from the state records (None: no records yet)."""
+    def head(self, *, trusted: bool = True) -> SwarmHead | None:
+        """Where the swarm is, from the state records (None: no records yet, or no majority of the
+        vouched peers anywhere). `trusted=False`: the latest round any record claims, whoever wrote
+        it, a hint for waiting only (`RoundLoop._settle`), never for adopting a state."""
         records = self.records.states()
         self.ops.peers_visible = len({r.peer_id for r in records})
         self.metrics.peers.set(self.ops.peers_visible)
-        return swarm_head(records, self.peer.peer_id, vouched=self.vouched, my_round=self.peer.state.round)
+        vouched = self.vouched if trusted else {}
+        return swarm_head(records, self.peer.peer_id, vouched=vouched, my_round=self.peer.state.round)
 
     def sync(self) -> int:
         """Reach the swarm's published round (or heal a fork at it); returns the rounds advanced."""
