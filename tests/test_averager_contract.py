@@ -680,6 +680,33 @@ def test_a_member_claiming_more_than_the_round_allows_is_left_out_and_the_others
     _assert_matches_reduce_group(outcomes[:2], contributions[:2], "int8")
 
 
+def test_a_member_that_broke_a_rule_is_refused_by_its_owners_in_the_next_rounds_too(tmp_path: Path) -> None:
+    """Round 0: the third member (it owns nothing) claims a weight of 1e12 and is refused. Round 1:
+    it claims honestly, and its owners still refuse it (banned for `owner.BAN_S`); the two honest
+    members complete both rounds without it. (The in-process hub has no peers to ban.)"""
+    from adloco.protocol.algorithms.claims import ClaimBounds
+
+    shapes = {"embed": (48, 32), "proj": (48, 32)}
+    swarm = Swarm("hivemind")
+    try:
+        swarm.add_nodes(3, identities=_identities(tmp_path, 3))
+        averagers = sorted((swarm.averager(i) for i in range(3)), key=lambda a: a.peer_id)
+        bounds = ClaimBounds(max_tokens=1000.0, max_weight_per_token=1.0)
+        for round, liar_weight in ((0, 1e12), (1, 300.0)):
+            contributions = [
+                dataclasses.replace(c, weight=100.0 * (i + 1), tokens=100.0 * (i + 1))
+                for i, c in enumerate(_contributions(averagers, "int8", seed=20 + round, shapes=shapes))
+            ]
+            contributions[2] = dataclasses.replace(contributions[2], weight=liar_weight)
+            outcomes = _average_together(averagers, contributions, round=round, spec="int8", bounds=bounds)
+            assert outcomes[2].result is None
+            _assert_matches_reduce_group(outcomes[:2], contributions[:2], "int8")
+        liar = averagers[2].peer_id
+        assert all(liar in a._handler.banned for a in averagers[:2])  # type: ignore[attr-defined]
+    finally:
+        swarm.close()
+
+
 @pytest.mark.parametrize("lie", ["announces_more", "sends_more"])
 def test_a_member_announcing_or_sending_more_than_its_parts_is_dropped_and_the_others_complete(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lie: str

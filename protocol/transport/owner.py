@@ -71,6 +71,11 @@ def size_list(value: Any, count: int) -> list[int]:
     return value
 
 
+BAN_S = 600.0
+"""How long an owner refuses a member that broke a rule on a stream authenticated as its own (wrong
+parts or sizes, a claim the round does not allow, more bytes than announced, a malformed payload)."""
+
+
 @dataclass(frozen=True)
 class Request:
     """One member's request header for one owner, as read off the stream (types checked)."""
@@ -308,12 +313,31 @@ class OwnerHandler:
         header_timeout_s: float,
         wait_s: float,
         chunk_bytes: int,
+        ban_s: float = BAN_S,
     ) -> None:
         self.peer_id = peer_id
         self._round_state = round_state
         self._header_timeout_s = header_timeout_s
         self._wait_s = wait_s
         self._chunk_bytes = chunk_bytes
+        self._ban_s = ban_s
+        # Members that broke a rule of the protocol on a stream authenticated as theirs, and until
+        # when (loop time) this owner refuses them: they are dropped from every round meanwhile.
+        self.banned: dict[str, float] = {}
+
+    def _ban(self, peer: str, why: str) -> None:
+        until = asyncio.get_running_loop().time() + self._ban_s
+        if peer not in self.banned:
+            logger.warning("member %s broke the protocol (%s): refused %.0f s", peer[-8:], why, self._ban_s)
+        self.banned[peer] = until
+
+    def _ban_left(self, peer: str) -> float:
+        """Seconds `peer` stays refused (0: not banned)."""
+        left = self.banned.get(peer, 0.0) - asyncio.get_running_loop().time()
+        if left <= 0:
+            self.banned.pop(peer, None)
+            return 0.0
+        return left
 
     async def serve(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Take one member's parts, answer with the averaged parts (or a refusal)."""
@@ -330,9 +354,16 @@ class OwnerHandler:
             refusal = self._refusal(state, request, str(info.peer_id.to_base58()))
             if refusal is None and state is not None and state.session is not None:
                 session = state.session
+                banned_s = self._ban_left(request.peer)
                 violation = _violation(session, request)
-                if violation is not None:
-                    session.drop(request.peer)  # a member of the group that announced the wrong parts
+                if banned_s > 0:
+                    session.drop(request.peer)
+                    refusal = f"refused for {banned_s:.0f} s more: this member broke the protocol"
+                elif violation is not None:
+                    # A member of the group (its stream is authenticated as the peer it names) that
+                    # announced the wrong parts or claimed what the round does not allow.
+                    session.drop(request.peer)
+                    self._ban(request.peer, violation)
                     refusal = violation
                 elif session.receive(request.peer):
                     receiving = session
@@ -354,6 +385,7 @@ class OwnerHandler:
             logger.info("averaging stream refused: %s", e)
             if receiving is not None and admitted is None:
                 receiving.drop(request.peer)
+                self._ban(request.peer, str(e)[:200])
         except (OSError, EOFError, asyncio.IncompleteReadError, asyncio.TimeoutError) as e:
             logger.debug("averaging stream dropped: %r", e)
         finally:
