@@ -313,7 +313,7 @@ def test_nodes_on_different_kernel_paths_hold_identical_theta(procs: Procs, tmp_
 def test_a_peer_claiming_a_far_ahead_round_cannot_hijack_nodes_that_averaged_together(
     procs: Procs, tmp_path: Path
 ) -> None:
-    """Issue 10's hijack: once two nodes have averaged, a third peer of the run publishes a signed
+    """Issue 10's hijack: once two nodes have averaged a round, a third peer of the run publishes a signed
     state record of round 10^6 and serves random weights under it (tests/hijacker.py). Believed, it
     would make both download and adopt its state. Now neither moves toward it: they finish their 8
     rounds with identical θ, no event of theirs names its round or its peer, and their loss falls."""
@@ -322,7 +322,11 @@ def test_a_peer_claiming_a_far_ahead_round_cannot_hijack_nodes_that_averaged_tog
         _start_node(procs, tmp_path, f"n{i}", peers, "--rounds", "8", "--data-shard", str(i))
         for i in range(2)
     ]
-    wait_for(lambda: all(max(_rounds(s), default=0) >= 2 for _, s in nodes), timeout=180, what="round 2")
+
+    def averaged_together(status: Path) -> bool:  # vouched: a round applied in the group of two
+        return any(e["event"] == "round" and e["group_size"] == 2 for e in _events(status))
+
+    wait_for(lambda: all(averaged_together(s) for _, s in nodes), timeout=180, what="a round of both")
     hijacker = procs.start(
         "hijacker",
         ["python", str(Path(__file__).parent / "hijacker.py"), "--peers", *peers, "--run-id", "r",
@@ -330,6 +334,8 @@ def test_a_peer_claiming_a_far_ahead_round_cannot_hijack_nodes_that_averaged_tog
     )  # fmt: skip
     wait_for(lambda: "published round" in procs.log("hijacker"), timeout=120, what="the forged record")
     hijacker_id = procs.log("hijacker").split("published round 1000000 as ")[1].split()[0]
+    # The nodes still had rounds to go once the forged record was out (it was seen, and ignored).
+    assert all(max(_rounds(s), default=0) < 8 for _, s in nodes)
     for i, (proc, _) in enumerate(nodes):
         assert proc.wait(timeout=240) == 0, procs.log(f"n{i}")
     assert hijacker.poll() is None, procs.log("hijacker")  # it was there, serving, all along
