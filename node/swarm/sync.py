@@ -177,11 +177,12 @@ class RemoteSource:
                 updates = [
                     Update(r.round, r.averaged, Schedule.from_dict(r.schedule), r.merge) for r in records
                 ]
-                refusals = [schedule_refusal(u.schedule, self.downloads.cfg) for u in updates]
+                why = next(
+                    filter(None, (schedule_refusal(u.schedule, self.downloads.cfg) for u in updates)), None
+                )
             except ValueError as e:
-                refusals = [str(e)]
-            if any(refusals):
-                why = next(r for r in refusals if r)
+                why = str(e)
+            if why is not None:
                 logger.info("kept updates from %s: a schedule this run cannot reach: %s", holder[-6:], why)
                 continue
             self.answered = holder
