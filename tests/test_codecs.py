@@ -38,7 +38,7 @@ from adloco.protocol.algorithms.codecs import (
     payload_shape,
     wire_bytes_of,
 )
-from adloco.protocol.algorithms.feedback import ErrorFeedback
+from adloco.protocol.algorithms.feedback import RESIDUAL_BLOCK, ErrorFeedback, Int8Residual
 
 ALL_SPECS = (*DEFAULT_CANDIDATES, "lowrank:3:none", "lowrank:3:fp16", "lowrank:5:int4", "lowrank:500")
 SHAPES = [(), (1,), (7,), (64,), (65,), (129,), (3, 5), (2, 3, 4), (128, 96), (33, 17, 5), (0,), (4, 0)]
@@ -563,8 +563,56 @@ def test_error_feedback_in_bf16_still_sends_delta_on_average() -> None:
     assert relative_error(delta, {key: t / 50 for key, t in total.items()}) < 0.1 * single
 
 
+def test_int8_residual_keeps_each_value_to_half_its_blocks_power_of_two_scale() -> None:
+    """1 + 4/256 bytes per value; every value within half its block's scale, a power of two ≤ 2 ×
+    the block's largest magnitude / 127; a block of zeros stays zero; the input is not written."""
+    values = gaussian(3 * RESIDUAL_BLOCK + 17, seed=7) * torch.linspace(0.0, 5.0, 3 * RESIDUAL_BLOCK + 17)
+    values[RESIDUAL_BLOCK : 2 * RESIDUAL_BLOCK] = 0.0
+    original = values.clone()
+    kept = Int8Residual(values)
+    assert torch.equal(values, original)
+    assert kept.nbytes() == values.numel() + 4 * 4
+    restored = kept.dequantize()
+    for block, scale in enumerate(kept.scales.tolist()):
+        part = slice(block * RESIDUAL_BLOCK, (block + 1) * RESIDUAL_BLOCK)
+        largest = float(values[part].abs().max())
+        if largest == 0.0:
+            assert scale == 0.0 and not restored[part].any()
+            continue
+        assert math.log2(scale).is_integer() and largest / 127 <= scale < 2 * largest / 127
+        assert float((restored[part] - values[part]).abs().max()) <= scale / 2
+
+
+def test_error_feedback_in_int8_sends_fp32_delta_plus_e_and_checkpoints_exactly() -> None:
+    delta = {"w": gaussian(1000, seed=8)}
+    feedback, codec = ErrorFeedback(torch.int8), make_codec("int8")
+    first = feedback.compress(codec, delta)["w"]
+    e1 = Int8Residual(delta["w"] - decode(first)).dequantize()
+    saved = feedback.state_dict()["w"]
+    assert saved.dtype == torch.bfloat16 and torch.equal(saved.float(), e1)  # code × 2^k: exact in bf16
+    second = feedback.compress_tensor(codec, "w", delta["w"])
+    assert second == codec.encode("w", delta["w"] + e1)
+    reloaded = ErrorFeedback(torch.int8)
+    reloaded.load_state_dict(feedback.state_dict())
+    assert torch.equal(reloaded.state_dict()["w"], feedback.state_dict()["w"])
+    assert reloaded.residual_norm() == feedback.residual_norm() > 0
+
+
+@pytest.mark.parametrize("spec", ["int8", "int4"])
+def test_error_feedback_in_int8_still_sends_delta_on_average(spec: str) -> None:
+    delta = {"w": gaussian(32, 24, seed=3), "b": gaussian(24, seed=4)}
+    single = relative_error(delta, decode_tensors(encode_tensors(make_codec(spec), delta)))
+    feedback, codec = ErrorFeedback(torch.int8), make_codec(spec)
+    total = {key: torch.zeros_like(t) for key, t in delta.items()}
+    for _ in range(50):
+        for key, t in decode_tensors(feedback.compress(codec, delta)).items():
+            total[key] += t
+    assert relative_error(delta, {key: t / 50 for key, t in total.items()}) < 0.1 * single
+
+
 @pytest.mark.parametrize(
-    ("saved", "loaded"), [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)]
+    ("saved", "loaded"),
+    [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32), (torch.int8, torch.float32)],
 )
 def test_error_feedback_loads_a_residual_saved_in_the_other_dtype(
     saved: torch.dtype, loaded: torch.dtype

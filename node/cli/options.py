@@ -142,9 +142,10 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     outer.add_argument("--codec", default="int8", help="none|fp16|int8|int4|lowrank:R[:fp16|int4]|adaptive")
     outer.add_argument(
         "--residual-dtype",
-        choices=("float32", "bfloat16"),
+        choices=("auto", "float32", "bfloat16", "int8"),
         default=TrainConfig.residual_dtype,
-        help="dtype of the error-feedback residual kept between rounds (bfloat16: half the memory)",
+        help="how the error-feedback residual is kept between rounds: int8 (1.02 B/param), bfloat16"
+        " (2) or float32 (4); auto: int8 with the int8 and int4 codecs, bfloat16 otherwise",
     )
     outer.add_argument(
         "--max-rel-error", type=finite_float, default=0.1, help="δ of the adaptive codec chooser"

@@ -45,7 +45,7 @@ from ...protocol.algorithms.report import PeerReport, dylu_ratio, overlap_byte_b
 from ...protocol.algorithms.schedule import accumulation_for, next_schedule
 from ...protocol.algorithms.switch import BatchPlan
 from .bmax import probe_b_max
-from .config import TrainConfig
+from .config import TrainConfig, residual_dtype
 from .corpus import Corpus
 from .devices import Placement, resolve_device, resolve_precision
 from .instances import Instance, InstanceRound
@@ -129,7 +129,7 @@ class Peer:
             " (pinned)" if self.placement.pin else "",
         )
         self.val_batches = validation_batches(corpus, seq_len=cfg.seq_len, num_sequences=cfg.val_sequences)
-        self.error_feedback = ErrorFeedback(RESIDUAL_DTYPES[cfg.residual_dtype])
+        self.error_feedback = ErrorFeedback(RESIDUAL_DTYPES[residual_dtype(cfg)])
         self._codecs: dict[str, Codec] = {}
         # DyLU (Async DiLoCo): this peer's speed relative to the fastest; H shrinks in proportion.
         self.dylu_speed_ratio: float | None = None
@@ -606,7 +606,7 @@ class Peer:
             kept = self.instances[: len(saved)]
             for inst, inst_state in zip(kept, saved, strict=True):
                 inst.check_state_dict(inst_state)
-            feedback = ErrorFeedback(RESIDUAL_DTYPES[self.cfg.residual_dtype])
+            feedback = ErrorFeedback(RESIDUAL_DTYPES[residual_dtype(self.cfg)])
             feedback.load_state_dict(mapping(state["error_feedback"], "error feedback"))
             codecs = {
                 key: self._codec_from_state(key, mapping(codec_state, f"codec {key}"))

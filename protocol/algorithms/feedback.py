@@ -4,6 +4,11 @@
 keeps e ← Δ + e − decode(c), the error measured on what receivers actually reconstruct. Over rounds
 the receivers get the sum of the Δ up to the last residual, which is what makes aggressive codecs
 (int4, low rank) usable (DiLoCoX-style adaptive compression, algorithms.md §4.4).
+
+The residual is kept in fp32, bf16, or int8 with one scale per block of `RESIDUAL_BLOCK` values
+(`Int8Residual`, 1.02 bytes per parameter). What a uniform quantizer (int8, int4) leaves behind is at
+most half its step, so the int8 rounding of e (at most 1/127 of its block's largest value) is under
+1 % of the codec's own error.
 """
 
 from __future__ import annotations
@@ -15,7 +20,60 @@ import torch
 
 from .codecs import Codec, decode, to_cpu_float
 
-RESIDUAL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+RESIDUAL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
+# Values per scale of an int8 residual (a 4-byte scale per 256 one-byte codes).
+RESIDUAL_BLOCK = 256
+# Values quantized at a time: the fp32 temporaries of `Int8Residual.store` stay at 4 MiB.
+_SLICE = RESIDUAL_BLOCK << 12
+
+
+class Int8Residual:
+    """A residual kept as int8 codes, each block of `RESIDUAL_BLOCK` values with its own scale (the
+    smallest power of two ≥ the block's largest magnitude / 127): 1 + 4/256 bytes per value, each
+    kept to within half its block's scale (at most 1/127 of the block's largest value)."""
+
+    __slots__ = ("codes", "scales", "shape")
+
+    def __init__(self, values: torch.Tensor) -> None:
+        self.shape = values.shape
+        n = values.numel()
+        self.codes = torch.empty(n, dtype=torch.int8)
+        self.scales = torch.empty(-(-n // RESIDUAL_BLOCK), dtype=torch.float32)
+        self.store(values)
+
+    def store(self, values: torch.Tensor) -> None:
+        """Quantize `values` (this residual's shape, any float dtype) into the codes, a slice at a time."""
+        flat = values.reshape(-1)
+        for start in range(0, flat.numel(), _SLICE):
+            part = flat[start : start + _SLICE].float()
+            blocks = -(-part.numel() // RESIDUAL_BLOCK)
+            if part.numel() != blocks * RESIDUAL_BLOCK:  # the tail: padded with zeros
+                part = torch.nn.functional.pad(part, (0, blocks * RESIDUAL_BLOCK - part.numel()))
+            grid = part.view(blocks, RESIDUAL_BLOCK)
+            # A power of two at least the block's largest magnitude / 127, so code × scale is exact
+            # in bf16 (a checkpoint's dtype) and quantizes back to the same code.
+            scale = torch.exp2(torch.ceil(torch.log2(grid.abs().amax(dim=1).div_(127.0))))
+            first = start // RESIDUAL_BLOCK
+            self.scales[first : first + blocks] = scale
+            codes = grid.div(scale.clamp_min_(torch.finfo(torch.float32).tiny)[:, None]).round_()
+            end = min(start + _SLICE, flat.numel())
+            self.codes[start:end] = codes.view(-1)[: end - start].to(torch.int8)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The residual's values as a new tensor of its shape."""
+        n = self.codes.numel()
+        out = torch.empty(n, dtype=dtype)
+        for start in range(0, n, _SLICE):
+            values = self.codes[start : start + _SLICE].float()
+            scale = self.scales[start // RESIDUAL_BLOCK :][: -(-values.numel() // RESIDUAL_BLOCK)]
+            full = values.numel() // RESIDUAL_BLOCK * RESIDUAL_BLOCK
+            values[:full].view(-1, RESIDUAL_BLOCK).mul_(scale[: full // RESIDUAL_BLOCK, None])
+            values[full:].mul_(scale[-1])  # the tail block, if any
+            out[start : start + values.numel()] = values
+        return out.view(self.shape)
+
+    def nbytes(self) -> int:
+        return self.codes.numel() + 4 * self.scales.numel()
 
 
 class ErrorFeedback:
@@ -31,7 +89,7 @@ class ErrorFeedback:
         if dtype not in RESIDUAL_DTYPES.values():
             raise ValueError(f"residual dtype must be one of {sorted(RESIDUAL_DTYPES)}, got {dtype}")
         self.dtype = dtype
-        self._residuals: dict[str, torch.Tensor] = {}
+        self._residuals: dict[str, torch.Tensor | Int8Residual] = {}
 
     def compress(self, codec: Codec, tensors: Mapping[str, torch.Tensor]) -> dict[str, bytes]:
         """Encode Δ + e for every tensor and update the residuals."""
@@ -52,6 +110,10 @@ class ErrorFeedback:
         if residual is None:
             payload = codec.encode(key, delta)
             error = delta - decode(payload)
+        elif isinstance(residual, Int8Residual):
+            error = residual.dequantize().add_(delta)
+            payload = codec.encode(key, error)
+            error.sub_(decode(payload))
         elif residual.dtype == torch.float32:
             payload = codec.encode(key, residual.add_(delta))
             error = residual.sub_(decode(payload))
@@ -62,22 +124,33 @@ class ErrorFeedback:
         # A non-finite round is rejected downstream; keeping its NaN would poison every later one.
         error.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
         if residual is None:
-            self._residuals[key] = error if self.dtype == torch.float32 else error.to(self.dtype)
+            self._residuals[key] = self._kept(error)
+        elif isinstance(residual, Int8Residual):
+            residual.store(error)
         elif error is not residual:
             residual.copy_(error)
         return payload
 
+    def _kept(self, error: torch.Tensor) -> torch.Tensor | Int8Residual:
+        if self.dtype == torch.int8:
+            return Int8Residual(error)
+        return error if self.dtype == error.dtype else error.to(self.dtype)
+
     def residual_norm(self) -> float:
         """L2 norm of all residuals together."""
-        return math.sqrt(sum(float(e.double().square().sum()) for e in self._residuals.values()))
+        return math.sqrt(sum(float(_values(e).double().square().sum()) for e in self._residuals.values()))
 
     def reset(self) -> None:
         """Forget all residuals (e.g. after a codec or shape change)."""
         self._residuals.clear()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Residual per key, for checkpoints."""
-        return {key: e.clone() for key, e in self._residuals.items()}
+        """Residual per key, for checkpoints (an int8 residual's values in bf16, which holds them
+        exactly: a 7-bit code times a power of two)."""
+        return {
+            key: e.dequantize(torch.bfloat16) if isinstance(e, Int8Residual) else e.clone()
+            for key, e in self._residuals.items()
+        }
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
         """Restore residuals saved by `state_dict` (in any float dtype: they are kept in this
@@ -85,6 +158,8 @@ class ErrorFeedback:
         for key, e in state.items():
             if not (isinstance(key, str) and isinstance(e, torch.Tensor) and e.is_floating_point()):
                 raise ValueError(f"error-feedback residual {key!r} is not a float tensor")
-        self._residuals = {
-            key: e.detach().to("cpu", self.dtype, copy=True).contiguous() for key, e in state.items()
-        }
+        self._residuals = {key: self._kept(e.detach().to("cpu", copy=True)) for key, e in state.items()}
+
+
+def _values(residual: torch.Tensor | Int8Residual) -> torch.Tensor:
+    return residual.dequantize() if isinstance(residual, Int8Residual) else residual
