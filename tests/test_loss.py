@@ -93,6 +93,70 @@ def test_a_tied_weight_gets_the_head_gradient_itself_with_the_lookup_rows_added_
     torch.testing.assert_close(weight.grad, 2 * ref_grads[0], rtol=1e-4, atol=1e-6)
 
 
+def test_accumulating_adds_the_head_gradient_into_the_held_one_with_no_vocab_sized_tensor(
+    gpt2_config: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A micro-batch after the first (the weight has a gradient) gets its head gradient formed at the
+    end of the backward pass, straight into the held gradient: no V x D tensor, the sum as before,
+    and the incoming gradient (loss / accum) scales it."""
+    monkeypatch.setattr(loss_module, "CHUNK_BYTES", 4 * VOCAB * 5)  # several chunks of logits again
+    model = _model(gpt2_config)
+    weight = model.get_input_embeddings().weight
+    x = torch.randint(0, VOCAB, (4, 16), generator=torch.Generator().manual_seed(7))
+    _, ref_grads = _loss_and_grads(model, _reference, x)
+    model.zero_grad(set_to_none=True)
+    torch.autograd.backward(causal_lm_loss(model, x[:2]) / 2)
+    assert weight.grad is not None
+    held = weight.grad.data_ptr()
+    shapes: list[tuple[int, ...]] = []
+    zeros, zeros_like = torch.zeros, torch.zeros_like
+
+    def spy_zeros(*size: object, **kwargs: object) -> torch.Tensor:
+        out = zeros(*size, **kwargs)  # type: ignore[call-overload]
+        shapes.append(tuple(out.shape))
+        return out
+
+    def spy_zeros_like(t: torch.Tensor, **kwargs: object) -> torch.Tensor:
+        out = zeros_like(t, **kwargs)  # type: ignore[arg-type]
+        shapes.append(tuple(out.shape))
+        return out
+
+    monkeypatch.setattr(torch, "zeros", spy_zeros)
+    monkeypatch.setattr(torch, "zeros_like", spy_zeros_like)
+    torch.autograd.backward(causal_lm_loss(model, x[2:]) / 2)
+    monkeypatch.undo()
+    assert tuple(weight.shape) not in shapes and weight.grad.data_ptr() == held
+    assert model.get_input_embeddings().pending_head is None
+    for p, r in zip(model.parameters(), ref_grads, strict=True):
+        torch.testing.assert_close(p.grad, r, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_a_deferred_head_gradient_is_the_one_formed_in_the_forward_pass(
+    gpt2_config: str, autocast: bool
+) -> None:
+    """`defer_head` (the norm test's replay): the weight's gradient is formed after the body's
+    backward pass and handed to autograd, so post-accumulate hooks see it; it equals the one the
+    forward pass forms (bf16 autocast included, where both form the logits the same way)."""
+    model = _model(gpt2_config)
+    lookup = model.get_input_embeddings()
+    x = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(8))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        _, direct = _loss_and_grads(model, causal_lm_loss, x)
+        seen: list[torch.Tensor] = []
+        handle = lookup.weight.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.clone()))
+        lookup.defer_head = True
+        try:
+            _, deferred = _loss_and_grads(model, causal_lm_loss, x)
+        finally:
+            lookup.defer_head = False
+            handle.remove()
+    assert len(seen) == 1
+    torch.testing.assert_close(seen[0], direct[0], rtol=1e-5, atol=1e-7)
+    for d, r in zip(deferred, direct, strict=True):
+        torch.testing.assert_close(d, r, rtol=1e-5, atol=1e-7)
+
+
 def test_the_incoming_gradient_scales_both_kept_gradients(gpt2_config: str) -> None:
     """Accumulation backpropagates loss / accum: every gradient is that fraction of the full one."""
     model = _model(gpt2_config)

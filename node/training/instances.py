@@ -33,7 +33,7 @@ from ...protocol.algorithms.merge import merge_weighted
 from ...protocol.algorithms.pseudograd import PseudoGradient
 from ...protocol.algorithms.switch import BatchPlan
 from .devices import Placement, autocast
-from .loss import causal_lm_loss
+from .loss import TiedEmbedding, causal_lm_loss
 from .sampling import TokenSampler
 from .state import malformed, mapping, tensors_like
 
@@ -278,6 +278,11 @@ class Instance:
         for p, g_mean in zip(self.params, mean, strict=True):
             p.grad = None
             handles.append(p.register_post_accumulate_grad_hook(acc.hook(g_mean)))  # type: ignore[no-untyped-call]
+        get_lookup = getattr(self.model, "get_input_embeddings", None)
+        tied = get_lookup() if callable(get_lookup) else None
+        tied = tied if isinstance(tied, TiedEmbedding) else None
+        if tied is not None:
+            tied.defer_head = True  # beside ḡ, no V x D gradient while the activations are held
         try:
             for m, (batch, rng) in enumerate(replay):
                 _set_rng_state(self.device, rng)
@@ -286,6 +291,8 @@ class Instance:
                     loss = causal_lm_loss(self.model, batch)
                 torch.autograd.backward(loss)
         finally:
+            if tied is not None:
+                tied.defer_head = False
             for handle in handles:
                 handle.remove()
             for p, g_mean in zip(self.params, mean, strict=True):

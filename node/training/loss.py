@@ -62,8 +62,11 @@ def causal_lm_loss(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
     get_lookup = getattr(base, "get_input_embeddings", None)
     lookup = get_lookup() if callable(get_lookup) else None
     tied = lookup if isinstance(lookup, TiedEmbedding) and lookup.weight is head.weight else None
+    # With a gradient already held (accumulating, or the norm test's replay beside the step's mean),
+    # the weight's gradient is formed at the end of the backward pass, once the activations are gone.
+    defer = grads and tied is not None and (tied.weight.grad is not None or tied.defer_head)
     out: torch.Tensor = _FusedLinearCrossEntropy.apply(  # type: ignore[no-untyped-call]
-        hidden, head.weight, targets, dtype, grads, tied
+        hidden, head.weight, targets, dtype, grads, tied, defer
     )
     return out
 
@@ -80,11 +83,14 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         dtype: torch.dtype | None,
         grads: bool,
         tied: TiedEmbedding | None,
+        defer: bool,
     ) -> torch.Tensor:
         n, vocab = targets.numel(), weight.shape[0]
         if n == 0:
             raise ValueError("no next-token targets: sequences need at least 2 tokens")
         need_h, need_w = grads and ctx.needs_input_grad[0], grads and ctx.needs_input_grad[1]
+        deferred = _DeferredHead.of(hidden, targets, dtype) if need_w and defer and tied is not None else None
+        need_w = need_w and deferred is None
         rows = max(1, CHUNK_BYTES // (4 * vocab))
         compute = dtype or weight.dtype
         with torch.autocast(hidden.device.type, enabled=False):
@@ -99,6 +105,8 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 logits = (h @ w.T).float()  # (rows, V): the one chunk of logits that exists
                 lse = torch.logsumexp(logits, dim=1)
                 total += (lse - logits.gather(1, t[:, None]).squeeze(1)).sum()
+                if deferred is not None:
+                    deferred.lse[start : start + rows] = lse
                 if grad_h is None and grad_w is None:
                     continue
                 # d(sum of CE)/d logits = softmax − one-hot; the mean divides by n.
@@ -115,6 +123,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         ctx.grad_w = grad_w  # the weight's own gradient: not an activation (bmax)
         ctx.has_grad_h = grad_h is not None
         ctx.tied = tied
+        ctx.deferred = deferred
         return total / n
 
     @staticmethod
@@ -129,8 +138,42 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             # hands over the sum: the weight gets one gradient, not two for autograd to add.
             ctx.tied.pending = grad_w
             grad_w = None
-        ctx.tied = None
-        return grad_h, grad_w, None, None, None, None
+        if ctx.deferred is not None and ctx.tied is not None:
+            ctx.deferred.scale = grad_out / ctx.deferred.lse.numel()
+            ctx.tied.pending_head = ctx.deferred
+        ctx.tied = ctx.deferred = None
+        return grad_h, grad_w, None, None, None, None, None
+
+
+class _DeferredHead:
+    """What the output embedding's gradient is formed from at the end of the backward pass: the
+    hidden states, targets and log-sum-exp of each token (kept from the forward pass, B·T·(D + 2)
+    values) and the incoming gradient over the token count. `add_to` forms the logits again, a chunk
+    at a time: one more (B·T × D) @ (D × V) product, for a V x D tensor less beside the activations."""
+
+    def __init__(self, hidden: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype | None) -> None:
+        self.hidden, self.targets, self.dtype = hidden, targets, dtype
+        self.lse = torch.empty(targets.numel(), dtype=torch.float32, device=hidden.device)
+        self.scale: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, hidden: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype | None) -> _DeferredHead:
+        return cls(hidden.detach(), targets, dtype)
+
+    @torch.no_grad()
+    def add_to(self, grad_w: torch.Tensor, weight: torch.Tensor) -> None:
+        """grad_w += d(loss)/d(weight) through the head (softmax − one-hot, times the scale)."""
+        assert self.scale is not None
+        n, vocab = self.targets.numel(), weight.shape[0]
+        rows = max(1, CHUNK_BYTES // (4 * vocab))
+        with torch.autocast(self.hidden.device.type, enabled=False):
+            w = weight.detach().to(self.dtype or weight.dtype)
+            for start in range(0, n, rows):
+                h32 = self.hidden[start : start + rows].float()
+                t = self.targets[start : start + rows]
+                g = (h32.to(w.dtype) @ w.T).float().sub_(self.lse[start : start + rows, None]).exp_()
+                g[torch.arange(len(t), device=g.device), t] -= 1.0
+                grad_w.addmm_(g.mul_(self.scale).T, h32)
 
 
 class TiedEmbedding(nn.Embedding):
@@ -147,11 +190,15 @@ class TiedEmbedding(nn.Embedding):
     """
 
     pending: torch.Tensor | None = None
+    pending_head: _DeferredHead | None = None
+    # Set while the norm test replays micro-batches beside the step's gradient: the head's gradient
+    # is then formed after the activations are freed (`causal_lm_loss`).
+    defer_head: bool = False
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if not (torch.is_grad_enabled() and self.weight.requires_grad):
             return super().forward(input)
-        self.pending = None  # a pass whose backward never ran leaves nothing behind
+        self.pending = self.pending_head = None  # a pass whose backward never ran leaves nothing
         out: torch.Tensor = _TiedLookup.apply(input, self.weight, self)  # type: ignore[no-untyped-call]
         return out
 
@@ -172,7 +219,7 @@ class _TiedLookup(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, ids: torch.Tensor, weight: torch.Tensor, owner: TiedEmbedding) -> torch.Tensor:
         ctx.save_for_backward(ids)
-        ctx.owner = owner
+        ctx.owner, ctx.weight = owner, weight
         ctx.weight_shape, ctx.weight_dtype = weight.shape, weight.dtype
         return torch.nn.functional.embedding(ids, weight)
 
@@ -180,9 +227,19 @@ class _TiedLookup(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         (ids,) = ctx.saved_tensors
         owner: TiedEmbedding = ctx.owner
+        weight: torch.Tensor = ctx.weight
         grad_w, owner.pending = owner.pending, None
-        if grad_w is None:
+        head, owner.pending_head = owner.pending_head, None
+        # A deferred head adds straight into a gradient the weight already has (accumulating):
+        # nothing is returned then, so no V x D tensor is formed at all.
+        into_held = head is not None and grad_w is None and weight.grad is not None and not owner.defer_head
+        if into_held:
+            grad_w = weight.grad
+        elif grad_w is None:
             grad_w = torch.zeros(ctx.weight_shape, dtype=ctx.weight_dtype, device=grad_out.device)
+        assert grad_w is not None
+        if head is not None:
+            head.add_to(grad_w, weight)
         rows = grad_out.reshape(-1, grad_out.shape[-1]).to(grad_w.dtype)
         grad_w.index_add_(0, ids.reshape(-1), rows)
-        return None, grad_w, None
+        return None, None if into_held else grad_w, None
