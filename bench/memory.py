@@ -221,7 +221,8 @@ def main() -> None:
             "theta": 4,
             "outer momentum": 4,
         }
-        residual = 4 if _flag(args.node_arg, "--residual-dtype") == "float32" else 2
+        residual_flag = _flag(args.node_arg, "--residual-dtype") or "auto"
+        residual = {"float32": 4, "bfloat16": 2}.get(residual_flag, 1 + 4 / 256)  # auto: int8 for int8
         by_design = {"error-feedback residual": residual}
         baseline = library_baseline(config)
         result: dict[str, object] = {

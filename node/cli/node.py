@@ -31,6 +31,7 @@ from ..solo.trainer import train_solo
 from ..swarm.node import SwarmConfig, SwarmNode
 from ..training.config import TrainConfig
 from ..training.rounds import format_round
+from ..training.runtime import lean_allocator
 from .options import add_train_arguments, finite_float, set_threads, train_config_from_args
 
 
@@ -59,6 +60,13 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     run.add_argument("--log-level", default="WARNING", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     run.add_argument("--offline", action="store_true", help="train alone with no networking at all")
     run.add_argument("--status-file", type=Path, default=None, help="append one JSON line per event here")
+    run.add_argument(
+        "--host-allocator",
+        choices=("default", "lean"),
+        default="default",
+        help="lean: freed blocks of 128 KiB or more go back to the system at once (glibc), ~3 B/param"
+        " less host memory at GPT-2 124M for ~20%% slower CPU steps (docs/results.md)",
+    )
 
 
 def add_operations_arguments(p: argparse.ArgumentParser) -> None:
@@ -270,6 +278,8 @@ def run(args: argparse.Namespace) -> None:
     if args.rounds < 0:
         raise UserError(f"--rounds: must be >= 0 (0 trains until stopped), got {args.rounds}")
     set_threads(args.threads)
+    if args.host_allocator == "lean":
+        lean_allocator()
     cfg = train_config_from_args(args)
     stop = threading.Event()
     if args.offline:
