@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from adloco.node.cli.sim import run
 from adloco.node.sim.engine import SimConfig, Simulator
@@ -214,3 +215,28 @@ def test_dylu_shortens_the_slow_peers_rounds_from_the_reported_step_times() -> N
     without = run(replace(cfg, train=replace(train, dylu=False)))
     assert all(p.dylu_speed_ratio is None for p in without.peers)
     assert steps[2] == [8] * 4
+
+
+def test_hostile_peers_send_their_attack_and_the_owners_screen_or_bound_it() -> None:
+    """The last peer attacks: ×−1000 is rejected part by part by the owners' norm test every round
+    (what the attack sends does reach them), and a fixed direction at normal norm, which passes that
+    test, moves CenteredClip's θ less than the mean's from the clean run's."""
+    train = replace(SMALL, instances=1, inner_steps=4, schedule=replace(SMALL.schedule, test="none"))
+    corpus, tokenizer = load_data(train)
+
+    def run_sim(config: SimConfig) -> tuple[Simulator, list[RoundRecord], torch.Tensor]:
+        sim = Simulator(config, corpus, vocab_size=tokenizer.vocab_size)
+        records = sim.run()
+        return sim, records, torch.cat([t.reshape(-1) for t in sim.peers[0].state.theta])
+
+    base = SimConfig(peers=4, rounds=3, train=train)
+    sim, flipped, _ = run_sim(replace(base, hostile=1, attack="flip1000"))
+    assert [r.rejected_parts for r in flipped] == [len(sim.peers[0].names)] * 3
+    _, _, clean = run_sim(base)
+    moved = {}
+    for spec in ("mean", "clip:1"):
+        _, _, attacked = run_sim(
+            replace(base, hostile=1, attack="constant", train=replace(train, aggregate=spec))
+        )
+        moved[spec] = float((attacked - clean).norm())
+    assert moved["clip:1"] < moved["mean"]

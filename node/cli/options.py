@@ -148,6 +148,12 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         " (2) or float32 (4); auto: int8 with the int8 and int4 codecs, bfloat16 otherwise",
     )
     outer.add_argument(
+        "--aggregate",
+        default=TrainConfig.aggregate,
+        help="how owners combine contributions: mean, trimmed:β (coordinate-wise trimmed mean) or"
+        " clip:c (CenteredClip); the robust rules bound what hostile peers can move",
+    )
+    outer.add_argument(
         "--max-rel-error", type=finite_float, default=0.1, help="δ of the adaptive codec chooser"
     )
     outer.add_argument(
@@ -217,6 +223,7 @@ def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
             ),
             codec=args.codec,
             max_rel_error=args.max_rel_error,
+            aggregate=args.aggregate,
             correct_late=not args.no_correction,
             heloco=replace(base.heloco, c_ok=args.heloco_c_ok),
             staleness_weight=args.staleness_weight,

@@ -19,7 +19,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from ...errors import UserError
-from ..sim.engine import SimConfig, Simulator, records_as_dicts
+from ..sim.engine import ATTACKS, SimConfig, Simulator, records_as_dicts
 from ..sim.plots import plot_runs
 from ..training.rounds import RoundRecord, format_round
 from ..training.runtime import load_data
@@ -58,6 +58,14 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument(
         "--window-s", type=finite_float, default=None, help="async matchmaking window (sim seconds)"
     )
+    hostile = p.add_argument_group("hostile peers")
+    hostile.add_argument("--hostile", type=int, default=0, help="how many peers attack (the last ones)")
+    hostile.add_argument(
+        "--attack",
+        choices=ATTACKS,
+        default="none",
+        help="what they send: -1000 Δ, -Δ claiming the most weight allowed, a random or a fixed direction",
+    )
     return p
 
 
@@ -90,6 +98,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
             bandwidth_mbps=args.bandwidth_mbps,
             latency_s=args.latency_s,
             window_s=args.window_s,
+            hostile=args.hostile,
+            attack=args.attack,
         )
     except ValueError as e:
         raise config_error(e, args) from None

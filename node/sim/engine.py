@@ -27,12 +27,14 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import torch
 
 from ...protocol.algorithms.allreduce import Contribution
+from ...protocol.algorithms.codecs import decode, make_codec
+from ...protocol.algorithms.parts import Aggregate
 from ...protocol.transport.averager import MemberResult
 from ...protocol.transport.memory import MemoryAverager, MemoryHub
 from ..training.catchup import catch_up
@@ -46,6 +48,10 @@ logger = logging.getLogger(__name__)
 
 # In process a round's averaging is a few reductions: far below this, unless something is wrong.
 AVERAGE_TIMEOUT_S = 600.0
+# What a hostile virtual peer sends in place of its Δ (issue 10 §3), each tensor encoded in int8:
+# flip1000: −1000 Δ; flip: −Δ, claiming the most tokens and weight the schedule allows; random: a
+# fresh Gaussian direction each round at Δ's norm; constant: one fixed direction at Δ's norm.
+ATTACKS = ("none", "flip1000", "flip", "random", "constant")
 
 
 @dataclass(frozen=True)
@@ -69,6 +75,8 @@ class SimConfig:
     bandwidth_mbps: float = 20.0
     latency_s: float = 0.05
     window_s: float | None = None
+    hostile: int = 0
+    attack: str = "none"
 
     def __post_init__(self) -> None:
         if self.peers < 1:
@@ -85,9 +93,19 @@ class SimConfig:
                 raise ValueError(f"{name} must be finite and >= 0, got {value}")
         if self.window_s is not None and not (math.isfinite(self.window_s) and self.window_s >= 0):
             raise ValueError(f"window_s must be finite and >= 0, got {self.window_s}")
+        if not 0 <= self.hostile < self.peers:
+            raise ValueError(f"hostile must be >= 0 and below the peers ({self.peers}), got {self.hostile}")
+        if self.attack not in ATTACKS:
+            raise ValueError(f"attack must be one of {', '.join(ATTACKS)}, got {self.attack!r}")
+        if (self.hostile > 0) != (self.attack != "none"):
+            raise ValueError("hostile peers need an attack, and an attack needs hostile peers")
 
     def slowdown_of(self, index: int) -> float:
         return self.slowdown[index % len(self.slowdown)]
+
+    def is_hostile(self, index: int) -> bool:
+        """The last `hostile` peers attack."""
+        return index >= self.peers - self.hostile
 
 
 @dataclass
@@ -149,7 +167,7 @@ class Simulator:
         ]
         # The simulator decides each group itself (`MemoryHub.expect`); the window only bounds a
         # round that somehow lost a member.
-        self.hub = MemoryHub(window_s=AVERAGE_TIMEOUT_S)
+        self.hub = MemoryHub(window_s=AVERAGE_TIMEOUT_S, aggregate=Aggregate.parse(cfg.train.aggregate))
         self.averagers = [MemoryAverager(self.hub, peer.peer_id) for peer in self.peers]
         self._pool = ThreadPoolExecutor(max_workers=cfg.peers, thread_name_prefix="adloco-sim")
         self._round_ids = 0
@@ -257,7 +275,11 @@ class Simulator:
             for i in members
         ]
         infos = [info for _, info in offers]
-        contributing = [(i, c) for i, (c, _) in zip(members, offers, strict=True) if c is not None]
+        contributing = [
+            (i, self._attack(i, c) if self.cfg.is_hostile(i) else c)
+            for i, (c, _) in zip(members, offers, strict=True)
+            if c is not None
+        ]
         if not contributing:
             raise RuntimeError("every contribution of the round was dropped as too stale")
         result = self._average(contributing)
@@ -274,6 +296,28 @@ class Simulator:
             for i in members
         )
         return _Exchange(members, infos, result, catch_up_bytes, comm)
+
+    def _attack(self, index: int, honest: Contribution) -> Contribution:
+        """What hostile peer `index` sends instead of `honest` (`ATTACKS`)."""
+        codec, attack = make_codec("int8"), self.cfg.attack
+        payloads: dict[str, bytes] = {}
+        for n, (key, payload) in enumerate(honest.payloads.items()):
+            delta = decode(payload)
+            if attack == "flip1000":
+                forged = delta * -1000.0
+            elif attack == "flip":
+                forged = -delta
+            else:
+                seed = n if attack == "constant" else (self._round_ids << 20) + (index << 10) + n
+                forged = torch.randn(delta.shape, generator=torch.Generator().manual_seed(seed))
+                forged *= torch.linalg.vector_norm(delta) / torch.linalg.vector_norm(forged).clamp_min(1e-30)
+            payloads[key] = codec.encode(key, forged)
+        weight, tokens = honest.weight, honest.tokens
+        if attack == "flip":
+            bounds = self.peers[index].claim_bounds()
+            tokens = bounds.max_tokens if bounds.max_tokens is not None else tokens * 1e6
+            weight = tokens * (bounds.max_weight_per_token or 1.0)
+        return replace(honest, payloads=payloads, weight=weight, tokens=tokens)
 
     def _average(self, contributing: Sequence[tuple[int, Contribution]]) -> MemberResult:
         """Every contributor calls its averager on its own thread, as a swarm node would; returns the

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ...protocol.algorithms.parts import Aggregate
 from ...protocol.transport.dht import NetworkConfig, start_dht, visible_maddrs
 from ...protocol.transport.hivemind_averager import HivemindAverager
 from ...protocol.transport.records import RunRecords, run_prefix
@@ -143,6 +144,7 @@ class SwarmNode:
             reduce_timeout_s=swarm.reduce_timeout_s,
             bandwidth_bps=swarm.exchange_bandwidth_bps,
             chunk_bytes=swarm.exchange_chunk_bytes,
+            aggregate=Aggregate.parse(self.peer.cfg.aggregate),
         )
         # fp32 is the largest encoding of the pseudo-gradient: a bound for every codec of the run.
         fp32_bytes = 4 * sum(t.numel() for t in self.peer.named_theta().values())

@@ -17,6 +17,7 @@ from ...protocol.algorithms.codecs import make_codec
 from ...protocol.algorithms.feedback import RESIDUAL_DTYPES
 from ...protocol.algorithms.heloco import HelocoConfig
 from ...protocol.algorithms.outer import OuterConfig
+from ...protocol.algorithms.parts import Aggregate
 from ...protocol.algorithms.schedule import ScheduleConfig
 from .instances import InnerConfig
 
@@ -75,6 +76,10 @@ class TrainConfig:
         changed the validation loss by < 0.001 nats against fp32, and int8 by < 0.001 against bf16
         with the int8 and int4 codecs, but +0.08 (within the seeds' spread) with lowrank:2
         (docs/results.md).
+    aggregate: how an owner combines the contributions to its parts that pass the screening:
+        "mean" (the weighted mean), "trimmed:β" (coordinate-wise, ⌊β·n⌋ of each end left out) or
+        "clip:c" (CenteredClip, τ = c × the median distance from the coordinate-wise median); the
+        robust rules bound what a few hostile peers can move (protocol/algorithms/parts.py).
     b_max: override the probed hardware batch limit (switch mode engages above it).
     memory_budget_gb: CPU memory for b_max probing (default: half of what is available).
     non_iid: give each peer a different part of the corpus (by top-level package).
@@ -126,6 +131,7 @@ class TrainConfig:
     dylu: bool = False
     replay_mb: float = 256.0
     residual_dtype: Literal["auto", "float32", "bfloat16", "int8"] = "auto"
+    aggregate: str = "mean"
     b_max: int | None = None
     memory_budget_gb: float | None = None
     non_iid: bool = False
@@ -159,6 +165,10 @@ class TrainConfig:
             raise ValueError(f"max_rel_error must be > 0, got {self.max_rel_error}")
         if not (math.isfinite(self.replay_mb) and self.replay_mb >= 0):
             raise ValueError(f"replay_mb must be >= 0, got {self.replay_mb}")
+        try:
+            Aggregate.parse(self.aggregate)
+        except ValueError as e:
+            raise ValueError(str(e)) from None
         if self.residual_dtype not in ("auto", *RESIDUAL_DTYPES):
             raise ValueError(
                 f"residual_dtype must be auto, float32, bfloat16 or int8, got {self.residual_dtype!r}"

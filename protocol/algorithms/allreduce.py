@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .codecs import Codec, decode_tensors
-from .parts import DEFAULT_OUTLIER_FACTOR, assign_parts, reduce_parts, round_traffic
+from .parts import DEFAULT_OUTLIER_FACTOR, MEAN, Aggregate, assign_parts, reduce_parts, round_traffic
 from .report import PeerReport, parse_reports
 
 logger = logging.getLogger(__name__)
@@ -85,6 +85,7 @@ def reduce_group(
     *,
     codec: Codec,
     outlier_factor: float | None = DEFAULT_OUTLIER_FACTOR,
+    aggregate: Aggregate = MEAN,
 ) -> GroupResult:
     """Average the group's contributions part by part; deterministic in the members' order.
 
@@ -113,6 +114,7 @@ def reduce_group(
         [c.tokens for c in members],
         codec,
         outlier_factor=outlier_factor,
+        aggregate=aggregate,
     )
     for k, peer, reason in reduced.rejections:
         logger.warning("owner %s rejected part %r of %s: %s", owners[k][-8:], k, peer[-8:], reason)

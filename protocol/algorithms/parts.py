@@ -11,6 +11,11 @@ decodes to a NaN or inf, and, when at least `MIN_OUTLIER_GROUP` finite payloads 
 whose L2 norm exceeds `DEFAULT_OUTLIER_FACTOR` (configurable) × their median norm (`screen_part`).
 A rejected payload is left out of the weighted sum and its tokens out of the normalizer; if nothing
 is left the part averages to zeros. Rejection is per part: the member stays a contributor.
+
+Robust aggregation (issue 10 §3, `Aggregate`): what passes the screening is combined by the weighted
+mean (the default), a coordinate-wise trimmed mean, or CenteredClip (Karimireddy et al., as BTARD
+runs it per part). Every owner applies the run's rule to its own parts, and every member receives
+the owner's bytes, so θ stays identical whatever the rule.
 """
 
 from __future__ import annotations
@@ -37,6 +42,94 @@ get rejected. Non-finite payloads are rejected regardless.
 MIN_OUTLIER_GROUP = 3
 """The outlier test needs this many finite payloads of a part: with two, the median cannot say
 which of them is off."""
+# Coordinates combined at a time by the robust rules: their (n, slice) temporaries stay small.
+_ROBUST_SLICE = 1 << 18
+# CenteredClip's fixed-point iterations (BTARD runs a few; each moves v by at most τ).
+CLIP_ITERATIONS = 10
+
+
+@dataclass(frozen=True)
+class Aggregate:
+    """How an owner combines the payloads of a part that passed the screening.
+
+    "mean": Σ f_i x_i with f_i the normalized weights (w / Σw, or w / Σ tokens). "trimmed:β":
+    per coordinate the ⌊β·n⌋ largest and smallest values are left out and the rest averaged by
+    their weights, rescaled to Σ f_i (so a late, down-weighted group shrinks as under the mean).
+    "clip:c": CenteredClip from the coordinate-wise median v, τ = c × the median distance of the
+    payloads from v; CLIP_ITERATIONS times v ← v + Σ p_i (x_i − v) min(1, τ / ||x_i − v||) with
+    p_i = f_i / Σ f, then times Σ f. With fewer than `MIN_OUTLIER_GROUP` payloads, the robust rules
+    are the mean: two cannot outvote each other.
+    """
+
+    rule: str = "mean"
+    param: float = 0.0
+
+    @classmethod
+    def parse(cls, spec: str) -> Aggregate:
+        """ "mean", "trimmed:β" (0 < β < 0.5) or "clip:c" (c > 0); ValueError naming the forms."""
+        name, _, value = spec.partition(":")
+        if name == "mean" and not value:
+            return cls()
+        try:
+            param = float(value)
+        except ValueError:
+            param = math.nan
+        if name == "trimmed" and 0 < param < 0.5:
+            return cls("trimmed", param)
+        if name == "clip" and math.isfinite(param) and param > 0:
+            return cls("clip", param)
+        raise ValueError(f"aggregate: {spec!r} is not mean, trimmed:β with 0 < β < 0.5, or clip:c with c > 0")
+
+    def __str__(self) -> str:
+        return self.rule if self.rule == "mean" else f"{self.rule}:{self.param:g}"
+
+    def combine(self, tensors: Sequence[torch.Tensor], factors: Sequence[float]) -> torch.Tensor:
+        """The part's aggregate of `tensors` (one shape, finite) with the normalized `factors`."""
+        if self.rule == "mean" or len(tensors) < MIN_OUTLIER_GROUP:
+            average = torch.zeros_like(tensors[0])
+            for t, f in zip(tensors, factors, strict=True):
+                average.add_(t, alpha=f)
+            return average
+        if self.rule == "trimmed":
+            return _trimmed_mean(tensors, factors, self.param)
+        return _centered_clip(tensors, factors, self.param)
+
+
+MEAN = Aggregate()
+
+
+def _trimmed_mean(tensors: Sequence[torch.Tensor], factors: Sequence[float], beta: float) -> torch.Tensor:
+    n, cut = len(tensors), int(beta * len(tensors))
+    weights = torch.tensor(factors, dtype=torch.float32)
+    out = torch.empty_like(tensors[0]).reshape(-1)
+    flat = [t.reshape(-1) for t in tensors]
+    for start in range(0, out.numel(), _ROBUST_SLICE):
+        values = torch.stack([t[start : start + _ROBUST_SLICE] for t in flat])  # (n, slice)
+        ordered, order = values.sort(dim=0, stable=True)
+        kept = weights[order[cut : n - cut]]  # each coordinate's own survivors' weights
+        total = kept.sum(dim=0)
+        mean = (ordered[cut : n - cut] * kept).sum(dim=0) / total.clamp_min(torch.finfo(torch.float32).tiny)
+        out[start : start + _ROBUST_SLICE] = mean * float(weights.sum())
+    return out.view_as(tensors[0])
+
+
+def _centered_clip(tensors: Sequence[torch.Tensor], factors: Sequence[float], c: float) -> torch.Tensor:
+    total = math.fsum(factors)
+    shares = [f / total for f in factors] if total > 0 else [1.0 / len(factors)] * len(factors)
+    flat = [t.reshape(-1) for t in tensors]
+    v = torch.empty_like(flat[0])
+    for start in range(0, v.numel(), _ROBUST_SLICE):
+        values = torch.stack([t[start : start + _ROBUST_SLICE] for t in flat])
+        v[start : start + _ROBUST_SLICE] = values.median(dim=0).values
+    tau = c * statistics.median(float(torch.linalg.vector_norm(t - v, dtype=torch.float64)) for t in flat)
+    for _ in range(CLIP_ITERATIONS):
+        step = torch.zeros_like(v)
+        for t, share in zip(flat, shares, strict=True):
+            diff = t - v
+            norm = float(torch.linalg.vector_norm(diff, dtype=torch.float64))
+            step.add_(diff, alpha=share * (min(1.0, tau / norm) if norm > 0 else 1.0))
+        v.add_(step)
+    return v.mul_(total).view_as(tensors[0])
 
 
 def assign_parts(sizes: Sequence[int], num_members: int) -> list[int]:
@@ -110,6 +203,7 @@ def reduce_part(
     *,
     tokens: Sequence[float] | None = None,
     outlier_factor: float | None = DEFAULT_OUTLIER_FACTOR,
+    aggregate: Aggregate = MEAN,
 ) -> ReducedPart:
     """Decode every member's payload of one tensor, screen them, average the rest, re-encode.
 
@@ -140,9 +234,7 @@ def reduce_part(
         # The average of one contribution is that contribution: forward its bytes rather than
         # re-encode them and add a second compression error.
         return ReducedPart(bytes(payloads[accepted[0]]), rejected)
-    average = torch.zeros_like(tensors[0])
-    for i, weight in zip(accepted, normalized, strict=True):
-        average.add_(tensors[i], alpha=weight)
+    average = aggregate.combine([tensors[i] for i in accepted], normalized)
     return ReducedPart(codec.encode(key, average), rejected)
 
 
@@ -168,6 +260,7 @@ def reduce_parts(
     codec: Codec,
     *,
     outlier_factor: float | None = DEFAULT_OUTLIER_FACTOR,
+    aggregate: Aggregate = MEAN,
 ) -> ReducedParts:
     """`reduce_part` for each of `keys` over the same contributors: the one reduction every transport
     runs (the in-process `allreduce.reduce_group` for all parts, a network owner for its own).
@@ -185,6 +278,7 @@ def reduce_parts(
             key,
             tokens=tokens,
             outlier_factor=outlier_factor,
+            aggregate=aggregate,
         )
         averaged[key] = part.payload
         rejections += [(key, contributors[i], reason) for i, reason in part.rejected.items()]

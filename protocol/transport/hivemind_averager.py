@@ -57,7 +57,14 @@ from hivemind.p2p import P2P
 from ..algorithms.allreduce import Contribution
 from ..algorithms.claims import UNBOUNDED, ClaimBounds
 from ..algorithms.codecs import Codec, payload_shape
-from ..algorithms.parts import DEFAULT_OUTLIER_FACTOR, assign_parts, check_outlier_factor, most_bytes_moved
+from ..algorithms.parts import (
+    DEFAULT_OUTLIER_FACTOR,
+    MEAN,
+    Aggregate,
+    assign_parts,
+    check_outlier_factor,
+    most_bytes_moved,
+)
 from .averager import MemberResult
 from .matchmaking import Group, Matchmaker, RoundFailed, layout_of
 from .member import assemble, fetch
@@ -116,6 +123,7 @@ class HivemindAverager:
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         record_ttl_s: float = 120.0,
         outlier_factor: float | None = DEFAULT_OUTLIER_FACTOR,
+        aggregate: Aggregate = MEAN,
         on_stage: Callable[[str, int], None] | None = None,
     ) -> None:
         _check_knobs(prefix, window_s, grace_s, part_timeout_s, reduce_timeout_s, record_ttl_s)
@@ -133,6 +141,7 @@ class HivemindAverager:
         self.record_ttl_s = record_ttl_s
         self.measured_bps: float | None = None  # this peer's rate over its earlier exchanges
         self.outlier_factor = check_outlier_factor(outlier_factor)
+        self.aggregate = aggregate
         self._on_stage = on_stage
         digest = hashlib.sha256(prefix.encode()).hexdigest()[:24]
         self._handler_name = f"adloco.allreduce.v{PROTOCOL_VERSION}.{digest}"
@@ -426,6 +435,7 @@ class HivemindAverager:
             sizes=[len(own[k]) for k in keys],
             codec=codec,
             outlier_factor=self.outlier_factor,
+            aggregate=self.aggregate,
             bounds=bounds,
             with_metadata=next(iter(owners.values())) == self._peer_id,
             deadline=grouped_at + self.phase_s(moved, floor_s=self.part_timeout_s, measured=True),

@@ -19,7 +19,7 @@ import torch
 from ..algorithms.allreduce import Contribution, GroupResult, reduce_group
 from ..algorithms.claims import UNBOUNDED, ClaimBounds
 from ..algorithms.codecs import Codec
-from ..algorithms.parts import DEFAULT_OUTLIER_FACTOR, assign_parts, check_outlier_factor
+from ..algorithms.parts import DEFAULT_OUTLIER_FACTOR, MEAN, Aggregate, assign_parts, check_outlier_factor
 from .averager import MemberResult, NotOpened, Traffic
 
 logger = logging.getLogger(__name__)
@@ -94,12 +94,14 @@ class MemoryHub:
         ttl_s: float = 600.0,
         clock: Callable[[], float] = time.monotonic,
         outlier_factor: float | None = DEFAULT_OUTLIER_FACTOR,
+        aggregate: Aggregate = MEAN,
     ) -> None:
         if window_s < 0:
             raise ValueError(f"window_s must be >= 0, got {window_s}")
         self.window_s = window_s
         self.ttl_s = ttl_s
         self.outlier_factor = check_outlier_factor(outlier_factor)
+        self.aggregate = aggregate
         self._clock = clock
         self._cond = threading.Condition()
         self._rounds: dict[tuple[str, int], _Gathering] = {}
@@ -208,7 +210,10 @@ class MemoryHub:
         result: GroupResult | None
         try:
             result = reduce_group(
-                contributions, codec=owner_codecs(contributions, codecs), outlier_factor=self.outlier_factor
+                contributions,
+                codec=owner_codecs(contributions, codecs),
+                outlier_factor=self.outlier_factor,
+                aggregate=self.aggregate,
             )
         except ValueError as e:  # a malformed contribution fails the round for everyone
             logger.warning("round failed: %s", e)

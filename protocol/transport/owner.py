@@ -45,7 +45,7 @@ from typing import Any
 
 from ..algorithms.claims import UNBOUNDED, ClaimBounds
 from ..algorithms.codecs import Codec, payload_shape
-from ..algorithms.parts import reduce_parts
+from ..algorithms.parts import MEAN, Aggregate, reduce_parts
 from ..algorithms.report import MAX_REPORT_BYTES
 from .matchmaking import Group
 from .wire import PROTOCOL_VERSION, Meter, read_chunks, read_frame, write_chunks, write_frame
@@ -136,7 +136,11 @@ _DROPPED = Incoming(0.0, 0.0, {}, None)
 
 
 def reduce_owned(
-    keys: list[str], contributions: Mapping[str, Incoming], codec: Codec, outlier_factor: float | None
+    keys: list[str],
+    contributions: Mapping[str, Incoming],
+    codec: Codec,
+    outlier_factor: float | None,
+    aggregate: Aggregate = MEAN,
 ) -> tuple[Answer, list[tuple[str, str, str]]]:
     """The owner's reduction over the contributors that arrived, and (part, peer, reason) rejections."""
     contributors = tuple(sorted(contributions))
@@ -149,6 +153,7 @@ def reduce_owned(
         [e.tokens for e in entries],
         codec,
         outlier_factor=outlier_factor,
+        aggregate=aggregate,
     )
     metadata = tuple(e.metadata or b"" for e in entries)
     return Answer(contributors, reduced.averaged, metadata, reduced.rejected), reduced.rejections
@@ -185,6 +190,7 @@ class OwnerSession:
         deadline: float,
         answer_timeout_s: float,
         bounds: ClaimBounds = UNBOUNDED,
+        aggregate: Aggregate = MEAN,
     ) -> None:
         self.group = group
         self.keys = keys
@@ -192,6 +198,7 @@ class OwnerSession:
         self.sizes = sizes
         self.codec = codec
         self.outlier_factor = outlier_factor
+        self.aggregate = aggregate
         self.bounds = bounds
         self.with_metadata = with_metadata
         self.deadline = deadline  # loop time
@@ -255,7 +262,13 @@ class OwnerSession:
         try:
             contributions = dict(self.contributions)
             self.result, rejections = await loop.run_in_executor(
-                executor, reduce_owned, self.keys, contributions, self.codec, self.outlier_factor
+                executor,
+                reduce_owned,
+                self.keys,
+                contributions,
+                self.codec,
+                self.outlier_factor,
+                self.aggregate,
             )
             for key, peer, reason in rejections:
                 logger.warning(
