@@ -36,7 +36,7 @@ from adloco.protocol.algorithms import codecs
 from adloco.protocol.algorithms.allreduce import Contribution, reduce_group
 from adloco.protocol.algorithms.codecs import decode_tensors, encode_tensors, make_codec
 from adloco.protocol.algorithms.report import PeerReport
-from adloco.protocol.transport.averager import Averager, MemberResult, NotOpened
+from adloco.protocol.transport.averager import Averager, MemberResult, Misconduct, NotOpened
 from adloco.protocol.transport.memory import MemoryAverager, MemoryHub
 
 pytestmark = pytest.mark.timeout(60)
@@ -703,6 +703,9 @@ def test_a_member_that_broke_a_rule_is_refused_by_its_owners_in_the_next_rounds_
             _assert_matches_reduce_group(outcomes[:2], contributions[:2], "int8")
         liar = averagers[2].peer_id
         assert all(liar in a._handler.banned for a in averagers[:2])  # type: ignore[attr-defined]
+        # What the metrics read: each honest owner counted the rule break once and bans one member.
+        caught = [a.misconduct() for a in averagers[:2]]  # type: ignore[attr-defined]
+        assert caught == [Misconduct(violations=1, banned=1)] * 2
     finally:
         swarm.close()
 

@@ -69,6 +69,8 @@ def test_dashboard_has_queries_for_every_required_figure() -> None:
         "adloco_peers_visible",
         "adloco_swarm_peers_alive",
         "adloco_rejected_parts_total",
+        "adloco_protocol_violations_total",
+        "adloco_banned_members",
     ):
         assert metric in exprs, f"the dashboard shows no {metric}"
 

@@ -78,6 +78,13 @@ class NodeMetrics:
         self.rejected = counter(
             "rejected_parts", "Parts of group members the owners screened out (non-finite, outlier)"
         )
+        self.violations = counter(
+            "protocol_violations",
+            "Rule breaks this node's owners caught (claims, sizes, shapes of a member's parts); each bans",
+        )
+        self.banned = gauge(
+            "banned_members", "Members this node's owners refuse now (owner.BAN_S after a rule break)"
+        )
         self.malformed = counter(
             "malformed_reports", "Group members' round reports every member dropped as malformed"
         )

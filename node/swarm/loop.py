@@ -26,7 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from ...protocol.algorithms.allreduce import Contribution
-from ...protocol.transport.averager import Averager, MemberResult, NotOpened
+from ...protocol.transport.averager import Averager, MemberResult, NotOpened, Policing
 from ..operations.control import AveragingInfo
 from ..operations.metrics import NodeMetrics
 from ..training.peer import Peer, overlap_this_round
@@ -95,6 +95,7 @@ class RoundLoop:
         self._last_compute_s: float | None = None  # the last local round (simulated slowdown included)
         self._link_bps = 0.0  # this node's link as its last exchange measured it (0: not yet)
         self._last: tuple[ContributionInfo, MemberResult] | None = None
+        self._violations_seen = 0  # the averager's rule-break count already in the metrics
         self._last_report = time.perf_counter()
 
     def run(self, should_stop: Callable[[], bool]) -> None:
@@ -354,6 +355,11 @@ class RoundLoop:
         counters.malformed_reports += len(result.malformed)
         self.metrics.rejected.inc(rejected)
         self.metrics.malformed.inc(len(result.malformed))
+        if isinstance(self.averager, Policing):
+            caught = self.averager.misconduct()
+            self.metrics.violations.inc(caught.violations - self._violations_seen)
+            self.metrics.banned.set(caught.banned)
+            self._violations_seen = caught.violations
         if info.staleness > 0:
             c = info.correction
             corrected = c is not None and c.shrink + c.rotate > 0

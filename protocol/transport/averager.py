@@ -71,6 +71,21 @@ class NotOpened(Exception):
     so no group holds this peer: unlike a failed try, nothing of it can still be running elsewhere."""
 
 
+@dataclass(frozen=True)
+class Misconduct:
+    """What this peer's owners caught: rule breaks since start, and members banned right now."""
+
+    violations: int = 0
+    banned: int = 0
+
+
+@runtime_checkable
+class Policing(Protocol):
+    """An averager whose owners ban members that break the protocol (the network one)."""
+
+    def misconduct(self) -> Misconduct: ...
+
+
 @runtime_checkable
 class Averager(Protocol):
     """One peer's handle on the swarm's averaging; `average` blocks the calling (trainer) thread."""

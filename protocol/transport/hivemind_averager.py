@@ -65,7 +65,7 @@ from ..algorithms.parts import (
     check_outlier_factor,
     most_bytes_moved,
 )
-from .averager import MemberResult
+from .averager import MemberResult, Misconduct
 from .matchmaking import Group, Matchmaker, RoundFailed, layout_of
 from .member import assemble, fetch
 from .owner import Answer, Incoming, OwnerHandler, OwnerSession, RoundState
@@ -187,6 +187,11 @@ class HivemindAverager:
     def peer_id(self) -> str:
         """This peer's libp2p id (base58), the id contributions must carry."""
         return self._peer_id
+
+    def misconduct(self) -> Misconduct:
+        """What this peer's owners caught (`owner.OwnerHandler`): rule breaks since start, bans now."""
+        handler = self._handler
+        return Misconduct(violations=handler.violations, banned=handler.active_bans(self._loop.time()))
 
     @property
     def matchmaking_s(self) -> float:

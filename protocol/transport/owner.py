@@ -337,8 +337,15 @@ class OwnerHandler:
         # Members that broke a rule of the protocol on a stream authenticated as theirs, and until
         # when (loop time) this owner refuses them: they are dropped from every round meanwhile.
         self.banned: dict[str, float] = {}
+        self.violations = 0  # rule breaks caught since start (each one (re)starts a ban)
+
+    def active_bans(self, now: float) -> int:
+        """Members refused at `now` (the handler's loop time; read from another thread, the count
+        may miss a ban made meanwhile)."""
+        return sum(1 for until in list(self.banned.values()) if until > now)
 
     def _ban(self, peer: str, why: str) -> None:
+        self.violations += 1
         until = asyncio.get_running_loop().time() + self._ban_s
         if peer not in self.banned:
             logger.warning("member %s broke the protocol (%s): refused %.0f s", peer[-8:], why, self._ban_s)
