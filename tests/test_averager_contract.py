@@ -710,6 +710,49 @@ def test_a_member_that_broke_a_rule_is_refused_by_its_owners_in_the_next_rounds_
         swarm.close()
 
 
+def test_a_member_lying_to_one_owner_only_does_not_fail_the_round_for_the_others(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The member that owns nothing claims a weight of 1e12 to the owner of "embed" only, after its
+    honest exchange with the owner of "proj" has completed. "embed" is refused it and reduced over
+    the two honest members, "proj" admitted it: the honest members complete the round with each
+    part equal to `reduce_group` over the members its owner admitted, and the round's members (and
+    reports) are the two that every owner admitted. Failing the round on the split, as before,
+    would let one member stop every round this way."""
+    from adloco.protocol.algorithms.claims import ClaimBounds
+    from adloco.protocol.transport import hivemind_averager
+
+    shapes = {"embed": (48, 32), "proj": (48, 32)}
+    swarm = Swarm("hivemind")
+    try:
+        swarm.add_nodes(3, identities=_identities(tmp_path, 3))
+        averagers = sorted((swarm.averager(i) for i in range(3)), key=lambda a: a.peer_id)
+        liar = averagers[2].peer_id
+        contributions = _contributions(averagers, "int8", seed=31, shapes=shapes)
+        real_fetch = hivemind_averager.fetch
+
+        async def lying_fetch(p2p: Any, handler: str, state: Any, **kw: Any) -> Any:
+            if kw["peer_id"] == liar and kw["keys"] == ["embed"]:
+                await asyncio.sleep(2.0)  # the honest exchange for "proj" completes first
+                kw = {**kw, "contribution": dataclasses.replace(kw["contribution"], weight=1e12)}
+            return await real_fetch(p2p, handler, state, **kw)
+
+        monkeypatch.setattr(hivemind_averager, "fetch", lying_fetch)
+        bounds = ClaimBounds(max_tokens=1000.0, max_weight_per_token=10.0)
+        outcomes = _average_together(averagers, contributions, round=0, spec="int8", bounds=bounds)
+        assert outcomes[2].result is None
+        honest = reduce_group(contributions[:2], codec=make_codec("int8"))
+        everyone = reduce_group(contributions, codec=make_codec("int8"))
+        for o in outcomes[:2]:
+            r = o.result
+            assert r is not None
+            assert r.averaged == {"embed": honest.averaged["embed"], "proj": everyone.averaged["proj"]}
+            assert r.averaged["proj"] != honest.averaged["proj"]  # the liar's honest part did count
+            assert r.members == honest.members and r.reports == honest.reports
+    finally:
+        swarm.close()
+
+
 @pytest.mark.parametrize("lie", ["announces_more", "sends_more"])
 def test_a_member_announcing_or_sending_more_than_its_parts_is_dropped_and_the_others_complete(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lie: str

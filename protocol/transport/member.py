@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -29,6 +30,8 @@ from .averager import MemberResult
 from .matchmaking import RoundFailed
 from .owner import Answer, RoundState, shape_error, size_list, str_list
 from .wire import PROTOCOL_VERSION, read_chunks, read_frame, write_chunks, write_frame
+
+logger = logging.getLogger(__name__)
 
 GO_HEADER_BYTES = 1 << 12  # the owner's go or refusal after a request header
 
@@ -155,19 +158,32 @@ async def assemble(
     idle_timeout_s: float,
     exchange_s: float,
 ) -> MemberResult:
-    """The round's result from every owner's answer; RoundFailed when they do not fit together."""
-    contributor_sets = {answer.contributors for answer in answers.values()}
-    if len(contributor_sets) != 1:
-        raise RoundFailed(f"owners included different contributors: {sorted(contributor_sets)}")
-    (contributors,) = contributor_sets
-    if peer_id not in contributors:
+    """The round's result from every owner's answer; RoundFailed when they do not fit together.
+
+    Owners may have admitted different contributors: a member can break a rule with one owner only
+    (a claim it makes there alone), which that owner refuses while another admits it. Each part is
+    its owner's reduction over its own contributors and every member receives the same bytes of it,
+    so θ stays identical; the round's members are those every owner admitted, and only their
+    reports count. (Failing the round instead would let one member stop every round by lying to one
+    owner.) A member that some owner did not admit (its exchange there broke) fails, as before.
+    """
+    contributor_sets = [set(answer.contributors) for answer in answers.values()]
+    if peer_id not in set.intersection(*contributor_sets):
         raise RoundFailed("our contribution was not included")
-    if not set(contributors) <= set(state.group.members):
+    if not set.union(*contributor_sets) <= set(state.group.members):
         raise RoundFailed("an owner included peers outside the group")
-    metadata = answers[owners[keys[0]]].metadata
-    if metadata is None or len(metadata) != len(contributors):
+    everywhere = set.intersection(*contributor_sets)
+    described = answers[owners[keys[0]]]
+    metadata = described.metadata
+    if metadata is None or len(metadata) != len(described.contributors):
         raise RoundFailed("metadata missing or incomplete")
-    reports, malformed = gather_reports(contributors, metadata)
+    reports, malformed = gather_reports(described.contributors, metadata)
+    if len(set(map(frozenset, contributor_sets))) > 1:
+        left_out = sorted(p[-8:] for p in set.union(*contributor_sets) - everywhere)
+        logger.warning("round %d: not every owner admitted %s", state.group.round, left_out)
+        reports = tuple(r for r in reports if r.peer_id in everywhere)
+        malformed = {peer: why for peer, why in malformed.items() if peer in everywhere}
+    contributors = tuple(peer for peer in described.contributors if peer in everywhere)
     if state.session is not None:
         # Wait until our answers to the other members are written, so the byte counts are final.
         with contextlib.suppress(asyncio.TimeoutError):
