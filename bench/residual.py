@@ -15,25 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
-import sys
-import tempfile
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from simgrid import sim_curves
+
 RESULTS = Path(__file__).resolve().parent / "results" / "residual.json"
-SIM = ["--peers", "4", "--rounds", "20", "--quiet", "--threads", "1"]
-
-
-def run(codec: str, dtype: str, seed: int, work: Path) -> list[float]:
-    out = work / f"{codec.replace(':', '_')}-{dtype}-{seed}"
-    cmd = [
-        sys.executable, "-m", "adloco.node.cli.sim", *SIM, "--codec", codec,
-        "--residual-dtype", dtype, "--seed", str(seed), "--out", str(out),
-    ]  # fmt: skip
-    subprocess.run(cmd, check=True, capture_output=True, text=True)
-    rounds = json.loads((out / "results.json").read_text())
-    return [float(r["val_loss"]) for r in rounds]
+SIM = ["--peers", "4", "--rounds", "20"]
 
 
 def main() -> None:
@@ -47,8 +34,9 @@ def main() -> None:
     codecs, dtypes = args.codecs.split(","), args.dtypes.split(",")
     seeds = [int(s) for s in args.seeds.split(",")]
     runs = [(c, d, s) for c in codecs for d in dtypes for s in seeds]
-    with tempfile.TemporaryDirectory(prefix="adloco-residual-") as tmp, ThreadPoolExecutor(args.jobs) as pool:
-        curves = list(pool.map(lambda r: run(*r, Path(tmp)), runs))
+    curves = sim_curves(
+        [[*SIM, "--codec", c, "--residual-dtype", d, "--seed", str(s)] for c, d, s in runs], jobs=args.jobs
+    )
     by_run = {f"{c}-{d}-{s}": curve for (c, d, s), curve in zip(runs, curves, strict=True)}
     summary: dict[str, dict[str, object]] = {}
     for codec in codecs:
@@ -68,7 +56,7 @@ def main() -> None:
                 flush=True,
             )
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    command = f"adloco-sim {' '.join(SIM)} --codec C --residual-dtype D --seed S --out DIR"
+    command = f"adloco-sim {' '.join(SIM)} --threads 1 --codec C --residual-dtype D --seed S --out DIR"
     result = {"command": command, "summary": summary, "val_loss_by_run": by_run}
     args.out.write_text(json.dumps(result) + "\n")
     print(f"wrote {args.out}")

@@ -14,25 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
-import tempfile
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from simgrid import sim_curves
+
 RESULTS = Path(__file__).resolve().parent / "results" / "robust.json"
-
-
-def run(args: argparse.Namespace, aggregate: str, attack: str, seed: int, work: Path) -> list[float]:
-    out = work / f"{aggregate.replace(':', '_')}-{attack}-{seed}"
-    hostile = ["--hostile", str(args.hostile), "--attack", attack] if attack != "none" else []
-    cmd = [
-        sys.executable, "-m", "adloco.node.cli.sim", "--peers", str(args.peers),
-        "--rounds", str(args.rounds), "--quiet", "--threads", "1", "--seed", str(seed),
-        "--aggregate", aggregate, *hostile, "--out", str(out),
-    ]  # fmt: skip
-    subprocess.run(cmd, check=True, capture_output=True, text=True)
-    return [float(r["val_loss"]) for r in json.loads((out / "results.json").read_text())]
 
 
 def main() -> None:
@@ -49,8 +35,15 @@ def main() -> None:
     aggregates, attacks = args.aggregates.split(","), args.attacks.split(",")
     seeds = [int(s) for s in args.seeds.split(",")]
     runs = [(g, a, s) for g in aggregates for a in attacks for s in seeds]
-    with tempfile.TemporaryDirectory(prefix="adloco-robust-") as tmp, ThreadPoolExecutor(args.jobs) as pool:
-        curves = list(pool.map(lambda r: run(args, *r, Path(tmp)), runs))
+    common = ["--peers", str(args.peers), "--rounds", str(args.rounds)]
+    curves = sim_curves(
+        [
+            [*common, "--seed", str(s), "--aggregate", g]
+            + (["--hostile", str(args.hostile), "--attack", a] if a != "none" else [])
+            for g, a, s in runs
+        ],
+        jobs=args.jobs,
+    )
     by_run = {f"{g}/{a}/{s}": c for (g, a, s), c in zip(runs, curves, strict=True)}
     final = {key: curve[-1] for key, curve in by_run.items()}
     summary: dict[str, dict[str, float]] = {}
