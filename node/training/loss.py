@@ -89,7 +89,9 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         if n == 0:
             raise ValueError("no next-token targets: sequences need at least 2 tokens")
         need_h, need_w = grads and ctx.needs_input_grad[0], grads and ctx.needs_input_grad[1]
-        deferred = _DeferredHead.of(hidden, targets, dtype) if need_w and defer and tied is not None else None
+        deferred = None
+        if need_w and defer and tied is not None:
+            deferred = _DeferredHead(hidden.detach(), targets, dtype)
         need_w = need_w and deferred is None
         rows = max(1, CHUNK_BYTES // (4 * vocab))
         compute = dtype or weight.dtype
@@ -109,10 +111,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                     deferred.lse[start : start + rows] = lse
                 if grad_h is None and grad_w is None:
                     continue
-                # d(sum of CE)/d logits = softmax − one-hot; the mean divides by n.
-                g = logits.sub_(lse[:, None]).exp_()
-                g[torch.arange(len(t), device=g.device), t] -= 1.0
-                g.div_(n)
+                g = _softmax_minus_one_hot_(logits, lse, t).div_(n)  # the mean divides by n
                 if grad_h is not None:
                     grad_h[start : start + rows] = g.to(compute) @ w
                 if grad_w is not None:
@@ -145,6 +144,13 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         return grad_h, grad_w, None, None, None, None, None
 
 
+def _softmax_minus_one_hot_(logits: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """d(Σ CE)/d logits = softmax − one-hot, formed in `logits`' own buffer (fp32, one chunk)."""
+    g = logits.sub_(lse[:, None]).exp_()
+    g[torch.arange(len(targets), device=g.device), targets] -= 1.0
+    return g
+
+
 class _DeferredHead:
     """What the output embedding's gradient is formed from at the end of the backward pass: the
     hidden states, targets and log-sum-exp of each token (kept from the forward pass, B·T·(D + 2)
@@ -155,10 +161,6 @@ class _DeferredHead:
         self.hidden, self.targets, self.dtype = hidden, targets, dtype
         self.lse = torch.empty(targets.numel(), dtype=torch.float32, device=hidden.device)
         self.scale: torch.Tensor | None = None
-
-    @classmethod
-    def of(cls, hidden: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype | None) -> _DeferredHead:
-        return cls(hidden.detach(), targets, dtype)
 
     @torch.no_grad()
     def add_to(self, grad_w: torch.Tensor, weight: torch.Tensor) -> None:
@@ -171,8 +173,8 @@ class _DeferredHead:
             for start in range(0, n, rows):
                 h32 = self.hidden[start : start + rows].float()
                 t = self.targets[start : start + rows]
-                g = (h32.to(w.dtype) @ w.T).float().sub_(self.lse[start : start + rows, None]).exp_()
-                g[torch.arange(len(t), device=g.device), t] -= 1.0
+                logits = (h32.to(w.dtype) @ w.T).float()
+                g = _softmax_minus_one_hot_(logits, self.lse[start : start + rows], t)
                 grad_w.addmm_(g.mul_(self.scale).T, h32)
 
 
