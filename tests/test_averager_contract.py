@@ -105,17 +105,17 @@ class Swarm:
     def add_nodes(self, n: int, *, identities: Sequence[Path] = ()) -> None:
         """n more nodes; hivemind nodes take their peer ids from `identities` where given."""
         if self.kind == "hivemind":
-            import hivemind
+            from adloco.protocol.transport.identity import NodeDHT
 
             kwargs = [
                 {**DHT_KWARGS, "identity_path": str(p), "check_if_identity_free": False} for p in identities
             ]
             kwargs += [DHT_KWARGS] * (n - len(kwargs))
             if not self.dhts:
-                self.dhts.append(hivemind.DHT(start=True, **kwargs.pop(0)))
+                self.dhts.append(NodeDHT(start=True, **kwargs.pop(0)))
             peers = self.dhts[0].get_visible_maddrs()
             # Start the others together: each p2pd takes most of a second to come up.
-            new = [hivemind.DHT(initial_peers=peers, start=True, await_ready=False, **kw) for kw in kwargs]
+            new = [NodeDHT(initial_peers=peers, start=True, await_ready=False, **kw) for kw in kwargs]
             self.dhts += new
             for dht in new:
                 dht.wait_until_ready(timeout=30)
@@ -440,14 +440,15 @@ def test_alone_timeouts_and_misuse(swarm: Swarm) -> None:
 
 _VICTIM = """
 import sys, time
-import hivemind, torch
+import torch
 from adloco.protocol.algorithms.allreduce import Contribution
 from adloco.protocol.algorithms.codecs import encode_tensors, make_codec
 from adloco.protocol.transport.hivemind_averager import HivemindAverager
+from adloco.protocol.transport.identity import NodeDHT
 
 peer, prefix = sys.argv[1], sys.argv[2]
 kwargs, shapes, timing = (eval(arg) for arg in sys.argv[3:6])
-dht = hivemind.DHT(initial_peers=[peer], start=True, **kwargs)
+dht = NodeDHT(initial_peers=[peer], start=True, **kwargs)
 
 def hang_after_registering(stage, round):
     if stage == "registered":

@@ -1,14 +1,17 @@
-"""Run records in the DHT: signed by their writer and schema-checked, with real DHT peers."""
+"""Run records in the DHT: signed by their writer's libp2p key, bound to its peer id and
+schema-checked, with real DHT peers."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from pathlib import Path
 
-import hivemind
 import pytest
 from hivemind.utils import get_dht_time
 
+from adloco.protocol.transport.identity import NodeDHT, load_identity, peer_of_subkey
+from adloco.protocol.transport.matchmaking import parse_registrations
 from adloco.protocol.transport.records import (
     StateRecord,
     add_run_validators,
@@ -22,9 +25,9 @@ KW = {"host_maddrs": ["/ip4/127.0.0.1/tcp/0"], "nat_port_map": False, "start": T
 
 
 @pytest.fixture
-def dhts() -> Iterator[list[hivemind.DHT]]:
-    first = hivemind.DHT(**KW)
-    peers = [first, *(hivemind.DHT(initial_peers=first.get_visible_maddrs(), **KW) for _ in range(2))]
+def dhts() -> Iterator[list[NodeDHT]]:
+    first = NodeDHT(**KW)
+    peers = [first, *(NodeDHT(initial_peers=first.get_visible_maddrs(), **KW) for _ in range(2))]
     try:
         yield peers
     finally:
@@ -32,9 +35,9 @@ def dhts() -> Iterator[list[hivemind.DHT]]:
             dht.shutdown()
 
 
-def _record(round: int) -> StateRecord:
+def _record(round: int, peer_id: str = "12D3KooW") -> StateRecord:
     return StateRecord(
-        peer_id="12D3KooW",
+        peer_id=peer_id,
         round=round,
         theta_hash="ab" * 32,
         schedule=json.dumps({"round": round}),
@@ -44,17 +47,18 @@ def _record(round: int) -> StateRecord:
 
 
 def test_only_the_writer_can_write_its_entry_and_malformed_entries_never_arrive(
-    dhts: list[hivemind.DHT],
+    dhts: list[NodeDHT],
 ) -> None:
     writer, reader, attacker = dhts
     prefix = run_prefix("r", "fingerprint")
     key = state_key(prefix)
     writer_key = add_run_validators(writer, prefix, "r")
     add_run_validators(reader, prefix, "r")
-    assert writer.store(key, _record(3).dict(), get_dht_time() + 60, subkey=writer_key)
+    me = writer.peer_id.to_base58()
+    assert writer.store(key, _record(3, me).dict(), get_dht_time() + 60, subkey=writer_key)
     # The attacker runs no validators locally, but every validating peer refuses what it sends:
     # an entry under the writer's key without the writer's signature, and a malformed entry.
-    assert not attacker.store(key, _record(99).dict(), get_dht_time() + 61, subkey=writer_key)
+    assert not attacker.store(key, _record(99, me).dict(), get_dht_time() + 61, subkey=writer_key)
     assert not attacker.store(key, {"round": "x"}, get_dht_time() + 60, subkey=b"unsigned")
     found = reader.get(key, latest=True)
     records = parse_states(None if found is None else found.value)
@@ -75,3 +79,53 @@ def test_strict_schema() -> None:
     with pytest.raises(ValueError):
         StateRecord(**{k: v for k, v in good.items() if k != "manifest_hash"})
     assert run_prefix("a", "f") != run_prefix("b", "f") != run_prefix("a", "g")
+
+
+def test_the_signing_key_is_the_libp2p_identity(tmp_path: Path) -> None:
+    """The subkey a node signs with derives the peer id p2pd runs under; the same file gives the
+    same id after a restart; a key file of another kind is refused with its path named."""
+    path = tmp_path / "id.key"
+    first = NodeDHT(identity_path=str(path), **KW)
+    try:
+        peer = first.peer_id.to_base58()
+        assert first.identity.peer_id == peer == peer_of_subkey(first.identity.subkey)
+    finally:
+        first.shutdown()
+    assert load_identity(str(path)).peer_id == peer
+    assert peer_of_subkey(b"[owner:ssh-ed25519 AAAA]") is None
+    assert peer_of_subkey(b"12D3KooW") is None
+    junk = tmp_path / "junk.key"
+    junk.write_bytes(b"not a key")
+    with pytest.raises(ValueError, match=r"junk\.key"):
+        load_identity(str(junk))
+
+
+def test_a_record_in_another_peers_name_is_dropped_where_it_is_read(dhts: list[NodeDHT]) -> None:
+    """A peer signs with its own key (the DHT accepts that) a state record and a readiness record
+    naming an honest peer: readers drop both, so no one speaks for a peer whose key it lacks (the
+    round hijack in another's name, the phantom member)."""
+    honest, reader, attacker = dhts
+    prefix = run_prefix("r", "fingerprint")
+    key = state_key(prefix)
+    for dht in dhts:
+        add_run_validators(dht, prefix, "r")
+    victim, mine = honest.peer_id.to_base58(), attacker.peer_id.to_base58()
+    now = get_dht_time()
+    assert attacker.store(key, _record(7, victim).dict(), now + 60, subkey=attacker.identity.subkey)
+    assert honest.store(key, _record(3, victim).dict(), now + 60, subkey=honest.identity.subkey)
+    found = reader.get(key, latest=True)
+    assert found is not None and len(found.value) == 2  # both stored, validly signed
+    assert [(r.peer_id, r.round) for r in parse_states(found.value)] == [(victim, 3)]
+
+    ready = f"{prefix}.round5"
+    assert attacker.store(ready, (now - 30.0, victim), now + 60, subkey=attacker.identity.subkey)
+    assert attacker.store(ready, (now - 29.0, "QmPhantom"), now + 60, subkey=b"QmPhantom")
+    assert honest.store(ready, (now, victim), now + 60, subkey=honest.identity.subkey)
+    found = reader.get(ready, latest=True)
+    assert found is not None and len(found.value) == 3
+    assert parse_registrations(found.value) == {victim: now}
+    # In its own name the attacker registers as any peer does (its one entry, replaced).
+    assert attacker.store(ready, (now + 1.0, mine), now + 61, subkey=attacker.identity.subkey)
+    found = reader.get(ready, latest=True)
+    assert found is not None
+    assert parse_registrations(found.value) == {victim: now, mine: now + 1.0}

@@ -8,14 +8,16 @@ whole process group (`adloco.node.cli.processes`, tests/procs.py).
 
 from __future__ import annotations
 
+import os
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import hivemind
 from hivemind.utils.multiaddr import Multiaddr
 
-DHT = hivemind.DHT  # the handle the layers above hold, without importing hivemind themselves
+from .identity import NodeDHT
+
+DHT = NodeDHT  # the handle the layers above hold, without importing hivemind themselves
 
 
 @dataclass(frozen=True)
@@ -24,7 +26,8 @@ class NetworkConfig:
 
     peers: multiaddrs of peers to join (`/ip4/1.2.3.4/tcp/31337/p2p/12D3Koo...`); none starts a new swarm.
     host_maddrs: where to listen; announce_maddrs: what to tell others when behind NAT/port forwarding.
-    identity_path: a private key file; the same file gives the same peer id across restarts.
+    identity_path: an RSA private key file (hivemind's format, created if missing); the same file gives
+    the same peer id across restarts, and the node signs its DHT records with it.
     client_mode: do not accept incoming connections (peers behind NAT that cannot open a port).
     use_relay / use_auto_relay: libp2p circuit relays (reach, or be reached through, relays).
     nat_port_map: ask the router for a port mapping (UPnP/NAT-PMP); off in tests.
@@ -77,11 +80,15 @@ def check_ports_free(host_maddrs: Sequence[str], *, option: str = "--host-maddrs
                 raise ValueError(f"{option}: cannot listen on {value}: {e.strerror}") from None
 
 
-def start_dht(net: NetworkConfig) -> hivemind.DHT:
-    """Start (and join) a DHT peer; configuration errors become ValueError with the option named."""
+def start_dht(net: NetworkConfig) -> NodeDHT:
+    """Start (and join) a DHT peer with an identity this process holds (`identity.NodeDHT`);
+    configuration errors become ValueError with the option named."""
     check_ports_free(net.host_maddrs)
+    key_dir = None if net.identity_path is None else os.path.dirname(os.path.abspath(net.identity_path))
+    if key_dir is not None and not os.path.isdir(key_dir):
+        raise ValueError(f"--identity-path: the folder of {net.identity_path} does not exist")
     try:
-        return hivemind.DHT(
+        return NodeDHT(
             initial_peers=list(net.peers),
             host_maddrs=list(net.host_maddrs),
             announce_maddrs=list(net.announce_maddrs) or None,
@@ -93,6 +100,10 @@ def start_dht(net: NetworkConfig) -> hivemind.DHT:
             start=True,
             **net.extra,
         )
+    except ValueError as e:
+        if net.identity_path is not None and net.identity_path in str(e):
+            raise ValueError(f"--identity-path: {e}") from None
+        raise ValueError(f"networking: could not start the DHT peer: {e}") from None
     except Exception as e:
         text = str(e).splitlines()[0] if str(e) else type(e).__name__
         if net.peers and (
@@ -102,6 +113,6 @@ def start_dht(net: NetworkConfig) -> hivemind.DHT:
         raise ValueError(f"networking: could not start the DHT peer: {text}") from None
 
 
-def visible_maddrs(dht: hivemind.DHT) -> list[str]:
+def visible_maddrs(dht: NodeDHT) -> list[str]:
     """The multiaddrs other peers can pass as --peers (with the /p2p/<peer id> suffix)."""
     return [str(m) for m in dht.get_visible_maddrs()]

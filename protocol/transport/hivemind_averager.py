@@ -51,7 +51,6 @@ from collections.abc import Callable, Coroutine, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-import hivemind
 from hivemind.p2p import P2P
 
 from ..algorithms.allreduce import Contribution
@@ -65,7 +64,9 @@ from ..algorithms.parts import (
     check_outlier_factor,
     most_bytes_moved,
 )
+from .admission import Admission
 from .averager import MemberResult, Misconduct
+from .identity import NodeDHT
 from .matchmaking import Group, Matchmaker, RoundFailed, layout_of
 from .member import assemble, fetch
 from .owner import Answer, Incoming, OwnerHandler, OwnerSession, RoundState
@@ -111,7 +112,7 @@ class HivemindAverager:
 
     def __init__(
         self,
-        dht: hivemind.DHT,
+        dht: NodeDHT,
         *,
         prefix: str,
         window_s: float = 3.0,
@@ -125,6 +126,7 @@ class HivemindAverager:
         outlier_factor: float | None = DEFAULT_OUTLIER_FACTOR,
         aggregate: Aggregate = MEAN,
         on_stage: Callable[[str, int], None] | None = None,
+        admission: Admission | None = None,
     ) -> None:
         _check_knobs(prefix, window_s, grace_s, part_timeout_s, reduce_timeout_s, record_ttl_s)
         if not bandwidth_bps > 0 or not slack >= 1 or not 0 < chunk_bytes <= MAX_CHUNK_BYTES:
@@ -142,6 +144,7 @@ class HivemindAverager:
         self.measured_bps: float | None = None  # this peer's rate over its earlier exchanges
         self.outlier_factor = check_outlier_factor(outlier_factor)
         self.aggregate = aggregate
+        self.admission = admission or Admission()
         self._on_stage = on_stage
         digest = hashlib.sha256(prefix.encode()).hexdigest()[:24]
         self._handler_name = f"adloco.allreduce.v{PROTOCOL_VERSION}.{digest}"
@@ -173,6 +176,7 @@ class HivemindAverager:
             record_ttl_s=self.record_ttl_s,
             on_stage=self._on_stage,
             log=self._log,
+            admission=self.admission,
         )
         self._handler = handler = OwnerHandler(
             peer_id=self._peer_id,
@@ -180,6 +184,7 @@ class HivemindAverager:
             header_timeout_s=self.part_timeout_s,
             wait_s=self.window_s + self.grace_s + self.part_timeout_s,
             chunk_bytes=self.chunk_bytes,
+            admission=self.admission,
         )
         self._call(self._p2p.add_binary_stream_handler(self._handler_name, handler.serve), timeout=30)
 

@@ -1,14 +1,18 @@
 """Forming one round's group through the DHT, with no leader and a bounded wait.
 
 `Matchmaker.matchmake(round)` stores a readiness record under the DHT key f"{prefix}.round{r}",
-subkey = this peer id, value = (registration time, peer id) in DHT time, expiring after
-`record_ttl_s`. It reads the key back: the round closes at T = (earliest registration seen) +
-`window_s`; a peer registered after T is late and gets None at once. At T + `grace_s` the peer reads
-the key again and takes as the group the peers registered at a time <= T (T recomputed from this
-read), sorted by peer id; group_id = hash(prefix, r, members, tensor layout). Peers whose reads
-agree compute the same group without talking; clocks are assumed synchronized to well within
-`grace_s` (hivemind's DHT time is the wall clock). A late contribution matchmakes with `join_only`:
-it waits until another peer has registered (at most `join_wait_s`) and never opens a round itself.
+subkey = this peer's signing key (`identity.NodeDHT`: the key its peer id derives from), value =
+(registration time, peer id) in DHT time, expiring after `record_ttl_s`. A record naming another
+peer than its key's is ignored: no one registers in another peer's name or adds a phantom member
+that every member would wait for (a registrant is a peer that holds its key and is then expected to
+serve its parts, as any member). It reads the key back: the round closes at T = (earliest
+registration seen) + `window_s`; a peer registered after T is late and gets None at once. At T +
+`grace_s` the peer reads the key again and takes as the group the peers registered at a time <= T (T
+recomputed from this read), sorted by peer id; group_id = hash(prefix, r, members, tensor layout).
+Peers whose reads agree compute the same group without talking; clocks are assumed synchronized to
+well within `grace_s` (hivemind's DHT time is the wall clock). A late contribution matchmakes with
+`join_only`: it waits until another peer has registered (at most `join_wait_s`) and never opens a
+round itself.
 """
 
 from __future__ import annotations
@@ -21,11 +25,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import hivemind
 from hivemind.utils import get_dht_time
 from hivemind.utils.serializer import MSGPackSerializer
 
+from .admission import Admission
 from .averager import NotOpened
+from .identity import NodeDHT, peer_of_subkey
 
 logger = logging.getLogger(__name__)
 
@@ -63,21 +68,23 @@ def group_id_of(prefix: str, round: int, members: Sequence[str], layout: bytes) 
 
 
 def parse_registrations(value: Any) -> dict[str, float]:
-    """Registration time per peer from a DHT dictionary value; malformed entries are ignored."""
+    """Registration time per peer from a DHT dictionary value; malformed entries, and entries naming
+    another peer than the one whose key signed them, are ignored."""
     records: dict[str, float] = {}
     if not isinstance(value, dict):
         return records
     for subkey, item in value.items():
         record = getattr(item, "value", None)
         if (
-            isinstance(subkey, str)
-            and isinstance(record, (list, tuple))
+            isinstance(record, (list, tuple))
             and len(record) == 2
             and isinstance(record[0], (int, float))
+            and not isinstance(record[0], bool)
             and math.isfinite(record[0])
-            and record[1] == subkey
+            and isinstance(record[1], str)
+            and record[1] == peer_of_subkey(subkey)
         ):
-            records[subkey] = float(record[0])
+            records[record[1]] = float(record[0])
     return records
 
 
@@ -89,7 +96,7 @@ class Matchmaker:
 
     def __init__(
         self,
-        dht: hivemind.DHT,
+        dht: NodeDHT,
         *,
         peer_id: str,
         prefix: str,
@@ -98,7 +105,11 @@ class Matchmaker:
         record_ttl_s: float,
         on_stage: Callable[[str, int], None] | None = None,
         log: Callable[..., None],
+        admission: Admission | None = None,
     ) -> None:
+        self._admission = admission or Admission()
+        if peer_id != dht.identity.peer_id:
+            raise ValueError(f"peer id {peer_id} is not the DHT identity's {dht.identity.peer_id}")
         self.dht, self.peer_id, self.prefix = dht, peer_id, prefix
         self.window_s, self.grace_s, self.record_ttl_s = window_s, grace_s, record_ttl_s
         self._on_stage = on_stage
@@ -135,7 +146,7 @@ class Matchmaker:
                 key,
                 (registered, self.peer_id),
                 expiration_time=registered + self.record_ttl_s,
-                subkey=self.peer_id,
+                subkey=self.dht.identity.subkey,
                 return_future=True,
             )
         except Exception as e:  # the DHT process failed the call; this round cannot be joined
@@ -171,4 +182,6 @@ class Matchmaker:
             found = await self.dht.get(key, latest=True, return_future=True)
         except Exception as e:
             raise RoundFailed(f"reading the registrations failed: {e!r}") from e
-        return parse_registrations(None if found is None else found.value)
+        records = parse_registrations(None if found is None else found.value)
+        admitted = await self._admission.select_async(records)
+        return {peer: t for peer, t in records.items() if peer in admitted}

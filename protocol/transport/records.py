@@ -5,6 +5,8 @@ model fingerprint). Records are strict pydantic models (hivemind's `SchemaValida
 coercion) stored under a subkey that carries the writer's RSA public key, so hivemind's
 `RSASignatureValidator` signs them on store and drops, on every read, any record whose signature
 does not match: a peer can only write its own entry, and a malformed entry never reaches our code.
+The key is the writer's libp2p identity (`identity.NodeDHT`): a record naming another peer id than
+the one its key derives is dropped where it is read, so a record speaks only for its own peer.
 
 Record kinds:
 - `{prefix}_state`: per peer, the round it reached, θ's hash after that round, the schedule it
@@ -27,6 +29,8 @@ from hivemind.dht.schema import BytesWithPublicKey, RSASignatureValidator, Schem
 from hivemind.utils import get_dht_time
 from pydantic.v1 import BaseModel, StrictStr, confloat, conint, constr
 
+from .admission import MAX_TOKEN_CHARS, Admission, credentials_key
+from .identity import NodeDHT, peer_of_subkey
 from .manifest import MAX_MANIFEST_BYTES
 
 PROTOCOL_VERSION = 2  # 2: state records carry the state's manifest
@@ -87,23 +91,19 @@ class RunSchema(BaseModel):
     """The run's DHT keys (field name = key suffix) and what their subkeys may hold."""
 
     state: dict[BytesWithPublicKey, StateRecord | None]
+    credentials: dict[BytesWithPublicKey, constr(max_length=MAX_TOKEN_CHARS, strict=True) | None]  # type: ignore[valid-type]
 
 
 def state_key(prefix: str) -> str:
     return f"{prefix}_state"
 
 
-def add_run_validators(dht: hivemind.DHT, prefix: str, run_id: str) -> bytes:
-    """Install the schema and signature validators for this run; returns this peer's signing subkey."""
-    signer = RSASignatureValidator()
-    dht.add_validators(
-        [
-            SchemaValidator(RunSchema, prefix=prefix),
-            SchemaValidator(BeaconSchema, prefix=beacon_prefix(run_id)),
-            signer,
-        ]
-    )
-    return signer.local_public_key  # type: ignore[no-any-return]
+def add_run_validators(dht: NodeDHT, prefix: str, run_id: str) -> bytes:
+    """Install the schema validators for this run (the DHT signs with its identity already);
+    returns this peer's signing subkey."""
+    run = SchemaValidator(RunSchema, prefix=prefix)
+    dht.add_validators([run, SchemaValidator(BeaconSchema, prefix=beacon_prefix(run_id))])
+    return dht.identity.subkey
 
 
 def add_beacon_validators(dht: hivemind.DHT, run_id: str) -> None:
@@ -112,25 +112,27 @@ def add_beacon_validators(dht: hivemind.DHT, run_id: str) -> None:
 
 
 def parse_states(value: Any) -> list[StateRecord]:
-    """The valid state records in a DHT `get` result (a dict subkey -> ValueWithExpiration)."""
-    return _parse(value, StateRecord)
+    """The valid state records in a DHT `get` result (a dict subkey -> ValueWithExpiration), each
+    naming the peer whose key signed it."""
+    return [r for subkey, r in _parse(value, StateRecord) if r.peer_id == peer_of_subkey(subkey)]
 
 
 def parse_beacons(value: Any) -> list[BeaconRecord]:
     """The valid beacon records in a DHT `get` result."""
-    return _parse(value, BeaconRecord)
+    return [r for _, r in _parse(value, BeaconRecord)]
 
 
 _R = TypeVar("_R", bound=BaseModel)
 
 
-def _parse(value: Any, model: type[_R]) -> list[_R]:
+def _parse(value: Any, model: type[_R]) -> list[tuple[Any, _R]]:
+    """(subkey, record) for each entry that parses as `model`."""
     if not isinstance(value, dict):
         return []
     records = []
-    for item in value.values():
+    for subkey, item in value.items():
         try:
-            records.append(model.parse_obj(item.value))
+            records.append((subkey, model.parse_obj(item.value)))
         except Exception:  # already validated by the DHT; anything else is ignored
             continue
     return records
@@ -143,10 +145,14 @@ class RunRecords:
     record lives without being rewritten.
     """
 
-    def __init__(self, dht: hivemind.DHT, *, prefix: str, run_id: str, ttl_s: float) -> None:
+    def __init__(
+        self, dht: NodeDHT, *, prefix: str, run_id: str, ttl_s: float, admission: Admission | None = None
+    ) -> None:
         self._dht = dht
         self._prefix, self._run_id, self._ttl_s = prefix, run_id, ttl_s
         self._subkey = add_run_validators(dht, prefix, run_id)
+        self.admission = admission or Admission()
+        self.credential: str | None = None  # this peer's, republished with its state record
 
     def publish_state(self, record: StateRecord) -> None:
         """Store this peer's state record (blocks until the DHT has answered)."""
@@ -154,6 +160,14 @@ class RunRecords:
         self._dht.store(
             state_key(self._prefix), record.dict(), expiration_time=now + self._ttl_s, subkey=self._subkey
         )
+        if self.credential is not None:
+            self.publish_credential(self.credential)
+
+    def publish_credential(self, token: str) -> None:
+        """Store this peer's credential of a private run, for the others to admit it."""
+        self.credential = token
+        expires = get_dht_time() + self._ttl_s
+        self._dht.store(credentials_key(self._prefix), token, expiration_time=expires, subkey=self._subkey)
 
     def publish_beacon(self, record: BeaconRecord) -> None:
         """Store this peer's beacon without waiting (metrics only)."""
@@ -166,9 +180,11 @@ class RunRecords:
         )
 
     def states(self) -> list[StateRecord]:
-        """Every peer's valid state record, as the DHT returns them now."""
+        """Every admitted peer's valid state record, as the DHT returns them now."""
         found = self._dht.get(state_key(self._prefix), latest=True)
-        return parse_states(None if found is None else found.value)
+        records = parse_states(None if found is None else found.value)
+        admitted = self.admission.select({r.peer_id for r in records})
+        return [r for r in records if r.peer_id in admitted]
 
 
 def live_beacons(dht: hivemind.DHT, run_id: str, *, alive_s: float) -> list[BeaconRecord]:
