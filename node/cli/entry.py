@@ -1,6 +1,6 @@
 """The `adloco-node` console script: `adloco-node ctl ...` talks to a running node, `adloco-node
-tokenizer ...` and `adloco-node export ...` are a run owner's offline tools (node/cli/tools.py);
-anything else runs a node.
+tokenizer ...`, `adloco-node export ...` (node/cli/tools.py) and `adloco-node credential ...`
+(node/cli/credential.py) are offline tools; anything else runs a node.
 
 `ctl` is what the Docker HEALTHCHECK calls every 30 s, so it must answer without loading torch,
 transformers and hivemind, which the node's own modules import: this module picks one of them
@@ -19,6 +19,10 @@ def main(argv: list[str] | None = None) -> int:
         from ..operations.ctl import ctl_main
 
         return ctl_main(argv[1:])
+    if argv[:1] == ["credential"]:
+        from .credential import credential_main
+
+        return credential_main(argv[1:])
     if argv[:1] in (["tokenizer"], ["export"]):
         from .tools import export_main, tokenizer_main
 

@@ -15,9 +15,12 @@ import signal
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 from ...errors import UserError
+from ...protocol.transport.admission import TOKEN_PREFIX, check, read_allowlist, read_credential
 from ...protocol.transport.dht import NetworkConfig, parse_maddrs
+from ...protocol.transport.identity import load_identity
 from ...protocol.transport.manifest import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES
 from ...protocol.transport.state_transfer import TransferSettings
 from ...protocol.transport.wire import DEFAULT_CHUNK_BYTES as DEFAULT_EXCHANGE_CHUNK
@@ -41,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Decentralized volunteer training node (DiLoCo + AdLoCo + DiLoCoX + HeLoCo). Other"
         " commands, each with its own --help: `adloco-node ctl` (talk to a running node), `adloco-node"
         " tokenizer` (train a BPE tokenizer on the corpus), `adloco-node export` (a checkpoint as a"
-        " Hugging Face folder).",
+        " Hugging Face folder), `adloco-node credential` (keys and credentials of a private run).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         epilog=EPILOG,
     )
@@ -111,6 +114,74 @@ def add_network_arguments(p: argparse.ArgumentParser) -> None:
         "--simulate-slowdown", type=float, default=1.0, help="testing: make this node F× slower (idle time)"
     )
     add_state_transfer_arguments(p)
+    add_private_run_arguments(p)
+
+
+def add_private_run_arguments(p: argparse.ArgumentParser) -> None:
+    run = p.add_argument_group("private run (only admitted peers average, serve and are believed)")
+    run.add_argument(
+        "--run-owner",
+        default=None,
+        help="the run owner's id (adloco-node credential owner): admit peers holding its credential",
+    )
+    run.add_argument(
+        "--credential", default=None, help="this node's credential (a file, or the token itself)"
+    )
+    run.add_argument(
+        "--allow-peers", type=Path, default=None, help="a file of peer ids admitted outright, one per line"
+    )
+
+
+def private_run_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The private-run fields of SwarmConfig, checked before anything starts: a credential that is
+    not this node's (its --identity-path), not for this run, or expired stops the node here."""
+    if args.run_owner is None and args.allow_peers is None:
+        if args.credential is not None:
+            raise UserError("--credential: only a private run takes one (give --run-owner)")
+        return {}
+    if args.identity_path is None or not Path(args.identity_path).is_file():
+        raise UserError(
+            "a private run admits peers by peer id: give --identity-path, an existing key file"
+            " (adloco-node credential peer-id --identity-path FILE creates one and prints its id)"
+        )
+    try:
+        me = load_identity(args.identity_path).peer_id
+    except ValueError as e:
+        raise UserError(f"--identity-path: {e}") from None
+    fields: dict[str, Any] = {}
+    if args.allow_peers is not None:
+        try:
+            fields["allowed_peers"] = read_allowlist(str(args.allow_peers))
+        except ValueError as e:
+            raise UserError(f"--allow-peers: {e}") from None
+    if args.run_owner is not None:
+        if args.credential is None:
+            raise UserError("--run-owner: give --credential, issued by the run owner for this node's peer id")
+        token = read_token(args.credential)
+        try:
+            credential = read_credential(token)
+            check(credential, run_id=args.run_id, owner=args.run_owner)
+        except ValueError as e:
+            raise UserError(f"--credential: {e}") from None
+        if credential.peer_id != me:
+            raise UserError(
+                f"--credential: it admits peer {credential.peer_id}; this node (--identity-path) is {me}"
+            )
+        fields.update(run_owner=args.run_owner, credential=token)
+    elif args.credential is not None:
+        raise UserError("--credential: an allowlist run takes none (give --run-owner to use credentials)")
+    return fields
+
+
+def read_token(value: str) -> str:
+    """A credential given as a file path or as the token itself."""
+    path = Path(value)
+    if not value.startswith(TOKEN_PREFIX + ".") and path.is_file():
+        try:
+            return path.read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise UserError(f"--credential: cannot read {value}: {e}") from None
+    return value.strip()
 
 
 def add_exchange_arguments(p: argparse.ArgumentParser) -> None:
@@ -226,6 +297,7 @@ def swarm_from_args(args: argparse.Namespace) -> SwarmConfig:
         simulate_slowdown=args.simulate_slowdown,
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every,
+        **private_run_from_args(args),
     )
 
 

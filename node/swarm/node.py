@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ...protocol.algorithms.parts import Aggregate
+from ...protocol.transport.admission import Admission
 from ...protocol.transport.dht import NetworkConfig, start_dht, visible_maddrs
 from ...protocol.transport.hivemind_averager import HivemindAverager
 from ...protocol.transport.records import RunRecords, run_prefix
@@ -62,7 +63,9 @@ class SwarmConfig:
         simulate_slowdown: a test and benchmark knob that makes this node F× slower (it idles
         (F−1)× its compute time after each local phase), to study heterogeneous swarms on one
         machine. state_transfer: how joiners download the state (chunk size, bandwidth, timeout
-        floor, donors: `TransferSettings`).
+        floor, donors: `TransferSettings`). run_owner / credential / allowed_peers: a private run
+        (`transport.admission`): the owner id whose credentials admit peers, this node's credential,
+        and peer ids admitted outright; all empty: a public run.
     """
 
     run_id: str = "default"
@@ -80,6 +83,9 @@ class SwarmConfig:
     checkpoint_dir: Path | None = None
     checkpoint_every: int = 10
     state_transfer: TransferSettings = field(default_factory=TransferSettings)
+    run_owner: str | None = None
+    credential: str | None = None
+    allowed_peers: frozenset[str] = frozenset()
 
 
 class SwarmNode:
@@ -134,7 +140,16 @@ class SwarmNode:
         """The transports on the started DHT, and the parts that use them."""
         swarm = self.swarm
         self.peer_id = self.peer.peer_id = self.dht.peer_id.to_base58()
-        records = RunRecords(self.dht, prefix=self.prefix, run_id=swarm.run_id, ttl_s=RECORD_TTL_S)
+        self.admission = Admission(run_id=swarm.run_id, owner=swarm.run_owner, allowed=swarm.allowed_peers)
+        self.admission.attach(self.dht, self.prefix)
+        records = RunRecords(
+            self.dht, prefix=self.prefix, run_id=swarm.run_id, ttl_s=RECORD_TTL_S, admission=self.admission
+        )
+        if swarm.credential is not None:
+            mine = self.admission.learn(swarm.credential)
+            if mine.peer_id != self.peer_id:
+                raise ValueError(f"--credential: it admits peer {mine.peer_id}, this node is {self.peer_id}")
+            records.publish_credential(swarm.credential)
         self.averager = HivemindAverager(
             self.dht,
             prefix=self.prefix,
@@ -145,6 +160,7 @@ class SwarmNode:
             bandwidth_bps=swarm.exchange_bandwidth_bps,
             chunk_bytes=swarm.exchange_chunk_bytes,
             aggregate=Aggregate.parse(self.peer.cfg.aggregate),
+            admission=self.admission,
         )
         # fp32 is the largest encoding of the pseudo-gradient: a bound for every codec of the run.
         fp32_bytes = 4 * sum(t.numel() for t in self.peer.named_theta().values())
@@ -155,6 +171,8 @@ class SwarmNode:
             offered=self.offers.offered,
             updates=lambda from_round: updates_of(self.peer, self.lock, from_round),
             settings=swarm.state_transfer,
+            admission=self.admission,
+            published=self.offers.published,
         )
         self.sync = SwarmSync(
             peer=self.peer,

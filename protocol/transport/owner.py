@@ -47,6 +47,7 @@ from ..algorithms.claims import UNBOUNDED, ClaimBounds
 from ..algorithms.codecs import Codec, payload_shape
 from ..algorithms.parts import MEAN, Aggregate, reduce_parts
 from ..algorithms.report import MAX_REPORT_BYTES
+from .admission import NOT_ADMITTED, Admission
 from .matchmaking import Group
 from .wire import PROTOCOL_VERSION, Meter, read_chunks, read_frame, write_chunks, write_frame
 
@@ -327,8 +328,10 @@ class OwnerHandler:
         wait_s: float,
         chunk_bytes: int,
         ban_s: float = BAN_S,
+        admission: Admission | None = None,
     ) -> None:
         self.peer_id = peer_id
+        self._admission = admission or Admission()
         self._round_state = round_state
         self._header_timeout_s = header_timeout_s
         self._wait_s = wait_s
@@ -366,12 +369,17 @@ class OwnerHandler:
         receiving: OwnerSession | None = None
         admitted: OwnerSession | None = None
         try:
+            remote = str(info.peer_id.to_base58())
             header, _ = await asyncio.wait_for(
                 read_frame(reader, meter, max_body=0), timeout=self._header_timeout_s
             )
+            if not await self._admission.select_async([remote]):
+                # A private run's outsider: refused on its (bounded) header, no part of it read.
+                await write_frame(writer, {"v": PROTOCOL_VERSION, "ok": False, "e": NOT_ADMITTED}, [], meter)
+                return
             request = Request.parse(header)
             state = await asyncio.wait_for(self._round_state(request.round), timeout=self._wait_s)
-            refusal = self._refusal(state, request, str(info.peer_id.to_base58()))
+            refusal = self._refusal(state, request, remote)
             if refusal is None and state is not None and state.session is not None:
                 session = state.session
                 banned_s = self._ban_left(request.peer)

@@ -40,6 +40,7 @@ from typing import Any, TypeVar
 import hivemind
 from hivemind.p2p import P2P, PeerID
 
+from .admission import NOT_ADMITTED, Admission
 from .manifest import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MAX_MANIFEST_BYTES, ChunkedState, StateManifest
 from .wire import PROTOCOL_VERSION, Meter, bytes_timeout, daemon_listen_maddr, read_frame, write_frame
 
@@ -161,8 +162,12 @@ class StateServer:
         offered: Callable[[str], ServedState | None],
         updates: Callable[[int], list[UpdateRecord]],
         settings: TransferSettings | None = None,
+        admission: Admission | None = None,
+        published: Callable[[str], bool] = lambda digest: False,
     ) -> None:
+        self._admission = admission or Admission()
         self._offered = offered
+        self._published = published
         self._updates = updates
         self.settings = settings or TransferSettings()
         digest = hashlib.sha256(prefix.encode()).hexdigest()[:24]
@@ -191,16 +196,34 @@ class StateServer:
         errors = []
         for donor in donors:
             try:
-                _, body = self._call(
-                    self._ask(donor, {"op": "manifest", "m": digest}, max_body=size, timeout=timeout),
-                    timeout=timeout + 1,
-                )
-                if len(body) != 1 or len(body[0]) != size:
-                    raise ValueError("manifest of another size than published")
-                return StateManifest.decode(body[0], digest=digest)
+                return self._call(self._manifest(donor, digest, size, timeout), timeout=timeout + 1)
             except Exception as e:  # try the next donor
                 errors.append(f"{donor[-6:]}: {e}")
         raise ValueError(f"no donor served manifest {digest[:12]}: {'; '.join(errors) or 'no donors'}")
+
+    def standing(self, claims: Sequence[tuple[str, str]]) -> set[str]:
+        """Of (peer, manifest digest) claims, the peers that answer, over their own libp2p identity,
+        that they published that state lately; all asked at once, a peer that does not answer in
+        time is not. Nothing is frozen or read on their side (unlike a manifest request)."""
+        if not claims:
+            return set()
+        timeout = self.settings.timeout_floor_s
+
+        async def holds(peer: str, digest: str) -> bool:
+            header, _ = await self._ask(peer, {"op": "holds", "m": digest}, max_body=0, timeout=timeout)
+            return header.get("holds") is True
+
+        async def probe() -> set[str]:
+            answers = await asyncio.gather(*(holds(p, d) for p, d in claims), return_exceptions=True)
+            return {p for (p, _), a in zip(claims, answers, strict=True) if a is True}
+
+        return self._call(probe(), timeout=timeout + 1)
+
+    async def _manifest(self, donor: str, digest: str, size: int, timeout: float) -> StateManifest:
+        _, body = await self._ask(donor, {"op": "manifest", "m": digest}, max_body=size, timeout=timeout)
+        if len(body) != 1 or len(body[0]) != size:
+            raise ValueError("manifest of another size than published")
+        return StateManifest.decode(body[0], digest=digest)
 
     def download(self, state: ChunkedState, donors: Sequence[str]) -> DownloadReport:
         """Fetch the chunks `state` misses from `donors` in parallel (in random order, so joiners
@@ -372,13 +395,15 @@ class StateServer:
     # ---- server ------------------------------------------------------------------------------
 
     async def _serve(
-        self, _stream_info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+        self, stream_info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
         s, meter = self.settings, Meter()
         try:
             request, _ = await asyncio.wait_for(
                 read_frame(reader, meter, max_header=REQUEST_BYTES, max_body=0), s.timeout_floor_s
             )
+            if not await self._admission.select_async([str(stream_info.peer_id.to_base58())]):
+                raise ValueError(NOT_ADMITTED)  # nothing served, and nothing read past the request
             if request.get("op") == "updates":
                 await self._serve_updates(request, writer, meter)
                 return
@@ -399,8 +424,10 @@ class StateServer:
 
     def _answer(self, request: dict[str, Any]) -> tuple[dict[str, Any], list[bytes]]:
         op, digest = request.get("op"), request.get("m")
-        if op not in ("manifest", "chunk") or not isinstance(digest, str):
+        if op not in ("manifest", "chunk", "holds") or not isinstance(digest, str):
             raise ValueError(f"unknown request {op!r}")
+        if op == "holds":
+            return {"holds": bool(self._published(digest))}, []
         served = self._offered(digest)
         if served is None:
             raise ValueError("that state is not offered here (any more)")
