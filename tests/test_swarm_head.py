@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from adloco.node.swarm.sync import swarm_head
+from adloco.node.swarm.sync import live_head, swarm_head
 from adloco.protocol.transport.records import StateRecord
 
 ME = "me"
@@ -15,8 +15,9 @@ def record(peer: str, round: int, theta: str, manifest: str = "d" * 64) -> State
     )
 
 
-def test_without_peers_it_averaged_with_a_node_takes_the_latest_round_and_its_majority() -> None:
-    """A fresh node (no vouched peers) has nobody to weigh: the latest round and its majority hash."""
+def test_the_unweighed_hint_is_the_latest_round_and_its_majority() -> None:
+    """Without vouched peers `swarm_head` is the hint a node waits on (never acts on): the latest
+    round any record claims and its majority hash."""
     head = swarm_head(
         [record("p1", 4, GOOD), record("p2", 4, GOOD), record("p3", 4, BAD), record(ME, 3, MINE)], ME
     )
@@ -74,3 +75,23 @@ def test_when_no_vouched_peer_has_a_record_left_the_node_reads_everyone_again() 
     """Peers it averaged with that have all left vouch for nothing: as a fresh node."""
     head = swarm_head([record("new1", 12, GOOD), record("new2", 12, GOOD)], ME, vouched={"gone"}, my_round=7)
     assert head is not None and (head.round, head.theta_hash, head.quorum) == (12, GOOD, 0)
+
+
+def test_a_fresh_joiner_follows_the_majority_of_live_peers_not_the_furthest_claim() -> None:
+    """`live_head`: the highest round more than half of the live peers reached, at the hash most of
+    the peers at that round hold. A hijacker far ahead (alone, or with one honest peer left) does not
+    move the joiner past the honest round; lagging honest peers still give a head."""
+    honest = [record("p1", 6, GOOD), record("p2", 6, GOOD)]
+    hijack = record("evil", 10**6, BAD, "e" * 64)
+    for live in ([*honest, hijack], [honest[0], hijack], [record("p1", 5, MINE), honest[1], hijack]):
+        head = live_head(live, ME)
+        assert head is not None and (head.round, head.theta_hash) == (6, GOOD), live
+        assert head.target is not None and "evil" not in head.target.donors
+    # A liar at the honest round with another hash, and the honest peers a round apart: a tie, no head.
+    assert live_head([record("p1", 5, MINE), honest[1], record("evil", 6, BAD)], ME) is None
+    # Outvoted at the same round, it is not taken; alone, it is (nobody else is there to weigh).
+    head = live_head([*honest, record("evil", 6, BAD)], ME)
+    assert head is not None and head.theta_hash == GOOD
+    alone = live_head([hijack, record(ME, 6, GOOD)], ME)
+    assert alone is not None and alone.round == 10**6
+    assert live_head([record(ME, 6, GOOD)], ME) is None

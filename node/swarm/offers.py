@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -26,6 +27,7 @@ from ...protocol.transport.state_transfer import ServedState
 from ..training.peer import Peer
 
 HOLD_S = 120.0  # a frozen round stays offered until nobody has asked for it for this long
+PUBLISHED_KEPT = 4  # the published rounds a node still stands by when asked (`published`)
 
 
 def state_layout(peer: Peer) -> list[TensorSpec]:
@@ -61,6 +63,8 @@ class StateOffers:
         self.peer, self.lock = peer, lock
         self.chunk_bytes, self.hold_s, self.max_frozen = chunk_bytes, hold_s, max_frozen
         self._offers: dict[str, _Offer] = {}
+        # The manifests of the last few rounds published, for `published` (a joiner weighing peers).
+        self._published: deque[str] = deque(maxlen=PUBLISHED_KEPT)
         self._mutex = threading.Lock()  # guards _offers; taken after `lock`, never before it
         peer.before_change = self.before_change
 
@@ -81,7 +85,15 @@ class StateOffers:
         with self._mutex:
             self._offers = {d: o for d, o in self._offers.items() if o.frozen and self._active(o)}
             self._offers[offer.digest] = offer
+            self._published.append(offer.digest)
         return self._served(offer)
+
+    def published(self, digest: str) -> bool:
+        """Whether `digest` is the manifest of one of the last rounds this node published (a record
+        of it may still be what others read): what a fresh joiner asks to know this node is live and
+        stands by its record, without freezing or reading anything."""
+        with self._mutex:
+            return digest in self._published
 
     def offered(self, digest: str) -> ServedState | None:
         """The state offered under `digest`, if any (called on the state server's threads)."""

@@ -2,25 +2,32 @@
 
 After every applied round a node offers its state (`offers.py`: a manifest of per-chunk hashes) and
 publishes a signed state record (round, θ hash, schedule, the manifest's hash and size) and a beacon
-(progress, for the bootstrap's metrics). Before contributing it reads everyone's records. A node that
-has averaged lately believes only the peers it averaged with (`vouch`, the last `VOUCH_ROUNDS`
+(progress, for the bootstrap's metrics). Before contributing it reads everyone's records. A node
+that has averaged lately believes only the peers it averaged with (`vouch`, the last `VOUCH_ROUNDS`
 rounds): the head is the latest round whose θ hash more than half of them hold (of those at this
 node's round or later), and before acting on it that many of its donors must serve its manifest
-themselves (a record names a peer but is signed by any key). A node that has averaged with nobody
-(a fresh joiner), or whose vouched peers have all gone, takes the latest round any peer published and
-the majority θ hash of the other peers at it. The donors are the holders of the head's hash who
-published the most common manifest. A node behind the
-head catches up with the simulator's own code (`training.catchup`: replay the averaged updates a
-holder keeps, else download the state), checked against that published hash; the download takes
-chunks from several donors at once, each checked against the manifest, and an unfinished download
-is resumed rather than restarted. A node at the head with another θ than a strict majority of the
-others (it averaged a round apart from them) downloads the majority's state: the fork heals toward it.
+themselves. A node that has averaged with nobody (a fresh joiner), or whose vouched peers have all
+gone, weighs only the peers that are live: it asks each record's writer (at most `PROBE_PEERS`,
+drawn at random), over the writer's own libp2p identity, whether it stands by the state its record
+names (one of its last few published rounds; nothing is frozen or read for that), and those that do
+are the voters: the head is the highest round more than half of them have reached, at the θ hash
+most of the peers at that round hold (`live_head`). Records are bound to their writer's key
+(`transport.identity`), so a record speaks for one peer, and a made-up peer that answers nothing
+does not vote: taking over a joiner needs more live peers than the honest ones (a private run admits
+only credentialed peers). The donors are the holders of the head's hash who published the most
+common manifest. A node behind the head catches up with the simulator's own code
+(`training.catchup`: replay the averaged updates a holder keeps, else download the state), checked
+against that published hash; the download takes chunks from several donors at once, each checked
+against the manifest, and an unfinished download is resumed rather than restarted. A node at the
+head with another θ than a strict majority of the others (it averaged a round apart from them)
+downloads the majority's state: the fork heals toward it.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import random
 import threading
 from collections import Counter
 from collections.abc import Collection, Sequence
@@ -47,6 +54,7 @@ from .ops import NodeOps
 logger = logging.getLogger(__name__)
 
 VOUCH_ROUNDS = 8  # rounds a peer this node averaged with keeps vouching for the swarm's head
+PROBE_PEERS = 32  # the most record writers a fresh joiner asks whether they stand by their record
 SYNC_PASSES = 3  # a download that lands behind the head is followed by a replay in the same sync
 UPDATE_SLACK_BYTES = 4 << 10  # per tensor: a codec header is tens of bytes; an fp32 payload 4/param
 
@@ -214,7 +222,7 @@ def swarm_head(
     the head is the latest round whose majority θ hash more than half of them hold, among those
     that published a round >= `my_round` (a peer behind this node does not vote on what lies ahead):
     one peer's record, or a few made-up ones, cannot move this node. None when no round has such a
-    majority.
+    majority. Without `vouched`: the latest round any record claims, a hint for waiting only.
     """
     known = [r for r in records if r.peer_id in vouched and r.peer_id != me]
     if known:
@@ -231,6 +239,23 @@ def swarm_head(
     if not hashes:
         return SwarmHead(top, "", [], hashes)
     return _head_at(records, me, top, hashes.most_common(1)[0][0])
+
+
+def live_head(live: Sequence[StateRecord], me: str) -> SwarmHead | None:
+    """A fresh joiner's head from the records of the peers that stand by what they published (`live`):
+    the highest round more than half of them have reached, and the θ hash held by more of the peers
+    at exactly that round than any other hash (None on a tie, or with no live peer). A claim far
+    ahead counts only as having reached the rounds below it: one peer, or a minority, cannot move
+    the joiner past where the majority is, nor tie with it and win."""
+    latest = {r.peer_id: r for r in live if r.peer_id != me}
+    if not latest:
+        return None
+    others = list(latest.values())
+    top = sorted((r.round for r in others), reverse=True)[len(others) // 2]
+    ranked = _holders(others, top).most_common(2)
+    if len(ranked) == 2 and ranked[0][1] == ranked[1][1]:
+        return None
+    return _head_at(others, me, top, ranked[0][0])
 
 
 def _holders(records: Sequence[StateRecord], top: int) -> Counter[str]:
@@ -315,8 +340,28 @@ class SwarmSync:
         records = self.records.states()
         self.ops.peers_visible = len({r.peer_id for r in records})
         self.metrics.peers.set(self.ops.peers_visible)
-        vouched = self.vouched if trusted else {}
-        return swarm_head(records, self.peer.peer_id, vouched=vouched, my_round=self.peer.state.round)
+        me, my_round = self.peer.peer_id, self.peer.state.round
+        if not trusted:
+            return swarm_head(records, me, my_round=my_round)
+        if any(r.peer_id in self.vouched for r in records if r.peer_id != me):
+            return swarm_head(records, me, vouched=self.vouched, my_round=my_round)
+        return live_head(self._live(records), me)
+
+    def _live(self, records: Sequence[StateRecord]) -> list[StateRecord]:
+        """The records (one per peer, at most PROBE_PEERS drawn at random) whose peer answers, now,
+        that it published that state (one of its last rounds: its next record may be on its way)."""
+        others = [r for r in records if r.peer_id != self.peer.peer_id]
+        if len(others) > PROBE_PEERS:
+            others = random.sample(others, PROBE_PEERS)
+        serving = self.server.standing([(r.peer_id, r.manifest_hash) for r in others])
+        if len(serving) < len(others):
+            logger.info(
+                "[%s round=%d] %d of %d peers stand by the state they published",
+                *self._tag(),
+                len(serving),
+                len(others),
+            )
+        return [r for r in others if r.peer_id in serving]
 
     def sync(self) -> int:
         """Reach the swarm's published round (or heal a fork at it); returns the rounds advanced."""
