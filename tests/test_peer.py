@@ -252,6 +252,23 @@ def test_a_joiner_that_never_trained_takes_theta_when_it_catches_up(corpus: Corp
             assert torch.equal(p.detach(), t) and torch.equal(s, t)
 
 
+@pytest.mark.parametrize("cfg", [CFG, OVERLAP], ids=["in-order", "overlap"])
+def test_a_peer_that_merged_sooner_adopts_a_state_of_more_slots(corpus: Corpus, cfg: TrainConfig) -> None:
+    """A joiner that trained alone for a while may have merged its instances (its own MIT) before
+    the swarm did; the swarm's state then has more slots than it has instances. It rebuilds them
+    (before: the next round failed in zip(instances, plans)) and trains the swarm's schedule."""
+    a, b = _peer(corpus, "a", 0, cfg), _peer(corpus, "b", 1, cfg)
+    _round([a])
+    b.merge_instances(1, 0)
+    assert len(b.instances) == 1 and a.state.schedule.instances == 2
+    b.adopt_state(a.state, expected_hash=a.state.theta_hash())
+    assert [inst.slot for inst in b.instances] == [0, 1]
+    local = b.train_round()
+    assert len(local.report.slot_stats) == 2
+    _round([a, b])
+    assert b.state.theta_hash() == a.state.theta_hash()
+
+
 def test_overlap_update_lands_mid_round_and_progress_is_rebased(corpus: Corpus) -> None:
     peers = [_peer(corpus, "a", 0, OVERLAP), _peer(corpus, "b", 1, OVERLAP)]
     contributions = [p.contribute(p.train_round())[0] for p in peers]

@@ -110,6 +110,8 @@ class Peer:
             self._make_instance(corpus, model, slot=k, index=index, num_peers=num_peers)
             for k in range(cfg.instances)
         ]
+        # What a slot this peer had merged away is rebuilt from (`adopt_state`).
+        self._corpus, self._index, self._num_peers = corpus, index, num_peers
         self.b_max = cfg.b_max or probe_b_max(
             self.instances[0].model,
             seq_len=cfg.seq_len,
@@ -480,7 +482,9 @@ class Peer:
         """Full state transfer for a peer too far behind to replay: θ, m, r and S_r from another
         peer. `expected_hash` is the θ hash this peer trusts for that state (the swarm's published
         one), never one the sender computed: a state whose θ does not hash to it raises ValueError
-        and changes nothing. Instances beyond S_r's count are merged away."""
+        and changes nothing. Instances beyond S_r's count are merged away; slots S_r has and this peer
+        had merged away (it trained on alone, and its own MIT merged sooner than the swarm's) are
+        rebuilt from θ on their data shards."""
         shapes = [t.shape for t in self.state.theta]
         if [t.shape for t in other.theta] != shapes or [t.shape for t in other.momentum] != shapes:
             raise ValueError("downloaded state does not have this model's tensor shapes")
@@ -499,6 +503,10 @@ class Peer:
                 range(len(self.instances)), key=lambda k: (self.instances[k].sampler.num_tokens, k)
             )
             self.merge_instances(order[0], order[1], weights=(1.0, 1.0))
+        while len(self.instances) < self.state.schedule.instances:
+            model, slot = self.instances[0].model, len(self.instances)
+            shard = {"index": self._index, "num_peers": self._num_peers}
+            self.instances.append(self._make_instance(self._corpus, model, slot=slot, **shard))
         if self.overlap:
             self.rebase_instances()
 
