@@ -269,7 +269,10 @@ def test_a_donor_failing_a_few_requests_in_a_row_keeps_its_slot(swarm: Swarm, do
     _assert_holds_the_holders_state(joiner, swarm.holder)
     report = downloads.last
     assert report is not None and not report.dropped
-    assert report.failed[flaky.peer_id] == FLAKY_FAILURES < MAX_DONOR_FAILURES
+    # Its planned failures are counted. A loaded machine can add a timed-out request now and then (one
+    # run on 2 busy cores did); never MAX_DONOR_FAILURES in a row, or it would have been dropped.
+    assert flaky.failures == FLAKY_FAILURES < MAX_DONOR_FAILURES
+    assert report.failed[flaky.peer_id] >= FLAKY_FAILURES
     # Its 5 chunks before the failures count; whether it serves more depends on the other's pace.
     assert report.kept[flaky.peer_id] >= 5
     assert report.kept[flaky.peer_id] + report.kept[honest.peer_id] == len(target_chunks(swarm))
