@@ -84,6 +84,18 @@ def test_a_credential_admits_its_peer_to_its_run_until_it_expires(keys: dict[str
     assert Admission().admits("anyone")  # a public run
 
 
+def test_credentials_are_re_read_at_once_for_a_new_peer_and_rarely_for_a_refused_one() -> None:
+    """A member that just joined is looked up the first time it shows up (or its group would differ
+    between the members that knew it and those that did not: the round fails for all); an outsider
+    that keeps asking costs a re-read at most every REFRESH_S."""
+    admission = Admission(run_id=RUN, owner="QmOwner")
+    assert admission.should_refresh(["outsider"])
+    assert not admission.should_refresh(["outsider"])  # looked up in vain a moment ago
+    assert admission.should_refresh(["outsider", "newcomer"])  # a new one: at once
+    assert not admission.should_refresh(["outsider", "newcomer"])
+    assert not Admission().should_refresh(["anyone"])  # a public run reads nothing
+
+
 def _swap_peer(payload: str, other: str) -> str:
     import base64
 

@@ -7,13 +7,14 @@ key, and the run is named by the owner's id, the libp2p-style id of that key (`i
 `--run-owner` is a short string, and a credential checks against it with nothing else to hand out.
 Credentials are not secret: a credential admits the peer id it names, and only the holder of that
 peer's key can speak as it (records are bound to their writer's key, streams are authenticated by
-libp2p). Each node publishes its own credential in the DHT, under the run's `credentials` key, so the
-others learn it (`Admission.learn_from`).
+libp2p). Each node publishes its own credential in the DHT, under the run's `credentials` key
+(`records.RunRecords.publish_credential`), so the others learn it (`Admission.select`).
 
 `Admission.admits(peer)` is asked where a peer's input enters: its state and readiness records
 (`records.RunRecords`, `matchmaking`), its averaging stream (`owner.OwnerHandler`), its state
 request (`state_transfer.StateServer`). A peer not (yet) known is refused; the callers re-read the
-credentials at most every `REFRESH_S` before refusing one they have not seen.
+credentials once for each peer they do not know yet, and at most every `REFRESH_S` for peers looked up
+in vain, before refusing one.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ from .identity import Identity, NodeDHT, peer_id_of
 TOKEN_PREFIX = "adloco1"
 MAX_TOKEN_CHARS = 4096  # an RSA-2048 credential is ~1.2 kB
 NOT_ADMITTED = "this is a private run and the peer holds no credential of its owner"
-REFRESH_S = 2.0  # the most often the credentials are re-read for a peer not known yet
+REFRESH_S = 2.0  # the most often the credentials are re-read for peers already looked up in vain
+MAX_LOOKED_UP = 10_000
 ALLOWLIST_MAX_PEERS = 100_000
 
 
@@ -135,6 +137,7 @@ class Admission:
         self.private = owner is not None or bool(self.allowed)
         self._admitted: dict[str, float] = {}  # peer -> credential expiry
         self._last_refresh = -float("inf")
+        self._looked_up: set[str] = set()  # peers not admitted when the credentials were last read
         self._dht: NodeDHT | None = None
         self._key = ""
         self.refused = 0  # inputs refused from peers that are not admitted
@@ -167,12 +170,20 @@ class Admission:
         return learned
 
     def should_refresh(self, peers: Iterable[str]) -> bool:
-        """Whether to re-read the credentials before refusing one of `peers` (rate-limited)."""
-        if self.owner is None or not any(not self.admits(p) for p in peers):
+        """Whether to re-read the credentials before refusing one of `peers`: at once for a peer not
+        looked up yet (an insider that just joined published its credential before it registers or
+        asks for anything, so one read finds it, and every member then sees the same group), at most
+        every REFRESH_S for one looked up in vain (an outsider asking again and again)."""
+        unknown = [p for p in peers if not self.admits(p)] if self.owner is not None else []
+        if not unknown:
             return False
         now = time.monotonic()
-        if now - self._last_refresh < REFRESH_S:
+        new = [p for p in unknown if p not in self._looked_up]
+        if not new and now - self._last_refresh < REFRESH_S:
             return False
+        if len(self._looked_up) + len(unknown) > MAX_LOOKED_UP:
+            self._looked_up.clear()  # made-up peer ids by the thousand: forget, and start over
+        self._looked_up.update(unknown)
         self._last_refresh = now
         return True
 
