@@ -8,5 +8,10 @@ name the option it concerns, say what was wrong and, where there is one, how to 
 from __future__ import annotations
 
 
+class NetworkLost(Exception):
+    """The node's networking (its DHT process or p2pd) died under it: it saved a checkpoint and
+    leaves; the CLI says why on one line and exits with status 3, for a supervisor to restart it."""
+
+
 class UserError(Exception):
     """Bad user input; the message names the option, e.g. ``--model: no such file or model type 'lama'``."""

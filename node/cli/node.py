@@ -17,7 +17,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from ...errors import UserError
+from ...errors import NetworkLost, UserError
 from ...protocol.transport.admission import TOKEN_PREFIX, check, read_allowlist, read_credential
 from ...protocol.transport.dht import NetworkConfig, parse_maddrs
 from ...protocol.transport.identity import load_identity
@@ -333,6 +333,9 @@ def main(argv: list[str] | None = None) -> int:
         run(args)
     except UserError as e:
         return usage_error(e)
+    except NetworkLost as e:
+        print(f"adloco-node: error: {e}", file=sys.stderr)
+        return 3
     except KeyboardInterrupt:
         print("adloco-node: interrupted", file=sys.stderr)
         return 130

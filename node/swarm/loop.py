@@ -39,6 +39,7 @@ logger = logging.getLogger(__name__)
 MAX_ATTEMPTS = 3
 # How often a node waiting for the outcome of a failed try reads the swarm's head.
 SETTLE_POLL_S = 0.25
+WAIT_POLL_S = 0.25  # how often a wait for an averaging call looks whether the node is stopping
 # Averager round ids are single-use: id = round × stride + the number of earlier tries at that round.
 # Peers that reach a round meet at its first id; after a round failed everywhere they meet at the next.
 ROUND_ID_STRIDE = 1000
@@ -97,14 +98,39 @@ class RoundLoop:
         self._last: tuple[ContributionInfo, MemberResult] | None = None
         self._violations_seen = 0  # the averager's rule-break count already in the metrics
         self._last_report = time.perf_counter()
+        self._should_stop: Callable[[], bool] = lambda: False
+        # Why the node's network is gone (the DHT process or p2pd died), None while it is up.
+        self.network_lost: Callable[[], str | None] = lambda: None
 
     def run(self, should_stop: Callable[[], bool]) -> None:
         """Apply rounds until `cfg.rounds` are done (0: never) or `should_stop()`."""
         self._last_report = time.perf_counter()
-        if self.peer.overlap:
-            self._run_overlapped(should_stop)
-        else:
-            self._run_in_order(should_stop)
+        self._should_stop = should_stop
+        pool = ThreadPoolExecutor(1, thread_name_prefix="adloco-averaging")
+        try:
+            if self.peer.overlap:
+                self._run_overlapped(should_stop, pool)
+            else:
+                self._run_in_order(should_stop, pool)
+        finally:
+            # An averaging call still running is ended by `shutdown` (it stops the averager).
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    def _await(self, future: Future[MemberResult | None], *, stopping: bool = False) -> None:
+        """Wait for an averaging call, but once the node is told to stop (`stopping`: it is), at most
+        the part timeout more, and not at all once its network is gone (p2pd or the DHT process
+        died, as when SIGTERM goes to the whole process group); TimeoutError then: the round is
+        abandoned, `shutdown` ends it."""
+        deadline = time.monotonic() + self.cfg.part_timeout_s if stopping else None
+        while not future.done():
+            if deadline is None and self._should_stop():
+                deadline = time.monotonic() + self.cfg.part_timeout_s
+            if deadline is not None and (time.monotonic() >= deadline or self.network_lost()):
+                raise TimeoutError("the node is stopping: the round in flight is abandoned")
+            try:
+                future.result(timeout=WAIT_POLL_S)
+            except Exception:  # not done yet, or failed: the loop looks again
+                continue
 
     def _enough(self, should_stop: Callable[[], bool]) -> bool:
         planned = self.ops.counters.applied + (self._inflight is not None)
@@ -112,18 +138,20 @@ class RoundLoop:
 
     # ---- without overlap ---------------------------------------------------------------------
 
-    def _run_in_order(self, should_stop: Callable[[], bool]) -> None:
+    def _run_in_order(self, should_stop: Callable[[], bool], pool: ThreadPoolExecutor) -> None:
         while not self._enough(should_stop):
             local = self._local_round()
             t0 = time.perf_counter()
             self.ops.phase = "averaging"
-            if self._contribute_until_applied(local, should_stop):
+            if self._contribute_until_applied(local, should_stop, pool):
                 self._report(local, wait_s=time.perf_counter() - t0)
             else:
                 self._count_dropped(self.peer.state.round - local.base_round)
             self.ops.between_rounds()
 
-    def _contribute_until_applied(self, local: LocalRound, should_stop: Callable[[], bool]) -> bool:
+    def _contribute_until_applied(
+        self, local: LocalRound, should_stop: Callable[[], bool], pool: ThreadPoolExecutor
+    ) -> bool:
         """Average `local` in the current round; on failure catch up and retry it (late) a few times."""
         for attempt in range(MAX_ATTEMPTS):
             if not self._settle(should_stop):
@@ -132,10 +160,15 @@ class RoundLoop:
             contribution, info = self.peer.contribute(local, bandwidth_bps=self._link_bps)
             if contribution is None:
                 return False  # too stale: dropped, counted by the caller
+            future = pool.submit(self._average, contribution, info, self._next_round_id())
             try:
-                result = self._average(contribution, info, self._next_round_id())
+                self._await(future)
+                result = future.result()
             except NotOpened as e:
                 logger.info("[%s round=%d] late Δ dropped: %s", *self._tag(), e)
+                return False
+            except TimeoutError as e:
+                logger.warning("[%s round=%d] %s", *self._tag(), e)
                 return False
             if result is None:
                 logger.info("[%s round=%d] no group this time (attempt %d)", *self._tag(), attempt)
@@ -146,34 +179,29 @@ class RoundLoop:
 
     # ---- one-step-delay overlap --------------------------------------------------------------
 
-    def _run_overlapped(self, should_stop: Callable[[], bool]) -> None:
+    def _run_overlapped(self, should_stop: Callable[[], bool], pool: ThreadPoolExecutor) -> None:
         """Contribute round r, train round r+1 while it is averaged, apply r when it lands."""
-        pool = ThreadPoolExecutor(1, thread_name_prefix="adloco-averaging")
-        try:
-            while not self._enough(should_stop):
-                from_theta = False
-                if self._inflight is not None and not overlap_this_round(
-                    self.peer.cfg.overlap, comm_s=self._comm_estimate(), compute_s=self._last_compute_s
-                ):
-                    # auto: the exchange outlasts a local round, so this round waits for the update.
-                    self._wait_and_land(stopping=False)
-                    from_theta = True
-                local = self._local_round(on_step=self._land_if_done, from_theta=from_theta)
-                if self._inflight is not None:
-                    self._wait_and_land(stopping=False)
-                    # Δ is measured from the θ the instances were rebased onto.
-                    local.base_round = self.peer.phase_round
-                self.ops.between_rounds()
-                if should_stop() or not self._settle(should_stop):
-                    break
-                self.sync.sync()
-                self._inflight = self._launch(local, pool)
+        while not self._enough(should_stop):
+            from_theta = False
+            if self._inflight is not None and not overlap_this_round(
+                self.peer.cfg.overlap, comm_s=self._comm_estimate(), compute_s=self._last_compute_s
+            ):
+                # auto: the exchange outlasts a local round, so this round waits for the update.
+                self._wait_and_land(stopping=False)
+                from_theta = True
+            local = self._local_round(on_step=self._land_if_done, from_theta=from_theta)
             if self._inflight is not None:
-                # A drain finishes the round; SIGTERM may abandon it to exit in time.
-                self._wait_and_land(stopping=should_stop() and not self.ops.draining.is_set())
-        finally:
-            # An averaging call still running is ended by `shutdown` (it stops the averager).
-            pool.shutdown(wait=False, cancel_futures=True)
+                self._wait_and_land(stopping=False)
+                # Δ is measured from the θ the instances were rebased onto.
+                local.base_round = self.peer.phase_round
+            self.ops.between_rounds()
+            if should_stop() or not self._settle(should_stop):
+                break
+            self.sync.sync()
+            self._inflight = self._launch(local, pool)
+        if self._inflight is not None:
+            # A drain finishes the round; SIGTERM may abandon it to exit in time.
+            self._wait_and_land(stopping=should_stop() and not self.ops.draining.is_set())
 
     def _comm_estimate(self) -> float | None:
         """How long an averaging call takes from contribution to result, for `auto` overlap.
@@ -201,8 +229,9 @@ class RoundLoop:
         t0 = time.perf_counter()
         self.ops.phase = "waiting"
         try:
-            # When stopping, a round not done within the part timeout is abandoned (shutdown ends it).
-            inflight.future.result(timeout=self.cfg.part_timeout_s if stopping else None)
+            # When stopping, a round not done within the part timeout is abandoned (shutdown ends it),
+            # and a wait begun before the node was told to stop ends the same way (`_await`).
+            self._await(inflight.future, stopping=stopping)
         except Exception as e:
             logger.warning("[%s] averaging did not finish: %r", self.peer.peer_id[-6:], e)
         self._land(inflight, wait_s=time.perf_counter() - t0)

@@ -23,9 +23,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ...errors import NetworkLost
 from ...protocol.algorithms.parts import Aggregate
 from ...protocol.transport.admission import Admission
-from ...protocol.transport.dht import NetworkConfig, start_dht, visible_maddrs
+from ...protocol.transport.dht import NetworkConfig, network_failure, start_dht, visible_maddrs
 from ...protocol.transport.hivemind_averager import HivemindAverager
 from ...protocol.transport.records import RunRecords, run_prefix
 from ...protocol.transport.state_transfer import StateServer, TransferSettings
@@ -106,6 +107,8 @@ class SwarmNode:
         # not inherit the weights and state, whose pages it would otherwise keep (copy-on-write) as
         # this process rewrites them every round (2.1 GiB per node at GPT-2 124M).
         self.dht = start_dht(net)
+        self._lost: str | None = None
+        self._lost_checked = -float("inf")
         try:
             self._build(corpus, tokenizer)
             self._join()
@@ -219,13 +222,34 @@ class SwarmNode:
         self.ops.resume()
         self.sync.sync()
         self.sync.publish()
+        self.loop.network_lost = self._network_lost
+        leaving = lambda: should_stop() or self.ops.draining.is_set() or bool(self._network_lost())  # noqa: E731
         try:
-            self.loop.run(lambda: should_stop() or self.ops.draining.is_set())
+            try:
+                self.loop.run(leaving)
+            except Exception:
+                if self._network_lost() is None:
+                    raise
+                # A DHT call failed on the dead network: the loss below says why, not a traceback.
             self.ops.save_final()
         finally:
             self.ops.stopped()
+        lost = self._network_lost()
+        if lost is not None and not should_stop():
+            self.status.write("network_lost", round=self.peer.state.round, error=lost)
+            raise NetworkLost(f"{lost}; the node saved a checkpoint and stops (restart it to rejoin)")
         self.status.write("done", rounds=self.ops.counters.applied)
         return self.ops.counters.applied
+
+    def _network_lost(self) -> str | None:
+        """Why the DHT process or p2pd is gone (None while both run), looked up at most once a second."""
+        now = time.monotonic()
+        if self._lost is None and now - self._lost_checked >= 1.0:
+            self._lost_checked = now
+            self._lost = network_failure(self.dht)
+            if self._lost is not None:
+                logger.error("[%s] %s", self.peer_id[-6:], self._lost)
+        return self._lost
 
     def shutdown(self) -> None:
         """Leave the swarm: stop serving, stop averaging, stop the DHT (and its p2pd)."""

@@ -36,6 +36,7 @@ MAX_TOKEN_CHARS = 4096  # an RSA-2048 credential is ~1.2 kB
 NOT_ADMITTED = "this is a private run and the peer holds no credential of its owner"
 REFRESH_S = 2.0  # the most often the credentials are re-read for peers already looked up in vain
 MAX_LOOKED_UP = 10_000
+REFRESH_TIMEOUT_S = 10.0
 ALLOWLIST_MAX_PEERS = 100_000
 
 
@@ -195,7 +196,12 @@ class Admission:
         """The admitted ones of `peers`, after one (rate-limited) re-read if any is unknown; blocking."""
         peers = list(peers)
         if self._dht is not None and self.should_refresh(peers):
-            found = self._dht.get(self._key, latest=True)
+            try:
+                found = self._dht.get(self._key, latest=True, return_future=True).result(
+                    timeout=REFRESH_TIMEOUT_S
+                )
+            except Exception:  # no answer: the unknown peers stay refused until the next read
+                found = None
             self._learn_found(found)
         return self._note({p for p in peers if self.admits(p)}, peers)
 

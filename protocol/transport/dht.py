@@ -12,6 +12,7 @@ import os
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from hivemind.utils.multiaddr import Multiaddr
 
@@ -111,6 +112,28 @@ def start_dht(net: NetworkConfig) -> NodeDHT:
         ):
             raise ValueError(f"--peers: could not join the swarm through {list(net.peers)}: {text}") from None
         raise ValueError(f"networking: could not start the DHT peer: {text}") from None
+
+
+def network_failure(dht: NodeDHT) -> str | None:
+    """Why this peer's network is gone, None while it is up: the DHT process died, or its p2pd did
+    (SIGTERM to the whole process group reaches both; an OOM kill may take either). p2pd is found
+    as a child of the DHT process in /proc; where there is no /proc only the DHT process is seen."""
+    if not dht.is_alive():
+        return f"the DHT process (pid {dht.pid}) exited"
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return None
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        name, rest = stat[stat.find("(") + 1 : stat.rfind(")")], stat[stat.rfind(")") + 2 :].split()
+        if name == "p2pd" and rest[0] != "Z" and int(rest[1]) == dht.pid:
+            return None
+    return f"p2pd, the libp2p daemon of the DHT process (pid {dht.pid}), is gone"
 
 
 def visible_maddrs(dht: NodeDHT) -> list[str]:

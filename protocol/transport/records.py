@@ -20,6 +20,7 @@ Record kinds:
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import json
 from typing import Any, TypeVar
@@ -157,9 +158,14 @@ class RunRecords:
     def publish_state(self, record: StateRecord) -> None:
         """Store this peer's state record (blocks until the DHT has answered)."""
         now = get_dht_time()
-        self._dht.store(
-            state_key(self._prefix), record.dict(), expiration_time=now + self._ttl_s, subkey=self._subkey
+        stored = self._dht.store(
+            state_key(self._prefix),
+            record.dict(),
+            expiration_time=now + self._ttl_s,
+            subkey=self._subkey,
+            return_future=True,
         )
+        dht_result(stored, "storing the state record")
         if self.credential is not None:
             self.publish_credential(self.credential)
 
@@ -167,7 +173,14 @@ class RunRecords:
         """Store this peer's credential of a private run, for the others to admit it."""
         self.credential = token
         expires = get_dht_time() + self._ttl_s
-        self._dht.store(credentials_key(self._prefix), token, expiration_time=expires, subkey=self._subkey)
+        stored = self._dht.store(
+            credentials_key(self._prefix),
+            token,
+            expiration_time=expires,
+            subkey=self._subkey,
+            return_future=True,
+        )
+        dht_result(stored, "storing the credential")
 
     def publish_beacon(self, record: BeaconRecord) -> None:
         """Store this peer's beacon without waiting (metrics only)."""
@@ -181,7 +194,9 @@ class RunRecords:
 
     def states(self) -> list[StateRecord]:
         """Every admitted peer's valid state record, as the DHT returns them now."""
-        found = self._dht.get(state_key(self._prefix), latest=True)
+        found = dht_result(
+            self._dht.get(state_key(self._prefix), latest=True, return_future=True), "reading states"
+        )
         records = parse_states(None if found is None else found.value)
         admitted = self.admission.select({r.peer_id for r in records})
         return [r for r in records if r.peer_id in admitted]
@@ -192,6 +207,18 @@ def live_beacons(dht: hivemind.DHT, run_id: str, *, alive_s: float) -> list[Beac
     found = dht.get(beacon_key(run_id), latest=True)
     now = get_dht_time()
     return [b for b in parse_beacons(None if found is None else found.value) if now - b.updated < alive_s]
+
+
+DHT_CALL_TIMEOUT_S = 30.0  # a DHT call of the node's own process that takes longer: the DHT is gone
+
+
+def dht_result(future: Any, what: str) -> Any:
+    """The result of a DHT call made with `return_future=True`, or TimeoutError after
+    DHT_CALL_TIMEOUT_S: hivemind's blocking calls wait for ever on a DHT process that died."""
+    try:
+        return future.result(timeout=DHT_CALL_TIMEOUT_S)
+    except (TimeoutError, concurrent.futures.TimeoutError):
+        raise TimeoutError(f"{what}: the DHT did not answer in {DHT_CALL_TIMEOUT_S:.0f} s") from None
 
 
 def dht_time() -> float:
