@@ -1,9 +1,11 @@
 """Real nodes on loopback with the real p2pd: they train together and hold identical θ after every
-round; a node of another run on the same DHT never averages with them."""
+round; a node of their private run without the owner's credential never averages with them (runs
+apart by run id: test_averager_contract.py's prefixes)."""
 
 from __future__ import annotations
 
 import json
+import signal
 from pathlib import Path
 
 import pytest
@@ -47,7 +49,6 @@ def test_three_nodes_of_a_private_run_agree_every_round_and_an_outsider_stays_ap
     average every round together with identical θ; a fourth node of the same run id without a
     credential is refused by all of them: it is never in their group, gets no state from them, and
     trains alone."""
-    import signal
     import time
 
     from adloco.protocol.transport.admission import issue
@@ -213,7 +214,6 @@ def test_killed_node_does_not_stop_the_others(procs: Procs, tmp_path: Path) -> N
     victim, victim_status = nodes[2]
     wait_for(lambda: max(_rounds(victim_status), default=0) >= 2, timeout=180, what="round 2")
     import os
-    import signal
 
     os.killpg(victim.pid, signal.SIGKILL)  # the machine dies: node, DHT process and p2pd at once
     for proc, _ in nodes[:2]:
@@ -236,8 +236,9 @@ def test_slow_node_contributes_late_and_corrected_without_holding_others(
     # Rounds long enough in compute, and a short window, so that 5x the step time is certainly later
     # than a fast round (train + window + exchange) whatever the machine's load.
     timing = ["--inner-steps", "8", "--window-s", "1"]
+    # The fast nodes run until the slow one is done (then SIGTERM), so all its rounds find them.
     fast = [
-        _start_node(procs, tmp_path, f"fast{i}", peers, "--rounds", "16", "--data-shard", str(i), *timing)
+        _start_node(procs, tmp_path, f"fast{i}", peers, "--rounds", "0", "--data-shard", str(i), *timing)
         for i in range(2)
     ]
     slow, slow_status = _start_node(
@@ -258,9 +259,11 @@ def test_slow_node_contributes_late_and_corrected_without_holding_others(
         "0.95",
         *timing,
     )
-    for proc, _ in fast:
-        assert proc.wait(timeout=240) == 0
     assert slow.wait(timeout=240) == 0, procs.log("slow")
+    for proc, _ in fast:
+        proc.send_signal(signal.SIGTERM)
+    for i, (proc, _) in enumerate(fast):
+        assert proc.wait(timeout=60) == 0, procs.log(f"fast{i}")
 
     slow_rounds = [e for e in _events(slow_status) if e["event"] == "round"]
     for e in slow_rounds:
@@ -276,8 +279,7 @@ def test_slow_node_contributes_late_and_corrected_without_holding_others(
         # tensor) and a zero momentum (every tensor skipped) all fail this.
         heloco = e["heloco"]
         assert heloco is not None and heloco["shrink"] + heloco["rotate"] > 0, e
-    # Same θ as the others in every round it averaged with them (on a loaded machine its last round
-    # may come after the fast nodes have finished, and a node left alone goes on alone).
+    # Same θ as the others in every round it averaged with them.
     fast_hashes = _rounds(fast[0][1])
     together = [e for e in slow_rounds if e["group_size"] > 1]
     assert together and all(fast_hashes[e["round"]] == e["theta_hash"] for e in together), slow_rounds
@@ -343,7 +345,6 @@ def test_a_peer_claiming_a_far_ahead_round_cannot_hijack_nodes_that_averaged_tog
     (SIGTERM), so they are still there, serving, while the joiner weighs them; no event names the
     forged round or the hijacker, and the loss falls. (This is also the plain joiner's test; the
     late, slow joiner has its own below.)"""
-    import signal
 
     peers = _bootstrap(procs, tmp_path)
     endless = ("--rounds", "0")  # until stopped
