@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from ...protocol.transport.procfs import live_processes
+
 STOP_TIMEOUT_S = 30.0  # DESIGN §4: a node exits 0 within 30 s of SIGTERM
 KILL_TIMEOUT_S = 10.0  # after SIGKILL only the kernel is left to wait for
 ORPHAN_GRACE_S = 5.0  # a group whose leader exited: p2pd may still be on its way out
@@ -35,18 +37,7 @@ class SwarmError(Exception):
 
 def group_members(pgid: int) -> list[int]:
     """Pids of live (non-zombie) processes in process group `pgid`, from /proc."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[1].split()  # after the command: state ppid pgrp ...
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            pids.append(int(entry.name))
-    return pids
+    return [p.pid for p in live_processes() if p.group == pgid]
 
 
 def find_script(name: str) -> str:

@@ -17,6 +17,7 @@ from pathlib import Path
 from hivemind.utils.multiaddr import Multiaddr
 
 from .identity import NodeDHT
+from .procfs import live_processes
 
 DHT = NodeDHT  # the handle the layers above hold, without importing hivemind themselves
 
@@ -120,19 +121,10 @@ def network_failure(dht: NodeDHT) -> str | None:
     as a child of the DHT process in /proc; where there is no /proc only the DHT process is seen."""
     if not dht.is_alive():
         return f"the DHT process (pid {dht.pid}) exited"
-    proc = Path("/proc")
-    if not proc.is_dir():
+    if not Path("/proc").is_dir():
         return None
-    for entry in proc.iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        name, rest = stat[stat.find("(") + 1 : stat.rfind(")")], stat[stat.rfind(")") + 2 :].split()
-        if name == "p2pd" and rest[0] != "Z" and int(rest[1]) == dht.pid:
-            return None
+    if any(p.name == "p2pd" and p.parent == dht.pid for p in live_processes()):
+        return None
     return f"p2pd, the libp2p daemon of the DHT process (pid {dht.pid}), is gone"
 
 
