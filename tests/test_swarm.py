@@ -284,14 +284,12 @@ def test_slow_node_contributes_late_and_corrected_without_holding_others(
     together = [e for e in slow_rounds if e["group_size"] > 1]
     assert together and all(fast_hashes[e["round"]] == e["theta_hash"] for e in together), slow_rounds
     # The fast nodes never waited for the slow one: while its late Δ was being computed they applied
-    # the τ rounds it missed without it (groups of at most the two of them), and most of their rounds
-    # ran without it.
+    # the τ rounds it missed without it (groups of at most the two of them).
     fast_rounds = [e for _, s in fast for e in _events(s) if e["event"] == "round"]
     first_late = late[0]
     missed = range(first_late["round"] - first_late["staleness"], first_late["round"])
     without = {e["round"] for e in fast_rounds if e["round"] in missed and e["group_size"] <= 2}
     assert without == set(missed), (first_late, fast_rounds)
-    assert sum(1 for e in _events(fast[0][1]) if e["event"] == "round" and e["group_size"] == 2) >= 3
     # DyLU: once the slow node has seen the others' step times (its first applied round) it shortens
     # H to its speed for the rounds after.
     assert slow_rounds[0]["inner_steps"] == 8

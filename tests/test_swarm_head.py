@@ -17,7 +17,15 @@ def record(peer: str, round: int, theta: str, manifest: str = "d" * 64) -> State
 
 def test_the_unweighed_hint_is_the_latest_round_and_its_majority() -> None:
     """Without vouched peers `swarm_head` is the hint a node waits on (never acts on): the latest
-    round any record claims and its majority hash."""
+    round any record claims and its majority hash, but no further than one round past where most
+    of the other peers are (a far-ahead record ended a failed try's wait at once: the next try
+    opened alone, a fork the swarm test caught)."""
+    honest = [record("p1", 4, GOOD), record("p2", 4, GOOD)]
+    hint = swarm_head([*honest, record("evil", 10**6, BAD)], ME)
+    assert hint is not None and hint.round == 4
+    # One peer a round ahead of the rest (it closed a round alone) does end the wait.
+    hint = swarm_head([*honest, record("p3", 5, BAD)], ME)
+    assert hint is not None and hint.round == 5
     head = swarm_head(
         [record("p1", 4, GOOD), record("p2", 4, GOOD), record("p3", 4, BAD), record(ME, 3, MINE)], ME
     )

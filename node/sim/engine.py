@@ -33,6 +33,7 @@ from typing import Any, Literal
 import torch
 
 from ...protocol.algorithms.allreduce import Contribution
+from ...protocol.algorithms.claims import ClaimBounds
 from ...protocol.algorithms.codecs import decode, make_codec
 from ...protocol.algorithms.parts import Aggregate
 from ...protocol.transport.averager import MemberResult
@@ -52,6 +53,31 @@ AVERAGE_TIMEOUT_S = 600.0
 # flip1000: −1000 Δ; flip: −Δ, claiming the most tokens and weight the schedule allows; random: a
 # fresh Gaussian direction each round at Δ's norm; constant: one fixed direction at Δ's norm.
 ATTACKS = ("none", "flip1000", "flip", "random", "constant")
+
+
+def forge(honest: Contribution, attack: str, *, seed: int, bounds: ClaimBounds) -> Contribution:
+    """The contribution a hostile peer sends instead of `honest` (int8-coded, as honest ones):
+    flip1000: −1000 Δ; flip: −Δ at normal norm, claiming the most tokens and weight the round's
+    bounds allow; random: Gaussian noise at Δ's norm (new each call, from `seed`); constant: the same
+    noise direction every round, at Δ's norm. Shared by the simulator and bench/robust_swarm.py."""
+    codec = make_codec("int8")
+    payloads: dict[str, bytes] = {}
+    for n, (key, payload) in enumerate(honest.payloads.items()):
+        delta = decode(payload)
+        if attack == "flip1000":
+            forged = delta * -1000.0
+        elif attack == "flip":
+            forged = -delta
+        else:
+            generator = torch.Generator().manual_seed(n if attack == "constant" else seed + n)
+            forged = torch.randn(delta.shape, generator=generator)
+            forged *= torch.linalg.vector_norm(delta) / torch.linalg.vector_norm(forged).clamp_min(1e-30)
+        payloads[key] = codec.encode(key, forged)
+    weight, tokens = honest.weight, honest.tokens
+    if attack == "flip":
+        tokens = bounds.max_tokens if bounds.max_tokens is not None else tokens * 1e6
+        weight = tokens * (bounds.max_weight_per_token or 1.0)
+    return replace(honest, payloads=payloads, weight=weight, tokens=tokens)
 
 
 @dataclass(frozen=True)
@@ -299,25 +325,8 @@ class Simulator:
 
     def _attack(self, index: int, honest: Contribution) -> Contribution:
         """What hostile peer `index` sends instead of `honest` (`ATTACKS`)."""
-        codec, attack = make_codec("int8"), self.cfg.attack
-        payloads: dict[str, bytes] = {}
-        for n, (key, payload) in enumerate(honest.payloads.items()):
-            delta = decode(payload)
-            if attack == "flip1000":
-                forged = delta * -1000.0
-            elif attack == "flip":
-                forged = -delta
-            else:
-                seed = n if attack == "constant" else (self._round_ids << 20) + (index << 10) + n
-                forged = torch.randn(delta.shape, generator=torch.Generator().manual_seed(seed))
-                forged *= torch.linalg.vector_norm(delta) / torch.linalg.vector_norm(forged).clamp_min(1e-30)
-            payloads[key] = codec.encode(key, forged)
-        weight, tokens = honest.weight, honest.tokens
-        if attack == "flip":
-            bounds = self.peers[index].claim_bounds()
-            tokens = bounds.max_tokens if bounds.max_tokens is not None else tokens * 1e6
-            weight = tokens * (bounds.max_weight_per_token or 1.0)
-        return replace(honest, payloads=payloads, weight=weight, tokens=tokens)
+        seed = (self._round_ids << 20) + (index << 10)
+        return forge(honest, self.cfg.attack, seed=seed, bounds=self.peers[index].claim_bounds())
 
     def _average(self, contributing: Sequence[tuple[int, Contribution]]) -> MemberResult:
         """Every contributor calls its averager on its own thread, as a swarm node would; returns the

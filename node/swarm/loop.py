@@ -300,8 +300,9 @@ class RoundLoop:
         while time.monotonic() < deadline:
             if should_stop():
                 return False
-            # Any record will do here: a peer past the failed round only ends this wait (a forged one
-            # at worst opens the next try early); what the node adopts comes from the vouched head.
+            # Any record will do here, up to one round past where most peers are: a peer past the
+            # failed round only ends this wait (a forged one at worst opens the next try early);
+            # what the node adopts comes from the vouched head.
             head = self.sync.head(trusted=False)
             if head is not None and head.round > failed_round:
                 return True

@@ -222,7 +222,8 @@ def swarm_head(
     the head is the latest round whose majority θ hash more than half of them hold, among those
     that published a round >= `my_round` (a peer behind this node does not vote on what lies ahead):
     one peer's record, or a few made-up ones, cannot move this node. None when no round has such a
-    majority. Without `vouched`: the latest round any record claims, a hint for waiting only.
+    majority. Without `vouched`: the latest round any record claims up to one past the round most
+    other peers reached, a hint for waiting only.
     """
     known = [r for r in records if r.peer_id in vouched and r.peer_id != me]
     if known:
@@ -234,7 +235,12 @@ def swarm_head(
         return None
     if not records:
         return None
-    top = max(r.round for r in records)
+    # The hint: the latest round claimed, but no further than one past the round more than half of
+    # the other peers have reached, so one far-ahead record does not end a wait (a forged round
+    # 10^6 would have ended every failed try's wait at once, and the next try opened alone: a fork).
+    latest = {r.peer_id: r.round for r in records if r.peer_id != me}
+    reached = sorted(latest.values(), reverse=True)[len(latest) // 2] if latest else None
+    top = max(r.round for r in records if reached is None or r.round <= reached + 1)
     hashes = _holders([r for r in records if r.peer_id != me], top)
     if not hashes:
         return SwarmHead(top, "", [], hashes)
@@ -335,8 +341,9 @@ class SwarmSync:
 
     def head(self, *, trusted: bool = True) -> SwarmHead | None:
         """Where the swarm is, from the state records (None: no records yet, or no majority of the
-        vouched peers anywhere). `trusted=False`: the latest round any record claims, whoever wrote
-        it, a hint for waiting only (`RoundLoop._settle`), never for adopting a state."""
+        vouched peers anywhere). `trusted=False`: the latest round any record claims (up to one past
+        the round most peers reached), whoever wrote it, a hint for waiting only
+        (`RoundLoop._settle`), never for adopting a state."""
         records = self.records.states()
         self.ops.peers_visible = len({r.peer_id for r in records})
         self.metrics.peers.set(self.ops.peers_visible)

@@ -132,6 +132,13 @@ class Matchmaker:
         if registered > close:
             self._log(round, "late: the round closed %.2f s before this peer registered", registered - close)
             return None
+        self._log(
+            round,
+            "registered at %.2f; %d registrations seen, earliest %.2f s before it",
+            registered,
+            len(records),
+            registered - min(records.values()),
+        )
         await asyncio.sleep(max(0.0, close + self.grace_s - get_dht_time()))
         _, members = close_and_members(await self._registrations(key, registered), self.window_s)
         if self.peer_id not in members:
