@@ -67,7 +67,7 @@ def one_run(work: Path, *, rule: str, attack: str, rounds: int, seed: int) -> di
         "val_loss": statistics.median(f["val_loss"] for f in finals),
         "theta_agree": len({f["theta_hash"] for f in finals}) == 1,
         "rounds_of_4": sum(1 for g in groups if g == 4),
-        "rejected_parts": sum(e.get("rejected_parts", 0) or 0 for e in nodes[0].rounds()),
+        "rejected_parts": nodes[0].rounds()[-1].get("rejected_parts", 0),  # cumulative: the last round's
     }
 
 
