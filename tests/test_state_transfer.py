@@ -68,6 +68,7 @@ class Donor:
     mode: str = "honest"
     after: int = 0
     reads: int = 0  # chunks read and answered
+    indices: list[int] = field(default_factory=list)  # which, in order (a retried one twice)
     failures: int = 0  # "flaky" requests failed so far
     hit: threading.Event = field(default_factory=threading.Event)  # `after` chunks served
     release: threading.Event = field(default_factory=threading.Event)  # ends a stall
@@ -85,6 +86,7 @@ class Donor:
             limited = self.mode in ("stall", "die") and self.reads >= self.after
             if not limited:
                 self.reads += 1
+                self.indices.append(index)
                 if self.reads == self.after:
                     self.hit.set()
         if limited:
@@ -98,6 +100,7 @@ class Donor:
     def reset(self, mode: str = "honest", after: int = 0) -> None:
         with self.mutex:
             self.mode, self.after, self.reads, self.failures = mode, after, 0, 0
+            self.indices = []
         self.hit.clear()
         self.release.clear()
 
@@ -227,9 +230,10 @@ def test_a_state_many_chunks_large_comes_bit_identical_from_two_donors_at_once(
     report = downloads.last
     assert report is not None and not report.dropped and not report.refused
     assert sum(report.kept.values()) == chunks
-    # Both donors served a share, and each chunk was read once: no donor serialized the whole state.
+    # Both donors served a share, and each chunk was read once (twice at most for a request that
+    # timed out on a loaded machine and was asked again): no donor serialized the whole state.
     assert all(report.kept[d.peer_id] > 0 for d in donors), report.kept
-    assert sum(d.reads for d in donors) == chunks
+    assert chunks <= sum(d.reads for d in donors) <= chunks + sum(report.failed.values())
 
 
 def test_a_donor_that_dies_mid_download_is_replaced_by_the_other(swarm: Swarm, donors: list[Donor]) -> None:
@@ -316,11 +320,15 @@ def test_an_interrupted_download_resumes_without_fetching_verified_chunks_again(
         _download(swarm, joiner, downloads, swarm.target([stalling]))  # its only donor stops answering
     assert joiner.state.theta_hash() == before and joiner.state.round == 0  # nothing adopted
     assert downloads.partial is not None and len(downloads.partial.verified) == 10
+    verified = set(downloads.partial.verified)
 
     _download(swarm, joiner, downloads, swarm.target([honest]))  # the next try, from another donor
     _assert_holds_the_holders_state(joiner, swarm.holder)
     chunks = len(target_chunks(swarm))
-    assert honest.reads == chunks - 10  # the 10 verified chunks were not fetched again
+    # The 10 verified chunks were not fetched again; every other one was. (A request that timed out
+    # on a loaded machine is asked again, so the donor may read a chunk twice: one run did.)
+    assert not verified & set(honest.indices)
+    assert set(honest.indices) == set(range(chunks)) - verified
     assert downloads.partial is None
 
 
