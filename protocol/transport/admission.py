@@ -19,6 +19,7 @@ in vain, before refusing one.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import time
@@ -209,7 +210,11 @@ class Admission:
         """`select` for code on an event loop."""
         peers = list(peers)
         if self._dht is not None and self.should_refresh(peers):
-            found = await self._dht.get(self._key, latest=True, return_future=True)
+            try:
+                asked = self._dht.get(self._key, latest=True, return_future=True)
+                found = await asyncio.wait_for(asked, REFRESH_TIMEOUT_S)
+            except Exception:  # as in `select`: the unknown peers stay refused until the next read
+                found = None
             self._learn_found(found)
         return self._note({p for p in peers if self.admits(p)}, peers)
 
