@@ -67,7 +67,7 @@ from ..algorithms.parts import (
 from .admission import Admission
 from .averager import MemberResult, Misconduct
 from .identity import NodeDHT
-from .matchmaking import Group, Matchmaker, RoundFailed, layout_of
+from .matchmaking import Group, Matchmaker, RoundFailed, layout_of, matchmaking_bound_s
 from .member import assemble, fetch
 from .owner import Answer, Incoming, OwnerHandler, OwnerSession, RoundState
 from .wire import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, PROTOCOL_VERSION, bytes_timeout, daemon_listen_maddr
@@ -182,7 +182,7 @@ class HivemindAverager:
             peer_id=self._peer_id,
             round_state=lambda r: asyncio.shield(self._round_future(r)),
             header_timeout_s=self.part_timeout_s,
-            wait_s=self.window_s + self.grace_s + self.part_timeout_s,
+            wait_s=matchmaking_bound_s(self.window_s, self.grace_s) + self.part_timeout_s,
             chunk_bytes=self.chunk_bytes,
             admission=self.admission,
         )
@@ -216,7 +216,8 @@ class HivemindAverager:
         answers to go out."""
         exchange = 2 * payload_bytes
         answers = self.phase_s(exchange, floor_s=self.reduce_timeout_s)
-        return self.matchmaking_s + self.phase_s(exchange, floor_s=self.part_timeout_s) + 2 * answers
+        matchmaking = matchmaking_bound_s(self.window_s, self.grace_s)
+        return matchmaking + self.phase_s(exchange, floor_s=self.part_timeout_s) + 2 * answers
 
     def average(
         self,
@@ -527,5 +528,5 @@ def _check_knobs(
         raise ValueError("prefix must name the run and model (e.g. run id + fingerprint)")
     if min(window_s, grace_s, part_timeout_s, reduce_timeout_s) < 0:
         raise ValueError("window_s, grace_s, part_timeout_s and reduce_timeout_s must be >= 0")
-    if record_ttl_s <= window_s + grace_s + part_timeout_s + reduce_timeout_s:
+    if record_ttl_s <= matchmaking_bound_s(window_s, grace_s) + part_timeout_s + reduce_timeout_s:
         raise ValueError("record_ttl_s must outlast a whole round (window + grace + timeouts)")

@@ -3,16 +3,25 @@
 `Matchmaker.matchmake(round)` stores a readiness record under the DHT key f"{prefix}.round{r}",
 subkey = this peer's signing key (`identity.NodeDHT`: the key its peer id derives from), value =
 (registration time, peer id) in DHT time, expiring after `record_ttl_s`. A record naming another
-peer than its key's is ignored: no one registers in another peer's name or adds a phantom member
-that every member would wait for (a registrant is a peer that holds its key and is then expected to
-serve its parts, as any member). It reads the key back: the round closes at T = (earliest
-registration seen) + `window_s`; a peer registered after T is late and gets None at once. At T +
-`grace_s` the peer reads the key again and takes as the group the peers registered at a time <= T (T
-recomputed from this read), sorted by peer id; group_id = hash(prefix, r, members, tensor layout).
-Peers whose reads agree compute the same group without talking; clocks are assumed synchronized to
-well within `grace_s` (hivemind's DHT time is the wall clock). A late contribution matchmakes with
-`join_only`: it waits until another peer has registered (at most `join_wait_s`) and never opens a
-round itself.
+peer than its key's is ignored: no one registers in another peer's name (a registrant is a peer
+that holds its key and is then expected to serve its parts, as any member). It reads the key back:
+the round opens at the `OPEN_QUORUM`-th earliest registration seen (the earliest of all while fewer
+have registered) and closes `window_s` later, at T; a peer registered after T is late and gets None
+at once. At T + `grace_s` the peer reads the key again and recomputes T from this read: a quorum
+reached since moves T later, and the peer waits again (at most once per registration short of the
+quorum); then the group is the peers registered at a time <= T, sorted by peer id; group_id =
+hash(prefix, r, members, tensor layout). Peers whose reads agree compute the same group without
+talking; clocks are assumed synchronized to well within `grace_s` (hivemind's DHT time is the wall
+clock).
+
+A registration's time is its writer's word. Opened by the earliest registration alone, a round
+could be closed before anyone else registered by one record dated in the past, every round (the
+honest peers would all be late); opened by the quorum's, it takes `OPEN_QUORUM` such identities.
+The price: a round closes one window after its second registration instead of its first, so its
+first registrant waits at most two windows and two graces (`matchmaking_bound_s`).
+
+A late contribution matchmakes with `join_only`: it waits until another peer has registered (at most
+`join_wait_s`) and never opens a round itself.
 """
 
 from __future__ import annotations
@@ -48,11 +57,27 @@ class RoundFailed(Exception):
     """This member cannot return a result for the round (the reason is logged)."""
 
 
-def close_and_members(records: Mapping[str, float], window_s: float) -> tuple[float, tuple[str, ...]]:
-    """Close time T = earliest registration + window, and the peers registered at or before T, sorted."""
+OPEN_QUORUM = 2  # registrations that open a round (see the module docstring)
+
+
+def matchmaking_bound_s(window_s: float, grace_s: float) -> float:
+    """The longest a registrant that is not late waits for its group: a registration it sees at its
+    read one window and the grace after its own moves the close one window (and a read) further,
+    once per registration short of the quorum."""
+    return OPEN_QUORUM * (window_s + grace_s)
+
+
+def close_and_members(
+    records: Mapping[str, float], window_s: float, quorum: int = OPEN_QUORUM
+) -> tuple[float, tuple[str, ...]]:
+    """Close time T = the `quorum`-th earliest registration (the latest, while fewer) + window, and
+    the peers registered at or before T, sorted."""
     if not records:
         raise ValueError("no registrations")
-    close = min(records.values()) + window_s
+    if quorum < 1:
+        raise ValueError(f"quorum must be >= 1, got {quorum}")
+    times = sorted(records.values())
+    close = times[min(quorum, len(times)) - 1] + window_s
     return close, tuple(sorted(peer for peer, t in records.items() if t <= close))
 
 
@@ -139,8 +164,15 @@ class Matchmaker:
             len(records),
             registered - min(records.values()),
         )
-        await asyncio.sleep(max(0.0, close + self.grace_s - get_dht_time()))
-        _, members = close_and_members(await self._registrations(key, registered), self.window_s)
+        while True:
+            await asyncio.sleep(max(0.0, close + self.grace_s - get_dht_time()))
+            records = await self._registrations(key, registered)
+            reread, members = close_and_members(records, self.window_s)
+            if reread <= close:
+                break
+            # The quorum was reached after our last read: the round closes one window after it.
+            self._log(round, "the round now closes %.2f s later", reread - close, level=logging.DEBUG)
+            close = reread
         if self.peer_id not in members:
             self._log(round, "late: an earlier registration closed the round before this peer's")
             return None

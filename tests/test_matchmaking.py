@@ -1,0 +1,102 @@
+"""When a round opens and closes, and what a registration dated in the past can still do.
+
+A registration's time is its writer's word; the round opens at the `OPEN_QUORUM`-th earliest
+(`matchmaking.close_and_members`). The real-DHT test has one member date its registration 100 s in
+the past, which under a round opened by the earliest registration alone left every honest member
+late, every round.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from hivemind.utils import get_dht_time
+from test_averager_contract import (
+    GRACE_S,
+    SLACK_S,
+    WINDOW_S,
+    Swarm,
+    _assert_matches_reduce_group,
+    _average_together,
+    _contributions,
+    no_p2pd_left_behind,  # noqa: F401 (an autouse fixture: no p2pd of this module survives a test)
+)
+
+from adloco.protocol.transport.matchmaking import OPEN_QUORUM, close_and_members, matchmaking_bound_s
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_the_round_opens_at_the_second_registration_and_closes_a_window_later() -> None:
+    assert OPEN_QUORUM == 2
+    # One registration dated 100 s in the past no longer closes the round before the others.
+    close, members = close_and_members({"x": -100.0, "a": 0.0, "b": 0.4, "c": 0.9}, 1.0)
+    assert close == 1.0 and members == ("a", "b", "c", "x")
+    # Honest registrations: the window runs from the second; a third 1.1 s after the first is in.
+    close, members = close_and_members({"a": 0.0, "b": 0.3, "c": 1.1, "late": 1.4}, 1.0)
+    assert close == pytest.approx(1.3) and members == ("a", "b", "c")
+    # Alone, a peer's round closes a window after its own registration.
+    assert close_and_members({"a": 5.0}, 1.0) == (6.0, ("a",))
+
+
+def test_a_quorum_of_records_dated_in_the_past_still_closes_the_round_early() -> None:
+    """The limit, stated: OPEN_QUORUM identities that date their records in the past close the round
+    before honest peers register (which is why a public run's identities are only as scarce as
+    live p2pd instances, and a private run's are credentialed)."""
+    close, members = close_and_members({"x": -100.0, "y": -100.0, "a": 0.0}, 1.0)
+    assert close == -99.0 and members == ("x", "y")
+
+
+@pytest.mark.parametrize(("records", "quorum"), [({}, 2), ({"a": 0.0}, 0)])
+def test_misuse_is_refused(records: dict[str, float], quorum: int) -> None:
+    with pytest.raises(ValueError):
+        close_and_members(records, 1.0, quorum)
+
+
+def test_a_registrant_waits_at_most_two_windows_and_graces() -> None:
+    assert matchmaking_bound_s(1.0, 0.3) == pytest.approx(2.6)
+
+
+@pytest.fixture
+def hivemind_swarm() -> Iterator[Swarm]:
+    swarm = Swarm("hivemind")
+    try:
+        yield swarm
+    finally:
+        swarm.close()
+
+
+def test_a_member_dating_its_registration_in_the_past_cannot_make_the_others_late(
+    hivemind_swarm: Swarm,
+) -> None:
+    swarm = hivemind_swarm
+    swarm.add_nodes(4)
+    averagers = [swarm.averager(i) for i in range(4)]
+    backdater: Any = averagers[3]
+    matchmaker = backdater._matchmaker
+
+    async def register_100_s_ago(key: str, round: int) -> float:
+        # The record a peer that chooses its own time would store: signed, bound, dated 100 s back.
+        now = get_dht_time()
+        await matchmaker.dht.store(
+            key,
+            (now - 100.0, matchmaker.peer_id),
+            expiration_time=now + matchmaker.record_ttl_s,
+            subkey=matchmaker.dht.identity.subkey,
+            return_future=True,
+        )
+        return now - 100.0
+
+    matchmaker._register = register_100_s_ago
+    contributions = _contributions(averagers, "int8", seed=11)
+    began = time.monotonic()
+    outcomes = _average_together(averagers, contributions, round=2, spec="int8")
+    # Every member is in the group (the backdater too: it serves its parts like any member), and
+    # every member holds reduce_group's bytes; nobody was told late.
+    _assert_matches_reduce_group(outcomes, contributions, "int8")
+    bound = matchmaking_bound_s(WINDOW_S, GRACE_S) + SLACK_S
+    assert all(o.elapsed_s < bound for o in outcomes), [o.elapsed_s for o in outcomes]
+    print(f"\nfour members despite a registration dated 100 s back, in {time.monotonic() - began:.2f} s")
