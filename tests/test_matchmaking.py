@@ -100,3 +100,36 @@ def test_a_member_dating_its_registration_in_the_past_cannot_make_the_others_lat
     bound = matchmaking_bound_s(WINDOW_S, GRACE_S) + SLACK_S
     assert all(o.elapsed_s < bound for o in outcomes), [o.elapsed_s for o in outcomes]
     print(f"\nfour members despite a registration dated 100 s back, in {time.monotonic() - began:.2f} s")
+
+
+def test_a_try_failed_for_every_live_member_is_known_over_at_once_despite_a_phantom_owner(
+    hivemind_swarm: Swarm,
+) -> None:
+    """A registration whose writer serves nothing (a made-up identity, or a peer that died after
+    registering) owns a part: the try fails for both real members. Each says so, and each then
+    knows the try is over everywhere (the phantom, whose exchange broke, aside) instead of waiting
+    out the longest a call may take before trying again."""
+    swarm = hivemind_swarm
+    swarm.add_nodes(3)
+    averagers = [swarm.averager(i) for i in range(2)]
+    phantom = swarm.dhts[2]  # a DHT peer with a key but no averager: it registers, it serves nothing
+    round = 5
+    now = get_dht_time()
+    assert phantom.store(
+        f"run-a.round{round}",
+        (now, phantom.identity.peer_id),
+        expiration_time=now + 60,
+        subkey=phantom.identity.subkey,
+    )
+    contributions = _contributions(averagers, "int8", seed=12)
+    outcomes = _average_together(averagers, contributions, round=round, spec="int8")
+    assert [o.result for o in outcomes] == [None, None]
+    began = time.monotonic()
+    assert all(a.failed_everywhere(round) for a in averagers)  # type: ignore[attr-defined]
+    print(f"\nthe try is known over everywhere {time.monotonic() - began:.2f} s after the calls returned")
+    # Without leaving the phantom out, the try would never be known over: it never says so.
+    matchmaker: Any = averagers[0]._matchmaker  # type: ignore[attr-defined]
+    members = sorted({*(a.peer_id for a in averagers), phantom.identity.peer_id})
+    assert not averagers[0]._call(matchmaker.all_failed(round, members), timeout=10)  # type: ignore[attr-defined]
+    # A round no group formed for is never over by this rule (the caller waits out the bound).
+    assert not averagers[0].failed_everywhere(round + 1)  # type: ignore[attr-defined]

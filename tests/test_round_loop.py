@@ -188,6 +188,34 @@ def test_a_peer_that_really_is_alone_retries_once_the_failed_try_is_over(corpus:
     assert peer.state.round == 1
 
 
+class FailureAwareAverager(ScriptedAverager):
+    """A scripted averager whose failed tries become known over everywhere `over_after_s` after
+    they failed here (as when every member of the group said so)."""
+
+    def __init__(self, peer_id: str, answers: list[str], over_after_s: float) -> None:
+        super().__init__(peer_id, answers)
+        self.over_after_s = over_after_s
+        self.asked: list[int] = []
+
+    def failed_everywhere(self, round: int) -> bool:
+        self.asked.append(round)
+        return time.monotonic() - self.calls[-1].at >= self.over_after_s
+
+
+def test_a_try_known_failed_everywhere_is_retried_without_waiting_out_the_bound(corpus: Corpus) -> None:
+    peer = _peer(corpus, "me")
+    swarm = ScriptedSwarm(peer, _others_round_zero(corpus))  # nobody ever publishes
+    averager = FailureAwareAverager("me", ["late", "alone"], over_after_s=0.5)
+    loop = _loop(peer, averager, swarm, timeout_s=60.0)
+    loop.run(lambda: loop.ops.counters.applied >= 1)
+
+    first, second = averager.calls
+    assert set(averager.asked) == {first.round_id}  # it asked about the try that failed
+    assert (second.round_id, second.join_only) == (1, False)  # round 0's next try, opened by us
+    assert 0.5 <= second.at - first.at < 10.0  # once known over, long before the 60 s bound
+    assert peer.state.round == 1
+
+
 def test_a_stop_ends_the_wait_for_a_failed_try(corpus: Corpus) -> None:
     peer = _peer(corpus, "me")
     swarm = ScriptedSwarm(peer, _others_round_zero(corpus))

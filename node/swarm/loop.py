@@ -5,9 +5,10 @@ Without overlap a round is: train locally, catch up if the swarm moved on meanwh
 matchmaking window, apply, publish; a failed round is retried (late) a few times after catching up.
 A try that failed here may still complete for the others (this node came late to their group, or
 was dropped from it), so the node never opens another try of that round until the failed one is
-over: it waits until the swarm publishes a later round (it then catches up and contributes late)
-or until that try's calls have certainly ended (`average_timeout_s`); opening one earlier would
-average the same round apart from them, a fork.
+over: it waits until the swarm publishes a later round (it then catches up and contributes late),
+until every member of that try's group said it failed there, or until that try's calls have
+certainly ended (`average_timeout_s`); opening one earlier would average the same round apart from
+them, a fork.
 With one-step-delay overlap (DiLoCoX, `--overlap`; auto by default) the averaging of round r runs on a
 background thread while the instances train round r+1; the update is applied between two inner steps
 as soon as it lands (or, if the local round ends first, after waiting for it), and the instances'
@@ -26,7 +27,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from ...protocol.algorithms.allreduce import Contribution
-from ...protocol.transport.averager import Averager, MemberResult, NotOpened, Policing
+from ...protocol.transport.averager import Averager, FailureAware, MemberResult, NotOpened, Policing
 from ..operations.control import AveragingInfo
 from ..operations.metrics import NodeMetrics
 from ..training.peer import Peer, overlap_this_round
@@ -90,7 +91,8 @@ class RoundLoop:
         self.ops, self.metrics, self.cfg = ops, metrics, cfg
         self.on_round: Callable[[RoundRecord], None] | None = None
         self._tries: dict[int, int] = {}
-        self._failed: tuple[int, float] | None = None  # (round, monotonic time) of the last failed try
+        # (round, monotonic time, averager round id) of the last failed try
+        self._failed: tuple[int, float, int] | None = None
         self._inflight: _InFlight | None = None
         self._last_comm_s: float | None = None  # the last averaging call, start to result
         self._last_compute_s: float | None = None  # the last local round (simulated slowdown included)
@@ -288,14 +290,16 @@ class RoundLoop:
         """Before another try at a round whose last try failed here, wait until that try is over.
 
         Over means: some peer published a later round (sync then catches up, and this node's Δ goes
-        in late, joining a round others open), or `average_timeout_s` has passed since the failure, by
-        when every call of that try has returned (they all began before it failed here). Only then
-        may a new try of the round open: alone it is a round nobody else is averaging any more.
+        in late, joining a round others open), or every member of that try's group said it failed
+        there (`FailureAware`), or `average_timeout_s` has passed since the failure, by when every
+        call of that try has returned (they all began before it failed here). Only then may a new
+        try of the round open: alone it is a round nobody else is averaging any more.
         Returns False when `should_stop` ended the wait.
         """
         if self._failed is None or self._failed[0] != self.peer.state.round:
             return True
-        failed_round, failed_at = self._failed
+        failed_round, failed_at, round_id = self._failed
+        aware = self.averager if isinstance(self.averager, FailureAware) else None
         deadline = failed_at + self.cfg.average_timeout_s
         while time.monotonic() < deadline:
             if should_stop():
@@ -305,6 +309,9 @@ class RoundLoop:
             # what the node adopts comes from the vouched head.
             head = self.sync.head(trusted=False)
             if head is not None and head.round > failed_round:
+                return True
+            if aware is not None and aware.failed_everywhere(round_id):
+                logger.info("round %d: the try failed for every member; trying again now", failed_round)
                 return True
             time.sleep(SETTLE_POLL_S)
         return True
@@ -344,7 +351,7 @@ class RoundLoop:
             raise
         finally:
             if result is None and registered:  # a try others may still be running
-                self._failed = (round_id // ROUND_ID_STRIDE, time.monotonic())
+                self._failed = (round_id // ROUND_ID_STRIDE, time.monotonic(), round_id)
             self._averaged(round_id // ROUND_ID_STRIDE, info, result, time.perf_counter() - t0, error)
 
     def _join_wait_s(self) -> float:

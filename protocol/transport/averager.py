@@ -87,6 +87,14 @@ class Policing(Protocol):
 
 
 @runtime_checkable
+class FailureAware(Protocol):
+    """An averager whose members say when their try failed (the network one): a caller waiting
+    for a failed try to be over everywhere before the next opens can stop waiting once it is."""
+
+    def failed_everywhere(self, round: int) -> bool: ...
+
+
+@runtime_checkable
 class Averager(Protocol):
     """One peer's handle on the swarm's averaging; `average` blocks the calling (trainer) thread."""
 

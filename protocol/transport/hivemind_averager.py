@@ -77,6 +77,9 @@ logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 
+MARK_TIMEOUT_S = 5.0  # storing or reading the failures of a try (`Matchmaker.mark_failed`)
+
+
 class HivemindAverager:
     """An `Averager` between peers of a hivemind DHT; see the module docstring for the protocol.
 
@@ -150,6 +153,7 @@ class HivemindAverager:
         self._handler_name = f"adloco.allreduce.v{PROTOCOL_VERSION}.{digest}"
         self._rounds: dict[int, tuple[float, asyncio.Future[RoundState | None]]] = {}
         self._joined: set[int] = set()
+        self._lost_owners: dict[int, set[str]] = {}  # round -> owners whose exchange broke here
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closed = False
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adloco-reduce")
@@ -255,6 +259,30 @@ class HivemindAverager:
         except concurrent.futures.CancelledError:  # shutdown() cancelled the round
             return None
 
+    def failed_everywhere(self, round: int) -> bool:
+        """Whether every member of the group this peer formed for `round` said its try failed there
+        (`Matchmaker.mark_failed`), owners whose exchange with this peer broke aside: then no call
+        of that try is left running anywhere that could complete it. False when no group formed
+        here, or the DHT could not be read."""
+        if self._closed:
+            return False
+        try:
+            return self._call(self._failed_everywhere(round), timeout=MARK_TIMEOUT_S)
+        except Exception as e:
+            self._log(round, "could not read the failures: %r", e, level=logging.DEBUG)
+            return False
+
+    async def _failed_everywhere(self, round: int) -> bool:
+        entry = self._rounds.get(round)
+        if entry is None or not entry[1].done() or entry[1].cancelled() or entry[1].result() is None:
+            return False
+        state = entry[1].result()
+        assert state is not None
+        # An owner whose exchange broke here has mostly died and gives its parts to nobody; one that
+        # dropped only us and completed without us alone is at worst a fork the majority heals.
+        waited = set(state.group.members) - self._lost_owners.get(round, set())
+        return await self._matchmaker.all_failed(round, sorted(waited))
+
     def shutdown(self) -> None:
         """Remove the stream handler, drop this averager's P2P replica and stop its loop thread.
 
@@ -320,6 +348,7 @@ class HivemindAverager:
         now = loop.time()
         for old in [r for r, (t, _) in self._rounds.items() if now - t > self.record_ttl_s]:
             _, stale = self._rounds.pop(old)
+            self._lost_owners.pop(old, None)
             if not stale.done():
                 stale.set_result(None)
         if round not in self._rounds:
@@ -348,13 +377,15 @@ class HivemindAverager:
             )
         except asyncio.TimeoutError:
             self._log(round, "gave up after the caller's timeout of %.1f s", timeout, level=logging.WARNING)
-            return None
         except RoundFailed as e:
             self._log(round, "no result: %s", e, level=logging.WARNING)
-            return None
         finally:
             if not ready.done():
                 ready.set_result(None)
+        if ready.result() is not None:  # a group formed: its other members may wait on this try
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._matchmaker.mark_failed(round), MARK_TIMEOUT_S)
+        return None
 
     async def _run_round(
         self,
@@ -505,6 +536,7 @@ class HivemindAverager:
             task.cancel()
         failed = [t for t in done if t.exception() is not None]
         if failed:
+            self._lost_owners[state.group.round] = {o for o, t in fetches.items() if t in failed}
             raise RoundFailed(str(failed[0].exception()))
         if pending:
             raise RoundFailed(f"no answer from {len(pending)} owner(s) within {budget:.1f} s")

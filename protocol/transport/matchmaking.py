@@ -22,6 +22,12 @@ first registrant waits at most two windows and two graces (`matchmaking_bound_s`
 
 A late contribution matchmakes with `join_only`: it waits until another peer has registered (at most
 `join_wait_s`) and never opens a round itself.
+
+A member whose try failed after its group formed says so under f"{prefix}.round{r}.failed"
+(`mark_failed`, bound to its key like a registration); once every member of the group it read has
+(`all_failed`), no call of that try is running anywhere it could complete, and the next try may
+open at once instead of after the longest a call may take. A member that never says so (dead, or
+hostile) only leaves the wait at that bound, as before.
 """
 
 from __future__ import annotations
@@ -90,6 +96,18 @@ def layout_of(payloads: Mapping[str, bytes]) -> bytes:
 def group_id_of(prefix: str, round: int, members: Sequence[str], layout: bytes) -> bytes:
     """Identifier of a group: equal on two peers iff they agree on run, round, members and layout."""
     return hashlib.sha256(MSGPackSerializer.dumps([prefix, round, list(members), layout])).digest()[:16]
+
+
+def parse_failures(value: Any) -> set[str]:
+    """The peers that said their try failed, from a DHT dictionary value; an entry naming another
+    peer than the one whose key signed it is ignored."""
+    if not isinstance(value, dict):
+        return set()
+    return {
+        record
+        for subkey, item in value.items()
+        if isinstance(record := getattr(item, "value", None), str) and record == peer_of_subkey(subkey)
+    }
 
 
 def parse_registrations(value: Any) -> dict[str, float]:
@@ -177,6 +195,29 @@ class Matchmaker:
             self._log(round, "late: an earlier registration closed the round before this peer's")
             return None
         return Group(round, members, group_id_of(self.prefix, round, members, layout))
+
+    async def mark_failed(self, round: int) -> None:
+        """Say that this peer's try at `round` failed after its group formed (see the module
+        docstring); a DHT error is logged, not raised: the others then wait out the bound."""
+        now = float(get_dht_time())
+        try:
+            await self.dht.store(
+                f"{self.prefix}.round{round}.failed",
+                self.peer_id,
+                expiration_time=now + self.record_ttl_s,
+                subkey=self.dht.identity.subkey,
+                return_future=True,
+            )
+        except Exception as e:
+            self._log(round, "could not say the try failed: %r", e, level=logging.DEBUG)
+
+    async def all_failed(self, round: int, members: Sequence[str]) -> bool:
+        """Whether every one of `members` said its try at `round` failed."""
+        try:
+            found = await self.dht.get(f"{self.prefix}.round{round}.failed", latest=True, return_future=True)
+        except Exception as e:
+            raise RoundFailed(f"reading the failures failed: {e!r}") from e
+        return set(members) <= parse_failures(None if found is None else found.value)
 
     async def _register(self, key: str, round: int) -> float:
         registered = float(get_dht_time())
