@@ -16,6 +16,7 @@ import pytest
 from hivemind.utils import get_dht_time
 from test_averager_contract import (
     GRACE_S,
+    PART_TIMEOUT_S,
     SLACK_S,
     WINDOW_S,
     Swarm,
@@ -25,7 +26,10 @@ from test_averager_contract import (
     no_p2pd_left_behind,  # noqa: F401 (an autouse fixture: no p2pd of this module survives a test)
 )
 
+from adloco.protocol.algorithms.allreduce import reduce_group
+from adloco.protocol.algorithms.codecs import make_codec
 from adloco.protocol.transport.matchmaking import OPEN_QUORUM, close_and_members, matchmaking_bound_s
+from adloco.protocol.transport.wire import PROTOCOL_VERSION, Meter, read_frame, write_frame
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -102,18 +106,10 @@ def test_a_member_dating_its_registration_in_the_past_cannot_make_the_others_lat
     print(f"\nfour members despite a registration dated 100 s back, in {time.monotonic() - began:.2f} s")
 
 
-def test_a_try_failed_for_every_live_member_is_known_over_at_once_despite_a_phantom_owner(
-    hivemind_swarm: Swarm,
-) -> None:
-    """A registration whose writer serves nothing (a made-up identity, or a peer that died after
-    registering) owns a part: the try fails for both real members. Each says so, and each then
-    knows the try is over everywhere (the phantom, whose exchange broke, aside) instead of waiting
-    out the longest a call may take before trying again."""
-    swarm = hivemind_swarm
-    swarm.add_nodes(3)
-    averagers = [swarm.averager(i) for i in range(2)]
-    phantom = swarm.dhts[2]  # a DHT peer with a key but no averager: it registers, it serves nothing
-    round = 5
+def _phantom(swarm: Swarm, round: int, refuse_with: str | None) -> str:
+    """A DHT peer registered for `round` that is not an averager: no stream to it opens, or (with
+    `refuse_with`) it refuses every request with that text. Returns its peer id."""
+    phantom = swarm.dhts[-1]
     now = get_dht_time()
     assert phantom.store(
         f"run-a.round{round}",
@@ -121,15 +117,64 @@ def test_a_try_failed_for_every_live_member_is_known_over_at_once_despite_a_phan
         expiration_time=now + 60,
         subkey=phantom.identity.subkey,
     )
+    if refuse_with is not None:
+        # An averager on it that never calls `average`, its handler swapped for one that refuses.
+        server: Any = swarm.averager(len(swarm.dhts) - 1)
+
+        async def refuse(_info: Any, reader: Any, writer: Any) -> None:
+            await read_frame(reader, Meter(), max_body=0)
+            await write_frame(writer, {"v": PROTOCOL_VERSION, "ok": False, "e": refuse_with}, [], Meter())
+            writer.close()
+
+        server._call(server._p2p.remove_binary_stream_handler(server._handler_name), timeout=10)
+        server._call(server._p2p.add_binary_stream_handler(server._handler_name, refuse), timeout=10)
+    return str(phantom.identity.peer_id)
+
+
+def test_the_parts_of_an_owner_nobody_reaches_are_reduced_by_the_next_member_and_the_round_completes(
+    hivemind_swarm: Swarm,
+) -> None:
+    """A registration whose writer serves nothing (a made-up identity, or a member that died after
+    registering) owns a part. The members that cannot open a stream to it ask the next member in
+    order, which reduces those parts in its place: the round completes for the live members with
+    the bytes `reduce_group` gives over their contributions."""
+    swarm = hivemind_swarm
+    swarm.add_nodes(3)
+    averagers = [swarm.averager(i) for i in range(2)]
+    round = 5
+    phantom = _phantom(swarm, round, refuse_with=None)
     contributions = _contributions(averagers, "int8", seed=12)
+    outcomes = _average_together(averagers, contributions, round=round, spec="int8")
+    expected = reduce_group(contributions, codec=make_codec("int8"))
+    results = [o.result for o in outcomes]
+    assert all(r is not None for r in results)
+    for r in results:
+        assert r is not None
+        assert r.averaged == expected.averaged and r.members == expected.members
+        assert r.reports == expected.reports
+        assert phantom not in r.owners.values()  # its parts came from a stand-in
+    assert results[0].owners == results[1].owners  # type: ignore[union-attr]
+    assert all(o.elapsed_s < swarm.round_bound_s + PART_TIMEOUT_S for o in outcomes)
+
+
+def test_a_try_failed_for_every_live_member_is_known_over_at_once(hivemind_swarm: Swarm) -> None:
+    """An owner that refuses every member (alive, so nobody stands in for it) fails the try for
+    both real members. Each says so, and each then knows the try is over everywhere (the refusing
+    owner, whose exchange broke, aside) instead of waiting out the longest a call may take."""
+    swarm = hivemind_swarm
+    swarm.add_nodes(3)
+    averagers = [swarm.averager(i) for i in range(2)]
+    round = 6
+    refuser = _phantom(swarm, round, refuse_with="no")
+    contributions = _contributions(averagers, "int8", seed=13)
     outcomes = _average_together(averagers, contributions, round=round, spec="int8")
     assert [o.result for o in outcomes] == [None, None]
     began = time.monotonic()
     assert all(a.failed_everywhere(round) for a in averagers)  # type: ignore[attr-defined]
     print(f"\nthe try is known over everywhere {time.monotonic() - began:.2f} s after the calls returned")
-    # Without leaving the phantom out, the try would never be known over: it never says so.
+    # Without leaving the refusing owner out, the try would never be known over: it never says so.
     matchmaker: Any = averagers[0]._matchmaker  # type: ignore[attr-defined]
-    members = sorted({*(a.peer_id for a in averagers), phantom.identity.peer_id})
+    members = sorted({*(a.peer_id for a in averagers), refuser})
     assert not averagers[0]._call(matchmaker.all_failed(round, members), timeout=10)  # type: ignore[attr-defined]
     # A round no group formed for is never over by this rule (the caller waits out the bound).
     assert not averagers[0].failed_everywhere(round + 1)  # type: ignore[attr-defined]

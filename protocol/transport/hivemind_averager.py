@@ -20,8 +20,15 @@ gives up on members configured alike.
 **Failure rule.** Invariant: every member that returns a result returns bit-identical `averaged`
 bytes, identical `members` and `reports`. Consequences, all accepted for now:
 - a member that dies or stalls before sending is dropped after `part_timeout_s` and the others
-  complete without it, provided it owned no part;
-- an owner that dies takes its parts with it: everyone returns None for that round (consistent);
+  complete without it;
+- an owner no stream reaches (dead before the exchange, or a registration nobody serves) is stood
+  in for: each member asks the members after it in the group's order for its parts, and the first
+  that takes them reduces them in its own session (`_stand_in`). A member accepts a stand-in's
+  parts only when every answer names the same contributors and the replaced owner is not one of
+  them, and accepts an owner's own parts only when that owner contributed to some other owner:
+  so no member can hold a stand-in's bytes for parts another member got from their owner;
+- an owner that dies mid-exchange takes its parts with it: everyone returns None for that round
+  (consistent); each says so in the DHT (`Matchmaker.mark_failed`) so the next try opens at once;
 - a member that reaches some owners in time and others not makes the contributor sets differ:
   everyone returns None;
 - a member can return None while the others apply a round that includes its Δ (e.g. its own
@@ -47,7 +54,7 @@ import contextlib
 import hashlib
 import logging
 import threading
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -68,7 +75,7 @@ from .admission import Admission
 from .averager import MemberResult, Misconduct
 from .identity import NodeDHT
 from .matchmaking import Group, Matchmaker, RoundFailed, layout_of, matchmaking_bound_s
-from .member import assemble, fetch
+from .member import OwnerUnreachable, assemble, fetch
 from .owner import Answer, Incoming, OwnerHandler, OwnerSession, RoundState
 from .wire import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, PROTOCOL_VERSION, bytes_timeout, daemon_listen_maddr
 
@@ -409,16 +416,53 @@ class HivemindAverager:
         owner_index = assign_parts(sizes, len(group.members))
         owners = {k: group.members[i] for k, i in zip(keys, owner_index, strict=True)}
         moved = most_bytes_moved(sizes, owner_index, len(group.members))
-        session = await self._open_session(group, contribution, owners, codec, moved, grouped_at, bounds)
-        state = RoundState(group, session)
+        by_owner = parts_by_owner(owners)
+        metadata_owner = next(iter(owners.values()))
+
+        def new_session(owner: str) -> OwnerSession:
+            return self._new_session(
+                group,
+                contribution,
+                by_owner[owner],
+                owner == metadata_owner,
+                codec,
+                moved,
+                grouped_at,
+                bounds,
+            )
+
+        session = None
+        if self._peer_id in by_owner:
+            session = new_session(self._peer_id)
+            # Our own slot is released below once we have taken the result (not on the wire).
+            session.admit(self._peer_id, _incoming(contribution, by_owner[self._peer_id]))
+        stand_in_for: dict[str, OwnerSession] = {}
+
+        def take_over(keys: list[str]) -> OwnerSession | None:
+            owner = owners.get(keys[0]) if keys else None
+            if owner is None or owner == self._peer_id or by_owner[owner] != keys:
+                return None
+            if owner not in stand_in_for:
+                stand_in_for[owner] = new_session(owner)
+                stand_in_for[owner].drop(owner)  # an owner never sends its own parts
+            return stand_in_for[owner]
+
+        state = RoundState(group, session, take_over=take_over)
         ready.set_result(state)
         owned = len(state.session.keys) if state.session else 0
         self._log(round, "group of %d, owning %d of %d parts", len(group.members), owned, len(keys))
+        stand_ins: dict[str, str] = {}
         try:
-            answers = await self._collect(state, contribution, owners, codec, moved)
+            answers = await self._collect(
+                state, contribution, by_owner, metadata_owner, codec, moved, stand_ins
+            )
         finally:
             if state.session is not None:
                 state.session.answered()
+        if stand_ins:
+            self._log(
+                round, "stood in for unreachable owners: %s", {o[-8:]: f[-8:] for o, f in stand_ins.items()}
+            )
         result = await assemble(
             state,
             peer_id=self._peer_id,
@@ -427,6 +471,7 @@ class HivemindAverager:
             answers=answers,
             idle_timeout_s=self.phase_s(moved, floor_s=self.reduce_timeout_s),
             exchange_s=asyncio.get_running_loop().time() - grouped_at,
+            stand_ins=stand_ins,
         )
         self._measure(result)
         self._log(
@@ -454,40 +499,35 @@ class HivemindAverager:
             rate = moved / t.exchange_s
             self.measured_bps = rate if self.measured_bps is None else (self.measured_bps + rate) / 2
 
-    async def _open_session(
+    def _new_session(
         self,
         group: Group,
         contribution: Contribution,
-        owners: Mapping[str, str],
+        keys: list[str],
+        with_metadata: bool,
         codec: Codec,
         moved: int,
         grouped_at: float,
         bounds: ClaimBounds,
-    ) -> OwnerSession | None:
-        keys = [k for k, owner in owners.items() if owner == self._peer_id]
-        if not keys:
-            return None
-        own = {k: bytes(contribution.payloads[k]) for k in keys}
+    ) -> OwnerSession:
+        """A reduction of `keys` (ours, or an unreachable owner's), running from now."""
         # From the headers: our own payloads are decoded once, with the others', when we reduce.
-        shapes = {k: payload_shape(p) for k, p in own.items()}
+        shapes = {k: payload_shape(contribution.payloads[k]) for k in keys}
         session = OwnerSession(
             group=group,
             keys=keys,
             shapes=shapes,
-            sizes=[len(own[k]) for k in keys],
+            sizes=[len(contribution.payloads[k]) for k in keys],
             codec=codec,
             outlier_factor=self.outlier_factor,
             aggregate=self.aggregate,
             bounds=bounds,
-            with_metadata=next(iter(owners.values())) == self._peer_id,
+            with_metadata=with_metadata,
             deadline=grouped_at + self.phase_s(moved, floor_s=self.part_timeout_s, measured=True),
             # Only frees the stream of a member that stopped reading: never sooner than the member
             # itself gives up (its whole budget), so load on this peer cannot cut an answer short.
             answer_timeout_s=self._exchange_budget_s(moved),
         )
-        # Our own slot is released by _run_round once it has taken the result (not on the wire).
-        incoming = Incoming(contribution.weight, contribution.tokens, own, bytes(contribution.metadata))
-        session.admit(self._peer_id, incoming)
         self._spawn(session.run(self._executor))
         return session
 
@@ -495,35 +535,49 @@ class HivemindAverager:
         self,
         state: RoundState,
         contribution: Contribution,
-        owners: Mapping[str, str],
+        by_owner: Mapping[str, list[str]],
+        metadata_owner: str,
         codec: Codec,
         moved: int,
+        stand_ins: dict[str, str],
     ) -> dict[str, Answer]:
-        """Every owner's answer for its parts (our own session's included); RoundFailed otherwise."""
+        """Every owner's answer for its parts (our own session's included); RoundFailed otherwise.
+
+        The parts of an owner no stream can be opened to are asked of the members after it in the
+        group's order (`_stand_in`); `stand_ins` records who answered for whom.
+        """
         # An owner's average of part k is a payload of k's shape from the round's codec, or a
         # contributor's payload forwarded as is: never longer than the larger of the two.
         bounds = {
             k: max(len(p), codec.wire_bytes(payload_shape(p))) for k, p in contribution.payloads.items()
         }
-        by_owner: dict[str, list[str]] = {}
-        for key, owner in owners.items():
-            by_owner.setdefault(owner, []).append(key)
-        metadata_owner = next(iter(owners.values()))
-        fetches = {
-            owner: self._spawn(
-                fetch(
+        lost: set[str] = set()
+
+        async def answer_of(owner: str, keys: list[str]) -> Answer:
+            def ask(member: str) -> Awaitable[Answer]:
+                return fetch(
                     self._p2p,
                     self._handler_name,
                     state,
                     peer_id=self._peer_id,
-                    owner=owner,
+                    owner=member,
                     keys=keys,
                     contribution=contribution,
                     with_metadata=owner == metadata_owner,
                     chunk_bytes=self.chunk_bytes,
                     answer_bounds={k: bounds[k] for k in keys},
                 )
-            )
+
+            try:
+                return await ask(owner)
+            except RoundFailed as e:
+                lost.add(owner)
+                if not isinstance(e, OwnerUnreachable):
+                    raise
+                return await self._stand_in(state, contribution, owner, keys, ask, stand_ins, e)
+
+        fetches = {
+            owner: self._spawn(answer_of(owner, keys))
             for owner, keys in by_owner.items()
             if owner != self._peer_id
         }
@@ -536,7 +590,7 @@ class HivemindAverager:
             task.cancel()
         failed = [t for t in done if t.exception() is not None]
         if failed:
-            self._lost_owners[state.group.round] = {o for o, t in fetches.items() if t in failed}
+            self._lost_owners[state.group.round] = lost
             raise RoundFailed(str(failed[0].exception()))
         if pending:
             raise RoundFailed(f"no answer from {len(pending)} owner(s) within {budget:.1f} s")
@@ -546,6 +600,59 @@ class HivemindAverager:
                 raise RoundFailed("our own reduction failed")
             answers[self._peer_id] = state.session.result
         return answers
+
+    async def _stand_in(
+        self,
+        state: RoundState,
+        contribution: Contribution,
+        owner: str,
+        keys: list[str],
+        ask: Callable[[str], Awaitable[Answer]],
+        stand_ins: dict[str, str],
+        unreachable: OwnerUnreachable,
+    ) -> Answer:
+        """The parts of `owner`, whom no stream reached, from the first member after it in the
+        group's order that takes them (this peer, in its own session for them, when it comes
+        first). Every member walks the same order, so all that reach nobody before agree on who
+        stands in; `member.assemble` takes the answer only if it cannot differ from what any other
+        member holds for those parts."""
+        members = state.group.members
+        at = members.index(owner)
+        for member in (*members[at + 1 :], *members[:at]):
+            if member == self._peer_id:
+                session = state.take_over(keys)
+                assert session is not None  # they are `owner`'s parts, and we are not `owner`
+                if not session.admit(self._peer_id, _incoming(contribution, keys)):
+                    raise RoundFailed(f"standing in for {owner[-8:]}: the reduction had already closed")
+                try:
+                    await session.done.wait()
+                    answer = session.result
+                finally:
+                    session.answered()
+                if answer is None:
+                    raise RoundFailed(f"standing in for {owner[-8:]}: the reduction failed")
+            else:
+                try:
+                    answer = await ask(member)
+                except OwnerUnreachable:
+                    continue
+            stand_ins[owner] = member
+            return answer
+        raise unreachable
+
+
+def parts_by_owner(owners: Mapping[str, str]) -> dict[str, list[str]]:
+    """Each owner's parts, in the order of the tensors."""
+    by_owner: dict[str, list[str]] = {}
+    for key, owner in owners.items():
+        by_owner.setdefault(owner, []).append(key)
+    return by_owner
+
+
+def _incoming(contribution: Contribution, keys: list[str]) -> Incoming:
+    """Our own contribution to the parts `keys`, as a session takes it (never on the wire)."""
+    own = {k: bytes(contribution.payloads[k]) for k in keys}
+    return Incoming(contribution.weight, contribution.tokens, own, bytes(contribution.metadata))
 
 
 def _check_knobs(

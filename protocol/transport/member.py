@@ -36,6 +36,11 @@ logger = logging.getLogger(__name__)
 GO_HEADER_BYTES = 1 << 12  # the owner's go or refusal after a request header
 
 
+class OwnerUnreachable(RoundFailed):
+    """No stream to the owner could be opened: nothing of ours reached it (it is gone, never
+    existed, or serves nothing), so its parts may be asked of another member."""
+
+
 def parse_rejected(value: Any, contributors: Sequence[str], num_parts: int) -> dict[str, int] | None:
     """An owner's "x" field: rejected parts per contributor, or None if it is malformed.
 
@@ -90,7 +95,7 @@ async def fetch(
     try:
         _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(owner), handler)
     except Exception as e:
-        raise RoundFailed(f"cannot reach owner {owner[-8:]}: {e}") from e
+        raise OwnerUnreachable(f"cannot reach owner {owner[-8:]}: {e}") from e
     try:
         await write_frame(writer, header, [], state.meter)
         go, _ = await read_frame(reader, state.meter, max_header=GO_HEADER_BYTES, max_body=0)
@@ -157,6 +162,7 @@ async def assemble(
     answers: Mapping[str, Answer],
     idle_timeout_s: float,
     exchange_s: float,
+    stand_ins: Mapping[str, str] | None = None,
 ) -> MemberResult:
     """The round's result from every owner's answer; RoundFailed when they do not fit together.
 
@@ -166,12 +172,31 @@ async def assemble(
     so θ stays identical; the round's members are those every owner admitted, and only their
     reports count. (Failing the round instead would let one member stop every round by lying to one
     owner.) A member that some owner did not admit (its exchange there broke) fails, as before.
+
+    `stand_ins`: owner -> the member that reduced that owner's parts in its place (`answers` stays
+    keyed by the owner). Those parts may also have been reduced by their owner for members that
+    reached it, over other contributors; so a member takes a stand-in's parts only when every
+    answer names the very same contributors and the replaced owner is not among them: then no
+    member can have received other bytes for those parts and completed the round.
+    Conversely a member fails when an owner it got its parts from contributed to no other owner:
+    that is the owner someone else may have stood in for.
     """
     contributor_sets = [set(answer.contributors) for answer in answers.values()]
     if peer_id not in set.intersection(*contributor_sets):
         raise RoundFailed("our contribution was not included")
     if not set.union(*contributor_sets) <= set(state.group.members):
         raise RoundFailed("an owner included peers outside the group")
+    stand_ins = stand_ins or {}
+    anyone: set[str] = set().union(*contributor_sets)
+    if stand_ins and (len(set(map(frozenset, contributor_sets))) > 1 or anyone & set(stand_ins)):
+        replaced = sorted(owner[-8:] for owner in stand_ins)
+        raise RoundFailed(f"stand-ins for unreachable owners {replaced} reduced over other contributors")
+    for owner in answers:
+        others = [set(a.contributors) for o, a in answers.items() if o != owner]
+        if owner not in (peer_id, *stand_ins) and others and all(owner not in c for c in others):
+            # An owner that reached no other owner is what a stand-in replaces: another member may
+            # hold a stand-in's bytes for its parts (and, with theirs, a different θ).
+            raise RoundFailed(f"owner {owner[-8:]} contributed to no other owner")
     everywhere = set.intersection(*contributor_sets)
     described = answers[owners[keys[0]]]
     metadata = described.metadata
@@ -193,7 +218,7 @@ async def assemble(
         averaged={k: answers[owners[k]].payloads[k] for k in keys},
         reports=reports,
         members=contributors,
-        owners=dict(owners),
+        owners={key: stand_ins.get(owner, owner) for key, owner in owners.items()},
         sent_bytes={peer_id: traffic.wire_sent},
         received_bytes={peer_id: traffic.wire_received},
         rejected=merge_rejected([answer.rejected for answer in answers.values()]),

@@ -10,10 +10,11 @@ first tensor, the contributors' encoded reports. The owner's own parts never tou
 A member's parts come in three steps on one stream. The request header announces the part sizes;
 the owner refuses it, before a single payload byte, if its group id differs from its own (another
 view of the members or another tensor layout), if the stream's peer is not the member it names or
-not in the group, if the parts are not the ones this peer owns, or if a size differs from the
-owner's own payload of that part (the group id covers every payload size, so honest members agree
-exactly). Otherwise it says go, and reads the payloads as chunk frames (`wire.read_chunks`): a chunk
-larger than what is left of its part is refused before it is read. Payloads arrive in full before
+not in the group, if the parts are not the ones this peer owns (or those of an owner it stands in
+for: `RoundState.take_over`), or if a size differs from the owner's own payload of that part (the
+group id covers every payload size, so honest members agree exactly). Otherwise it says go, and
+reads the payloads as chunk frames (`wire.read_chunks`): a chunk larger than what is left of its
+part is refused before it is read. Payloads arrive in full before
 they count; `codecs.payload_shape` then checks each as `decode` would, without decoding it, so the
 owner decodes every payload once, when it reduces. A member refused after its header was accepted
 (it sent more than announced, a malformed payload) is dropped from the round: the owner no longer
@@ -288,13 +289,32 @@ class OwnerSession:
             self.result = None  # everyone who needed it holds it; the round state outlives it
 
 
+def _no_take_over(keys: list[str]) -> OwnerSession | None:
+    return None
+
+
 @dataclass
 class RoundState:
-    """This peer's part in one round, shared by its own `average` call and the stream handler."""
+    """This peer's part in one round, shared by its own `average` call and the stream handler.
+
+    `take_over(keys)`: the session in which this peer reduces `keys` in place of their owner, when
+    they are exactly the parts of another member (a member that could not reach that owner asks
+    the next members in order; see hivemind_averager.py); None for any other keys.
+    """
 
     group: Group
     session: OwnerSession | None
     meter: Meter = field(default_factory=Meter)
+    take_over: Callable[[list[str]], OwnerSession | None] = _no_take_over
+
+
+def _session_for(state: RoundState, request: Request) -> OwnerSession | None:
+    """Our session for the parts `request` announces: ours, or those of an owner we stand in for;
+    else our own (whose rules the request then breaks), or None when we own nothing."""
+    own = state.session
+    if own is not None and request.keys == own.keys:
+        return own
+    return state.take_over(request.keys) or own
 
 
 def _violation(session: OwnerSession, request: Request) -> str | None:
@@ -380,8 +400,10 @@ class OwnerHandler:
             request = Request.parse(header)
             state = await asyncio.wait_for(self._round_state(request.round), timeout=self._wait_s)
             refusal = self._refusal(state, request, remote)
-            if refusal is None and state is not None and state.session is not None:
-                session = state.session
+            session = _session_for(state, request) if refusal is None and state is not None else None
+            if refusal is None and session is None:
+                refusal = "this peer owns no parts in the group"
+            if refusal is None and session is not None:
                 banned_s = self._ban_left(request.peer)
                 violation = _violation(session, request)
                 if banned_s > 0:
@@ -458,15 +480,12 @@ class OwnerHandler:
         """Why this request is not for our reduction (None if it is); nothing read past its header."""
         if state is None:
             return "the owner is not in a group for this round"
-        session = state.session
         if request.group_id != state.group.group_id:
             return "group mismatch (different view of the members, or a different tensor layout)"
         if request.peer != stream_peer:
             return "the request names another peer than the stream's"
         if request.peer not in state.group.members or request.peer == self.peer_id:
             return "not a member of the group"
-        if session is None:
-            return "this peer owns no parts in the group"
         return None
 
     async def _answer_until_received(
