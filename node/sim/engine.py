@@ -17,15 +17,21 @@ With one-step-delay overlap (`TrainConfig.overlap`) a member starts its next loc
 it has contributed, and the round's update lands at the first inner step that ends after the
 transfer has (in simulated time); a member that finishes its local round first waits for it.
 `RoundRecord.wait_s` is the members' mean time idle, waiting for the group and its transfer.
+
+Scoring (`TrainConfig.score`, issue 10 §3): the hub judges each contribution's whole Δ at the close
+of its round on a batch of training data drawn from a stream of the simulator's own, seeded apart
+from every peer's (no peer can choose it), from the round's θ; the excluded contributors are left out
+of the round (`RoundRecord.group_size` shows it) and take its update as listeners.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
@@ -36,6 +42,7 @@ from ...protocol.algorithms.allreduce import Contribution
 from ...protocol.algorithms.claims import ClaimBounds
 from ...protocol.algorithms.codecs import decode, make_codec
 from ...protocol.algorithms.parts import Aggregate
+from ...protocol.algorithms.scoring import SCORE_SEQUENCES, Score, loss_scorer
 from ...protocol.transport.averager import MemberResult
 from ...protocol.transport.memory import MemoryAverager, MemoryHub
 from ..training.catchup import catch_up
@@ -44,6 +51,7 @@ from ..training.corpus import Corpus
 from ..training.peer import Peer, overlap_this_round
 from ..training.replica import PeerState, Update
 from ..training.rounds import ContributionInfo, LocalRound, RoundRecord
+from ..training.sampling import TokenSampler, corpus_stream, evaluate
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +61,8 @@ AVERAGE_TIMEOUT_S = 600.0
 # flip1000: −1000 Δ; flip: −Δ, claiming the most tokens and weight the schedule allows; random: a
 # fresh Gaussian direction each round at Δ's norm; constant: one fixed direction at Δ's norm.
 ATTACKS = ("none", "flip1000", "flip", "random", "constant")
+# Keeps the scorer's batch stream apart from every peer's sampler seed (seed + small offsets).
+SCORE_SEED_OFFSET = 0x5C0E
 
 
 def forge(honest: Contribution, attack: str, *, seed: int, bounds: ClaimBounds) -> Contribution:
@@ -143,6 +153,25 @@ class _Pending:
     idle_s: float = 0.0  # overlap: how long it waited at the end of this round for the last update
 
 
+@dataclass
+class _Scoring:
+    """What the scorer did over a run: rounds scored, contributions judged and excluded, the
+    sequences it ran forward passes on, and its wall time."""
+
+    rounds: int = 0
+    judged: int = 0
+    excluded: int = 0
+    sequences: int = 0
+    seconds: float = 0.0
+
+    def add(self, judged: int, excluded: int, seconds: float) -> None:
+        self.rounds += 1
+        self.judged += judged
+        self.excluded += excluded
+        self.sequences += (judged + 1) * SCORE_SEQUENCES
+        self.seconds += seconds
+
+
 @dataclass(frozen=True)
 class _Landing:
     """A group's result, arriving at its members at simulated time `at`."""
@@ -191,9 +220,23 @@ class Simulator:
             )
             for i in range(cfg.peers)
         ]
+        self.score = Score.parse(cfg.train.score)
+        self.scoring = _Scoring()
+        if self.score.on:
+            # Its own model: the hub's thread must not swap parameters into a peer's instance.
+            self._score_model = copy.deepcopy(self.peers[0].instances[0].model)
+            self._score_stream = TokenSampler(
+                corpus_stream(corpus, corpus.train),
+                seq_len=cfg.train.seq_len,
+                seed=cfg.train.seed + SCORE_SEED_OFFSET,
+            )
         # The simulator decides each group itself (`MemoryHub.expect`); the window only bounds a
         # round that somehow lost a member.
-        self.hub = MemoryHub(window_s=AVERAGE_TIMEOUT_S, aggregate=Aggregate.parse(cfg.train.aggregate))
+        self.hub = MemoryHub(
+            window_s=AVERAGE_TIMEOUT_S,
+            aggregate=Aggregate.parse(cfg.train.aggregate),
+            scorer=self._score if self.score.on else None,
+        )
         self.averagers = [MemoryAverager(self.hub, peer.peer_id) for peer in self.peers]
         self._pool = ThreadPoolExecutor(max_workers=cfg.peers, thread_name_prefix="adloco-sim")
         self._round_ids = 0
@@ -210,6 +253,21 @@ class Simulator:
         bytes_per_s = self.cfg.bandwidth_mbps * 1e6 / 8
         # Two phases (parts to their owners, averages back), each paying the latency once.
         return 2 * self.cfg.latency_s + max(sent, received) / bytes_per_s
+
+    def _score(self, count: int, delta_of: Callable[[int], Mapping[str, torch.Tensor]]) -> dict[int, str]:
+        """The hub's scorer: `loss_scorer` from the round's θ on the next batch of the scoring stream."""
+        started = time.perf_counter()
+        batch = self._score_stream.next_batch(SCORE_SEQUENCES)
+        theta = max(self.peers, key=lambda p: p.state.round).named_theta()
+        scorer = loss_scorer(
+            self.score,
+            lambda params: evaluate(self._score_model, batch, micro_batch=SCORE_SEQUENCES, parameters=params),
+            theta,
+            step=self.cfg.train.outer.lr,
+        )
+        excluded = scorer(count, delta_of)
+        self.scoring.add(count, len(excluded), time.perf_counter() - started)
+        return excluded
 
     # ---- main loop ---------------------------------------------------------------------------
 
@@ -346,8 +404,11 @@ class Simulator:
             for i, c in contributing
         ]
         results = [call.result() for call in calls]
-        first = results[0]
-        if first is None or any(r is None for r in results):
+        first = next((r for r in results if r is not None), None)
+        # Only a contribution the scorer excluded gets None (it takes the update as a listener).
+        if first is None or any(
+            r is None and c.peer_id in first.members for r, (_, c) in zip(results, contributing, strict=True)
+        ):
             raise RuntimeError(f"round {round_id}: a virtual peer got no result from the in-process averager")
         return first
 
