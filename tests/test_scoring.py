@@ -13,7 +13,8 @@ import torch
 
 from adloco.protocol.algorithms.codecs import decode, make_codec
 from adloco.protocol.algorithms.parts import reduce_parts
-from adloco.protocol.algorithms.scoring import DEFAULT_K, Score, loss_scorer
+from adloco.protocol.algorithms.scoring import DEFAULT_K, RoundScorer, Score, loss_scorer
+from adloco.protocol.transport.owner import Incoming, reduce_owned
 
 LOSS = Score("loss")
 
@@ -193,3 +194,45 @@ def test_reduce_parts_leaves_the_excluded_contributor_out_of_every_part() -> Non
     for k in ("w", "b"):
         expected = torch.stack([honest[i][k] for i in range(3)]).mean(dim=0)
         torch.testing.assert_close(decode(reduced.averaged[k]), expected)
+
+
+def test_an_owner_rejects_every_part_of_the_member_its_scorer_excludes() -> None:
+    """The hivemind owner's reduction (`owner.reduce_owned`) takes the scorer as `reduce_parts` does,
+    and the exclusion reaches the answer every member reads (`Answer.rejected`)."""
+    theta, x, y = _regression()
+    honest = [_honest_delta(theta, x, y, seed) for seed in range(3)]
+    deltas = {"p1": honest[0], "p2": {k: -v for k, v in honest[0].items()}, "p3": honest[1], "p4": honest[2]}
+    codec = make_codec("none")
+    incoming = {
+        peer: Incoming(1.0, 1.0, {k: codec.encode(k, v) for k, v in d.items()}, None)
+        for peer, d in deltas.items()
+    }
+    scorer = loss_scorer(LOSS, _loss_of(x, y), theta, step=0.7)
+    answer, rejections = reduce_owned(["w"], incoming, codec, None, scorer=scorer)
+    assert answer.rejected == {"p2": 1}
+    assert [(part, peer) for part, peer, _ in rejections] == [("w", "p2")]
+
+
+def test_a_round_scorer_takes_theta_and_a_fresh_batch_at_each_call_and_counts() -> None:
+    theta, x, y = _regression()
+    batches = iter([torch.arange(0, 32), torch.arange(32, 64)])
+    drawn: list[torch.Tensor] = []
+
+    def batch() -> torch.Tensor:
+        drawn.append(next(batches))
+        return drawn[-1]
+
+    scorer = RoundScorer(
+        LOSS,
+        theta=lambda: theta,
+        batch=batch,
+        loss=lambda p, rows: float(((x[rows] @ p["w"] + p["b"] - y[rows]) ** 2).mean()),
+        step=0.7,
+    )
+    honest = [_honest_delta(theta, x, y, seed) for seed in range(3)]
+    deltas = [*honest, {k: -v for k, v in honest[0].items()}]
+    assert list(scorer(4, lambda i: deltas[i])) == [3]
+    assert list(scorer(3, lambda i: deltas[i])) == []
+    assert len(drawn) == 2
+    stats = scorer.stats
+    assert (stats.calls, stats.judged, stats.excluded, stats.sequences) == (2, 7, 1, 5 * 32 + 4 * 32)

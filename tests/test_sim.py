@@ -253,9 +253,10 @@ def test_scoring_excludes_the_weighted_sign_flip_every_round_and_no_honest_peer(
     base = SimConfig(peers=4, rounds=2, train=train)
     attacked = Simulator(replace(base, hostile=1, attack="flip"), corpus, vocab_size=tokenizer.vocab_size)
     assert [r.group_size for r in attacked.run()] == [3, 3]
-    assert (attacked.scoring.judged, attacked.scoring.excluded) == (8, 2)
+    assert attacked.scorer is not None
+    assert (attacked.scorer.stats.judged, attacked.scorer.stats.excluded) == (8, 2)
     hashes = {p.state.theta_hash() for p in attacked.peers}
     assert len(hashes) == 1  # the excluded peer took the update as a listener
     clean = Simulator(base, corpus, vocab_size=tokenizer.vocab_size)
     assert [r.group_size for r in clean.run()] == [4, 4]
-    assert clean.scoring.excluded == 0
+    assert clean.scorer is not None and clean.scorer.stats.excluded == 0

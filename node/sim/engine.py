@@ -31,7 +31,7 @@ import logging
 import math
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
@@ -42,7 +42,7 @@ from ...protocol.algorithms.allreduce import Contribution
 from ...protocol.algorithms.claims import ClaimBounds
 from ...protocol.algorithms.codecs import decode, make_codec
 from ...protocol.algorithms.parts import Aggregate
-from ...protocol.algorithms.scoring import SCORE_SEQUENCES, Score, loss_scorer
+from ...protocol.algorithms.scoring import SCORE_SEED_OFFSET, SCORE_SEQUENCES, RoundScorer, Score
 from ...protocol.transport.averager import MemberResult
 from ...protocol.transport.memory import MemoryAverager, MemoryHub
 from ..training.catchup import catch_up
@@ -61,8 +61,6 @@ AVERAGE_TIMEOUT_S = 600.0
 # flip1000: −1000 Δ; flip: −Δ, claiming the most tokens and weight the schedule allows; random: a
 # fresh Gaussian direction each round at Δ's norm; constant: one fixed direction at Δ's norm.
 ATTACKS = ("none", "flip1000", "flip", "random", "constant")
-# Keeps the scorer's batch stream apart from every peer's sampler seed (seed + small offsets).
-SCORE_SEED_OFFSET = 0x5C0E
 
 
 def forge(honest: Contribution, attack: str, *, seed: int, bounds: ClaimBounds) -> Contribution:
@@ -153,25 +151,6 @@ class _Pending:
     idle_s: float = 0.0  # overlap: how long it waited at the end of this round for the last update
 
 
-@dataclass
-class _Scoring:
-    """What the scorer did over a run: rounds scored, contributions judged and excluded, the
-    sequences it ran forward passes on, and its wall time."""
-
-    rounds: int = 0
-    judged: int = 0
-    excluded: int = 0
-    sequences: int = 0
-    seconds: float = 0.0
-
-    def add(self, judged: int, excluded: int, seconds: float) -> None:
-        self.rounds += 1
-        self.judged += judged
-        self.excluded += excluded
-        self.sequences += (judged + 1) * SCORE_SEQUENCES
-        self.seconds += seconds
-
-
 @dataclass(frozen=True)
 class _Landing:
     """A group's result, arriving at its members at simulated time `at`."""
@@ -220,22 +199,13 @@ class Simulator:
             )
             for i in range(cfg.peers)
         ]
-        self.score = Score.parse(cfg.train.score)
-        self.scoring = _Scoring()
-        if self.score.on:
-            # Its own model: the hub's thread must not swap parameters into a peer's instance.
-            self._score_model = copy.deepcopy(self.peers[0].instances[0].model)
-            self._score_stream = TokenSampler(
-                corpus_stream(corpus, corpus.train),
-                seq_len=cfg.train.seq_len,
-                seed=cfg.train.seed + SCORE_SEED_OFFSET,
-            )
+        self.scorer = self._scorer(corpus)
         # The simulator decides each group itself (`MemoryHub.expect`); the window only bounds a
         # round that somehow lost a member.
         self.hub = MemoryHub(
             window_s=AVERAGE_TIMEOUT_S,
             aggregate=Aggregate.parse(cfg.train.aggregate),
-            scorer=self._score if self.score.on else None,
+            scorer=self.scorer,
         )
         self.averagers = [MemoryAverager(self.hub, peer.peer_id) for peer in self.peers]
         self._pool = ThreadPoolExecutor(max_workers=cfg.peers, thread_name_prefix="adloco-sim")
@@ -243,6 +213,26 @@ class Simulator:
         self.records: list[RoundRecord] = []
         self.bytes_total = 0
         self.tokens_total = 0
+
+    def _scorer(self, corpus: Corpus) -> RoundScorer | None:
+        """The hub's scorer (`TrainConfig.score`): from the most advanced peer's θ (the members'
+        after catch-up) on the next batch of a training-data stream seeded apart from every peer's."""
+        score = Score.parse(self.cfg.train.score)
+        if not score.on:
+            return None
+        # Its own model: the hub's thread must not swap parameters into a peer's instance.
+        model = copy.deepcopy(self.peers[0].instances[0].model)
+        train = self.cfg.train
+        stream = TokenSampler(
+            corpus_stream(corpus, corpus.train), seq_len=train.seq_len, seed=train.seed + SCORE_SEED_OFFSET
+        )
+        return RoundScorer(
+            score,
+            theta=lambda: max(self.peers, key=lambda p: p.state.round).named_theta(),
+            batch=lambda: stream.next_batch(SCORE_SEQUENCES),
+            loss=lambda params, batch: evaluate(model, batch, micro_batch=SCORE_SEQUENCES, parameters=params),
+            step=train.outer.lr,
+        )
 
     # ---- time model --------------------------------------------------------------------------
 
@@ -253,21 +243,6 @@ class Simulator:
         bytes_per_s = self.cfg.bandwidth_mbps * 1e6 / 8
         # Two phases (parts to their owners, averages back), each paying the latency once.
         return 2 * self.cfg.latency_s + max(sent, received) / bytes_per_s
-
-    def _score(self, count: int, delta_of: Callable[[int], Mapping[str, torch.Tensor]]) -> dict[int, str]:
-        """The hub's scorer: `loss_scorer` from the round's θ on the next batch of the scoring stream."""
-        started = time.perf_counter()
-        batch = self._score_stream.next_batch(SCORE_SEQUENCES)
-        theta = max(self.peers, key=lambda p: p.state.round).named_theta()
-        scorer = loss_scorer(
-            self.score,
-            lambda params: evaluate(self._score_model, batch, micro_batch=SCORE_SEQUENCES, parameters=params),
-            theta,
-            step=self.cfg.train.outer.lr,
-        )
-        excluded = scorer(count, delta_of)
-        self.scoring.add(count, len(excluded), time.perf_counter() - started)
-        return excluded
 
     # ---- main loop ---------------------------------------------------------------------------
 

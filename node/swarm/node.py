@@ -15,6 +15,7 @@ every Python version, so volunteers on different Pythons train together (their f
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import logging
 import threading
@@ -25,6 +26,7 @@ from pathlib import Path
 
 from ...errors import NetworkLost
 from ...protocol.algorithms.parts import Aggregate
+from ...protocol.algorithms.scoring import SCORE_SEED_OFFSET, SCORE_SEQUENCES, RoundScorer, Score
 from ...protocol.transport.admission import Admission
 from ...protocol.transport.dht import NetworkConfig, network_failure, start_dht, visible_maddrs
 from ...protocol.transport.hivemind_averager import HivemindAverager
@@ -39,6 +41,7 @@ from ..training.model import check_model
 from ..training.peer import Peer
 from ..training.rounds import RoundRecord
 from ..training.runtime import load_data
+from ..training.sampling import TokenSampler, evaluate
 from ..training.tokenizer import Tokenizer
 from .loop import LoopConfig, RoundLoop
 from .offers import StateOffers
@@ -164,6 +167,7 @@ class SwarmNode:
             chunk_bytes=swarm.exchange_chunk_bytes,
             aggregate=Aggregate.parse(self.peer.cfg.aggregate),
             admission=self.admission,
+            scorer=shard_scorer(self.peer),
         )
         # fp32 is the largest encoding of the pseudo-gradient: a bound for every codec of the run.
         fp32_bytes = 4 * sum(t.numel() for t in self.peer.named_theta().values())
@@ -259,6 +263,30 @@ class SwarmNode:
             except Exception as e:
                 logger.debug("shutdown: %r", e)
         self.dht.shutdown()
+
+
+def shard_scorer(peer: Peer) -> RoundScorer | None:
+    """The owner's scorer of `--score` (None when off): each call judges the members' Δs over the
+    parts this node owns, from its θ (the round's anchor: a round is applied only after its owners
+    have reduced) on a fresh batch of its own data shard, which no member can choose; on a model of
+    its own, since the reduction runs on the averager's thread while the instances train."""
+    score = Score.parse(peer.cfg.score)
+    if not score.on:
+        return None
+    model = copy.deepcopy(peer.instances[0].model)
+    device = next(model.parameters()).device
+    stream = TokenSampler(
+        peer.instances[0].sampler.stream, seq_len=peer.cfg.seq_len, seed=peer.cfg.seed + SCORE_SEED_OFFSET
+    )
+    return RoundScorer(
+        score,
+        theta=peer.named_theta,
+        batch=lambda: stream.next_batch(SCORE_SEQUENCES),
+        loss=lambda params, batch: evaluate(
+            model, batch, micro_batch=SCORE_SEQUENCES, parameters={k: v.to(device) for k, v in params.items()}
+        ),
+        step=peer.cfg.outer.lr,
+    )
 
 
 def _data_shard(swarm: SwarmConfig) -> int:

@@ -12,13 +12,17 @@ group of one or two cannot outvote itself. A non-finite loss after a Δ excludes
 
 `loss_scorer` turns a rule, θ and a loss function (the node layer's model on its batch) into a
 `Scorer`, the callback an owner's reduction takes (`parts.reduce_parts(scorer=...)`) and the
-in-process hub (`MemoryHub(scorer=...)`). The math here knows no model: `loss_of` does.
+in-process hub (`MemoryHub(scorer=...)`); `RoundScorer` is one a driver hands its transport once,
+which takes θ and a fresh batch each time it is called and counts what it did. The math here
+knows no model: `loss_of` does.
 """
 
 from __future__ import annotations
 
 import math
 import statistics
+import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -32,6 +36,8 @@ to be excluded. Lower it if attackers whose Δ barely raises the loss get throug
 MAD_TO_SIGMA = 1.4826  # MAD × this estimates σ for normally distributed gains
 SCORE_SEQUENCES = 16
 """Sequences in a scorer's batch: (contributors + 1) forward passes of this many per round."""
+SCORE_SEED_OFFSET = 0x5C0E
+"""Added to the run's seed for a scorer's batch stream, apart from the peers' samplers' seeds."""
 
 Scorer = Callable[[int, Callable[[int], Mapping[str, torch.Tensor]]], dict[int, str]]
 """scorer(count, delta_of) -> {index: why} of the contributors to leave out; `delta_of(i)` is
@@ -130,3 +136,52 @@ def _stepped(
             raise ValueError(f"score: Δ of {name!r} has shape {tuple(d.shape)}, θ {tuple(theta[name].shape)}")
         params[name] = theta[name] - step * d.to(theta[name].device, theta[name].dtype)
     return params
+
+
+@dataclass
+class ScoreStats:
+    """What a `RoundScorer` did: calls, contributions judged and excluded, the sequences it ran
+    forward passes on, and its wall time."""
+
+    calls: int = 0
+    judged: int = 0
+    excluded: int = 0
+    sequences: int = 0
+    seconds: float = 0.0
+
+
+class RoundScorer:
+    """A `Scorer` for a driver to hand its transport once: each call judges from the current θ
+    (`theta()`, the round's anchor) on a fresh batch (`batch()`, from data the contributors cannot
+    choose), with `loss(params, batch)` the driver's model; `stats` counts what it did."""
+
+    def __init__(
+        self,
+        score: Score,
+        *,
+        theta: Callable[[], Mapping[str, torch.Tensor]],
+        batch: Callable[[], torch.Tensor],
+        loss: Callable[[Mapping[str, torch.Tensor], torch.Tensor], float],
+        step: float,
+    ) -> None:
+        self.score = score
+        self.step = step
+        self.stats = ScoreStats()
+        self._theta, self._batch, self._loss = theta, batch, loss
+        self._lock = threading.Lock()  # owners of overlapping rounds may score at once
+
+    def __call__(self, count: int, delta_of: Callable[[int], Mapping[str, torch.Tensor]]) -> dict[int, str]:
+        started = time.perf_counter()
+        with self._lock:
+            batch = self._batch()
+        scorer = loss_scorer(
+            self.score, lambda params: self._loss(params, batch), self._theta(), step=self.step
+        )
+        excluded = scorer(count, delta_of)
+        with self._lock:
+            self.stats.calls += 1
+            self.stats.judged += count
+            self.stats.excluded += len(excluded)
+            self.stats.sequences += (count + 1) * int(batch.shape[0])
+            self.stats.seconds += time.perf_counter() - started
+        return excluded

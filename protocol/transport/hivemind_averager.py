@@ -64,6 +64,7 @@ from ..algorithms.parts import (
     check_outlier_factor,
     most_bytes_moved,
 )
+from ..algorithms.scoring import Scorer
 from .admission import Admission
 from .averager import MemberResult, Misconduct
 from .identity import NodeDHT
@@ -111,6 +112,11 @@ class HivemindAverager:
       peers named in "rejected part" warnings every round; of too high: loss spikes after rounds.
     - `on_stage`: fault-injection hook, called on the event-loop thread as on_stage(stage, round) at
       "registered" (record stored) and "grouped" (group read); tests block or kill the peer there.
+    - `scorer`: contribution scoring (`TrainConfig.score`, `scoring.Scorer`): this peer, as an owner,
+      judges each member's Δ over its parts by the loss change on a batch of its own data, and
+      rejects every part of a member it excludes (the "rejected part" warnings say why). None (the
+      default) turns it off. It runs on the reduction's thread within `reduce_timeout_s`: raise that
+      if scoring owners make members give up.
     """
 
     def __init__(
@@ -130,6 +136,7 @@ class HivemindAverager:
         aggregate: Aggregate = MEAN,
         on_stage: Callable[[str, int], None] | None = None,
         admission: Admission | None = None,
+        scorer: Scorer | None = None,
     ) -> None:
         _check_knobs(prefix, window_s, grace_s, part_timeout_s, reduce_timeout_s, record_ttl_s)
         if not bandwidth_bps > 0 or not slack >= 1 or not 0 < chunk_bytes <= MAX_CHUNK_BYTES:
@@ -147,6 +154,7 @@ class HivemindAverager:
         self.measured_bps: float | None = None  # this peer's rate over its earlier exchanges
         self.outlier_factor = check_outlier_factor(outlier_factor)
         self.aggregate = aggregate
+        self.scorer = scorer
         self.admission = admission or Admission()
         self._on_stage = on_stage
         digest = hashlib.sha256(prefix.encode()).hexdigest()[:24]
@@ -478,6 +486,7 @@ class HivemindAverager:
             codec=codec,
             outlier_factor=self.outlier_factor,
             aggregate=self.aggregate,
+            scorer=self.scorer,
             bounds=bounds,
             with_metadata=next(iter(owners.values())) == self._peer_id,
             deadline=grouped_at + self.phase_s(moved, floor_s=self.part_timeout_s, measured=True),

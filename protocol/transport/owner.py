@@ -47,6 +47,7 @@ from ..algorithms.claims import UNBOUNDED, ClaimBounds
 from ..algorithms.codecs import Codec, payload_shape
 from ..algorithms.parts import MEAN, Aggregate, reduce_parts
 from ..algorithms.report import MAX_REPORT_BYTES
+from ..algorithms.scoring import Scorer
 from .admission import NOT_ADMITTED, Admission
 from .matchmaking import Group
 from .wire import PROTOCOL_VERSION, Meter, read_chunks, read_frame, write_chunks, write_frame
@@ -142,8 +143,10 @@ def reduce_owned(
     codec: Codec,
     outlier_factor: float | None,
     aggregate: Aggregate = MEAN,
+    scorer: Scorer | None = None,
 ) -> tuple[Answer, list[tuple[str, str, str]]]:
-    """The owner's reduction over the contributors that arrived, and (part, peer, reason) rejections."""
+    """The owner's reduction over the contributors that arrived, and (part, peer, reason) rejections;
+    with a `scorer`, the contributors it excludes are rejected in every part (`parts.reduce_parts`)."""
     contributors = tuple(sorted(contributions))
     entries = [contributions[peer] for peer in contributors]
     reduced = reduce_parts(
@@ -155,6 +158,7 @@ def reduce_owned(
         codec,
         outlier_factor=outlier_factor,
         aggregate=aggregate,
+        scorer=scorer,
     )
     metadata = tuple(e.metadata or b"" for e in entries)
     return Answer(contributors, reduced.averaged, metadata, reduced.rejected), reduced.rejections
@@ -192,6 +196,7 @@ class OwnerSession:
         answer_timeout_s: float,
         bounds: ClaimBounds = UNBOUNDED,
         aggregate: Aggregate = MEAN,
+        scorer: Scorer | None = None,
     ) -> None:
         self.group = group
         self.keys = keys
@@ -200,6 +205,7 @@ class OwnerSession:
         self.codec = codec
         self.outlier_factor = outlier_factor
         self.aggregate = aggregate
+        self.scorer = scorer
         self.bounds = bounds
         self.with_metadata = with_metadata
         self.deadline = deadline  # loop time
@@ -270,6 +276,7 @@ class OwnerSession:
                 self.codec,
                 self.outlier_factor,
                 self.aggregate,
+                self.scorer,
             )
             for key, peer, reason in rejections:
                 logger.warning(
