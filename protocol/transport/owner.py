@@ -219,6 +219,7 @@ class OwnerSession:
         self.idle = asyncio.Event()  # done, and every admitted member has been answered
         self._all_in = asyncio.Event()
         self._answering = 0
+        self.done_at: float | None = None  # loop time the reduction ended
 
     def receive(self, peer: str) -> bool:
         """Reserve `peer`'s one incoming stream; False once closed, or if `peer` already sent, is
@@ -286,8 +287,17 @@ class OwnerSession:
             logger.warning("round %d: reduction failed: %s", self.group.round, e)
         finally:
             self.contributions = {peer: _DROPPED for peer in self.contributions}  # free the payloads
+            self.done_at = loop.time()
             self.done.set()
             self._update_idle()
+
+    def owed_until(self) -> float | None:
+        """Until when (loop time) members may still be reading the answers of this reduction: each
+        answer gets `answer_timeout_s` from the reduction, no less than its member waits for it.
+        None when nothing is owed: not reduced (an abandoned round), or every answer was read."""
+        if self.done_at is None or self.idle.is_set():
+            return None
+        return self.done_at + self.answer_timeout_s
 
     def _update_idle(self) -> None:
         if self.done.is_set() and self._answering <= 0:
