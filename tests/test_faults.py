@@ -1,19 +1,22 @@
 """Faults survived by real nodes with their real p2pd (issue 10 §5): an owner that leaves while a
-member still reads its answer.
+member still reads its answer, and a host whose link goes down for a minute.
 
 Every test starts a bootstrap and three `adloco-node` processes as process-group leaders (the
-`procs` fixture reaps every group). `pytest -s` shows the measured figures.
+`procs` fixture reaps every group; the link test builds its hosts in network namespaces,
+`tests/netns.py`, removed with them). `pytest -s` shows the measured figures.
 """
 
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
+import netns
 from procs import FAST_NODE_ARGS, Procs, wait_for
 
 LOOPBACK = ["--host-maddrs", "/ip4/127.0.0.1/tcp/0"]
@@ -107,3 +110,108 @@ def test_an_owner_leaving_after_its_last_round_delivers_the_answers_a_slow_membe
         f" {SLOW_READ_S:.0f} s late); the leaver exited {left_at - applied:.1f} s after its last round;"
         f" test {time.monotonic() - t0:.1f} s"
     )
+
+
+# ---- a link down for a minute ------------------------------------------------------------------
+
+CUT_S = 60.0
+CUT = 3  # the host whose link goes down (0: the bootstrap; 1-3: the nodes)
+RECONVERGE_ROUNDS = 5
+
+
+@pytest.mark.netns
+@pytest.mark.timeout(300)
+@pytest.mark.xfail(
+    strict=True,
+    reason="the cut node averages alone (groups of one) and, a round ahead of the others when the link"
+    " is back, never heals: fork healing only looks at equal rounds or a head ahead (docs/decisions.md,"
+    " 'Faults that are survived'); the fix belongs in node/swarm/loop.py and sync.py",
+)
+def test_a_node_cut_off_for_60_s_reconverges_with_the_others_within_5_rounds(
+    procs: Procs, tmp_path: Path
+) -> None:
+    """A bootstrap and three nodes on their own hosts (`netns.Star`); once all three are past
+    round 2, one node's link goes down at the hub for 60 s (a pulled cable: silence, no resets),
+    then comes back. The cut node keeps running (it may fail rounds, or average alone); the two
+    others go on together. Within 5 of the swarm's rounds after the link is back, all three hold
+    the same θ after the same round. Prints the timeline: rounds the cut node missed, what it did
+    meanwhile, and the seconds from the restore to the common θ."""
+    with netns.star_lan(procs, 4) as star:
+        boot_maddrs = tmp_path / "bootstrap.json"
+        star.start(
+            procs, 0, "bootstrap",
+            ["adloco-bootstrap", "--identity-path", str(tmp_path / "b.key"), "--host-maddrs",
+             f"/ip4/{star.addrs[0]}/tcp/0", "--no-nat-port-map", "--maddrs-file", str(boot_maddrs)],
+        )  # fmt: skip
+        wait_for(boot_maddrs.exists, timeout=60, what="bootstrap")
+        peers = [m for m in json.loads(boot_maddrs.read_text()) if f"/ip4/{star.addrs[0]}/" in m]
+        nodes = {}
+        for host in (1, 2, 3):
+            status = tmp_path / f"node{host}.jsonl"
+            argv = ["adloco-node", "--peers", *peers, "--run-id", "cut", "--rounds", "0", "--status-file",
+                    str(status), "--data-shard", str(host), "--host-maddrs", f"/ip4/{star.addrs[host]}/tcp/0",
+                    "--log-level", "INFO", *FAST_NODE_ARGS]  # fmt: skip
+            nodes[host] = (star.start(procs, host, f"node{host}", argv), status)
+        statuses = {host: status for host, (_, status) in nodes.items()}
+        wait_for(lambda: all(max(_rounds(s), default=0) >= 2 for s in statuses.values()), timeout=150,
+                 what="round 2 on every node")  # fmt: skip
+
+        cut_at = time.time()
+        star.set_link(CUT, up=False)
+        deadline = time.monotonic() + CUT_S
+        while time.monotonic() < deadline:
+            assert nodes[CUT][0].poll() is None, procs.log(f"node{CUT}")  # cut off, not crashed
+            time.sleep(0.5)
+        star.set_link(CUT, up=True)
+        restored_at = time.time()
+        others = [host for host in nodes if host != CUT]
+        at_restore = max(max(_rounds(statuses[host]), default=0) for host in others)
+
+        def common() -> int | None:
+            """The first round after the restore at which all three hold one θ."""
+            rounds = [_rounds(s) for s in statuses.values()]
+            for r in range(at_restore + 1, at_restore + RECONVERGE_ROUNDS + 1):
+                if all(r in mine for mine in rounds) and len({mine[r]["theta_hash"] for mine in rounds}) == 1:
+                    return r
+            return None
+
+        def judged() -> bool:  # converged, or the others are past the rounds it had to happen in
+            return common() is not None or all(
+                max(_rounds(statuses[h])) > at_restore + RECONVERGE_ROUNDS for h in others
+            )
+
+        wait_for(judged, timeout=150, what=f"{RECONVERGE_ROUNDS} rounds after the restore")
+        for proc, _ in nodes.values():
+            proc.send_signal(signal.SIGTERM)
+        for host, (proc, _) in nodes.items():
+            assert proc.wait(timeout=60) == 0, procs.log(f"node{host}")
+
+        events = {host: _events(s) for host, s in statuses.items()}
+        mine = _rounds(statuses[CUT])
+        during = [e for e in mine.values() if cut_at <= e["time"] <= restored_at]
+        theirs = _rounds(statuses[others[0]])
+        swarm_during = [r for r, e in theirs.items() if cut_at <= e["time"] <= restored_at]
+        synced = [
+            (e["event"], e["round"], round(e["time"] - restored_at, 1))
+            for e in events[CUT]
+            if e["event"] in ("catch_up", "state_download", "fork_healed") and e["time"] > cut_at
+        ]
+        converged = common()
+        print(
+            f"\nlink of node{CUT} down {restored_at - cut_at:.1f} s from the others' round"
+            f" {max(r for r, e in theirs.items() if e['time'] < cut_at)}; the others applied rounds"
+            f" {swarm_during[:1] + swarm_during[-1:]} meanwhile ({len(swarm_during)}), in groups of"
+            f" {sorted({theirs[r]['group_size'] for r in swarm_during})}; the cut node applied"
+            f" {[(e['round'], e['group_size']) for e in during]} meanwhile; after the restore it"
+            f" synced {synced}; round at restore {at_restore}, common θ at round {converged}"
+        )
+        assert converged is not None, (
+            f"no common θ within {RECONVERGE_ROUNDS} rounds: {procs.log(f'node{CUT}')[-6000:]}"
+        )
+        last = max(_rounds(s)[converged]["time"] for s in statuses.values())
+        lost = len([r for r, e in theirs.items() if cut_at <= e["time"] and r < converged and r not in
+                    {r2 for r2, e2 in mine.items() if e2["group_size"] == 3}])  # fmt: skip
+        print(
+            f"reconverged {converged - at_restore} rounds and {last - restored_at:.1f} s after the restore;"
+            f" rounds of the swarm without the cut node: {lost}"
+        )
