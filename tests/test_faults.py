@@ -123,9 +123,10 @@ RECONVERGE_ROUNDS = 5
 @pytest.mark.timeout(300)
 @pytest.mark.xfail(
     strict=True,
-    reason="the cut node averages alone (groups of one) and, a round ahead of the others when the link"
-    " is back, never heals: fork healing only looks at equal rounds or a head ahead (docs/decisions.md,"
-    " 'Faults that are survived'); the fix belongs in node/swarm/loop.py and sync.py",
+    reason="the cut node averages alone (groups of one) through the cut and goes on alone after the"
+    " restore, never catching up nor healing (no catch_up or fork_healed event in 7 rounds): a lone"
+    " fork; its fix belongs in node/swarm/loop.py and sync.py (docs/decisions.md, 'Faults that are"
+    " survived')",
 )
 def test_a_node_cut_off_for_60_s_reconverges_with_the_others_within_5_rounds(
     procs: Procs, tmp_path: Path
