@@ -111,7 +111,9 @@ class HivemindAverager:
       None turns the test off, non-finite parts are rejected regardless. Symptom of too low: honest
       peers named in "rejected part" warnings every round; of too high: loss spikes after rounds.
     - `on_stage`: fault-injection hook, called on the event-loop thread as on_stage(stage, round) at
-      "registered" (record stored) and "grouped" (group read); tests block or kill the peer there.
+      "registered" (record stored), "grouped" (group read), "sending" (a member's first chunk frame
+      to an owner written, once per owner) and "reducing" (an owner's members are in, before it
+      reduces); tests block or kill the peer there.
     - `answer_delay`: fault injection, round -> seconds: in a round where it gives more than 0, this
       member reads each owner's answer that much later (its parts have gone out; its own owner side
       is not held), as a member on a stalled machine would. Tests race a leaving owner with it.
@@ -540,6 +542,7 @@ class HivemindAverager:
             # Only frees the stream of a member that stopped reading: never sooner than the member
             # itself gives up (its whole budget), so load on this peer cannot cut an answer short.
             answer_timeout_s=self._exchange_budget_s(moved),
+            on_stage=self._on_stage,
         )
         # Our own slot is released by _run_round once it has taken the result (not on the wire).
         incoming = Incoming(contribution.weight, contribution.tokens, own, bytes(contribution.metadata))
@@ -582,6 +585,7 @@ class HivemindAverager:
                     with_metadata=owner == metadata_owner,
                     chunk_bytes=self.chunk_bytes,
                     answer_bounds={k: bounds[k] for k in keys},
+                    on_stage=self._on_stage,
                 )
             )
             for owner, keys in by_owner.items()

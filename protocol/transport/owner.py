@@ -16,8 +16,8 @@ exactly). Otherwise it says go, and reads the payloads as chunk frames (`wire.re
 larger than what is left of its part is refused before it is read. Payloads arrive in full before
 they count; `codecs.payload_shape` then checks each as `decode` would, without decoding it, so the
 owner decodes every payload once, when it reduces. A member refused after its header was accepted
-(it sent more than announced, a malformed payload) is dropped from the round: the owner no longer
-waits for it.
+(it sent more than announced, a malformed payload), or whose stream broke before its payloads were
+in (it died mid-send), is dropped from the round: the owner no longer waits for it.
 
 Why payloads are buffered per part and reduced at the deadline, not summed as chunks arrive: the
 screening needs every payload of a part (the median norm) and the bit-identical sum needs the final
@@ -196,6 +196,7 @@ class OwnerSession:
         answer_timeout_s: float,
         bounds: ClaimBounds = UNBOUNDED,
         aggregate: Aggregate = MEAN,
+        on_stage: Callable[[str, int], None] | None = None,
         scorer: Scorer | None = None,
     ) -> None:
         self.group = group
@@ -220,6 +221,7 @@ class OwnerSession:
         self._all_in = asyncio.Event()
         self._answering = 0
         self.done_at: float | None = None  # loop time the reduction ended
+        self._on_stage = on_stage  # fault injection: "reducing", once the members are in
 
     def receive(self, peer: str) -> bool:
         """Reserve `peer`'s one incoming stream; False once closed, or if `peer` already sent, is
@@ -267,6 +269,8 @@ class OwnerSession:
                 "round %d: owner dropped %s", self.group.round, sorted(p[-8:] for p in self.dropped)
             )
         self.closed = True
+        if self._on_stage is not None:
+            self._on_stage("reducing", self.group.round)
         try:
             contributions = dict(self.contributions)
             self.result, rejections = await loop.run_in_executor(
@@ -433,6 +437,10 @@ class OwnerHandler:
                 self._ban(request.peer, str(e)[:200])
         except (OSError, EOFError, asyncio.IncompleteReadError, asyncio.TimeoutError) as e:
             logger.debug("averaging stream dropped: %r", e)
+            if receiving is not None and admitted is None:
+                # Its stream broke mid-send (the member died, or gave up): members never send again
+                # on another stream, so the owner does not wait for it until the part deadline.
+                receiving.drop(request.peer)
         finally:
             writer.close()
             if receiving is not None and admitted is None:
