@@ -19,6 +19,7 @@ import copy
 import hashlib
 import logging
 import os
+import secrets
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -27,7 +28,7 @@ from pathlib import Path
 
 from ...errors import NetworkLost, UserError
 from ...protocol.algorithms.parts import Aggregate
-from ...protocol.algorithms.scoring import SCORE_SEED_OFFSET, SCORE_SEQUENCES, RoundScorer, Score
+from ...protocol.algorithms.scoring import SCORE_SEQUENCES, RoundScorer, Score
 from ...protocol.transport.admission import Admission
 from ...protocol.transport.dht import NetworkConfig, network_failure, start_dht, visible_maddrs
 from ...protocol.transport.hivemind_averager import HivemindAverager
@@ -273,15 +274,16 @@ class SwarmNode:
 def shard_scorer(peer: Peer) -> RoundScorer | None:
     """The owner's scorer of `--score` (None when off): each call judges the members' Δs over the
     parts this node owns, from its θ (the round's anchor: a round is applied only after its owners
-    have reduced) on a fresh batch of its own data shard, which no member can choose; on a model of
-    its own, since the reduction runs on the averager's thread while the instances train."""
+    have reduced) on a fresh batch of its own data shard, drawn with a seed only this process knows,
+    so no member can choose or predict it; on a model of its own, since the reduction runs on the
+    averager's thread while the instances train."""
     score = Score.parse(peer.cfg.score)
     if not score.on:
         return None
     model = copy.deepcopy(peer.instances[0].model)
     device = next(model.parameters()).device
     stream = TokenSampler(
-        peer.instances[0].sampler.stream, seq_len=peer.cfg.seq_len, seed=peer.cfg.seed + SCORE_SEED_OFFSET
+        peer.instances[0].sampler.stream, seq_len=peer.cfg.seq_len, seed=secrets.randbits(63)
     )
     return RoundScorer(
         score,

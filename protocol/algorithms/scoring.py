@@ -37,7 +37,8 @@ MAD_TO_SIGMA = 1.4826  # MAD × this estimates σ for normally distributed gains
 SCORE_SEQUENCES = 16
 """Sequences in a scorer's batch: (contributors + 1) forward passes of this many per round."""
 SCORE_SEED_OFFSET = 0x5C0E
-"""Added to the run's seed for a scorer's batch stream, apart from the peers' samplers' seeds."""
+"""The simulator's scorer stream is seeded with the run's seed plus this, apart from the peers'
+samplers (a swarm owner seeds its own from a secret: `node.swarm.node.shard_scorer`)."""
 
 Scorer = Callable[[int, Callable[[int], Mapping[str, torch.Tensor]]], dict[int, str]]
 """scorer(count, delta_of) -> {index: why} of the contributors to leave out; `delta_of(i)` is
