@@ -3,12 +3,15 @@ and a fourth node (real p2pd, loopback, tiny-llama) train `--rounds` rounds; in 
 fourth is honest too, in the others it is bench/hostile_node.py sending a forged pseudo-gradient
 every round (the simulator's attacks: flip1000 = −1000 Δ, flip = −Δ claiming the most weight the
 round allows, random = noise at Δ's norm, constant = one noise direction every round). Every
-combination of `--rules` (the owners' `--aggregate`) and `--attacks` runs once per seed. Printed and
-written to bench/results/robust_swarm.json: the honest nodes' final val loss (median of the three;
-they hold the same θ), and its gap against the clean run under the same rule and under the mean.
+combination of `--rules` (the owners' `--aggregate`), `--scores` (every node's `--score`: owners
+judge each member's Δ over their parts by the loss on their own data) and `--attacks` runs once per
+seed. Printed and written to bench/results/robust_swarm.json: the honest nodes' final val loss
+(median of the three; they hold the same θ), and its gap against the clean run under the same rule
+and under the mean. A rule with scoring on is labelled `rule+score`.
 
     python bench/robust_swarm.py                       # 2 rules x 5 runs, ~10 min on 2 cores
     python bench/robust_swarm.py --rules mean clip:1 --attacks none flip --rounds 8
+    python bench/robust_swarm.py --rules mean --scores loss --out bench/results/robust_swarm_score.json
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ TRAIN = [
 HOSTILE = str(Path(__file__).resolve().parent / "hostile_node.py")
 
 
-def one_run(work: Path, *, rule: str, attack: str, rounds: int, seed: int) -> dict[str, Any]:
+def one_run(work: Path, *, rule: str, score: str, attack: str, rounds: int, seed: int) -> dict[str, Any]:
     maddrs = work / "bootstrap.json"
     boot = ["adloco-bootstrap", "--identity-path", str(work / "b.key"), *NET[:3]]
     boot += ["--maddrs-file", str(maddrs)]
@@ -42,6 +45,7 @@ def one_run(work: Path, *, rule: str, attack: str, rounds: int, seed: int) -> di
         _wait("bootstrap", maddrs.exists, 120, [bootstrap])
         peers = json.loads(maddrs.read_text())
         common = ["--peers", *peers, "--run-id", f"robust-{seed}", "--aggregate", rule, "--seed", str(seed)]
+        common += ["--score", score]
         for i in range(4):
             hostile = attack != "none" and i == 3
             program = ["python", HOSTILE, "--attack", attack] if hostile else ["adloco-node"]
@@ -60,7 +64,7 @@ def one_run(work: Path, *, rule: str, attack: str, rounds: int, seed: int) -> di
     finals = [n.rounds()[-1] for n in nodes[:3]]
     groups = [e["group_size"] for e in nodes[0].rounds()]
     return {
-        "rule": rule,
+        "rule": rule if score == "off" else f"{rule}+{score}",
         "attack": attack,
         "seed": seed,
         "rounds": [f["round"] for f in finals],
@@ -78,6 +82,7 @@ def _gap(value: float, base: float | None) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rules", nargs="+", default=["mean", "trimmed:0.25"])
+    p.add_argument("--scores", nargs="+", default=["off"])
     p.add_argument("--attacks", nargs="+", default=["none", "flip1000", "flip", "random", "constant"])
     p.add_argument("--rounds", type=int, default=12)
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
@@ -86,10 +91,12 @@ def main() -> None:
     runs = []
     t0 = time.time()
     for seed in args.seeds:
-        for rule in args.rules:
+        for rule, score in [(r, sc) for r in args.rules for sc in args.scores]:
             for attack in args.attacks:
                 with tempfile.TemporaryDirectory(prefix="adloco-robust-") as work:
-                    run = one_run(Path(work), rule=rule, attack=attack, rounds=args.rounds, seed=seed)
+                    run = one_run(
+                        Path(work), rule=rule, score=score, attack=attack, rounds=args.rounds, seed=seed
+                    )
                 runs.append(run)
                 print(json.dumps(run), flush=True)
     clean = {(r["rule"], r["seed"]): r["val_loss"] for r in runs if r["attack"] == "none"}

@@ -18,8 +18,11 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from procs import Procs
 
@@ -145,10 +148,34 @@ class Star:
         procs.started.append(proc)
         return proc
 
+    def set_link(self, host: int, *, up: bool) -> None:
+        """Take host `host`'s link down or up at the hub (its bridge port): a cable pulled and plugged
+        back. The host keeps its address; its eth0 loses carrier meanwhile, so its packets go
+        nowhere and its TCP connections see silence, not resets."""
+        ip("-n", self.hub, "link", "set", f"v{host}", "up" if up else "down")
+
     def run(self, host: int, argv: Sequence[str], *, timeout: float) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
             ["ip", "netns", "exec", self.hosts[host], *argv], capture_output=True, text=True, timeout=timeout
         )
+
+
+@contextlib.contextmanager
+def star_lan(procs: Procs, hosts: int, **kwargs: Any) -> Iterator[Star]:
+    """A `Star` for one test (skipped where namespaces cannot be made); at the end every process
+    the test started is killed before the namespaces go, and neither may survive."""
+    why = available()
+    if why is not None:
+        pytest.skip(why)
+    remove_stale()
+    lan = Star(hosts, **kwargs)
+    try:
+        yield lan
+    finally:
+        leftover = procs.reap()  # processes out before their namespaces go
+        lan.close()
+        assert not leftover, f"processes survived their group's SIGKILL: {leftover}"
+        assert not [ns for ns in namespaces() if ns.startswith(lan.prefix)]
 
 
 def shape(ns: str, dev: str, rate_mbit: float) -> None:

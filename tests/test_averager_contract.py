@@ -4,15 +4,18 @@ Every implementation of `protocol.averager.Averager` must: give every member tha
 the same bytes, equal to `reduce_group` on the same contributions, with the same members and
 gathered metadata; leave out a peer that calls after the window without anybody waiting for it;
 keep runs with different prefixes apart; screen out a poisoned (NaN or scaled) contribution the
-same way everywhere; and (hivemind) survive a member killed mid-round with either identical results
-without it or None everywhere, and an owner's malformed answer with None, not a crash. Hivemind
-peers are real DHTs with their own p2pd on loopback, NAT mapping off; every p2pd this module starts
-carries a marker in its environment, and after each test none of them may still be alive.
+same way everywhere; and (hivemind) survive a member SIGKILLed mid-round (after registering, or
+mid-send) with either identical results without it or None everywhere, an owner SIGKILLed before it
+reduces with None everywhere and a next try that completes, and an owner's malformed answer with
+None, not a crash. Hivemind peers are real DHTs with their own p2pd on loopback, NAT mapping off;
+every p2pd this module starts carries a marker in its environment, and after each test none of them
+may still be alive.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import dataclasses
 import math
@@ -32,6 +35,7 @@ from typing import Any
 import pytest
 import torch
 
+from adloco.node.swarm.loop import ROUND_ID_STRIDE
 from adloco.protocol.algorithms import codecs
 from adloco.protocol.algorithms.allreduce import Contribution, reduce_group
 from adloco.protocol.algorithms.codecs import decode_tensors, encode_tensors, make_codec
@@ -446,23 +450,28 @@ from adloco.protocol.algorithms.codecs import encode_tensors, make_codec
 from adloco.protocol.transport.hivemind_averager import HivemindAverager
 from adloco.protocol.transport.identity import NodeDHT
 
-peer, prefix = sys.argv[1], sys.argv[2]
-kwargs, shapes, timing = (eval(arg) for arg in sys.argv[3:6])
+peer, prefix, stage, round = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+kwargs, shapes, knobs = (eval(arg) for arg in sys.argv[5:8])
 dht = NodeDHT(initial_peers=[peer], start=True, **kwargs)
 
-def hang_after_registering(stage, round):
-    if stage == "registered":
-        print("REGISTERED", flush=True)
-        time.sleep(3600)  # blocks the averager's loop: registered, sent nothing, until killed
+def hang_at(reached, round):
+    if reached == stage:
+        print("AT", reached, flush=True)
+        time.sleep(3600)  # blocks the averager's loop at this stage, until the test kills the group
 
-averager = HivemindAverager(dht, prefix=prefix, on_stage=hang_after_registering, **timing)
+averager = HivemindAverager(dht, prefix=prefix, on_stage=hang_at, **knobs)
 tensors = {k: torch.randn(*s) for k, s in shapes.items()}
 contribution = Contribution(averager.peer_id, encode_tensors(make_codec("int8"), tensors), 100.0, 100.0)
 print("READY", averager.peer_id, flush=True)
 sys.stdin.readline()
-result = averager.average(contribution, round=0, codec=make_codec("int8"), timeout=60)
+result = averager.average(contribution, round=round, codec=make_codec("int8"), timeout=60)
 print("RETURNED", result, flush=True)  # never reached unless the hook failed to hold it
 """
+# Small chunks for the victim: its payloads (~1.5 kB) take several frames, so "sending" is mid-send.
+VICTIM_CHUNK_BYTES = 256
+# How long survivors may take when a member dies: their round runs to its part deadline at most,
+# then the answers (reduce timeout).
+KILLED_BOUND_S = WINDOW_S + GRACE_S + PART_TIMEOUT_S + REDUCE_TIMEOUT_S + SLACK_S
 
 
 def _read_line(proc: subprocess.Popen[str], expected: str, timeout: float, log: Path) -> str:
@@ -487,14 +496,39 @@ def _identities(folder: Path, n: int) -> list[Path]:
     return sorted(paths, key=lambda p: PeerID.from_identity(p.read_bytes()).to_base58())
 
 
-@pytest.mark.parametrize("victim_owns", ["nothing", "a_part"])
-def test_member_killed_mid_round_never_stalls_the_others(tmp_path: Path, victim_owns: str) -> None:
-    """SIGKILL a member (its whole process group: python, DHT process, p2pd) after it registered.
+@dataclass
+class KilledRound:
+    """A round whose victim was SIGKILLed: the survivors (alive, for a retry), what they did."""
+
+    swarm: Swarm
+    survivors: list[Averager]
+    contributions: list[Contribution]
+    outcomes: list[Outcome]
+    victim: str  # its peer id
+    killed_s: float  # when the kill came, from the survivors' call
+
+    def dropped_by(self, survivor: Averager, round: int) -> set[str]:
+        """The members `survivor`, as an owner in `round`, stopped waiting for (broke or died)."""
+        future = survivor._rounds[round][1]  # type: ignore[attr-defined]
+        state = future.result() if future.done() else None
+        return set() if state is None or state.session is None else set(state.session.dropped)
+
+    def report(self, what: str) -> str:
+        took = ", ".join(f"{o.elapsed_s:.2f}" for o in self.outcomes)
+        return f"{what}: killed after {self.killed_s:.2f} s, survivors returned after {took} s"
+
+
+@contextlib.contextmanager
+def _a_round_with_a_member_killed(
+    tmp_path: Path, *, stage: str, victim_owns: str, round: int = 0
+) -> Iterator[KilledRound]:
+    """SIGKILL a member (its whole process group: python, DHT process, p2pd) when it reaches `stage`
+    of `round` (its `on_stage` hook holds it there until the kill).
 
     Two tensors of equal size among three members sorted by peer id: the first two members own one
-    each, the third owns nothing. The victim is the third (the survivors must finish without it
-    after the part timeout) or the first (no stream reaches it: the member after it reduces its
-    part in its place, and both survivors finish with the same bytes).
+    each, the third owns nothing. The victim is the third (`victim_owns` "nothing") or the first
+    ("a_part"). Yields once the survivors' calls returned; the swarm is closed and the victim's
+    group killed on the way out, pass or fail.
     """
     shapes = {"embed": (48, 32), "proj": (48, 32)}
     identities = _identities(tmp_path, 3)
@@ -506,59 +540,119 @@ def test_member_killed_mid_round_never_stalls_the_others(tmp_path: Path, victim_
     try:
         swarm.add_nodes(2, identities=identities)
         survivors = [swarm.averager(i) for i in range(2)]
-        timing = {
+        knobs = {
             "window_s": WINDOW_S,
             "grace_s": GRACE_S,
             "part_timeout_s": PART_TIMEOUT_S,
             "reduce_timeout_s": REDUCE_TIMEOUT_S,
+            "chunk_bytes": VICTIM_CHUNK_BYTES,
         }
         victim_kwargs = {**DHT_KWARGS, "identity_path": str(victim_identity), "check_if_identity_free": False}
         maddr = str(swarm.dhts[0].get_visible_maddrs()[0])
+        args = [maddr, "run-a", stage, str(round), repr(victim_kwargs), repr(shapes), repr(knobs)]
         proc = subprocess.Popen(
-            [sys.executable, "-c", _VICTIM, maddr, "run-a", repr(victim_kwargs), repr(shapes), repr(timing)],
+            [sys.executable, "-c", _VICTIM, *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=log,
             text=True,
             start_new_session=True,  # its DHT process and p2pd die with it: the whole machine "fails"
         )
-        _read_line(proc, "READY", timeout=40, log=log_path)
+        victim = _read_line(proc, "READY", timeout=40, log=log_path).split()[1]
         contributions = _contributions(survivors, "int8", seed=5, shapes=shapes)
         outcomes: list[Outcome] = []
         runner = threading.Thread(
-            target=lambda: outcomes.extend(_average_together(survivors, contributions, round=0, spec="int8"))
+            target=lambda: outcomes.extend(
+                _average_together(survivors, contributions, round=round, spec="int8")
+            )
         )
         assert proc.stdin is not None
+        began = time.monotonic()
         runner.start()
         proc.stdin.write("go\n")
         proc.stdin.flush()
-        _read_line(proc, "REGISTERED", timeout=10, log=log_path)
+        _read_line(proc, f"AT {stage}", timeout=10, log=log_path)
         os.killpg(proc.pid, signal.SIGKILL)
+        killed_s = time.monotonic() - began
         proc.wait(timeout=10)
         runner.join(timeout=CALL_TIMEOUT_S + 10)
-
-        bound = WINDOW_S + GRACE_S + PART_TIMEOUT_S + REDUCE_TIMEOUT_S + SLACK_S
-        assert len(outcomes) == 2 and all(o.elapsed_s < bound for o in outcomes)
-        first, second = (o.result for o in outcomes)
-        assert first is not None and second is not None
-        assert first.averaged == second.averaged
-        assert first.members == second.members == tuple(sorted(a.peer_id for a in survivors))
-        expected = reduce_group(contributions, codec=make_codec("int8"))
-        assert first.averaged == expected.averaged
-        assert first.reports == second.reports == expected.reports
-        # The owners held the round open for the victim until the part timeout, not longer.
-        assert all(o.elapsed_s >= PART_TIMEOUT_S for o in outcomes)
-        from hivemind.p2p import PeerID
-
-        victim = PeerID.from_identity(victim_identity.read_bytes()).to_base58()
-        # Its part, when it owned one, came from the survivor after it in order (a stand-in).
-        assert victim not in first.owners.values() and first.owners == second.owners
+        assert len(outcomes) == 2, "a survivor never returned"
+        yield KilledRound(swarm, survivors, contributions, outcomes, victim, killed_s)
     finally:
         if proc is not None and proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=10)
         log.close()
         swarm.close()
+
+
+@pytest.mark.parametrize("victim_owns", ["nothing", "a_part"])
+@pytest.mark.parametrize("stage", ["registered", "sending"])
+def test_member_killed_mid_round_never_stalls_the_others(
+    tmp_path: Path, stage: str, victim_owns: str
+) -> None:
+    """SIGKILL a member after it registered (sent nothing) or mid-send (an owner accepted its
+    request header and read one of its chunks; the rest never comes). If it owned nothing the
+    survivors complete without it, with reduce_group's bytes over their own contributions. If it
+    owned a part, the survivors that cannot open a stream to it ask the member after it in order,
+    which reduces its part in its place, and they complete alike; a survivor whose stream to it was
+    already open when it died loses that part, and then both return None (nobody may apply a round
+    with a part missing). An owner reading the half-sent stream drops the member at once rather
+    than waiting for it to the part deadline."""
+    with _a_round_with_a_member_killed(tmp_path, stage=stage, victim_owns=victim_owns) as killed:
+        print(killed.report(f"member killed at {stage!r}, owning {victim_owns}"))
+        outcomes, survivors = killed.outcomes, killed.survivors
+        assert all(o.elapsed_s < KILLED_BOUND_S for o in outcomes)
+        first, second = (o.result for o in outcomes)
+        dropped = [killed.dropped_by(s, 0) for s in survivors]
+        if stage == "sending":
+            # The owner its first chunk went to (one of the survivors if it owned nothing, the one
+            # survivor owning a part otherwise) saw the stream break and stopped waiting for it.
+            assert any(killed.victim in d for d in dropped), dropped
+        else:
+            # It never opened a stream: it is missing, not dropped. (A survivor can be dropped: one
+            # that gave up on the victim's part closes its streams to the other owner mid-send.)
+            assert all(killed.victim not in d for d in dropped), dropped
+        if victim_owns == "a_part" and stage == "sending" and first is None:
+            # The survivors' streams to it were open when it died: its part is lost to both, and
+            # nobody may apply a round with a part missing.
+            assert second is None
+            return
+        # Otherwise no stream reached it (it died before the survivors asked it for its part, as
+        # it always has after registering): the survivor after it in order stood in for it.
+        assert first is not None and second is not None
+        assert first.averaged == second.averaged
+        assert first.members == second.members == tuple(sorted(a.peer_id for a in survivors))
+        expected = reduce_group(killed.contributions, codec=make_codec("int8"))
+        assert first.averaged == expected.averaged
+        assert first.reports == second.reports == expected.reports
+        if stage == "registered":
+            # The owners held the round open for the victim until the part timeout, not longer.
+            assert all(o.elapsed_s >= PART_TIMEOUT_S for o in outcomes)
+        assert killed.victim not in first.owners.values() and first.owners == second.owners
+
+
+def test_an_owner_killed_mid_reduce_fails_the_round_everywhere_and_the_retry_completes(
+    tmp_path: Path,
+) -> None:
+    """SIGKILL an owner once every contribution is in and before it reduces (so before it answers):
+    both survivors return None within the bound (nothing applied), and the next try of the round
+    (the loop's next round id) completes between the two with reduce_group's bytes."""
+    round = 3 * ROUND_ID_STRIDE
+    with _a_round_with_a_member_killed(
+        tmp_path, stage="reducing", victim_owns="a_part", round=round
+    ) as killed:
+        print(killed.report("owner killed at 'reducing'"))
+        assert [o.result for o in killed.outcomes] == [None, None]
+        assert all(o.elapsed_s < KILLED_BOUND_S for o in killed.outcomes)
+        retry = _average_together(killed.survivors, killed.contributions, round=round + 1, spec="int8")
+        print(
+            f"retry as round id {round + 1}: returned after",
+            ", ".join(f"{o.elapsed_s:.2f}" for o in retry),
+            "s",
+        )
+        _assert_matches_reduce_group(retry, killed.contributions, "int8")
+        assert all(o.elapsed_s < killed.swarm.round_bound_s for o in retry)
 
 
 def _round_with_a_lying_owner(lie: Callable[[Any], Any], spec: str, seed: int) -> None:

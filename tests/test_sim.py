@@ -240,3 +240,23 @@ def test_hostile_peers_send_their_attack_and_the_owners_screen_or_bound_it() -> 
         )
         moved[spec] = float((attacked - clean).norm())
     assert moved["clip:1"] < moved["mean"]
+
+
+def test_scoring_excludes_the_weighted_sign_flip_every_round_and_no_honest_peer() -> None:
+    """With --score loss the hub judges every Δ on a batch no peer chooses: the peer sending −Δ
+    with the most weight the round allows (which the norm screening lets through) is left out of
+    every round, and a clean run keeps all four."""
+    train = replace(
+        SMALL, instances=1, inner_steps=4, schedule=replace(SMALL.schedule, test="none"), score="loss"
+    )
+    corpus, tokenizer = load_data(train)
+    base = SimConfig(peers=4, rounds=2, train=train)
+    attacked = Simulator(replace(base, hostile=1, attack="flip"), corpus, vocab_size=tokenizer.vocab_size)
+    assert [r.group_size for r in attacked.run()] == [3, 3]
+    assert attacked.scorer is not None
+    assert (attacked.scorer.stats.judged, attacked.scorer.stats.excluded) == (8, 2)
+    hashes = {p.state.theta_hash() for p in attacked.peers}
+    assert len(hashes) == 1  # the excluded peer took the update as a listener
+    clean = Simulator(base, corpus, vocab_size=tokenizer.vocab_size)
+    assert [r.group_size for r in clean.run()] == [4, 4]
+    assert clean.scorer is not None and clean.scorer.stats.excluded == 0

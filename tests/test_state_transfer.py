@@ -6,19 +6,28 @@ and m are ~70 chunks), and a joiner that downloads the way a node does (`swarm.s
 `RemoteSource` through `training.catchup.catch_up`, checked against the θ hash the swarm published,
 never one a donor states). Donors misbehave through `Donor`: they count the chunks they read, and
 can corrupt them, stop answering after k chunks, or die after k chunks (server and p2pd shut down).
+One donor runs in its own process group and is killed with SIGKILL mid-download, p2pd included.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
+import os
+import signal
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import pytest
 import torch
 
+from adloco.node.cli.processes import group_members
 from adloco.node.swarm.offers import StateOffers
 from adloco.node.swarm.sync import Downloads, DownloadTarget, RemoteSource, updates_of
 from adloco.node.training.catchup import catch_up
@@ -35,6 +44,7 @@ from adloco.protocol.transport.manifest import (
     TensorSpec,
     build_manifest,
 )
+from adloco.protocol.transport.procfs import live_processes
 from adloco.protocol.transport.records import StateRecord
 from adloco.protocol.transport.state_transfer import (
     MAX_DONOR_FAILURES,
@@ -53,6 +63,10 @@ CHUNK = 64 << 10
 # Update payloads travel in pieces of the server's chunk size: small here, so they take several.
 SETTINGS = TransferSettings(chunk_bytes=4 << 10, timeout_floor_s=2.0)
 FLAKY_FAILURES = 2
+# A download whose donor dies: the other serves every chunk (a second on loopback), and the dead one
+# holds a chunk for at most MAX_DONOR_FAILURES requests in a row that time out (a floor each, here),
+# with slack for 2 busy cores.
+DOWNLOAD_BOUND_S = MAX_DONOR_FAILURES * SETTINGS.timeout_floor_s + 10.0
 
 
 @dataclass
@@ -256,6 +270,115 @@ def test_a_donor_that_dies_mid_download_is_replaced_by_the_other(swarm: Swarm, d
         assert report.kept[donors[0].peer_id] == len(target_chunks(swarm)) - report.kept[dying.peer_id]
     finally:
         _stop_donor(dying)
+
+
+_DYING_DONOR = """
+import sys, threading, time
+from pathlib import Path
+from adloco.protocol.transport.dht import NetworkConfig, start_dht
+from adloco.protocol.transport.manifest import StateManifest
+from adloco.protocol.transport.state_transfer import ServedState, StateServer, TransferSettings
+
+folder, digest, prefix, after = Path(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
+net, settings = NetworkConfig(**eval(sys.argv[5])), TransferSettings(**eval(sys.argv[6]))
+encoded, data = (folder / "manifest").read_bytes(), (folder / "state").read_bytes()
+manifest = StateManifest.decode(encoded, digest=digest)
+reads, mutex = 0, threading.Lock()
+
+def read_chunk(index):
+    global reads
+    with mutex:
+        reads += 1
+        count = reads
+    if count > after:
+        if count == after + 1:
+            print("SERVED", after, flush=True)
+        time.sleep(3600)  # this request and every later one hang until the test kills the group
+    start, end = manifest.span(index)
+    return data[start:end]
+
+served = ServedState(manifest, encoded, read_chunk)
+dht = start_dht(net)
+offered = lambda d: served if d == digest else None
+server = StateServer(dht, prefix=prefix, offered=offered, updates=lambda r: [], settings=settings)
+print("READY", dht.peer_id.to_base58(), flush=True)
+threading.Event().wait()
+"""
+
+
+def test_a_donor_process_killed_mid_download_is_replaced_by_the_other(
+    swarm: Swarm, donors: list[Donor], tmp_path: Path
+) -> None:
+    """kill -9 of a donor's whole process group (python, DHT process, p2pd) mid-download: it runs in
+    its own session, serves the holder's state from a copy of its bytes, answers 8 chunk requests,
+    then hangs on the next ones until the test kills it. The joiner completes from the other donor,
+    bit-identical to the holder's state and within a bound; the report counts the dead donor's
+    failed requests. Nothing of the donor's group outlives the test."""
+    after = 8
+    served = swarm.offers.publish()
+    chunks = len(served.manifest.chunks)
+    (tmp_path / "manifest").write_bytes(served.encoded)
+    (tmp_path / "state").write_bytes(b"".join(served.read_chunk(i) for i in range(chunks)))
+    net = dataclasses.asdict(replace(NET, peers=tuple(visible_maddrs(swarm.dhts[0]))))
+    args = [str(tmp_path), served.digest, PREFIX, str(after), repr(net), repr(dataclasses.asdict(SETTINGS))]
+    log_path = tmp_path / "donor.log"
+    p2pd: list[int] = []
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _DYING_DONOR, *args],
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+            start_new_session=True,  # its DHT process and p2pd die with it: the whole machine "fails"
+        )
+    try:
+        assert proc.stdout is not None
+        ready = proc.stdout.readline()  # "" if it died while starting: its log says why
+        assert ready.startswith("READY"), log_path.read_text()[-3000:]
+        dying, said = ready.split()[1], proc.stdout
+        group = {p.pid for p in live_processes() if p.group == proc.pid}
+        p2pd += [p.pid for p in live_processes() if p.name == "p2pd" and p.parent in group]
+        assert p2pd, "the donor's p2pd was not found under its DHT process"
+        killed: list[float] = []
+
+        def kill_once_it_served() -> None:
+            if said.readline().startswith("SERVED"):
+                os.killpg(proc.pid, signal.SIGKILL)
+                killed.append(time.monotonic())
+
+        killer = threading.Thread(target=kill_once_it_served)
+        target = replace(swarm.target([donors[0]]), donors=(dying, donors[0].peer_id))
+        joiner = _peer("joiner")
+        downloads = Downloads(swarm.client, joiner)
+        began = time.monotonic()
+        killer.start()
+        _download(swarm, joiner, downloads, target)
+        took = time.monotonic() - began
+        killer.join(timeout=30)
+        assert killed, f"the donor never served its chunks; its log:\n{log_path.read_text()[-3000:]}"
+        killed_s = killed[0] - began
+        report = downloads.last
+        assert report is not None
+        print(
+            f"donor killed {killed_s:.2f} s into the download, done {took - killed_s:.2f} s later "
+            f"({took:.2f} s in all, bound {DOWNLOAD_BOUND_S:.0f} s); "
+            f"kept {dict(report.kept)}, failed {dict(report.failed)}, dropped {list(report.dropped)}"
+        )
+        _assert_holds_the_holders_state(joiner, swarm.holder)
+        assert killed_s < took < DOWNLOAD_BOUND_S  # killed mid-download, and it still ended in time
+        # Its requests in flight when it died failed (broken streams), and went to the other donor.
+        assert report.failed[dying] >= 1
+        assert 1 <= report.kept[dying] <= after  # the last ones read may not have reached the joiner
+        assert report.kept[donors[0].peer_id] == chunks - report.kept[dying]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while group_members(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert group_members(proc.pid) == [], "the killed donor's DHT process or p2pd outlived it"
+        assert not set(p2pd) & {p.pid for p in live_processes()}, "the killed donor's p2pd outlived it"
 
 
 def target_chunks(swarm: Swarm) -> tuple[str, ...]:

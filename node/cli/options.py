@@ -154,6 +154,12 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         " clip:c (CenteredClip); the robust rules bound what hostile peers can move",
     )
     outer.add_argument(
+        "--score",
+        default=TrainConfig.score,
+        help="contribution scoring (Templar's Gauntlet): off, or loss[:k]: exclude a Δ that raises the"
+        " loss on a batch its sender cannot choose, k robust deviations below the median gain (k=3)",
+    )
+    outer.add_argument(
         "--max-rel-error", type=finite_float, default=0.1, help="δ of the adaptive codec chooser"
     )
     outer.add_argument(
@@ -224,6 +230,7 @@ def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
             codec=args.codec,
             max_rel_error=args.max_rel_error,
             aggregate=args.aggregate,
+            score=args.score,
             correct_late=not args.no_correction,
             heloco=replace(base.heloco, c_ok=args.heloco_c_ok),
             staleness_weight=args.staleness_weight,

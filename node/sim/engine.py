@@ -17,10 +17,16 @@ With one-step-delay overlap (`TrainConfig.overlap`) a member starts its next loc
 it has contributed, and the round's update lands at the first inner step that ends after the
 transfer has (in simulated time); a member that finishes its local round first waits for it.
 `RoundRecord.wait_s` is the members' mean time idle, waiting for the group and its transfer.
+
+Scoring (`TrainConfig.score`, issue 10 §3): the hub judges each contribution's whole Δ at the close
+of its round on a batch of training data drawn from a stream of the simulator's own, seeded apart
+from every peer's (no peer can choose it), from the round's θ; the excluded contributors are left out
+of the round (`RoundRecord.group_size` shows it) and take its update as listeners.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import statistics
@@ -36,6 +42,7 @@ from ...protocol.algorithms.allreduce import Contribution
 from ...protocol.algorithms.claims import ClaimBounds
 from ...protocol.algorithms.codecs import decode, make_codec
 from ...protocol.algorithms.parts import Aggregate
+from ...protocol.algorithms.scoring import SCORE_SEED_OFFSET, SCORE_SEQUENCES, RoundScorer, Score
 from ...protocol.transport.averager import MemberResult
 from ...protocol.transport.memory import MemoryAverager, MemoryHub
 from ..training.catchup import catch_up
@@ -44,6 +51,7 @@ from ..training.corpus import Corpus
 from ..training.peer import Peer, overlap_this_round
 from ..training.replica import PeerState, Update
 from ..training.rounds import ContributionInfo, LocalRound, RoundRecord
+from ..training.sampling import TokenSampler, corpus_stream, evaluate
 
 logger = logging.getLogger(__name__)
 
@@ -191,15 +199,40 @@ class Simulator:
             )
             for i in range(cfg.peers)
         ]
+        self.scorer = self._scorer(corpus)
         # The simulator decides each group itself (`MemoryHub.expect`); the window only bounds a
         # round that somehow lost a member.
-        self.hub = MemoryHub(window_s=AVERAGE_TIMEOUT_S, aggregate=Aggregate.parse(cfg.train.aggregate))
+        self.hub = MemoryHub(
+            window_s=AVERAGE_TIMEOUT_S,
+            aggregate=Aggregate.parse(cfg.train.aggregate),
+            scorer=self.scorer,
+        )
         self.averagers = [MemoryAverager(self.hub, peer.peer_id) for peer in self.peers]
         self._pool = ThreadPoolExecutor(max_workers=cfg.peers, thread_name_prefix="adloco-sim")
         self._round_ids = 0
         self.records: list[RoundRecord] = []
         self.bytes_total = 0
         self.tokens_total = 0
+
+    def _scorer(self, corpus: Corpus) -> RoundScorer | None:
+        """The hub's scorer (`TrainConfig.score`): from the most advanced peer's θ (the members'
+        after catch-up) on the next batch of a training-data stream seeded apart from every peer's."""
+        score = Score.parse(self.cfg.train.score)
+        if not score.on:
+            return None
+        # Its own model: the hub's thread must not swap parameters into a peer's instance.
+        model = copy.deepcopy(self.peers[0].instances[0].model)
+        train = self.cfg.train
+        stream = TokenSampler(
+            corpus_stream(corpus, corpus.train), seq_len=train.seq_len, seed=train.seed + SCORE_SEED_OFFSET
+        )
+        return RoundScorer(
+            score,
+            theta=lambda: max(self.peers, key=lambda p: p.state.round).named_theta(),
+            batch=lambda: stream.next_batch(SCORE_SEQUENCES),
+            loss=lambda params, batch: evaluate(model, batch, micro_batch=SCORE_SEQUENCES, parameters=params),
+            step=train.outer.lr,
+        )
 
     # ---- time model --------------------------------------------------------------------------
 
@@ -346,8 +379,11 @@ class Simulator:
             for i, c in contributing
         ]
         results = [call.result() for call in calls]
-        first = results[0]
-        if first is None or any(r is None for r in results):
+        first = next((r for r in results if r is not None), None)
+        # Only a contribution the scorer excluded gets None (it takes the update as a listener).
+        if first is None or any(
+            r is None and c.peer_id in first.members for r, (_, c) in zip(results, contributing, strict=True)
+        ):
             raise RuntimeError(f"round {round_id}: a virtual peer got no result from the in-process averager")
         return first
 

@@ -15,16 +15,20 @@ every Python version, so volunteers on different Pythons train together (their f
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import logging
+import os
+import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ...errors import NetworkLost
+from ...errors import NetworkLost, UserError
 from ...protocol.algorithms.parts import Aggregate
+from ...protocol.algorithms.scoring import SCORE_SEQUENCES, RoundScorer, Score
 from ...protocol.transport.admission import Admission
 from ...protocol.transport.dht import NetworkConfig, network_failure, start_dht, visible_maddrs
 from ...protocol.transport.hivemind_averager import HivemindAverager
@@ -39,8 +43,9 @@ from ..training.model import check_model
 from ..training.peer import Peer
 from ..training.rounds import RoundRecord
 from ..training.runtime import load_data
+from ..training.sampling import TokenSampler, evaluate
 from ..training.tokenizer import Tokenizer
-from .loop import LoopConfig, RoundLoop
+from .loop import ROUND_ID_STRIDE, LoopConfig, RoundLoop
 from .offers import StateOffers
 from .ops import NodeOps, StatusLog
 from .sync import SwarmSync, updates_of
@@ -48,6 +53,8 @@ from .sync import SwarmSync, updates_of
 logger = logging.getLogger(__name__)
 
 RECORD_TTL_S = 600.0
+# Fault injection for tests, read once at start (`answer_delay_from_env`); never set in production.
+SLOW_ANSWERS_ENV = "ADLOCO_FAULT_SLOW_ANSWERS"
 
 
 @dataclass(frozen=True)
@@ -103,6 +110,7 @@ class SwarmNode:
         corpus, tokenizer = load_data(cfg)
         self.data_shard = _data_shard(swarm)
         check_model(cfg.model, vocab_size=tokenizer.vocab_size, max_seq_len=max(1024, cfg.seq_len))
+        self._answer_delay = answer_delay_from_env(os.environ)
         # hivemind forks the DHT process from this one: started before the model is built, it does
         # not inherit the weights and state, whose pages it would otherwise keep (copy-on-write) as
         # this process rewrites them every round (2.1 GiB per node at GPT-2 124M).
@@ -164,6 +172,8 @@ class SwarmNode:
             chunk_bytes=swarm.exchange_chunk_bytes,
             aggregate=Aggregate.parse(self.peer.cfg.aggregate),
             admission=self.admission,
+            scorer=shard_scorer(self.peer),
+            answer_delay=self._answer_delay,
         )
         # fp32 is the largest encoding of the pseudo-gradient: a bound for every codec of the run.
         fp32_bytes = 4 * sum(t.numel() for t in self.peer.named_theta().values())
@@ -259,6 +269,45 @@ class SwarmNode:
             except Exception as e:
                 logger.debug("shutdown: %r", e)
         self.dht.shutdown()
+
+
+def shard_scorer(peer: Peer) -> RoundScorer | None:
+    """The owner's scorer of `--score` (None when off): each call judges the members' Δs over the
+    parts this node owns, from its θ (the round's anchor: a round is applied only after its owners
+    have reduced) on a fresh batch of its own data shard, drawn with a seed only this process knows,
+    so no member can choose or predict it; on a model of its own, since the reduction runs on the
+    averager's thread while the instances train."""
+    score = Score.parse(peer.cfg.score)
+    if not score.on:
+        return None
+    model = copy.deepcopy(peer.instances[0].model)
+    device = next(model.parameters()).device
+    stream = TokenSampler(
+        peer.instances[0].sampler.stream, seq_len=peer.cfg.seq_len, seed=secrets.randbits(63)
+    )
+    return RoundScorer(
+        score,
+        theta=peer.named_theta,
+        batch=lambda: stream.next_batch(SCORE_SEQUENCES),
+        loss=lambda params, batch: evaluate(
+            model, batch, micro_batch=SCORE_SEQUENCES, parameters={k: v.to(device) for k, v in params.items()}
+        ),
+        step=peer.cfg.outer.lr,
+    )
+
+
+def answer_delay_from_env(environ: Mapping[str, str]) -> Callable[[int], float] | None:
+    """The test knob ADLOCO_FAULT_SLOW_ANSWERS="R:S": in round R (numbered as the status events
+    number a round applied), this node reads its owners' answers S seconds late in every averaging
+    call (`HivemindAverager.answer_delay`: a member on a stalled machine). Unset: None, no cost."""
+    text = environ.get(SLOW_ANSWERS_ENV)
+    if not text:
+        return None
+    try:
+        first, seconds = int(text.split(":")[0]), float(text.split(":")[1])
+    except (IndexError, ValueError):
+        raise UserError(f"{SLOW_ANSWERS_ENV}: expected ROUND:SECONDS, got {text!r}") from None
+    return lambda round_id: seconds if round_id // ROUND_ID_STRIDE + 1 == first else 0.0
 
 
 def _data_shard(swarm: SwarmConfig) -> int:

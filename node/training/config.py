@@ -19,6 +19,7 @@ from ...protocol.algorithms.heloco import HelocoConfig
 from ...protocol.algorithms.outer import OuterConfig
 from ...protocol.algorithms.parts import Aggregate
 from ...protocol.algorithms.schedule import ScheduleConfig
+from ...protocol.algorithms.scoring import Score
 from .instances import InnerConfig
 
 DEFAULT_CODEC_CANDIDATES: tuple[str, ...] = (
@@ -80,6 +81,13 @@ class TrainConfig:
         "mean" (the weighted mean), "trimmed:β" (coordinate-wise, ⌊β·n⌋ of each end left out) or
         "clip:c" (CenteredClip, τ = c × the median distance from the coordinate-wise median); the
         robust rules bound what a few hostile peers can move (protocol/algorithms/parts.py).
+    score: contribution scoring as Templar's Gauntlet does (issue 10 §3): "off", or "loss" /
+        "loss:k": before the aggregate rule, each contribution's Δ is applied to θ (× the outer lr)
+        on a batch its sender cannot choose, and one that raises the loss beyond k robust standard
+        deviations below the median gain (default 3) is excluded (protocol/algorithms/scoring.py).
+        Costs (contributors + 1) forward passes of 16 sequences per round where it runs. Turn it
+        on when peers are not trusted and a sign-flipped or noise Δ at an honest norm gets past the
+        aggregate rule (the loss jumps after rounds while the norm screening rejects nothing).
     b_max: override the probed hardware batch limit (switch mode engages above it).
     memory_budget_gb: CPU memory for b_max probing (default: half of what is available).
     non_iid: give each peer a different part of the corpus (by top-level package).
@@ -132,6 +140,7 @@ class TrainConfig:
     replay_mb: float = 256.0
     residual_dtype: Literal["auto", "float32", "bfloat16", "int8"] = "auto"
     aggregate: str = "mean"
+    score: str = "off"
     b_max: int | None = None
     memory_budget_gb: float | None = None
     non_iid: bool = False
@@ -167,6 +176,7 @@ class TrainConfig:
             raise ValueError(f"replay_mb must be >= 0, got {self.replay_mb}")
         try:
             Aggregate.parse(self.aggregate)
+            Score.parse(self.score)
         except ValueError as e:
             raise ValueError(str(e)) from None
         if self.residual_dtype not in ("auto", *RESIDUAL_DTYPES):

@@ -16,6 +16,11 @@ Robust aggregation (issue 10 §3, `Aggregate`): what passes the screening is com
 mean (the default), a coordinate-wise trimmed mean, or CenteredClip (Karimireddy et al., as BTARD
 runs it per part). Every owner applies the run's rule to its own parts, and every member receives
 the owner's bytes, so θ stays identical whatever the rule.
+
+Scoring (issue 10 §3, `scoring.py`): given a `scorer`, `reduce_parts` first judges each contributor
+by the loss change its Δ over these parts makes on a batch the owner holds, and leaves the ones it
+excludes out of every part, reported as rejections like the screening's, before the screening and
+the aggregate rule see the rest.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from .codecs import Codec, decode
+from .scoring import Scorer
 
 DEFAULT_OUTLIER_FACTOR = 10.0
 """How far above the part's median L2 norm a payload's norm may be before its owner rejects it.
@@ -204,6 +210,7 @@ def reduce_part(
     tokens: Sequence[float] | None = None,
     outlier_factor: float | None = DEFAULT_OUTLIER_FACTOR,
     aggregate: Aggregate = MEAN,
+    excluded: Mapping[int, str] | None = None,
 ) -> ReducedPart:
     """Decode every member's payload of one tensor, screen them, average the rest, re-encode.
 
@@ -214,7 +221,8 @@ def reduce_part(
     staleness weight, so a down-weighted late contribution is smaller in absolute terms, not only
     relative to the others. When nothing is left (every payload rejected, or the accepted ones all
     weigh 0) the average is zeros. A single accepted payload that is its own average is forwarded
-    unchanged. Raises ValueError on empty, negative, non-finite or zero-sum weights, on negative or
+    unchanged. `excluded` (index -> why, from a scorer) are rejected before the screening looks at the
+    others. Raises ValueError on empty, negative, non-finite or zero-sum weights, on negative or
     non-finite tokens, on a count mismatch, on an undecodable payload and on differing shapes.
     """
     _check_inputs(payloads, weights, tokens)
@@ -223,7 +231,7 @@ def reduce_part(
     shapes = {tuple(t.shape) for t in tensors}
     if len(shapes) != 1:
         raise ValueError(f"{key}: payload shapes differ: {sorted(shapes)}")
-    rejected = screen_part(tensors, outlier_factor)
+    rejected = _screen(tensors, outlier_factor, excluded or {})
     accepted = [i for i in range(len(tensors)) if i not in rejected]
     normalized = _normalized(
         [weights[i] for i in accepted], None if tokens is None else [tokens[i] for i in accepted]
@@ -236,6 +244,17 @@ def reduce_part(
         return ReducedPart(bytes(payloads[accepted[0]]), rejected)
     average = aggregate.combine([tensors[i] for i in accepted], normalized)
     return ReducedPart(codec.encode(key, average), rejected)
+
+
+def _screen(
+    tensors: Sequence[torch.Tensor], outlier_factor: float | None, excluded: Mapping[int, str]
+) -> dict[int, str]:
+    """`screen_part` over the tensors not already `excluded`, with the excluded ones added."""
+    if any(not 0 <= i < len(tensors) for i in excluded):
+        raise ValueError(f"excluded indices must be in [0, {len(tensors)}), got {sorted(excluded)}")
+    rest = [i for i in range(len(tensors)) if i not in excluded]
+    screened = screen_part([tensors[i] for i in rest], outlier_factor)
+    return dict(sorted({**excluded, **{rest[j]: why for j, why in screened.items()}}.items()))
 
 
 @dataclass(frozen=True)
@@ -261,13 +280,19 @@ def reduce_parts(
     *,
     outlier_factor: float | None = DEFAULT_OUTLIER_FACTOR,
     aggregate: Aggregate = MEAN,
+    scorer: Scorer | None = None,
 ) -> ReducedParts:
     """`reduce_part` for each of `keys` over the same contributors: the one reduction every transport
     runs (the in-process `allreduce.reduce_group` for all parts, a network owner for its own).
 
     `payloads(i, key)` is contributor i's payload of `key`; `weights[i]` / `tokens[i]` its averaging
-    weight and tokens. Raises ValueError as `reduce_part` does.
+    weight and tokens. With a `scorer`, each contributor's decoded payloads of `keys` are judged
+    first (`scoring.Scorer`) and the excluded ones are left out of every part. Raises ValueError as
+    `reduce_part` does.
     """
+    excluded: dict[int, str] = {}
+    if scorer is not None:
+        excluded = scorer(len(contributors), lambda i: {key: decode(payloads(i, key)) for key in keys})
     averaged: dict[str, bytes] = {}
     rejections: list[tuple[str, str, str]] = []
     for key in keys:
@@ -279,6 +304,7 @@ def reduce_parts(
             tokens=tokens,
             outlier_factor=outlier_factor,
             aggregate=aggregate,
+            excluded=excluded,
         )
         averaged[key] = part.payload
         rejections += [(key, contributors[i], reason) for i, reason in part.rejected.items()]

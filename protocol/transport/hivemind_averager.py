@@ -56,9 +56,9 @@ import logging
 import threading
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
-from hivemind.p2p import P2P
+from hivemind.p2p import P2P, PeerID
 
 from ..algorithms.allreduce import Contribution
 from ..algorithms.claims import UNBOUNDED, ClaimBounds
@@ -71,6 +71,7 @@ from ..algorithms.parts import (
     check_outlier_factor,
     most_bytes_moved,
 )
+from ..algorithms.scoring import Scorer
 from .admission import Admission
 from .averager import MemberResult, Misconduct
 from .identity import NodeDHT
@@ -117,7 +118,18 @@ class HivemindAverager:
       None turns the test off, non-finite parts are rejected regardless. Symptom of too low: honest
       peers named in "rejected part" warnings every round; of too high: loss spikes after rounds.
     - `on_stage`: fault-injection hook, called on the event-loop thread as on_stage(stage, round) at
-      "registered" (record stored) and "grouped" (group read); tests block or kill the peer there.
+      "registered" (record stored), "grouped" (group read), "sending" (a member's first chunk frame
+      to an owner written, once per owner) and "reducing" (an owner's members are in, before it
+      reduces); tests block or kill the peer there.
+    - `answer_delay`: fault injection, round -> seconds: in a round where it gives more than 0, this
+      member reads each owner's answer that much later (its parts have gone out; its own owner side
+      is not held), as a member on a stalled machine would. Tests race a leaving owner with it.
+      None (the default) costs nothing.
+    - `scorer`: contribution scoring (`TrainConfig.score`, `scoring.Scorer`): this peer, as an owner,
+      judges each member's Δ over its parts by the loss change on a batch of its own data, and
+      rejects every part of a member it excludes (the "rejected part" warnings say why). None (the
+      default) turns it off. It runs on the reduction's thread within `reduce_timeout_s`: raise that
+      if scoring owners make members give up.
     """
 
     def __init__(
@@ -136,7 +148,9 @@ class HivemindAverager:
         outlier_factor: float | None = DEFAULT_OUTLIER_FACTOR,
         aggregate: Aggregate = MEAN,
         on_stage: Callable[[str, int], None] | None = None,
+        answer_delay: Callable[[int], float] | None = None,
         admission: Admission | None = None,
+        scorer: Scorer | None = None,
     ) -> None:
         _check_knobs(prefix, window_s, grace_s, part_timeout_s, reduce_timeout_s, record_ttl_s)
         if not bandwidth_bps > 0 or not slack >= 1 or not 0 < chunk_bytes <= MAX_CHUNK_BYTES:
@@ -154,14 +168,17 @@ class HivemindAverager:
         self.measured_bps: float | None = None  # this peer's rate over its earlier exchanges
         self.outlier_factor = check_outlier_factor(outlier_factor)
         self.aggregate = aggregate
+        self.scorer = scorer
         self.admission = admission or Admission()
         self._on_stage = on_stage
+        self._answer_delay = answer_delay
         digest = hashlib.sha256(prefix.encode()).hexdigest()[:24]
         self._handler_name = f"adloco.allreduce.v{PROTOCOL_VERSION}.{digest}"
         self._rounds: dict[int, tuple[float, asyncio.Future[RoundState | None]]] = {}
         self._joined: set[int] = set()
         self._lost_owners: dict[int, set[str]] = {}  # round -> owners whose exchange broke here
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._calls: set[asyncio.Task[Any]] = set()  # our `average` calls running on the loop
         self._closed = False
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adloco-reduce")
         self._loop = asyncio.new_event_loop()
@@ -291,15 +308,22 @@ class HivemindAverager:
         return await self._matchmaker.all_failed(round, sorted(waited))
 
     def shutdown(self) -> None:
-        """Remove the stream handler, drop this averager's P2P replica and stop its loop thread.
+        """End the calls still running, deliver the answers this peer owes, remove the stream
+        handler, drop this averager's P2P replica and stop its loop thread.
 
-        The DHT (and its p2pd) stays up: whoever created it shuts it down.
+        A leaving owner owes the answers of every reduction it made: the members that sent it their
+        parts are reading them, and a stream cut now fails their round ("exchange with owner ...
+        broke") though the others complete it. So it waits until each has read its answer, at most
+        as long as they wait for it (`OwnerSession.owed_until`). The parts of a round it abandoned
+        before reducing are not owed. The DHT (and its p2pd) stays up: whoever created it shuts it
+        down.
         """
         if self._closed:
             return
         self._closed = True
         try:
-            self._call(self._close(), timeout=10)
+            owed_s = self._call(self._end_calls(), timeout=10)
+            self._call(self._close(), timeout=10 + owed_s)
         except Exception as e:  # the DHT may already be gone; nothing else to release then
             logger.debug("averager shutdown: %r", e)
         finally:
@@ -323,11 +347,40 @@ class HivemindAverager:
             self._loop.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
 
-    async def _close(self) -> None:
+    async def _end_calls(self) -> float:
+        """Stop taking streams and end our own calls still running (their rounds are abandoned: their
+        own slots in our sessions are released); returns how long answers may still be owed."""
         try:
             await asyncio.wait_for(self._p2p.remove_binary_stream_handler(self._handler_name), timeout=5)
         except Exception as e:  # p2pd already gone with its DHT: there is no handler left to remove
             logger.debug("removing the averaging handler: %r", e)
+        for call in self._calls:
+            call.cancel()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.gather(*self._calls, return_exceptions=True), timeout=5)
+        now = asyncio.get_running_loop().time()
+        return max([until - now for _, until in self._owed()], default=0.0)
+
+    def _owed(self) -> list[tuple[OwnerSession, float]]:
+        """Our reductions whose answers members may still be reading, and until when."""
+        owed = []
+        for _, future in self._rounds.values():
+            state = future.result() if future.done() and not future.cancelled() else None
+            until = None if state is None or state.session is None else state.session.owed_until()
+            if state is not None and state.session is not None and until is not None:
+                owed.append((state.session, until))
+        return owed
+
+    async def _close(self) -> None:
+        owed = self._owed()
+        if owed:
+            now = asyncio.get_running_loop().time()
+            rounds = sorted({session.group.round for session, _ in owed})
+            self._log(rounds[-1], "leaving: delivering the answers owed for rounds %s", rounds)
+            waits = [asyncio.wait_for(s.idle.wait(), timeout=max(0.0, until - now)) for s, until in owed]
+            for outcome in await asyncio.gather(*waits, return_exceptions=True):
+                if isinstance(outcome, asyncio.TimeoutError):
+                    self._log(rounds[-1], "leaving: an answer was not read in time", level=logging.WARNING)
         current = asyncio.current_task()
         tasks = [t for t in asyncio.all_tasks() if t is not current]
         for task in tasks:
@@ -378,6 +431,9 @@ class HivemindAverager:
             raise ValueError(f"round {round} was already averaged by this peer; rounds are single-use")
         self._joined.add(round)
         ready = self._round_future(round)
+        call = asyncio.current_task()
+        assert call is not None
+        self._calls.add(call)
         try:
             return await asyncio.wait_for(
                 self._run_round(contribution, round, codec, ready, join_only, join_wait_s, bounds), timeout
@@ -387,6 +443,7 @@ class HivemindAverager:
         except RoundFailed as e:
             self._log(round, "no result: %s", e, level=logging.WARNING)
         finally:
+            self._calls.discard(call)
             if not ready.done():
                 ready.set_result(None)
         if ready.result() is not None:  # a group formed: its other members may wait on this try
@@ -521,12 +578,14 @@ class HivemindAverager:
             codec=codec,
             outlier_factor=self.outlier_factor,
             aggregate=self.aggregate,
+            scorer=self.scorer,
             bounds=bounds,
             with_metadata=with_metadata,
             deadline=grouped_at + self.phase_s(moved, floor_s=self.part_timeout_s, measured=True),
             # Only frees the stream of a member that stopped reading: never sooner than the member
             # itself gives up (its whole budget), so load on this peer cannot cut an answer short.
             answer_timeout_s=self._exchange_budget_s(moved),
+            on_stage=self._on_stage,
         )
         self._spawn(session.run(self._executor))
         return session
@@ -552,11 +611,15 @@ class HivemindAverager:
             k: max(len(p), codec.wire_bytes(payload_shape(p))) for k, p in contribution.payloads.items()
         }
         lost: set[str] = set()
+        p2p = self._p2p
+        delay_s = 0.0 if self._answer_delay is None else self._answer_delay(state.group.round)
+        if delay_s > 0:
+            p2p = cast(P2P, _LateAnswers(p2p, delay_s))
 
         async def answer_of(owner: str, keys: list[str]) -> Answer:
             def ask(member: str) -> Awaitable[Answer]:
                 return fetch(
-                    self._p2p,
+                    p2p,
                     self._handler_name,
                     state,
                     peer_id=self._peer_id,
@@ -566,6 +629,7 @@ class HivemindAverager:
                     with_metadata=owner == metadata_owner,
                     chunk_bytes=self.chunk_bytes,
                     answer_bounds={k: bounds[k] for k in keys},
+                    on_stage=self._on_stage,
                 )
 
             try:
@@ -653,6 +717,34 @@ def _incoming(contribution: Contribution, keys: list[str]) -> Incoming:
     """Our own contribution to the parts `keys`, as a session takes it (never on the wire)."""
     own = {k: bytes(contribution.payloads[k]) for k in keys}
     return Incoming(contribution.weight, contribution.tokens, own, bytes(contribution.metadata))
+
+
+class _LateAnswers:
+    """Fault injection (`answer_delay`): a P2P whose streams hold back the reading of the answer.
+
+    A member's stream reads the owner's go frame (two reads: its length, its header), then the
+    answer; the third read waits `delay_s` first.
+    """
+
+    def __init__(self, p2p: P2P, delay_s: float) -> None:
+        self._p2p, self._delay_s = p2p, delay_s
+
+    async def call_binary_stream_handler(
+        self, peer_id: PeerID, handler: str
+    ) -> tuple[Any, _LateReader, asyncio.StreamWriter]:
+        info, reader, writer = await self._p2p.call_binary_stream_handler(peer_id, handler)
+        return info, _LateReader(reader, self._delay_s), writer
+
+
+class _LateReader:
+    def __init__(self, reader: asyncio.StreamReader, delay_s: float) -> None:
+        self._reader, self._delay_s, self._reads = reader, delay_s, 0
+
+    async def readexactly(self, n: int) -> bytes:
+        self._reads += 1
+        if self._reads == 3:
+            await asyncio.sleep(self._delay_s)
+        return await self._reader.readexactly(n)
 
 
 def _check_knobs(

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from hivemind.p2p import P2P, PeerID
@@ -86,9 +86,12 @@ async def fetch(
     with_metadata: bool,
     chunk_bytes: int,
     answer_bounds: Mapping[str, int],
+    on_stage: Callable[[str, int], None] | None = None,
 ) -> Answer:
     """Send `owner` our payloads of `keys` (and our report if `with_metadata`) in chunks of
-    `chunk_bytes`; return its answer, whose part k may be at most `answer_bounds[k]` bytes."""
+    `chunk_bytes`; return its answer, whose part k may be at most `answer_bounds[k]` bytes.
+    `on_stage` is the fault-injection hook, called as on_stage("sending", round) once the first
+    chunk frame is written."""
     header = request_header(
         state, peer_id=peer_id, keys=keys, contribution=contribution, with_metadata=with_metadata
     )
@@ -101,7 +104,11 @@ async def fetch(
         go, _ = await read_frame(reader, state.meter, max_header=GO_HEADER_BYTES, max_body=0)
         if not go.get("ok"):
             raise RoundFailed(f"owner {owner[-8:]} refused: {go.get('e')}")
-        await write_chunks(writer, [contribution.payloads[k] for k in keys], chunk_bytes, state.meter)
+        payloads = [contribution.payloads[k] for k in keys]
+        if on_stage is None:
+            await write_chunks(writer, payloads, chunk_bytes, state.meter)
+        else:
+            await _write_chunks_staged(writer, payloads, chunk_bytes, state, on_stage)
         response, _ = await read_frame(reader, state.meter, max_body=0)
         sizes = _answer_sizes(response, owner=owner, keys=keys, bounds=answer_bounds)
         body = await read_chunks(reader, sizes, state.meter)
@@ -116,6 +123,21 @@ async def fetch(
     if error is not None:
         raise RoundFailed(f"owner {owner[-8:]} answered a part of another shape: {error}")
     return _parse_answer(response, body, owner=owner, keys=keys, with_metadata=with_metadata)
+
+
+async def _write_chunks_staged(
+    writer: asyncio.StreamWriter,
+    payloads: list[bytes],
+    chunk_bytes: int,
+    state: RoundState,
+    on_stage: Callable[[str, int], None],
+) -> None:
+    """`write_chunks` with the "sending" stage after its first frame: the same frames (a payload's
+    first chunk, then its rest, cut the same way), so a test can kill a member mid-send."""
+    first = payloads[0]
+    await write_chunks(writer, [first[:chunk_bytes]], chunk_bytes, state.meter)
+    on_stage("sending", state.group.round)
+    await write_chunks(writer, [first[chunk_bytes:], *payloads[1:]], chunk_bytes, state.meter)
 
 
 def _answer_sizes(

@@ -18,8 +18,9 @@ import torch
 
 from ..algorithms.allreduce import Contribution, GroupResult, reduce_group
 from ..algorithms.claims import UNBOUNDED, ClaimBounds
-from ..algorithms.codecs import Codec
+from ..algorithms.codecs import Codec, decode
 from ..algorithms.parts import DEFAULT_OUTLIER_FACTOR, MEAN, Aggregate, assign_parts, check_outlier_factor
+from ..algorithms.scoring import Scorer
 from .averager import MemberResult, NotOpened, Traffic
 
 logger = logging.getLogger(__name__)
@@ -84,7 +85,10 @@ class MemoryHub:
     with `reduce_group` (each part encoded by its owner's codec) and every member receives the same
     result. Rounds older than `ttl_s` are forgotten (a call after that opens a new group).
     `outlier_factor` is the owners' outlier test (`parts.DEFAULT_OUTLIER_FACTOR`; 0 or None turns
-    it off): in process one hub reduces for every owner, so the knob lives here.
+    it off): in process one hub reduces for every owner, so the knob lives here. A `scorer`
+    (`scoring.Scorer`, e.g. the simulator's loss test) judges every contribution's whole Δ at the
+    close; the ones it excludes are left out of the round as a refused claim is (logged; their
+    callers get None), which in process is every owner excluding them from all of its parts.
     """
 
     def __init__(
@@ -95,6 +99,7 @@ class MemoryHub:
         clock: Callable[[], float] = time.monotonic,
         outlier_factor: float | None = DEFAULT_OUTLIER_FACTOR,
         aggregate: Aggregate = MEAN,
+        scorer: Scorer | None = None,
     ) -> None:
         if window_s < 0:
             raise ValueError(f"window_s must be >= 0, got {window_s}")
@@ -102,6 +107,7 @@ class MemoryHub:
         self.ttl_s = ttl_s
         self.outlier_factor = check_outlier_factor(outlier_factor)
         self.aggregate = aggregate
+        self.scorer = scorer
         self._clock = clock
         self._cond = threading.Condition()
         self._rounds: dict[tuple[str, int], _Gathering] = {}
@@ -209,6 +215,7 @@ class MemoryHub:
         codecs = {peer: codec for peer, (_, codec, _) in gathering.entries.items()}
         result: GroupResult | None
         try:
+            contributions = self._scored(contributions)
             result = reduce_group(
                 contributions,
                 codec=owner_codecs(contributions, codecs),
@@ -225,6 +232,16 @@ class MemoryHub:
             # ttl_s (a solo node's whole next round), so let them go now.
             gathering.entries.clear()
             self._cond.notify_all()
+
+    def _scored(self, contributions: list[Contribution]) -> list[Contribution]:
+        """`contributions` less those the scorer excludes (each logged); all of them without one."""
+        if self.scorer is None or not contributions:
+            return contributions
+        ordered = sorted(contributions, key=lambda c: c.peer_id)
+        excluded = self.scorer(len(ordered), lambda i: {k: decode(p) for k, p in ordered[i].payloads.items()})
+        for i, why in excluded.items():
+            logger.warning("%s left out of the round by the scorer: %s", ordered[i].peer_id, why)
+        return [c for i, c in enumerate(ordered) if i not in excluded]
 
 
 def _member_view(result: GroupResult, peer: str) -> MemberResult:

@@ -17,8 +17,8 @@ reads the payloads as chunk frames (`wire.read_chunks`): a chunk larger than wha
 part is refused before it is read. Payloads arrive in full before
 they count; `codecs.payload_shape` then checks each as `decode` would, without decoding it, so the
 owner decodes every payload once, when it reduces. A member refused after its header was accepted
-(it sent more than announced, a malformed payload) is dropped from the round: the owner no longer
-waits for it.
+(it sent more than announced, a malformed payload), or whose stream broke before its payloads were
+in (it died mid-send), is dropped from the round: the owner no longer waits for it.
 
 Why payloads are buffered per part and reduced at the deadline, not summed as chunks arrive: the
 screening needs every payload of a part (the median norm) and the bit-identical sum needs the final
@@ -48,6 +48,7 @@ from ..algorithms.claims import UNBOUNDED, ClaimBounds
 from ..algorithms.codecs import Codec, payload_shape
 from ..algorithms.parts import MEAN, Aggregate, reduce_parts
 from ..algorithms.report import MAX_REPORT_BYTES
+from ..algorithms.scoring import Scorer
 from .admission import NOT_ADMITTED, Admission
 from .matchmaking import Group
 from .wire import PROTOCOL_VERSION, Meter, read_chunks, read_frame, write_chunks, write_frame
@@ -143,8 +144,10 @@ def reduce_owned(
     codec: Codec,
     outlier_factor: float | None,
     aggregate: Aggregate = MEAN,
+    scorer: Scorer | None = None,
 ) -> tuple[Answer, list[tuple[str, str, str]]]:
-    """The owner's reduction over the contributors that arrived, and (part, peer, reason) rejections."""
+    """The owner's reduction over the contributors that arrived, and (part, peer, reason) rejections;
+    with a `scorer`, the contributors it excludes are rejected in every part (`parts.reduce_parts`)."""
     contributors = tuple(sorted(contributions))
     entries = [contributions[peer] for peer in contributors]
     reduced = reduce_parts(
@@ -156,6 +159,7 @@ def reduce_owned(
         codec,
         outlier_factor=outlier_factor,
         aggregate=aggregate,
+        scorer=scorer,
     )
     metadata = tuple(e.metadata or b"" for e in entries)
     return Answer(contributors, reduced.averaged, metadata, reduced.rejected), reduced.rejections
@@ -193,6 +197,8 @@ class OwnerSession:
         answer_timeout_s: float,
         bounds: ClaimBounds = UNBOUNDED,
         aggregate: Aggregate = MEAN,
+        on_stage: Callable[[str, int], None] | None = None,
+        scorer: Scorer | None = None,
     ) -> None:
         self.group = group
         self.keys = keys
@@ -201,6 +207,7 @@ class OwnerSession:
         self.codec = codec
         self.outlier_factor = outlier_factor
         self.aggregate = aggregate
+        self.scorer = scorer
         self.bounds = bounds
         self.with_metadata = with_metadata
         self.deadline = deadline  # loop time
@@ -214,6 +221,8 @@ class OwnerSession:
         self.idle = asyncio.Event()  # done, and every admitted member has been answered
         self._all_in = asyncio.Event()
         self._answering = 0
+        self.done_at: float | None = None  # loop time the reduction ended
+        self._on_stage = on_stage  # fault injection: "reducing", once the members are in
 
     def receive(self, peer: str) -> bool:
         """Reserve `peer`'s one incoming stream; False once closed, or if `peer` already sent, is
@@ -261,6 +270,8 @@ class OwnerSession:
                 "round %d: owner dropped %s", self.group.round, sorted(p[-8:] for p in self.dropped)
             )
         self.closed = True
+        if self._on_stage is not None:
+            self._on_stage("reducing", self.group.round)
         try:
             contributions = dict(self.contributions)
             self.result, rejections = await loop.run_in_executor(
@@ -271,6 +282,7 @@ class OwnerSession:
                 self.codec,
                 self.outlier_factor,
                 self.aggregate,
+                self.scorer,
             )
             for key, peer, reason in rejections:
                 logger.warning(
@@ -280,8 +292,17 @@ class OwnerSession:
             logger.warning("round %d: reduction failed: %s", self.group.round, e)
         finally:
             self.contributions = {peer: _DROPPED for peer in self.contributions}  # free the payloads
+            self.done_at = loop.time()
             self.done.set()
             self._update_idle()
+
+    def owed_until(self) -> float | None:
+        """Until when (loop time) members may still be reading the answers of this reduction: each
+        answer gets `answer_timeout_s` from the reduction, no less than its member waits for it.
+        None when nothing is owed: not reduced (an abandoned round), or every answer was read."""
+        if self.done_at is None or self.idle.is_set():
+            return None
+        return self.done_at + self.answer_timeout_s
 
     def _update_idle(self) -> None:
         if self.done.is_set() and self._answering <= 0:
@@ -438,6 +459,10 @@ class OwnerHandler:
                 self._ban(request.peer, str(e)[:200])
         except (OSError, EOFError, asyncio.IncompleteReadError, asyncio.TimeoutError) as e:
             logger.debug("averaging stream dropped: %r", e)
+            if receiving is not None and admitted is None:
+                # Its stream broke mid-send (the member died, or gave up): members never send again
+                # on another stream, so the owner does not wait for it until the part deadline.
+                receiving.drop(request.peer)
         finally:
             writer.close()
             if receiving is not None and admitted is None:

@@ -1,0 +1,218 @@
+"""Faults survived by real nodes with their real p2pd (issue 10 §5): an owner that leaves while a
+member still reads its answer, and a host whose link goes down for a minute.
+
+Every test starts a bootstrap and three `adloco-node` processes as process-group leaders (the
+`procs` fixture reaps every group; the link test builds its hosts in network namespaces,
+`tests/netns.py`, removed with them). `pytest -s` shows the measured figures.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+import netns
+from procs import FAST_NODE_ARGS, Procs, wait_for
+
+LOOPBACK = ["--host-maddrs", "/ip4/127.0.0.1/tcp/0"]
+
+
+def _events(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _rounds(path: Path) -> dict[int, dict]:
+    return {e["round"]: e for e in _events(path) if e["event"] == "round"}
+
+
+def _bootstrap(procs: Procs, tmp_path: Path, host_maddrs: list[str]) -> list[str]:
+    maddrs = tmp_path / "bootstrap.json"
+    procs.start(
+        "bootstrap",
+        ["adloco-bootstrap", "--identity-path", str(tmp_path / "b.key"), *host_maddrs, "--no-nat-port-map",
+         "--maddrs-file", str(maddrs)],
+    )  # fmt: skip
+    wait_for(maddrs.exists, timeout=60, what="bootstrap")
+    return json.loads(maddrs.read_text())
+
+
+def _wait_exit(proc: subprocess.Popen[bytes], timeout: float) -> tuple[int, float]:
+    """The exit code and the wall time the process was seen gone (to 0.05 s)."""
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"pid {proc.pid} still running after {timeout} s")
+        time.sleep(0.05)
+    return proc.returncode, time.time()
+
+
+# The leaving owner: answers big enough that neither side's buffers hold a whole one (the small
+# model's fp32 Δ, ~5.8 MB per owner in a group of three: smaller ones sit whole in the slow member's
+# p2pd before the owner leaves, and the race is not run), and phase deadlines at their floors (a
+# fast exchange rate), so the owner's own wait for its answers to be read (`member.assemble`'s, the
+# reduce floor of 1 s) is shorter than the member's delay.
+LEAVER_ARGS = [
+    *FAST_NODE_ARGS, *LOOPBACK, "--model", "small-llama", "--codec", "none", "--inner-steps", "1",
+    "--reduce-timeout-s", "1", "--exchange-bandwidth-mbps", "800", "--run-id", "leave", "--b-max", "64",
+]  # fmt: skip
+SLOW_READ_S = 3.0
+
+
+@pytest.mark.timeout(180)
+def test_an_owner_leaving_after_its_last_round_delivers_the_answers_a_slow_member_still_reads(
+    procs: Procs, tmp_path: Path
+) -> None:
+    """Three nodes; the leaver stops after round 2, the others go on to round 3. In round 2 one of
+    the others reads its owners' answers 3 s late (`ADLOCO_FAULT_SLOW_ANSWERS`, a stalled member),
+    so the leaver has applied its last round and is leaving while that member has yet to read the
+    leaver's answer. The leaver delivers it before its p2pd stops (`HivemindAverager.shutdown`), and
+    round 2 completes for all three with one θ; the two go on together. Before, the leaver waited at
+    most its reduce floor: the slow member's round 2 failed with "exchange with owner ... broke:
+    IncompleteReadError" (and it then averaged it alone, a fork)."""
+    t0 = time.monotonic()
+    peers = _bootstrap(procs, tmp_path, LOOPBACK)
+    slow_env = {"ADLOCO_FAULT_SLOW_ANSWERS": f"2:{SLOW_READ_S}"}
+    nodes = {}
+    for name, rounds, env in [("leaver", 2, None), ("slow", 3, slow_env), ("other", 3, None)]:
+        status = tmp_path / f"{name}.jsonl"
+        argv = ["adloco-node", "--peers", *peers, "--rounds", str(rounds), "--status-file", str(status),
+                "--data-shard", str(len(nodes)), "--log-level", "INFO", *LEAVER_ARGS]  # fmt: skip
+        nodes[name] = (procs.start(name, argv, env=env), status)
+    code, left_at = _wait_exit(nodes["leaver"][0], timeout=150)
+    assert code == 0, procs.log("leaver")
+    for name in ("slow", "other"):
+        assert nodes[name][0].wait(timeout=120) == 0, procs.log(name)
+
+    rounds = {name: _rounds(status) for name, (_, status) in nodes.items()}
+    assert sorted(rounds["leaver"]) == [1, 2], procs.log("leaver")
+    for name in ("slow", "other"):
+        assert sorted(rounds[name]) == [1, 2, 3], procs.log(name)
+    # The leaver's last round was averaged by all three, and all three hold its θ.
+    for r in (1, 2):
+        assert {rounds[name][r]["group_size"] for name in nodes} == {3}, r
+        assert len({rounds[name][r]["theta_hash"] for name in nodes}) == 1, f"round {r}: θ differs"
+    assert rounds["slow"][3]["theta_hash"] == rounds["other"][3]["theta_hash"]
+    assert rounds["slow"][3]["group_size"] == 2
+    # The race was run: the leaver still owed the slow member its answer when it left.
+    assert "leaving: delivering the answers owed" in procs.log("leaver"), procs.log("leaver")
+    for name in nodes:
+        assert "broke" not in procs.log(name), procs.log(name)
+    applied = rounds["leaver"][2]["time"]
+    print(
+        f"\nleaver: the slow member applied it {rounds['slow'][2]['time'] - applied:.1f} s later (its reads"
+        f" {SLOW_READ_S:.0f} s late); the leaver exited {left_at - applied:.1f} s after its last round;"
+        f" test {time.monotonic() - t0:.1f} s"
+    )
+
+
+# ---- a link down for a minute ------------------------------------------------------------------
+
+CUT_S = 60.0
+CUT = 3  # the host whose link goes down (0: the bootstrap; 1-3: the nodes)
+RECONVERGE_ROUNDS = 5
+
+
+@pytest.mark.netns
+@pytest.mark.timeout(300)
+@pytest.mark.xfail(
+    strict=True,
+    reason="the cut node averages alone (groups of one) through the cut and goes on alone after the"
+    " restore, never catching up nor healing (no catch_up or fork_healed event in 7 rounds): a lone"
+    " fork; its fix belongs in node/swarm/loop.py and sync.py (docs/decisions.md, 'Faults that are"
+    " survived')",
+)
+def test_a_node_cut_off_for_60_s_reconverges_with_the_others_within_5_rounds(
+    procs: Procs, tmp_path: Path
+) -> None:
+    """A bootstrap and three nodes on their own hosts (`netns.Star`); once all three are past
+    round 2, one node's link goes down at the hub for 60 s (a pulled cable: silence, no resets),
+    then comes back. The cut node keeps running (it may fail rounds, or average alone); the two
+    others go on together. Within 5 of the swarm's rounds after the link is back, all three hold
+    the same θ after the same round. Prints the timeline: rounds the cut node missed, what it did
+    meanwhile, and the seconds from the restore to the common θ."""
+    with netns.star_lan(procs, 4) as star:
+        boot_maddrs = tmp_path / "bootstrap.json"
+        star.start(
+            procs, 0, "bootstrap",
+            ["adloco-bootstrap", "--identity-path", str(tmp_path / "b.key"), "--host-maddrs",
+             f"/ip4/{star.addrs[0]}/tcp/0", "--no-nat-port-map", "--maddrs-file", str(boot_maddrs)],
+        )  # fmt: skip
+        wait_for(boot_maddrs.exists, timeout=60, what="bootstrap")
+        peers = [m for m in json.loads(boot_maddrs.read_text()) if f"/ip4/{star.addrs[0]}/" in m]
+        nodes = {}
+        for host in (1, 2, 3):
+            status = tmp_path / f"node{host}.jsonl"
+            argv = ["adloco-node", "--peers", *peers, "--run-id", "cut", "--rounds", "0", "--status-file",
+                    str(status), "--data-shard", str(host), "--host-maddrs", f"/ip4/{star.addrs[host]}/tcp/0",
+                    "--log-level", "INFO", *FAST_NODE_ARGS]  # fmt: skip
+            nodes[host] = (star.start(procs, host, f"node{host}", argv), status)
+        statuses = {host: status for host, (_, status) in nodes.items()}
+        wait_for(lambda: all(max(_rounds(s), default=0) >= 2 for s in statuses.values()), timeout=150,
+                 what="round 2 on every node")  # fmt: skip
+
+        cut_at = time.time()
+        star.set_link(CUT, up=False)
+        deadline = time.monotonic() + CUT_S
+        while time.monotonic() < deadline:
+            assert nodes[CUT][0].poll() is None, procs.log(f"node{CUT}")  # cut off, not crashed
+            time.sleep(0.5)
+        star.set_link(CUT, up=True)
+        restored_at = time.time()
+        others = [host for host in nodes if host != CUT]
+        at_restore = max(max(_rounds(statuses[host]), default=0) for host in others)
+
+        def common() -> int | None:
+            """The first round after the restore at which all three hold one θ."""
+            rounds = [_rounds(s) for s in statuses.values()]
+            for r in range(at_restore + 1, at_restore + RECONVERGE_ROUNDS + 1):
+                if all(r in mine for mine in rounds) and len({mine[r]["theta_hash"] for mine in rounds}) == 1:
+                    return r
+            return None
+
+        def judged() -> bool:  # converged, or the others are past the rounds it had to happen in
+            return common() is not None or all(
+                max(_rounds(statuses[h])) > at_restore + RECONVERGE_ROUNDS for h in others
+            )
+
+        wait_for(judged, timeout=150, what=f"{RECONVERGE_ROUNDS} rounds after the restore")
+        for proc, _ in nodes.values():
+            proc.send_signal(signal.SIGTERM)
+        for host, (proc, _) in nodes.items():
+            assert proc.wait(timeout=60) == 0, procs.log(f"node{host}")
+
+        events = {host: _events(s) for host, s in statuses.items()}
+        mine = _rounds(statuses[CUT])
+        during = [e for e in mine.values() if cut_at <= e["time"] <= restored_at]
+        theirs = _rounds(statuses[others[0]])
+        swarm_during = [r for r, e in theirs.items() if cut_at <= e["time"] <= restored_at]
+        synced = [
+            (e["event"], e["round"], round(e["time"] - restored_at, 1))
+            for e in events[CUT]
+            if e["event"] in ("catch_up", "state_download", "fork_healed") and e["time"] > cut_at
+        ]
+        converged = common()
+        print(
+            f"\nlink of node{CUT} down {restored_at - cut_at:.1f} s from the others' round"
+            f" {max(r for r, e in theirs.items() if e['time'] < cut_at)}; the others applied rounds"
+            f" {swarm_during[:1] + swarm_during[-1:]} meanwhile ({len(swarm_during)}), in groups of"
+            f" {sorted({theirs[r]['group_size'] for r in swarm_during})}; the cut node applied"
+            f" {[(e['round'], e['group_size']) for e in during]} meanwhile; after the restore it"
+            f" synced {synced}; round at restore {at_restore}, common θ at round {converged}"
+        )
+        assert converged is not None, (
+            f"no common θ within {RECONVERGE_ROUNDS} rounds: {procs.log(f'node{CUT}')[-6000:]}"
+        )
+        last = max(_rounds(s)[converged]["time"] for s in statuses.values())
+        lost = len([r for r, e in theirs.items() if cut_at <= e["time"] and r < converged and r not in
+                    {r2 for r2, e2 in mine.items() if e2["group_size"] == 3}])  # fmt: skip
+        print(
+            f"reconverged {converged - at_restore} rounds and {last - restored_at:.1f} s after the restore;"
+            f" rounds of the swarm without the cut node: {lost}"
+        )
