@@ -121,13 +121,6 @@ RECONVERGE_ROUNDS = 5
 
 @pytest.mark.netns
 @pytest.mark.timeout(300)
-@pytest.mark.xfail(
-    strict=True,
-    reason="the cut node averages alone (groups of one) through the cut and goes on alone after the"
-    " restore, never catching up nor healing (no catch_up or fork_healed event in 7 rounds): a lone"
-    " fork; its fix belongs in node/swarm/loop.py and sync.py (docs/decisions.md, 'Faults that are"
-    " survived')",
-)
 def test_a_node_cut_off_for_60_s_reconverges_with_the_others_within_5_rounds(
     procs: Procs, tmp_path: Path
 ) -> None:

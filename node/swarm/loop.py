@@ -90,7 +90,7 @@ class RoundLoop:
         self.peer, self.lock, self.averager, self.sync = peer, lock, averager, sync
         self.ops, self.metrics, self.cfg = ops, metrics, cfg
         self.on_round: Callable[[RoundRecord], None] | None = None
-        self._tries: dict[int, int] = {}
+        self._tries = (-1, 0)  # (round, tries at it so far): a round this node returns to starts over
         # (round, monotonic time, averager round id) of the last failed try
         self._failed: tuple[int, float, int] | None = None
         self._inflight: _InFlight | None = None
@@ -319,8 +319,10 @@ class RoundLoop:
     def _next_round_id(self) -> int:
         """The averager's id for the next try at the current round (called on the loop's thread)."""
         current = self.peer.state.round
-        tries = self._tries.get(current, 0)
-        self._tries[current] = tries + 1
+        # Counted for the current round only: a node that healed back to a round it had tried alone
+        # meets the others at that round's first id, where they are.
+        tries = self._tries[1] if self._tries[0] == current else 0
+        self._tries = (current, tries + 1)
         return current * ROUND_ID_STRIDE + tries
 
     def _average(

@@ -195,6 +195,7 @@ class SwarmNode:
             offers=self.offers,
             ops=self.ops,
             metrics=self.metrics,
+            rejoin=self.dht.rejoin,
         )
         self.loop = RoundLoop(
             peer=self.peer,

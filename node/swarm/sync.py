@@ -21,16 +21,25 @@ against that published hash; the download takes chunks from several donors at on
 against the manifest, and an unfinished download is resumed rather than restarted. A node at the
 head with another θ than a strict majority of the others (it averaged a round apart from them)
 downloads the majority's state: the fork heals toward it.
+
+A node that has averaged only alone since it last had company (its link was down, say) weighs the
+live peers as a joiner does, even with vouched peers left, and dials its initial peers again every
+few seconds (`NodeDHT.rejoin`: a DHT cut off long enough has forgotten every other peer, and hivemind
+does not retry by itself). Ahead of the live peers' head, it takes their state when its own θ at the
+head's round was another (its rounds alone are another lineage, which a swarm of more peers
+outweighs); a peer merely behind it on its own lineage catches up to it instead.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import random
 import threading
+import time
 from collections import Counter
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from ...protocol.algorithms.codecs import make_codec
@@ -54,6 +63,8 @@ from .ops import NodeOps
 logger = logging.getLogger(__name__)
 
 VOUCH_ROUNDS = 8  # rounds a peer this node averaged with keeps vouching for the swarm's head
+REJOIN_EVERY_S = 5.0  # how often a node averaging alone dials its initial peers again
+OWN_HASHES_KEPT = 64  # rounds whose θ hash a node remembers (to tell a laggard from another lineage)
 PROBE_PEERS = 32  # the most record writers a fresh joiner asks whether they stand by their record
 SYNC_PASSES = 3  # a download that lands behind the head is followed by a replay in the same sync
 UPDATE_SLACK_BYTES = 4 << 10  # per tensor: a codec header is tens of bytes; an fp32 payload 4/param
@@ -297,8 +308,13 @@ class SwarmSync:
         offers: StateOffers,
         ops: NodeOps,
         metrics: NodeMetrics,
+        rejoin: Callable[[], int] | None = None,
     ) -> None:
         self.peer, self.lock, self.records, self.server = peer, lock, records, server
+        self._rejoin, self._rejoined_at = rejoin, -math.inf
+        # Rounds applied alone since this node last averaged with company; its θ hash per round.
+        self.solo_rounds = 0
+        self._own_hashes: dict[int, str] = {}
         self.offers, self.ops, self.metrics = offers, ops, metrics
         self.downloads = Downloads(server, peer)
         # The peers this node averaged with, and the last round it did: what it trusts on where the
@@ -309,9 +325,10 @@ class SwarmSync:
         """The members of the group whose round this node just applied (authenticated: each sent or
         answered parts over its own libp2p identity) vouch for the swarm's head from now on."""
         current = self.peer.state.round
-        for member in members:
-            if member != self.peer.peer_id:
-                self.vouched[member] = current
+        company = [m for m in members if m != self.peer.peer_id]
+        self.solo_rounds = 0 if company else self.solo_rounds + 1
+        for member in company:
+            self.vouched[member] = current
         for member, last in list(self.vouched.items()):
             if current - last > VOUCH_ROUNDS:
                 del self.vouched[member]
@@ -330,6 +347,8 @@ class SwarmSync:
             manifest_bytes=len(served.encoded),
         )
         self.records.publish_state(record)
+        self._own_hashes[state.round] = record.theta_hash
+        self._own_hashes.pop(state.round - OWN_HASHES_KEPT, None)
         counters = self.ops.counters
         beacon = BeaconRecord(
             round=state.round,
@@ -350,8 +369,9 @@ class SwarmSync:
         me, my_round = self.peer.peer_id, self.peer.state.round
         if not trusted:
             return swarm_head(records, me, my_round=my_round)
-        if any(r.peer_id in self.vouched for r in records if r.peer_id != me):
+        if not self.solo_rounds and any(r.peer_id in self.vouched for r in records if r.peer_id != me):
             return swarm_head(records, me, vouched=self.vouched, my_round=my_round)
+        # No company lately, or only rounds alone since: weigh the peers that are live now.
         return live_head(self._live(records), me)
 
     def _live(self, records: Sequence[StateRecord]) -> list[StateRecord]:
@@ -373,6 +393,14 @@ class SwarmSync:
     def sync(self) -> int:
         """Reach the swarm's published round (or heal a fork at it); returns the rounds advanced."""
         start = self.peer.state.round
+        if (
+            self.solo_rounds
+            and self._rejoin is not None
+            and time.monotonic() - self._rejoined_at > REJOIN_EVERY_S
+        ):
+            # Alone: maybe its link was down and its DHT forgot every other peer; tell it of them.
+            self._rejoined_at = time.monotonic()
+            self._rejoin()
         for _ in range(SYNC_PASSES):
             if not self._sync_once():
                 break
@@ -384,6 +412,17 @@ class SwarmSync:
         if head is None or not head.holders:
             return False
         behind = head.round - self.peer.state.round
+        if behind < 0 and self._apart_from(head):
+            logger.warning(
+                "[%s round=%d] averaged alone for %d rounds, on another θ than %d live peers at round %d:"
+                " taking theirs",
+                *self._tag(),
+                self.solo_rounds,
+                len(head.holders),
+                head.round,
+            )
+            self._catch_up(head, replay=False, event="fork_healed")
+            return False
         if behind <= 0:
             mine = self.peer.state.theta_hash()
             if behind < 0 or head.theta_hash == mine or head.hashes[head.theta_hash] <= head.hashes[mine] + 1:
@@ -397,6 +436,12 @@ class SwarmSync:
             return False
         self._resume_unfinished(head)
         return self._catch_up(head, replay=True, event="catch_up") and self.peer.state.round < head.round
+
+    def _apart_from(self, head: SwarmHead) -> bool:
+        """Whether this node, ahead of `head`, got there alone on another lineage: it has averaged
+        only alone since it last had company, and its own θ at the head's round was not the head's
+        (a peer merely behind it on the same lineage catches up to it instead)."""
+        return bool(self.solo_rounds) and self._own_hashes.get(head.round) != head.theta_hash
 
     def _resume_unfinished(self, head: SwarmHead) -> None:
         """Finish a download of an earlier round that the head has since passed, if it can still be

@@ -13,6 +13,7 @@ without holding their keys.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
@@ -29,6 +30,7 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.p2p import P2P, PeerID
 from hivemind.proto import crypto_pb2
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
+from hivemind.utils.multiaddr import Multiaddr
 
 _OWNER_RE = re.compile(rb"^\[owner:(.+?)\]$")
 MAX_SUBKEY_BYTES = 1024  # an RSA-2048 owner marker is ~390 bytes; larger keys are refused
@@ -106,6 +108,27 @@ def create_identity(path: str) -> Identity:
     return load_identity(path)
 
 
+REJOIN_TIMEOUT_S = 10.0
+
+
+async def _rejoin(dht: hivemind.DHT, node: Any) -> int:
+    """`NodeDHT.rejoin`, run in the DHT process."""
+    peers = {}
+    for maddr in dht.initial_peers or ():
+        with contextlib.suppress(Exception):  # a malformed address was refused at start already
+            peers[PeerID.from_base58(Multiaddr(str(maddr))["p2p"])] = Multiaddr(str(maddr))
+    answered = 0
+    for peer_id, maddr in peers.items():
+        with contextlib.suppress(Exception):  # libp2p's dial backoff, or still unreachable
+            await node.protocol.p2p._client.connect(peer_id, [maddr])
+        with contextlib.suppress(Exception):
+            answered += await node.protocol.call_ping(peer_id) is not None
+    if answered:
+        with contextlib.suppress(Exception):
+            await node.find_nearest_nodes([node.node_id])
+    return answered
+
+
 class NodeDHT(hivemind.DHT):  # type: ignore[misc]  # hivemind is untyped
     """A hivemind DHT peer whose p2pd runs with an identity this process holds (`identity`), whose
     records are signed with it. `identity_path`: the key file to use, created if missing; None makes
@@ -133,6 +156,18 @@ class NodeDHT(hivemind.DHT):  # type: ignore[misc]  # hivemind is untyped
     def shutdown(self) -> None:
         super().shutdown()
         self._forget_key()
+
+    def rejoin(self, timeout_s: float = REJOIN_TIMEOUT_S) -> int:
+        """Dial the initial peers again and ping them into the routing table, then look up this
+        peer's neighbours; returns how many initial peers answered. A peer whose link was down
+        long enough has dropped every other peer from its routing table: its reads then return
+        only what it holds itself, and its writes reach no one, until it is told of a peer again
+        (hivemind's DHT does not retry its initial peers by itself)."""
+        try:
+            answered = self.run_coroutine(_rejoin, return_future=True).result(timeout=timeout_s)
+        except Exception:  # timed out, or the DHT process is gone: the caller tries again later
+            return 0
+        return int(answered)
 
     def _forget_key(self) -> None:
         if self._key_dir is not None:
