@@ -216,6 +216,19 @@ def test_a_try_known_failed_everywhere_is_retried_without_waiting_out_the_bound(
     assert peer.state.round == 1
 
 
+def test_under_overlap_a_last_round_that_fails_in_flight_is_done_again(corpus: Corpus) -> None:
+    """--rounds 2 under overlap: round 1's averaging fails while round 2 trains; the node must not
+    count it as done and exit with one round fewer."""
+    peer = _peer(corpus, "me", "rebase")
+    swarm = ScriptedSwarm(peer, _others_round_zero(corpus))  # nobody ever publishes
+    averager = FailureAwareAverager("me", ["alone", "late", "alone"], over_after_s=0.0)
+    loop = _loop(peer, averager, swarm, timeout_s=60.0)
+    loop.cfg = dataclasses.replace(loop.cfg, rounds=2)
+    loop.run(lambda: False)
+    assert loop.ops.counters.applied == 2 and peer.state.round == 2
+    assert [c.round_id for c in averager.calls] == [0, 1 * ROUND_ID_STRIDE, 1 * ROUND_ID_STRIDE + 1]
+
+
 def test_a_stop_ends_the_wait_for_a_failed_try(corpus: Corpus) -> None:
     peer = _peer(corpus, "me")
     swarm = ScriptedSwarm(peer, _others_round_zero(corpus))

@@ -182,7 +182,15 @@ class RoundLoop:
     # ---- one-step-delay overlap --------------------------------------------------------------
 
     def _run_overlapped(self, should_stop: Callable[[], bool], pool: ThreadPoolExecutor) -> None:
-        """Contribute round r, train round r+1 while it is averaged, apply r when it lands."""
+        """Contribute round r, train round r+1 while it is averaged, apply r when it lands; a last
+        round that fails in flight is trained and contributed again, as any other."""
+        while True:
+            self._overlapped_rounds(should_stop, pool)
+            done = self.cfg.rounds > 0 and self.ops.counters.applied >= self.cfg.rounds
+            if done or should_stop() or self.cfg.rounds == 0:
+                return
+
+    def _overlapped_rounds(self, should_stop: Callable[[], bool], pool: ThreadPoolExecutor) -> None:
         while not self._enough(should_stop):
             from_theta = False
             if self._inflight is not None and not overlap_this_round(
