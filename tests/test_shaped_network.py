@@ -56,18 +56,8 @@ print(time.perf_counter() - t0)
 
 @pytest.fixture
 def star(procs: Procs) -> Iterator[netns.Star]:
-    why = netns.available()
-    if why is not None:
-        pytest.skip(why)
-    netns.remove_stale()
-    lan = netns.Star(NODES + 2, rate_mbit=RATE_MBIT)
-    try:
+    with netns.star_lan(procs, NODES + 2, rate_mbit=RATE_MBIT) as lan:
         yield lan
-    finally:
-        leftover = procs.reap()  # processes out before their namespaces go
-        lan.close()
-        assert not leftover, f"processes survived their group's SIGKILL: {leftover}"
-        assert not [ns for ns in netns.namespaces() if ns.startswith(lan.prefix)]
 
 
 def _events(path: Path) -> list[dict]:
