@@ -31,6 +31,7 @@ from adloco.protocol.algorithms.codecs import (
     Int8Codec,
     LowRankCodec,
     NoneCodec,
+    SparseCodec,
     decode,
     decode_tensors,
     encode_tensors,
@@ -53,7 +54,13 @@ def low_rank_matrix(m: int, n: int, rank: int, seed: int = 0) -> torch.Tensor:
 
 
 def every_codec() -> list[Codec]:
-    return [make_codec(spec) for spec in ALL_SPECS] + [Int8Codec(block_size=7), Int4Codec(block_size=5)]
+    return [make_codec(spec) for spec in ALL_SPECS] + [
+        Int8Codec(block_size=7),
+        Int4Codec(block_size=5),
+        make_codec("sparse"),
+        SparseCodec(3, 7, 3),
+        SparseCodec(1, 1, 1),
+    ]
 
 
 # --- wire format --------------------------------------------------------------------------------
@@ -250,15 +257,19 @@ def test_payload_shape_is_the_decoded_shape(shape: tuple[int, ...]) -> None:
 
 
 def test_payload_shape_rejects_exactly_what_decode_rejects() -> None:
-    """Every single-byte corruption of the header and parameters, and every cut: both raise or neither."""
+    """Every single-byte corruption of the first 80 bytes (all of a sparse payload here: its
+    indices are checked too), and every cut: both raise or neither."""
     for payload in [
         make_codec("int8").encode("k", gaussian(3, 5)),
         make_codec("int4").encode("k", gaussian(7)),
         make_codec("fp16").encode("k", gaussian(2, 3)),
         make_codec("lowrank:4").encode("k", gaussian(40, 30)),
+        SparseCodec(3, 16, 2).encode("k", gaussian(4, 11)),
+        SparseCodec(2, 7, 5).encode("k", gaussian(20)),
+        make_codec("sparse").encode("k", gaussian(300)),
     ]:
         variants = [payload[:cut] for cut in range(len(payload))]
-        for index, value in itertools.product(range(min(len(payload), 40)), (0, 1, 2, 4, 9, 255)):
+        for index, value in itertools.product(range(min(len(payload), 80)), (0, 1, 2, 4, 9, 128, 255)):
             variants.append(payload[:index] + bytes([value]) + payload[index + 1 :])
         for variant in variants:
             try:
@@ -415,6 +426,9 @@ def test_a_block_larger_than_the_tensor_costs_only_the_tensor() -> None:
             decoded = decode(payload)
         assert payload[:9] == expected[:9] and payload[13:] == expected[13:]  # one block either way
         assert torch.equal(decoded, decode(expected))
+    with address_space_headroom(1 << 30):  # a chunk of 2**24 values: nothing chunk-sized either
+        decoded = decode(SparseCodec(1, 2**24, 8).encode("k", x))
+    assert decoded.count_nonzero() == 1 and float(decoded.abs().max()) == float(x.abs().max())
 
 
 def test_decoded_tensors_are_writable_and_do_not_alias_the_payload() -> None:

@@ -4,8 +4,9 @@ A peer compresses each tensor of its pseudo-gradient with a `Codec` into real `b
 `len(payload)` is exactly what goes on the wire and `Codec.wire_bytes` predicts it from the shape
 alone. Every payload starts with a header (magic, version, codec id, shape, codec parameters), so
 `decode` reconstructs a float32 tensor whichever codec the sender chose: `none` (fp32), `fp16`,
-blockwise `int8` / `int4` (symmetric, one fp32 absmax per block of 64 values), and PowerSGD-style
-`lowrank:R` (one warm-started power iteration, factors quantized by a dense codec). `make_codec`
+blockwise `int8` / `int4` (symmetric, one fp32 absmax per block of 64 values), PowerSGD-style
+`lowrank:R` (one warm-started power iteration, factors quantized by a dense codec), and
+SparseLoCo-style `sparse:K/C:B` (the K largest of every C values, B-bit values). `make_codec`
 builds one from its spec; error feedback lives in `feedback`, the adaptive choice in `adaptive`.
 `payload_shape` checks a payload as `decode` does without decoding it, so that a receiver can
 validate on arrival and decode once, when it uses the values.
@@ -46,7 +47,12 @@ of L2 per core) steps of 2**15 to 2**18 values were within 6% of each other, 2**
 #               first value in the low nibble)
 #     lowrank = header | rank u32 | len(P) u32 | P payload | Q payload
 #               (P, Q: dense payloads of shapes (rank, m) and (rank, n); tensor = P.T @ Q)
-_ID_NONE, _ID_FP16, _ID_INT8, _ID_INT4, _ID_LOWRANK = range(5)
+#     sparse  = header | chunk u32 | k u32 | bits u8 | nchunks x f32 lo | nchunks x f32 hi
+#               | n x index (ceil(log2(chunk)) bits each) | n x value code (bits each)
+#               (n = k per whole chunk + ceil(k * tail / chunk) for a partial last chunk of tail
+#               values; indices within their chunk, strictly increasing; each bit array
+#               little-endian, first value in the lowest bits, zero-padded to a whole byte)
+_ID_NONE, _ID_FP16, _ID_INT8, _ID_INT4, _ID_LOWRANK, _ID_SPARSE = range(6)
 _PRODUCT_BLOCK = 1 << 18
 """float64 values per block of `low_rank_product` (2 MB): blocks of 2**15 were twice as slow, the
 per-call overhead of the rank-1 updates dominating."""
@@ -54,7 +60,10 @@ _HEADER = struct.Struct("<2sBBB")
 _U32 = struct.Struct("<I")
 _LOWRANK_PARAMS = struct.Struct("<II")
 _MAX_U32 = 2**32 - 1
-_VALID_SPECS = "none, fp16, int8, int4, lowrank:R, lowrank:R:{none,fp16,int8,int4} (R >= 1)"
+_VALID_SPECS = (
+    "none, fp16, int8, int4, lowrank:R, lowrank:R:{none,fp16,int8,int4} (R >= 1),"
+    " sparse, sparse:K/C, sparse:K/C:B (1 <= K <= C <= 2**24, 1 <= B <= 8)"
+)
 
 
 class Codec(abc.ABC):
@@ -62,8 +71,8 @@ class Codec(abc.ABC):
 
     Non-finite input never crashes an encoder and is never hidden: `none` and `fp16` carry NaN/inf
     through (fp16 also turns |x| > 65504 into inf); `int8`/`int4` decode every block holding a NaN
-    or inf to all-NaN; `lowrank` decodes the whole tensor to NaN and leaves its warm start
-    untouched. Rejecting such payloads is the validator's job, not the codec's.
+    or inf to all-NaN, `sparse` every such chunk; `lowrank` decodes the whole tensor to NaN and
+    leaves its warm start untouched. Rejecting such payloads is the validator's job, not the codec's.
     """
 
     name: str
@@ -467,6 +476,166 @@ class LowRankCodec(Codec):
         return torch.from_numpy(grid.astype(np.float32) * np.float32(2**-23))
 
 
+# --- sparse -------------------------------------------------------------------------------------
+
+_SPARSE_PARAMS = struct.Struct("<IIB")
+_MAX_SPARSE_CHUNK = 1 << 24
+_SPARSE_STEP = 1 << 20
+"""Values per step of the sparse encoder (whole chunks, at least one): its masks and magnitudes stay
+a few MB, whatever the tensor."""
+
+
+def _check_sparse(k: int, chunk: int, bits: int) -> None:
+    if not (1 <= chunk <= _MAX_SPARSE_CHUNK and 1 <= k <= chunk and 1 <= bits <= 8):
+        raise ValueError(
+            f"sparse codec needs 1 <= k <= chunk <= 2**24 and 1 <= bits <= 8, got {k}/{chunk}:{bits}"
+        )
+
+
+class _SparseLayout:
+    """Where everything of a sparse payload of `numel` values lies: chunks, entries, bit widths."""
+
+    def __init__(self, numel: int, chunk: int, k: int, bits: int) -> None:
+        self.chunk, self.k, self.bits = chunk, k, bits
+        self.full, self.tail = divmod(numel, chunk)
+        self.tail_k = -(-k * self.tail // chunk)  # the partial chunk keeps the density; 0 if none
+        self.nchunks = self.full + (self.tail > 0)
+        self.entries = self.full * k + self.tail_k
+        self.index_bits = (chunk - 1).bit_length()
+        self.index_bytes = -(-self.entries * self.index_bits // 8)
+        self.code_bytes = -(-self.entries * bits // 8)
+
+    def body_bytes(self) -> int:
+        """Bytes after the codec parameters: the two scales per chunk and both bit arrays."""
+        return 8 * self.nchunks + self.index_bytes + self.code_bytes
+
+
+def _pack_bits(values: npt.NDArray[np.uint32], width: int) -> npt.NDArray[np.uint8]:
+    """The low `width` bits of each value, concatenated little-endian, zero-padded to a byte.
+
+    A step of `_STEP` values at a time (a multiple of 8: each starts on a byte), so that the
+    temporaries (32 bytes a value) stay 2 MB.
+    """
+    out = np.zeros(-(-values.size * width // 8), dtype=np.uint8)
+    for start in range(0, values.size if width else 0, _STEP):
+        part = np.ascontiguousarray(values[start : start + _STEP], dtype="<u4").view(np.uint8)
+        bits = np.unpackbits(part.reshape(-1, 4), axis=1, bitorder="little")[:, :width]
+        packed = np.packbits(bits.reshape(-1), bitorder="little")
+        out[start * width // 8 : start * width // 8 + packed.size] = packed
+    return out
+
+
+def _unpack_bits(payload: bytes, offset: int, count: int, width: int) -> npt.NDArray[np.uint32]:
+    """Inverse of `_pack_bits`: `count` values of `width` bits from `payload` at `offset`."""
+    out = np.zeros(count, dtype=np.uint32)
+    raw = np.frombuffer(payload, dtype=np.uint8, count=-(-count * width // 8), offset=offset)
+    bits = np.zeros((min(count, _STEP), 32), dtype=np.uint8)
+    for start in range(0, count if width else 0, _STEP):
+        n = min(_STEP, count - start)
+        part = raw[start * width // 8 : -(-(start + n) * width // 8)]
+        bits[:n, :width] = np.unpackbits(part, count=n * width, bitorder="little").reshape(n, width)
+        out[start : start + n] = np.packbits(bits[:n], axis=1, bitorder="little").view("<u4").reshape(n)
+    return out
+
+
+def _top_k_rows(rows: torch.Tensor, k: int) -> torch.Tensor:
+    """Per row, the indices (ascending) of its k largest |x|, ties taken lowest index first.
+
+    NaN and inf count as the largest, so that a row holding one picks it and is poisoned (never
+    hidden as an unsent value). The threshold, the k-th largest magnitude, is the same whoever
+    computes it; `torch.topk`'s own choice among equal magnitudes is not specified, hence the
+    explicit tie rule: same input, same bytes.
+    """
+    magnitude = rows.abs().nan_to_num_(nan=math.inf, posinf=math.inf)
+    threshold = torch.topk(magnitude, k, dim=1, sorted=False).values.amin(dim=1, keepdim=True)
+    chosen = magnitude >= threshold
+    surplus = chosen.sum(dim=1) > k
+    if bool(surplus.any()):  # ties at the threshold: keep the first ones
+        above = magnitude > threshold
+        ties = magnitude == threshold
+        room = k - above.sum(dim=1, keepdim=True)
+        chosen = above | (ties & (ties.cumsum(dim=1) <= room))
+    return chosen.nonzero()[:, 1].view(rows.shape[0], k)
+
+
+def _quantize_picked(picked: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(lo, hi, codes) of each row of selected values: sign and a (bits-1)-bit magnitude level.
+
+    Magnitudes are quantized uniformly on [lo, hi], the row's smallest and largest |x|, into
+    L = 2**(bits-1) intervals, each decoded at its midpoint: every value is within half an interval
+    (hi - lo) / (2L) of its original. A row holding NaN or inf gets lo = hi = NaN and codes 0.
+    """
+    levels = 1 << (bits - 1)
+    magnitude = picked.abs()
+    lo, hi = magnitude.amin(dim=1), magnitude.amax(dim=1)
+    span = hi - lo
+    safe = torch.where(span > 0, span, torch.ones_like(span))
+    level = (magnitude - lo[:, None]).div_(safe[:, None]).mul_(levels).floor_().clamp_(0, levels - 1)
+    codes = level.to(torch.int32) + levels * (picked < 0).to(torch.int32)
+    poisoned = ~torch.isfinite(picked).all(dim=1)
+    if bool(poisoned.any()):
+        lo[poisoned], hi[poisoned], codes[poisoned] = math.nan, math.nan, 0
+    return lo, hi, codes
+
+
+class SparseCodec(Codec):
+    """SparseLoCo-style chunked top-k: of every `chunk` consecutive values, the `k` largest in
+    magnitude, each as its index within the chunk and a `bits`-bit code; the others decode to 0.
+
+    Defaults are the Covenant-72B run (SparseLoCo, arXiv 2508.15706): 64 of every 4096 values,
+    12-bit indices, 2-bit values, meant to be sent through `feedback.ErrorFeedback`, which keeps
+    what was not sent for the next round. A code is a sign and a (bits-1)-bit magnitude level
+    uniform between the chunk's smallest and largest selected |x| (two fp32 per chunk): 136x less
+    than fp32 at the defaults. SparseLoCo's own values are 4 levels of one per-tensor table (bin
+    means of its selected values around their mean); its chunks are 64 x 64 tiles of a matrix, here
+    runs of the flattened tensor, whose last one may be partial (it keeps ceil(k * len / chunk)).
+    Same input, same bytes: ties in magnitude are taken lowest index first. A chunk holding NaN or
+    inf decodes to all-NaN.
+    """
+
+    def __init__(self, k: int = 64, chunk: int = 4096, bits: int = 2) -> None:
+        _check_sparse(k, chunk, bits)
+        self.k, self.chunk, self.bits = k, chunk, bits
+        self.name = f"sparse:{k}/{chunk}:{bits}"
+
+    def encode(self, key: str, tensor: torch.Tensor) -> bytes:
+        """Select, quantize and pack; one step of whole chunks at a time."""
+        flat = to_cpu_float(tensor)
+        values = flat.reshape(-1)
+        layout = _SparseLayout(values.numel(), self.chunk, self.k, self.bits)
+        indices = np.empty(layout.entries, dtype=np.uint32)
+        codes = np.empty(layout.entries, dtype=np.uint32)
+        lo = np.empty(layout.nchunks, dtype=np.float32)
+        hi = np.empty(layout.nchunks, dtype=np.float32)
+        step = max(1, _SPARSE_STEP // self.chunk)
+        spans = [(a, min(a + step, layout.full), self.k) for a in range(0, layout.full, step)]
+        if layout.tail:
+            spans.append((layout.full, layout.full + 1, layout.tail_k))
+        for first, stop, k in spans:
+            rows = values[first * self.chunk : stop * self.chunk].view(stop - first, -1)
+            picked_at = _top_k_rows(rows, k)
+            row_lo, row_hi, row_codes = _quantize_picked(rows.gather(1, picked_at), self.bits)
+            at = first * self.k
+            indices[at : at + picked_at.numel()] = picked_at.reshape(-1).numpy()
+            codes[at : at + picked_at.numel()] = row_codes.reshape(-1).numpy()
+            lo[first:stop], hi[first:stop] = row_lo.numpy(), row_hi.numpy()
+        header = _header(_ID_SPARSE, tuple(flat.shape)) + _SPARSE_PARAMS.pack(self.chunk, self.k, self.bits)
+        return b"".join(
+            (
+                header,
+                _little_endian(lo, "<f4"),
+                _little_endian(hi, "<f4"),
+                _pack_bits(indices, layout.index_bits).data.cast("B"),
+                _pack_bits(codes, self.bits).data.cast("B"),
+            )
+        )
+
+    def wire_bytes(self, shape: tuple[int, ...]) -> int:
+        """Header, parameters, two fp32 per chunk, the packed indices and codes."""
+        layout = _SparseLayout(math.prod(shape), self.chunk, self.k, self.bits)
+        return _header_size(shape) + _SPARSE_PARAMS.size + layout.body_bytes()
+
+
 # --- decode -------------------------------------------------------------------------------------
 #
 # A reader checks a payload whole (header, codec parameters, exact length, low-rank factors) and
@@ -564,6 +733,59 @@ def _read_lowrank(payload: bytes, shape: tuple[int, ...], offset: int) -> _Build
     return lambda: low_rank_product(build_p(), build_q()).reshape(shape)
 
 
+def _read_sparse(payload: bytes, shape: tuple[int, ...], offset: int) -> _Build:
+    if len(payload) < offset + _SPARSE_PARAMS.size:
+        raise ValueError("payload truncated inside its sparse parameters")
+    chunk, k, bits = _SPARSE_PARAMS.unpack_from(payload, offset)
+    try:
+        _check_sparse(k, chunk, bits)
+    except ValueError as e:
+        raise ValueError(f"corrupt sparse payload: {e}") from None
+    numel = math.prod(shape)
+    layout = _SparseLayout(numel, chunk, k, bits)
+    scales_at = offset + _SPARSE_PARAMS.size
+    indices_at = scales_at + 8 * layout.nchunks
+    _check_length(payload, indices_at + layout.index_bytes + layout.code_bytes)
+    indices = _unpack_bits(payload, indices_at, layout.entries, layout.index_bits)
+    _check_sparse_indices(indices, layout)
+
+    def build() -> torch.Tensor:
+        codes = _unpack_bits(payload, indices_at + layout.index_bytes, layout.entries, bits)
+        scales = np.frombuffer(payload, dtype="<f4", count=2 * layout.nchunks, offset=scales_at)
+        lo, hi = scales[: layout.nchunks].astype(np.float32), scales[layout.nchunks :].astype(np.float32)
+        per_chunk = np.full(layout.nchunks, k, dtype=np.int64)
+        if layout.tail:
+            per_chunk[-1] = layout.tail_k
+        owner = np.repeat(np.arange(layout.nchunks, dtype=np.int64), per_chunk)
+        levels = 1 << (bits - 1)
+        with np.errstate(invalid="ignore", over="ignore"):  # a NaN/inf chunk decodes to NaN
+            step = (hi - lo) / np.float32(levels)
+            level = (codes & (levels - 1)).astype(np.float32) + np.float32(0.5)
+            value = lo[owner] + level * step[owner]
+        np.negative(value, out=value, where=codes >= levels)
+        out = np.zeros(numel, dtype=np.float32)
+        out[owner * chunk + indices] = value
+        poisoned = ~(np.isfinite(lo) & np.isfinite(hi))
+        if poisoned.any():
+            out[: layout.full * chunk].reshape(layout.full, chunk)[poisoned[: layout.full]] = math.nan
+            if layout.tail and poisoned[-1]:
+                out[layout.full * chunk :] = math.nan
+        return torch.from_numpy(out).reshape(shape)
+
+    return build
+
+
+def _check_sparse_indices(indices: npt.NDArray[np.uint32], layout: _SparseLayout) -> None:
+    """ValueError unless each chunk's indices strictly increase and stay inside the chunk (a
+    partial last chunk is shorter): decode then writes only inside the declared shape."""
+    parts = [(indices[: layout.full * layout.k].reshape(layout.full, layout.k), layout.chunk)]
+    if layout.tail:
+        parts.append((indices[layout.full * layout.k :].reshape(1, layout.tail_k), layout.tail))
+    for rows, length in parts:
+        if rows.size and (bool((rows[:, 1:] <= rows[:, :-1]).any()) or int(rows[:, -1].max()) >= length):
+            raise ValueError("corrupt sparse payload: indices not increasing inside their chunk")
+
+
 def low_rank_product(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """Pᵀ Q for factors P (rank, m) and Q (rank, n), the same bits on every CPU and BLAS.
 
@@ -598,7 +820,7 @@ _DENSE_READERS: dict[int, _Reader] = {
     _ID_INT8: _blockwise_reader(Int8Codec._qmax, Int8Codec._data_bytes, _int8_into),
     _ID_INT4: _blockwise_reader(Int4Codec._qmax, Int4Codec._data_bytes, _int4_into),
 }
-_READERS = {**_DENSE_READERS, _ID_LOWRANK: _read_lowrank}
+_READERS = {**_DENSE_READERS, _ID_LOWRANK: _read_lowrank, _ID_SPARSE: _read_sparse}
 
 
 def _read(payload: bytes, readers: Mapping[int, _Reader]) -> tuple[tuple[int, ...], _Build]:
@@ -632,16 +854,23 @@ _DENSE_CODECS: dict[str, Callable[[], Codec]] = {
     "int4": Int4Codec,
 }
 _LOWRANK_SPEC = re.compile(r"lowrank:([1-9][0-9]*)(?::(none|fp16|int8|int4))?")
+_SPARSE_SPEC = re.compile(r"sparse(?::([1-9][0-9]*)/([1-9][0-9]*)(?::([1-8]))?)?")
 
 
 def make_codec(spec: str) -> Codec:
-    """Build a fresh codec from a spec such as "int8", "lowrank:4" (int8 factors) or "lowrank:4:fp16"."""
+    """Build a fresh codec from a spec such as "int8", "lowrank:4" (int8 factors), "lowrank:4:fp16",
+    or "sparse:64/4096:2" (top 64 of every 4096 values, 2-bit values; "sparse" alone is that one)."""
     if spec in _DENSE_CODECS:
         return _DENSE_CODECS[spec]()
     match = _LOWRANK_SPEC.fullmatch(spec)
-    if match is None:
-        raise ValueError(f"unknown codec spec {spec!r}; valid: {_VALID_SPECS}")
-    return LowRankCodec(int(match.group(1)), factor=_DENSE_CODECS[match.group(2) or "int8"]())
+    if match is not None:
+        return LowRankCodec(int(match.group(1)), factor=_DENSE_CODECS[match.group(2) or "int8"]())
+    match = _SPARSE_SPEC.fullmatch(spec)
+    if match is not None and match.group(1) is None:
+        return SparseCodec()
+    if match is not None and int(match.group(1)) <= int(match.group(2)) <= _MAX_SPARSE_CHUNK:
+        return SparseCodec(int(match.group(1)), int(match.group(2)), int(match.group(3) or 2))
+    raise ValueError(f"unknown codec spec {spec!r}; valid: {_VALID_SPECS}")
 
 
 def encode_tensors(codec: Codec, tensors: Mapping[str, torch.Tensor]) -> dict[str, bytes]:
