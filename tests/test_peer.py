@@ -169,6 +169,19 @@ def test_too_stale_contribution_is_dropped(corpus: Corpus) -> None:
     assert contribution is None and info.dropped
 
 
+def test_a_delta_trained_ahead_of_a_round_the_peer_healed_back_to_is_dropped(corpus: Corpus) -> None:
+    """A peer that ran ahead alone and then took the swarm's earlier state (another lineage) holds a
+    local round whose base round is past its current one: no round here can take that Δ (the soak
+    found a node crash on it, staleness −2)."""
+    alone, swarm = _peer(corpus, "alone", 0), _peer(corpus, "swarm", 1)
+    _round([alone])
+    _round([alone])
+    ahead = alone.train_round()  # trained from round 2
+    alone.adopt_state(swarm.state, expected_hash=swarm.state.theta_hash())  # healed back to round 0
+    contribution, info = alone.contribute(ahead)
+    assert contribution is None and info.dropped and info.staleness == -2
+
+
 def test_full_state_download_is_hash_checked_and_merges_extra_instances(corpus: Corpus) -> None:
     cfg = replace(
         CFG, instances=3, schedule=replace(CFG.schedule, merge=replace(CFG.schedule.merge, merge_every=1))

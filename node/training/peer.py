@@ -316,7 +316,9 @@ class Peer:
         """
         tau = self.state.round - local.base_round
         spec = self.state.schedule.codec
-        if tau > self.cfg.max_staleness:
+        # tau < 0: trained from a round this peer has since left for an earlier one of another
+        # lineage (it healed a fork it made alone); that Δ belongs to no round here.
+        if tau > self.cfg.max_staleness or tau < 0:
             return None, ContributionInfo(tau, 0.0, None, 0, spec, dropped=True)
         delta, correction = local.delta, None
         if tau > 0 and self.cfg.correct_late:
