@@ -7,8 +7,10 @@ bit-identical `averaged` bytes and the same parsed `reports`: each part is reduc
 with `parts.reduce_parts` (`protocol/algorithms/allreduce.py` has the semantics), non-finite and
 outlier parts screened out, the same `rejected` count per peer. Group rule, shared by every
 implementation: the members are the peers that call `average` for the same (prefix, round) within
-the matchmaking window of the first call; a call after the window gets None at once and nobody
-waits beyond the window. A round number is single-use: retry a failed round under a new number.
+the matchmaking window (opened by the first call in process; over the DHT by the second
+registration, `matchmaking.OPEN_QUORUM`, so that one registration dated in the past cannot close
+it); a call after the window gets None at once and nobody waits beyond the window. A round
+number is single-use: retry a failed round under a new number.
 None never proves that the others did not apply the round (they may have, with or without this
 member's Δ): a peer that gets None must re-check its θ against the group's (catch-up) before it
 trusts it. Implementations: `memory.MemoryAverager` (threads of one process: the solo trainer, the
