@@ -72,6 +72,8 @@ def one_run(work: Path, *, rule: str, score: str, attack: str, rounds: int, seed
         "theta_agree": len({f["theta_hash"] for f in finals}) == 1,
         "rounds_of_4": sum(1 for g in groups if g == 4),
         "rejected_parts": nodes[0].rounds()[-1].get("rejected_parts", 0),  # cumulative: the last round's
+        "group_sizes": groups,
+        "rejected_by_round": [e.get("rejected_parts", 0) for e in nodes[0].rounds()],  # cumulative
     }
 
 
