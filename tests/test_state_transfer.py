@@ -54,6 +54,8 @@ from adloco.protocol.transport.state_transfer import (
     TransferSettings,
 )
 
+from procs import wait_for
+
 pytestmark = pytest.mark.timeout(180)
 
 CFG = TrainConfig(seq_len=32, batch_size=4, instances=1, inner_steps=2, b_max=4, max_corpus_mb=1)
@@ -306,6 +308,14 @@ threading.Event().wait()
 """
 
 
+def _serves_manifest(swarm: Swarm, donor: str, digest: str, size: int) -> bool:
+    try:
+        swarm.client.fetch_manifest([donor], digest=digest, size=size)
+    except Exception:
+        return False
+    return True
+
+
 def test_a_donor_process_killed_mid_download_is_replaced_by_the_other(
     swarm: Swarm, donors: list[Donor], tmp_path: Path
 ) -> None:
@@ -346,6 +356,13 @@ def test_a_donor_process_killed_mid_download_is_replaced_by_the_other(
                 os.killpg(proc.pid, signal.SIGKILL)
                 killed.append(time.monotonic())
 
+        # Reachable before the download starts: a donor the joiner cannot dial yet is dropped and the
+        # other serves every chunk (seen once in a fresh-clone run), and nothing is killed mid-way.
+        wait_for(
+            lambda: _serves_manifest(swarm, dying, served.digest, len(served.encoded)),
+            timeout=30,
+            what="the donor process reachable",
+        )
         killer = threading.Thread(target=kill_once_it_served)
         target = replace(swarm.target([donors[0]]), donors=(dying, donors[0].peer_id))
         joiner = _peer("joiner")
