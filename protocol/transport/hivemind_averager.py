@@ -298,10 +298,9 @@ class HivemindAverager:
 
     async def _failed_everywhere(self, round: int) -> bool:
         entry = self._rounds.get(round)
-        if entry is None or not entry[1].done() or entry[1].cancelled() or entry[1].result() is None:
+        state = None if entry is None else _formed(entry[1])
+        if state is None:
             return False
-        state = entry[1].result()
-        assert state is not None
         # An owner whose exchange broke here has mostly died and gives its parts to nobody; one that
         # dropped only us and completed without us alone is at worst a fork the majority heals.
         waited = set(state.group.members) - self._lost_owners.get(round, set())
@@ -365,7 +364,7 @@ class HivemindAverager:
         """Our reductions whose answers members may still be reading, and until when."""
         owed = []
         for _, future in self._rounds.values():
-            state = future.result() if future.done() and not future.cancelled() else None
+            state = _formed(future)
             until = None if state is None or state.session is None else state.session.owed_until()
             if state is not None and state.session is not None and until is not None:
                 owed.append((state.session, until))
@@ -703,6 +702,11 @@ class HivemindAverager:
             stand_ins[owner] = member
             return answer
         raise unreachable
+
+
+def _formed(future: asyncio.Future[RoundState | None]) -> RoundState | None:
+    """This peer's state for a round once its group formed there; None before, or with no group."""
+    return future.result() if future.done() and not future.cancelled() else None
 
 
 def parts_by_owner(owners: Mapping[str, str]) -> dict[str, list[str]]:
