@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import signal
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -121,34 +123,75 @@ def _rounds(status: Path) -> dict[int, str]:
     return {e["round"]: e["theta_hash"] for e in _events(status) if e["event"] == "round"}
 
 
+@dataclass
+class JoinedSwarm:
+    """What the `joined` fixture's swarm left: its logs, status files and exit codes."""
+
+    procs: Procs
+    first: list[tuple[object, Path]]  # the three nodes of the swarm
+    chunked: Path  # the joiner too far behind to replay (its status file)
+    late: Path  # the late, slow joiner
+    exits: dict[str, int]
+
+
+# The two joiner tests below read one swarm (it takes a minute or more to run, so it runs once):
+# three nodes that keep 2 updates for laggards (`--replay-mb 1.5`: an int8 update of the tiny model
+# is 0.63 MB, not up to 8) and serve their state in 64 KiB chunks (every node of the run chunks
+# alike: one manifest). Two joiners come one after the other, each alone with the three: first the
+# one too far behind to replay, once the swarm is past round 4; when it has left, the late one.
+# The three run until the late joiner is done and they have applied every round it applied, then
+# stop (SIGTERM): its late rounds always find them (with a fixed 9 rounds it applied its last round
+# alone after they had stopped, which the fork check counts as a fork).
+@pytest.fixture(scope="module")
+def joined(tmp_path_factory: pytest.TempPathFactory) -> Iterator[JoinedSwarm]:
+    tmp_path = tmp_path_factory.mktemp("joined")
+    procs = Procs(tmp_path)
+    try:
+        swarm = _join_one_after_the_other(procs, tmp_path)
+    finally:
+        leftover = procs.reap()
+    assert not leftover, f"processes survived their group's SIGKILL: {leftover}"
+    yield swarm
+
+
+def _join_one_after_the_other(procs: Procs, tmp_path: Path) -> JoinedSwarm:
+    peers = _bootstrap(procs, tmp_path)
+    chunks = ("--state-chunk-mb", "0.0625", "--replay-mb", "1.5")
+    first = [
+        _start_node(procs, tmp_path, f"n{i}", peers, "--rounds", "0", "--data-shard", str(i), *chunks)
+        for i in range(3)
+    ]
+    joiner = ("--data-shard", "3", *chunks)
+    wait_for(lambda: max(_rounds(first[0][1]), default=0) >= 4, timeout=240, what="round 4")
+    chunked, chunked_status = _start_node(procs, tmp_path, "chunked", peers, "--rounds", "2", *joiner)
+    exits = {"chunked": chunked.wait(timeout=240)}
+    slow = ("--overlap", "off", "--simulate-slowdown", "6")
+    late, late_status = _start_node(procs, tmp_path, "late", peers, "--rounds", "3", *joiner, *slow)
+    exits["late"] = late.wait(timeout=240)
+    last = max(_rounds(late_status), default=0)
+    wait_for(
+        lambda: all(max(_rounds(s), default=0) >= last for _, s in first),
+        timeout=60,
+        what=f"round {last} applied by the three",
+    )
+    for proc, _ in first:
+        proc.send_signal(signal.SIGTERM)
+    for i, (proc, _) in enumerate(first):
+        exits[f"n{i}"] = proc.wait(timeout=60)
+    return JoinedSwarm(procs, first, chunked_status, late_status, exits)
+
+
 # The late joiner, 6x slower and without overlap, registers after the others' window closed in most
 # of its rounds on our 2-core machines (on a much faster one it may not) and then tries again at
 # once: issue 12's fork, where that retry opened the round again, alone (5 of 6 runs forked before
-# the fix). The others run longer so that its late rounds still find them; test_round_loop.py pins
-# the rule itself. The joiner's start alone takes 12-17 s on a loaded 2-core machine (4-5 of the
-# others' rounds), so the others run 14 rounds: with 9 it applied its last round alone after they
-# had stopped, which the fork check counts as a fork. The plain joiner is tested with the hijacker
+# the fix). test_round_loop.py pins the rule itself. The plain joiner is tested with the hijacker
 # below (it joins, takes the honest state, and contributes).
-@pytest.mark.parametrize(
-    ("joiner_args", "their_rounds"),
-    [(("--overlap", "off", "--simulate-slowdown", "6"), 14)],
-    ids=["late-joiner"],
-)
-def test_joiner_downloads_verified_state_and_contributes(
-    procs: Procs, tmp_path: Path, joiner_args: tuple[str, ...], their_rounds: int
-) -> None:
-    peers = _bootstrap(procs, tmp_path)
-    first = [
-        _start_node(procs, tmp_path, f"n{i}", peers, "--rounds", str(their_rounds), "--data-shard", str(i))
-        for i in range(3)
-    ]
-    wait_for(lambda: max(_rounds(first[0][1]), default=0) >= 3, timeout=180, what="round 3")
-    joiner, status = _start_node(
-        procs, tmp_path, "joiner", peers, "--rounds", "3", "--data-shard", "3", *joiner_args
-    )
-    assert joiner.wait(timeout=240) == 0, procs.log("joiner")
-    for proc, _ in first:
-        assert proc.wait(timeout=240) == 0
+@pytest.mark.timeout(540)  # the first of the two sets up the `joined` swarm
+def test_joiner_downloads_verified_state_and_contributes(joined: JoinedSwarm) -> None:
+    procs, first, status = joined.procs, joined.first, joined.late
+    assert joined.exits["late"] == 0, procs.log("late")
+    for i in range(3):
+        assert joined.exits[f"n{i}"] == 0, procs.log(f"n{i}")
 
     events = _events(status)
     synced = [e for e in events if e["event"] in ("state_download", "catch_up")]
@@ -158,8 +201,8 @@ def test_joiner_downloads_verified_state_and_contributes(
     # Every round the joiner applied, it holds the θ all three others hold after that round: a round
     # it averaged apart from them (a fork, even one it healed afterwards) fails the test.
     forked = sorted(r for r, h in mine.items() if any(t.get(r) != h for t in theirs))
-    assert mine and not forked, f"the joiner forked after rounds {forked}: {procs.log('joiner')[-4000:]}"
-    healed = [e for _, s in [*first, (joiner, status)] for e in _events(s) if e["event"] == "fork_healed"]
+    assert mine and not forked, f"the joiner forked after rounds {forked}: {procs.log('late')[-4000:]}"
+    healed = [e for _, s in [*first, (None, status)] for e in _events(s) if e["event"] == "fork_healed"]
     assert not healed, healed
     assert min(mine) > 3
     # It contributed: some round after it joined had all four peers in the group.
@@ -171,27 +214,18 @@ def test_joiner_downloads_verified_state_and_contributes(
     )
 
 
+@pytest.mark.timeout(540)
 def test_joiner_too_far_behind_to_replay_downloads_in_chunks_from_several_donors(
-    procs: Procs, tmp_path: Path
+    joined: JoinedSwarm,
 ) -> None:
     """A joiner arriving after the kept updates no longer reach round 0 must download the state: in
     64 KiB chunks (the tiny model's θ and m are ~70), from the three others at once, each chunk
     checked against the manifest their signed records name; then it trains with them. The others
-    keep 2 updates (`--replay-mb 1.5`: an int8 update of the tiny model is 0.63 MB), not up to 8, so
-    the joiner is out of reach of a replay from round 4 on instead of round 9."""
-    peers = _bootstrap(procs, tmp_path)
-    chunks = ("--state-chunk-mb", "0.0625", "--replay-mb", "1.5")
-    first = [
-        _start_node(procs, tmp_path, f"n{i}", peers, "--rounds", "13", "--data-shard", str(i), *chunks)
-        for i in range(3)
-    ]
-    wait_for(lambda: max(_rounds(first[0][1]), default=0) >= 4, timeout=240, what="round 4")
-    joiner, status = _start_node(
-        procs, tmp_path, "joiner", peers, "--rounds", "2", "--data-shard", "3", *chunks
-    )
-    assert joiner.wait(timeout=240) == 0, procs.log("joiner")
-    for proc, _ in first:
-        assert proc.wait(timeout=240) == 0
+    keep 2 updates, so the joiner is out of reach of a replay from round 4 on instead of round 9."""
+    procs, first, status = joined.procs, joined.first, joined.chunked
+    assert joined.exits["chunked"] == 0, procs.log("chunked")
+    for i in range(3):
+        assert joined.exits[f"n{i}"] == 0, procs.log(f"n{i}")
 
     events = _events(status)
     downloads = [e for e in events if e["event"] == "state_download"]
