@@ -135,11 +135,36 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="outer Nesterov lr η (default 0.7; async runs use less)",
     )
-    outer.add_argument("--outer-momentum", type=finite_float, default=0.9)
+    outer.add_argument(
+        "--outer-momentum",
+        type=finite_float,
+        default=None,
+        help="outer Nesterov momentum μ; unset: 0.9, or 0 under --ef-momentum",
+    )
     outer.add_argument(
         "--nesterov", choices=("n1", "n2"), default="n1", help="N1 PyTorch or N2 dampened form"
     )
-    outer.add_argument("--codec", default="int8", help="none|fp16|int8|int4|lowrank:R[:fp16|int4]|adaptive")
+    outer.add_argument(
+        "--codec",
+        default="int8",
+        help="none|fp16|int8|int4|lowrank:R[:fp16|int4]|sparse[:K/C[:B]]|adaptive (sparse: SparseLoCo's top K"
+        " of every C values at B bits, default 64/4096:2)",
+    )
+    outer.add_argument(
+        "--downlink",
+        choices=("auto", "encode", "feedback", "gather"),
+        default=TrainConfig.downlink,
+        help="how an owner's average travels back: re-encoded, re-encoded with owner-side error feedback,"
+        " or the contributions gathered (n times the bytes, nothing lost); auto: feedback for sparse",
+    )
+    outer.add_argument(
+        "--ef-momentum",
+        type=finite_float,
+        default=None,
+        metavar="BETA",
+        help="SparseLoCo: the error-feedback residual stands in for the outer momentum: it decays by BETA"
+        " each round (0.95 in the paper) and the outer step has no momentum of its own",
+    )
     outer.add_argument(
         "--residual-dtype",
         choices=("auto", "float32", "bfloat16", "int8"),
@@ -197,6 +222,20 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def outer_momentum(args: argparse.Namespace) -> float:
+    """--outer-momentum, 0 under --ef-momentum (the residual is the momentum); both: UserError."""
+    if args.ef_momentum is None:
+        return TrainConfig().outer.momentum if args.outer_momentum is None else float(args.outer_momentum)
+    if args.outer_momentum:
+        raise UserError(
+            "--ef-momentum: the error-feedback residual stands in for the outer momentum; leave"
+            f" --outer-momentum out (got {args.outer_momentum}) or drop --ef-momentum"
+        )
+    if not 0 < args.ef_momentum <= 1:
+        raise UserError(f"--ef-momentum: must be in (0, 1], got {args.ef_momentum} (SparseLoCo uses 0.95)")
+    return 0.0
+
+
 def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
     """The typed config from parsed flags; a contradiction raises UserError with the fix."""
     base = TrainConfig()
@@ -215,7 +254,7 @@ def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
             outer=replace(
                 base.outer,
                 lr=base.outer.lr if args.outer_lr is None else args.outer_lr,
-                momentum=args.outer_momentum,
+                momentum=outer_momentum(args),
                 convention=args.nesterov,
             ),
             schedule=replace(
@@ -228,6 +267,8 @@ def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
                 ),
             ),
             codec=args.codec,
+            downlink=args.downlink,
+            ef_decay=1.0 if args.ef_momentum is None else args.ef_momentum,
             max_rel_error=args.max_rel_error,
             aggregate=args.aggregate,
             score=args.score,

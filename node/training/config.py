@@ -14,6 +14,7 @@ from typing import Literal
 import torch
 
 from ...protocol.algorithms.codecs import make_codec
+from ...protocol.algorithms.downlink import downlink_for
 from ...protocol.algorithms.feedback import RESIDUAL_DTYPES
 from ...protocol.algorithms.heloco import HelocoConfig
 from ...protocol.algorithms.outer import OuterConfig
@@ -53,7 +54,8 @@ class TrainConfig:
         variance test more samples and more data diversity per round, at K× the optimizer memory.
     inner_steps: H, optimizer steps per round (DiLoCo H). Larger H means fewer communications; if the
         validation loss stalls while the inner loss falls, the instances drift: lower H.
-    codec: the pseudo-gradient codec ("none", "fp16", "int8", "int4", "lowrank:R[:fp16|int4]") or
+    codec: the pseudo-gradient codec ("none", "fp16", "int8", "int4", "lowrank:R[:fp16|int4]",
+        "sparse[:K/C[:B]]": SparseLoCo's chunked top-k, K of every C values at B bits) or
         "adaptive" (DiLoCoX adaptive compression: cheapest of `codec_candidates` meeting
         `max_rel_error` and the byte budget the overlap window allows).
     max_rel_error: δ, the relative compression error bound of the adaptive chooser. If the loss
@@ -77,6 +79,16 @@ class TrainConfig:
         changed the validation loss by < 0.001 nats against fp32, and int8 by < 0.001 against bf16
         with the int8 and int4 codecs, but +0.08 (within the seeds' spread) with lowrank:2
         (docs/results.md).
+    downlink: how an owner's average of a part travels back (protocol/algorithms/downlink.py):
+        "encode" re-encodes it with the round's codec; "feedback" does so with owner-side error
+        feedback (what the owner's encoding drops is sent in the owner's next round), same bytes;
+        "gather" sends the contributions themselves (nothing lost, about n times the downlink bytes
+        in a group of n; needs aggregate "mean"). "auto": feedback for a sparse codec, whose
+        re-sparsified average drops most of the mass, encode for the others. If a sparse run's loss
+        lags its uncompressed run by more than its uplink error explains, try gather.
+    ef_decay: β of the sender's error feedback (SparseLoCo, arXiv 2508.15706): each round the residual
+        is scaled by β before Δ is added (1: plain error feedback). SparseLoCo runs β = 0.95 with
+        the outer momentum off, the decaying residual standing in for it (`--ef-momentum`).
     aggregate: how an owner combines the contributions to its parts that pass the screening:
         "mean" (the weighted mean), "trimmed:β" (coordinate-wise, ⌊β·n⌋ of each end left out) or
         "clip:c" (CenteredClip, τ = c × the median distance from the coordinate-wise median); the
@@ -139,6 +151,8 @@ class TrainConfig:
     dylu: bool = False
     replay_mb: float = 256.0
     residual_dtype: Literal["auto", "float32", "bfloat16", "int8"] = "auto"
+    downlink: Literal["auto", "encode", "feedback", "gather"] = "auto"
+    ef_decay: float = 1.0
     aggregate: str = "mean"
     score: str = "off"
     b_max: int | None = None
@@ -175,10 +189,18 @@ class TrainConfig:
         if not (math.isfinite(self.replay_mb) and self.replay_mb >= 0):
             raise ValueError(f"replay_mb must be >= 0, got {self.replay_mb}")
         try:
-            Aggregate.parse(self.aggregate)
+            aggregate = Aggregate.parse(self.aggregate)
             Score.parse(self.score)
+            downlink_for(self.downlink, self.codec)
         except ValueError as e:
             raise ValueError(str(e)) from None
+        if self.downlink == "gather" and aggregate.rule != "mean":
+            raise ValueError(
+                f"downlink gather sends the contributions for their mean, not for aggregate {self.aggregate};"
+                " use downlink feedback or encode with a robust aggregate"
+            )
+        if not (math.isfinite(self.ef_decay) and 0 < self.ef_decay <= 1):
+            raise ValueError(f"ef_decay must be in (0, 1], got {self.ef_decay} (SparseLoCo uses 0.95)")
         if self.residual_dtype not in ("auto", *RESIDUAL_DTYPES):
             raise ValueError(
                 f"residual_dtype must be auto, float32, bfloat16 or int8, got {self.residual_dtype!r}"

@@ -37,6 +37,7 @@ from ...protocol.algorithms.allreduce import Contribution, GroupResult
 from ...protocol.algorithms.batchtest import pool_stats
 from ...protocol.algorithms.claims import ClaimBounds, reference_tokens
 from ...protocol.algorithms.codecs import Codec, decode, make_codec
+from ...protocol.algorithms.downlink import OwnerFeedback, downlink_for, make_downlink
 from ...protocol.algorithms.feedback import RESIDUAL_DTYPES, ErrorFeedback
 from ...protocol.algorithms.heloco import correct, dylu_inner_steps, staleness_weight
 from ...protocol.algorithms.outer import outer_step
@@ -131,7 +132,7 @@ class Peer:
             " (pinned)" if self.placement.pin else "",
         )
         self.val_batches = validation_batches(corpus, seq_len=cfg.seq_len, num_sequences=cfg.val_sequences)
-        self.error_feedback = ErrorFeedback(RESIDUAL_DTYPES[residual_dtype(cfg)])
+        self.error_feedback = ErrorFeedback(RESIDUAL_DTYPES[residual_dtype(cfg)], decay=cfg.ef_decay)
         self._codecs: dict[str, Codec] = {}
         # DyLU (Async DiLoCo): this peer's speed relative to the fastest; H shrinks in proportion.
         self.dylu_speed_ratio: float | None = None
@@ -150,16 +151,7 @@ class Peer:
         self, corpus: Corpus, model: torch.nn.Module, *, slot: int, index: int, num_peers: int
     ) -> Instance:
         """Instance `slot` on its data shard: slot 0 trains `model` itself, the others a copy."""
-        shard = shard_corpus(
-            corpus,
-            peer_index=index,
-            num_peers=num_peers,
-            instance_index=slot,
-            num_instances=self.cfg.instances,
-            non_iid=self.cfg.non_iid,
-            seed=self.cfg.seed,
-        )
-        sampler = TokenSampler(shard, seq_len=self.cfg.seq_len, seed=self.cfg.seed * 1000 + index * 31 + slot)
+        sampler = instance_sampler(corpus, self.cfg, index=index, num_peers=num_peers, slot=slot)
         if self.cfg.batch_size * self.cfg.seq_len > sampler.num_tokens:
             raise UserError(
                 f"--batch-size: a batch of {self.cfg.batch_size}×{self.cfg.seq_len} tokens is larger than"
@@ -298,12 +290,16 @@ class Peer:
         return self._codecs[spec]
 
     def downlink_codec(self, spec: str) -> Codec:
-        """The codec this peer encodes averages with for the parts it owns; separate from the uplink
-        codec so the two low-rank warm starts (own Δ, group average) never mix."""
+        """The codec this peer encodes averages with for the parts it owns in the current round
+        (`cfg.downlink`: re-encoded, with owner-side error feedback, or gathered); separate from the
+        uplink codec so the two low-rank warm starts (own Δ, group average) never mix."""
         key = f"{spec}/avg"
         if key not in self._codecs:
-            self._codecs[key] = make_codec(spec)
-        return self._codecs[key]
+            self._codecs[key] = make_downlink(make_codec(spec), downlink_for(self.cfg.downlink, spec))
+        codec = self._codecs[key]
+        if isinstance(codec, OwnerFeedback):
+            codec.start_round(self.state.round)
+        return codec
 
     def contribute(
         self, local: LocalRound, *, bandwidth_bps: float = 0.0
@@ -392,6 +388,9 @@ class Peer:
         schedule, merge = next_schedule(self.state.schedule, fresh, self.cfg.schedule, codec=codec)
         update = Update(round=self.state.round, averaged=result.averaged, schedule=schedule, merge=merge)
         self._apply(update)
+        for owned in self._codecs.values():
+            if isinstance(owned, OwnerFeedback):
+                owned.commit(update.round)  # the residuals formed for this round now count
         if self.cfg.dylu:
             # Every member sees every member's step time, so each shortens its own H alike.
             self.dylu_speed_ratio = dylu_ratio(result.reports, self.peer_id) or self.dylu_speed_ratio
@@ -616,7 +615,7 @@ class Peer:
             kept = self.instances[: len(saved)]
             for inst, inst_state in zip(kept, saved, strict=True):
                 inst.check_state_dict(inst_state)
-            feedback = ErrorFeedback(RESIDUAL_DTYPES[residual_dtype(self.cfg)])
+            feedback = ErrorFeedback(RESIDUAL_DTYPES[residual_dtype(self.cfg)], decay=self.cfg.ef_decay)
             feedback.load_state_dict(mapping(state["error_feedback"], "error feedback"))
             codecs = {
                 key: self._codec_from_state(key, mapping(codec_state, f"codec {key}"))
@@ -663,12 +662,32 @@ class Peer:
                 f" {len(self.instances)}; use --instances {len(saved)}"
             )
 
-    @staticmethod
-    def _codec_from_state(key: str, state: Mapping[str, Any]) -> Codec:
-        """A codec of this peer's table ("int8", "lowrank:4/avg") rebuilt with its saved warm starts."""
-        codec = make_codec(key.removesuffix("/avg"))
+    def _codec_from_state(self, key: str, state: Mapping[str, Any]) -> Codec:
+        """A codec of this peer's table ("int8", "lowrank:4/avg") rebuilt with its saved warm starts
+        (and, for a downlink codec with owner feedback, its residuals)."""
+        spec = key.removesuffix("/avg")
+        codec = make_codec(spec)
+        if key.endswith("/avg"):
+            codec = make_downlink(codec, downlink_for(self.cfg.downlink, spec))
         codec.load_state_dict(state)
         return codec
+
+
+def instance_sampler(
+    corpus: Corpus, cfg: TrainConfig, *, index: int, num_peers: int, slot: int
+) -> TokenSampler:
+    """The data stream of MIT instance `slot` of peer `index` of `num_peers`: its shard of the corpus,
+    drawn in its own seeded order (a baseline trained on the peers' data takes the same streams)."""
+    shard = shard_corpus(
+        corpus,
+        peer_index=index,
+        num_peers=num_peers,
+        instance_index=slot,
+        num_instances=cfg.instances,
+        non_iid=cfg.non_iid,
+        seed=cfg.seed,
+    )
+    return TokenSampler(shard, seq_len=cfg.seq_len, seed=cfg.seed * 1000 + index * 31 + slot)
 
 
 def overlap_this_round(mode: str, *, comm_s: float | None, compute_s: float | None) -> bool:

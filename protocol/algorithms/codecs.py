@@ -8,6 +8,8 @@ blockwise `int8` / `int4` (symmetric, one fp32 absmax per block of 64 values), P
 `lowrank:R` (one warm-started power iteration, factors quantized by a dense codec), and
 SparseLoCo-style `sparse:K/C:B` (the K largest of every C values, B-bit values). `make_codec`
 builds one from its spec; error feedback lives in `feedback`, the adaptive choice in `adaptive`.
+A `sum` payload (`sum_payload`) carries weighted payloads of one shape whole, decoding to their
+weighted sum: how an owner's average of sparse contributions can travel (`downlink`).
 `payload_shape` checks a payload as `decode` does without decoding it, so that a receiver can
 validate on arrival and decode once, when it uses the values.
 
@@ -23,7 +25,7 @@ import math
 import re
 import struct
 import zlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -52,7 +54,10 @@ of L2 per core) steps of 2**15 to 2**18 values were within 6% of each other, 2**
 #               (n = k per whole chunk + ceil(k * tail / chunk) for a partial last chunk of tail
 #               values; indices within their chunk, strictly increasing; each bit array
 #               little-endian, first value in the lowest bits, zero-padded to a whole byte)
-_ID_NONE, _ID_FP16, _ID_INT8, _ID_INT4, _ID_LOWRANK, _ID_SPARSE = range(6)
+#     sum     = header | count u32 | count x f32 factor | count x u32 length | the count payloads
+#               (each a payload of this shape of any codec but sum; decodes to the sum of
+#               factor x decode(payload), each product and sum rounded to float32, in order)
+_ID_NONE, _ID_FP16, _ID_INT8, _ID_INT4, _ID_LOWRANK, _ID_SPARSE, _ID_SUM = range(7)
 _PRODUCT_BLOCK = 1 << 18
 """float64 values per block of `low_rank_product` (2 MB): blocks of 2**15 were twice as slow, the
 per-call overhead of the rank-1 updates dominating."""
@@ -84,6 +89,11 @@ class Codec(abc.ABC):
     @abc.abstractmethod
     def wire_bytes(self, shape: tuple[int, ...]) -> int:
         """Exact `len(self.encode(key, t))` for any tensor `t` of this shape."""
+
+    def for_part(self, key: str) -> Codec:
+        """The codec that encodes part `key`: this one (a router of parts to their owners' codecs
+        answers the owner's)."""
+        return self
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """What the codec carries from one encode to the next (nothing, but for low-rank warm starts)."""
@@ -820,7 +830,64 @@ _DENSE_READERS: dict[int, _Reader] = {
     _ID_INT8: _blockwise_reader(Int8Codec._qmax, Int8Codec._data_bytes, _int8_into),
     _ID_INT4: _blockwise_reader(Int4Codec._qmax, Int4Codec._data_bytes, _int4_into),
 }
-_READERS = {**_DENSE_READERS, _ID_LOWRANK: _read_lowrank, _ID_SPARSE: _read_sparse}
+_SINGLE_READERS = {**_DENSE_READERS, _ID_LOWRANK: _read_lowrank, _ID_SPARSE: _read_sparse}
+
+
+def sum_payload(payloads: Sequence[bytes], factors: Sequence[float]) -> bytes:
+    """One payload carrying `payloads` (one shape, any codec but sum) whole, decoding to
+    Σ factor_i · decode(payload_i) (factors rounded to float32): the weighted mean of contributions
+    sent as they came, at the cost of all their bytes. ValueError for no payload, a count mismatch,
+    differing shapes, a non-finite factor, or a payload that does not parse."""
+    if not payloads or len(payloads) != len(factors):
+        raise ValueError(f"a sum needs payloads and one factor each, got {len(payloads)} and {len(factors)}")
+    shapes = {_read(bytes(p), _SINGLE_READERS)[0] for p in payloads}
+    if len(shapes) != 1:
+        raise ValueError(f"summed payloads have different shapes: {sorted(shapes)}")
+    weights = np.asarray(factors, dtype=np.float32)
+    if not np.isfinite(weights).all():
+        raise ValueError(f"sum factors must be finite, got {list(factors)}")
+    lengths = np.asarray([len(p) for p in payloads], dtype=np.uint32)
+    return b"".join(
+        (
+            _header(_ID_SUM, shapes.pop()),
+            _U32.pack(len(payloads)),
+            _little_endian(weights, "<f4"),
+            _little_endian(lengths, "<u4"),
+            *(bytes(p) for p in payloads),
+        )
+    )
+
+
+def _read_sum(payload: bytes, shape: tuple[int, ...], offset: int) -> _Build:
+    count = _read_u32(payload, offset)
+    factors_at = offset + _U32.size
+    lengths_at = factors_at + 4 * count
+    body_at = lengths_at + 4 * count
+    if count == 0 or len(payload) < body_at:
+        raise ValueError(f"corrupt sum payload: {count} parts in {len(payload)} bytes")
+    factors = np.frombuffer(payload, dtype="<f4", count=count, offset=factors_at).astype(np.float32)
+    lengths = np.frombuffer(payload, dtype="<u4", count=count, offset=lengths_at).astype(np.int64)
+    _check_length(payload, body_at + int(lengths.sum()))
+    if not np.isfinite(factors).all():
+        raise ValueError("corrupt sum payload: a factor is not finite")
+    builds = []
+    for start, length in zip(body_at + np.cumsum(lengths) - lengths, lengths, strict=True):
+        part_shape, build_part = _read(payload[int(start) : int(start + length)], _SINGLE_READERS)
+        if part_shape != shape:
+            raise ValueError(f"corrupt sum payload: a part of shape {part_shape} in a sum of {shape}")
+        builds.append(build_part)
+
+    def build() -> torch.Tensor:
+        out = torch.zeros(shape)
+        # Product and sum each rounded (no fused alpha=): the same bits on every CPU kernel path.
+        for factor, part in zip(factors.tolist(), builds, strict=True):
+            out.add_(part().mul_(factor))
+        return out
+
+    return build
+
+
+_READERS = {**_SINGLE_READERS, _ID_SUM: _read_sum}
 
 
 def _read(payload: bytes, readers: Mapping[int, _Reader]) -> tuple[tuple[int, ...], _Build]:

@@ -9,6 +9,10 @@ The residual is kept in fp32, bf16, or int8 with one scale per block of `RESIDUA
 (`Int8Residual`, 1.02 bytes per parameter). What a uniform quantizer (int8, int4) leaves behind is at
 most half its step, so the int8 rounding of e (at most 1/127 of its block's largest value) is under
 1 % of the codec's own error.
+
+With a decay β < 1 (SparseLoCo, arXiv 2508.15706) the residual fades: c = C(β e + Δ). With the
+outer momentum off, the residual then stands in for it: what was not sent keeps pushing, and fades
+as a momentum buffer does.
 """
 
 from __future__ import annotations
@@ -82,13 +86,17 @@ class ErrorFeedback:
     `compress` sends c = C(Δ + e) and keeps e ← Δ + e − decode(c): the residual is measured on what
     receivers actually reconstruct (algorithms.md §4.4, step 4). Δ + e and the new residual are
     formed in fp32; e is stored in `dtype` (bf16 halves its memory and rounds it to 8 significant
-    bits: the rounding error is itself fed back no more, about 2^-9 of e per round).
+    bits: the rounding error is itself fed back no more, about 2^-9 of e per round). `decay` is
+    SparseLoCo's β: the residual is scaled by it before Δ is added (1: plain error feedback).
     """
 
-    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, dtype: torch.dtype = torch.float32, *, decay: float = 1.0) -> None:
         if dtype not in RESIDUAL_DTYPES.values():
             raise ValueError(f"residual dtype must be one of {sorted(RESIDUAL_DTYPES)}, got {dtype}")
+        if not (math.isfinite(decay) and 0 < decay <= 1):
+            raise ValueError(f"error-feedback decay must be in (0, 1], got {decay}")
         self.dtype = dtype
+        self.decay = decay
         self._residuals: dict[str, torch.Tensor | Int8Residual] = {}
 
     def compress(self, codec: Codec, tensors: Mapping[str, torch.Tensor]) -> dict[str, bytes]:
@@ -96,7 +104,7 @@ class ErrorFeedback:
         return {key: self.compress_tensor(codec, key, delta) for key, delta in tensors.items()}
 
     def compress_tensor(self, codec: Codec, key: str, delta: torch.Tensor) -> bytes:
-        """Encode Δ + e for one tensor and update its residual.
+        """Encode β e + Δ for one tensor and update its residual.
 
         In fp32, e ← Δ + e − decode(c) in e's own buffer: besides e, one tensor's decoded payload
         is all this allocates (the same operations as out of place, so the same bits). In bf16,
@@ -107,18 +115,20 @@ class ErrorFeedback:
             raise ValueError(
                 f"{key}: shape {tuple(delta.shape)} != residual {tuple(residual.shape)}; reset()"
             )
+        decay = self.decay != 1.0
         if residual is None:
             payload = codec.encode(key, delta)
             error = delta - decode(payload)
         elif isinstance(residual, Int8Residual):
-            error = residual.dequantize().add_(delta)
+            error = residual.dequantize()
+            error = (error.mul_(self.decay) if decay else error).add_(delta)
             payload = codec.encode(key, error)
             error.sub_(decode(payload))
         elif residual.dtype == torch.float32:
-            payload = codec.encode(key, residual.add_(delta))
+            payload = codec.encode(key, (residual.mul_(self.decay) if decay else residual).add_(delta))
             error = residual.sub_(decode(payload))
         else:
-            error = delta + residual  # fp32 (type promotion)
+            error = residual.float().mul_(self.decay).add_(delta) if decay else delta + residual  # fp32
             payload = codec.encode(key, error)
             error.sub_(decode(payload))
         # A non-finite round is rejected downstream; keeping its NaN would poison every later one.

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from .codecs import Codec, decode
+from .downlink import Gather
 from .scoring import Scorer
 
 DEFAULT_OUTLIER_FACTOR = 10.0
@@ -222,8 +223,10 @@ def reduce_part(
     relative to the others. When nothing is left (every payload rejected, or the accepted ones all
     weigh 0) the average is zeros. A single accepted payload that is its own average is forwarded
     unchanged. `excluded` (index -> why, from a scorer) are rejected before the screening looks at the
-    others. Raises ValueError on empty, negative, non-finite or zero-sum weights, on negative or
-    non-finite tokens, on a count mismatch, on an undecodable payload and on differing shapes.
+    others. With a `downlink.Gather` codec and the mean, the accepted payloads themselves are sent,
+    as one sum payload with the mean's factors; the robust rules always encode their result. Raises
+    ValueError on empty, negative, non-finite or zero-sum weights, on negative or non-finite tokens,
+    on a count mismatch, on an undecodable payload and on differing shapes.
     """
     _check_inputs(payloads, weights, tokens)
     check_outlier_factor(outlier_factor)
@@ -242,6 +245,10 @@ def reduce_part(
         # The average of one contribution is that contribution: forward its bytes rather than
         # re-encode them and add a second compression error.
         return ReducedPart(bytes(payloads[accepted[0]]), rejected)
+    gather = codec.for_part(key)
+    if isinstance(gather, Gather) and aggregate.rule == "mean":
+        # The contributions travel as they came, with the factors of their mean (`downlink`).
+        return ReducedPart(gather.gather([payloads[i] for i in accepted], normalized), rejected)
     average = aggregate.combine([tensors[i] for i in accepted], normalized)
     return ReducedPart(codec.encode(key, average), rejected)
 

@@ -42,6 +42,10 @@ class _OwnerCodecs(Codec):
         """Encode with the owner's codec."""
         return self._by_key[key].encode(key, tensor)
 
+    def for_part(self, key: str) -> Codec:
+        """The owner's codec."""
+        return self._by_key[key]
+
     def wire_bytes(self, shape: tuple[int, ...]) -> int:
         """Not defined: the size depends on which owner's codec a shape goes through."""
         raise NotImplementedError("_OwnerCodecs routes by key; ask the owner's codec")
