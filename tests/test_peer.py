@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -60,16 +61,41 @@ def test_first_step_statistics_and_tokens(corpus: Corpus) -> None:
 
 @pytest.mark.parametrize("slice_elements", [None, 7])
 @pytest.mark.parametrize("plan", [BatchPlan(micro=4, accum=1), BatchPlan(micro=2, accum=3)])
+@pytest.mark.parametrize("test", ["norm", "augmented"])
 def test_first_step_statistics_are_those_of_its_micro_batch_gradients(
-    corpus: Corpus, plan: BatchPlan, slice_elements: int | None, monkeypatch: pytest.MonkeyPatch
+    corpus: Corpus, plan: BatchPlan, slice_elements: int | None, test: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # The instance gathers them tensor by tensor in a second backward pass (each tensor a slice at a
-    # time: 7 elements cuts every tensor into many, the last one shorter); here each micro-batch's
-    # gradient is computed whole, on a copy that draws the same batches, and given to grad_stats.
-    # Three peers of one config and seed: the same weights and the same batches, bit for bit.
+    # The instance gathers them tensor by tensor (each tensor a slice at a time: 7 elements cuts
+    # every tensor into many, the last one shorter): for the norm test in the step's own backward
+    # passes, for the augmented test in a second pass. Here each micro-batch's gradient is computed
+    # whole, on a copy that draws the same batches, and given to grad_stats. Three peers of one
+    # config and seed: the same weights and the same batches, bit for bit.
     if slice_elements is not None:
         monkeypatch.setattr(instances, "STATS_SLICE", slice_elements)
-    inst, twin, plain = (_peer(corpus).instances[0] for _ in range(3))
+    _check_first_step_statistics(corpus, replace(CFG, schedule=replace(CFG.schedule, test=test)), plan)
+
+
+@pytest.mark.parametrize("test", ["norm", "augmented"])
+def test_first_step_statistics_of_a_model_whose_head_is_its_embedding(
+    corpus: Corpus, test: str, tmp_path: Path
+) -> None:
+    # GPT-2 ties its head to its input embedding, whose gradient the lookup assembles itself
+    # (`TiedEmbedding`): the hooks must see it whole, once per micro-batch.
+    config = tmp_path / "gpt2.json"
+    config.write_text(
+        '{"model_type": "gpt2", "n_embd": 32, "n_layer": 2, "n_head": 2, "n_positions": 64,'
+        ' "vocab_size": 256, "resid_pdrop": 0, "embd_pdrop": 0, "attn_pdrop": 0}'
+    )  # no dropout: the reference below draws no random masks in step with the instance
+    cfg = replace(CFG, model=str(config), schedule=replace(CFG.schedule, test=test))
+    _check_first_step_statistics(corpus, cfg, BatchPlan(micro=4, accum=1), exact=test == "augmented")
+
+
+def _check_first_step_statistics(
+    corpus: Corpus, cfg: TrainConfig, plan: BatchPlan, *, exact: bool = True
+) -> None:
+    test = cfg.schedule.test
+    inst, twin, plain = (_peer(corpus, cfg=cfg).instances[0] for _ in range(3))
+    assert inst.batch_stats == {"norm": "sums", "augmented": "full"}[test]
     _, stats = inst.inner_step(plan, collect_stats=True)
     micro, accum = twin._stats_split(plan)
     grads = []
@@ -79,11 +105,29 @@ def test_first_step_statistics_are_those_of_its_micro_batch_gradients(
         grads.append([g.detach() for g in torch.autograd.grad(loss, twin.params)])
     expected = grad_stats(grads, samples_per_grad=micro)
     assert stats is not None and (stats.num_grads, stats.samples_per_grad) == (accum, micro)
-    for name in ("sq_dev_sum", "mean_sq_norm", "ip_dev_sum", "ortho_dev_sum"):
+    # The norm test reads S and ||ḡ||² alone; only the augmented test measures the inner products.
+    names = ("sq_dev_sum", "mean_sq_norm") + (("ip_dev_sum", "ortho_dev_sum") if test == "augmented" else ())
+    for name in names:
         assert getattr(stats, name) == pytest.approx(getattr(expected, name), rel=1e-4), name
     # Gathering them left the step alone: the same micro-batches without statistics give the same
-    # weights, bit for bit.
+    # weights, bit for bit. Except where a plain step adds a tied head's gradient straight into the
+    # one the weight holds (`TiedEmbedding`), in another order than one micro-batch's gradient at
+    # a time: there, to rounding.
     plain.inner_step(BatchPlan(micro=micro, accum=accum), collect_stats=False)
+    for p, q in zip(inst.params, plain.params, strict=True):
+        if exact:
+            assert torch.equal(p, q)
+        else:
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)
+
+
+def test_without_a_batch_test_the_first_step_gathers_nothing(corpus: Corpus) -> None:
+    cfg = replace(CFG, schedule=replace(CFG.schedule, test="none"))
+    inst, plain = (_peer(corpus, cfg=cfg).instances[0] for _ in range(2))
+    assert inst.batch_stats == "none"
+    _, stats = inst.inner_step(BatchPlan(micro=4, accum=1), collect_stats=True)
+    assert stats is None
+    plain.inner_step(BatchPlan(micro=4, accum=1), collect_stats=False)  # the step was a plain one
     for p, q in zip(inst.params, plain.params, strict=True):
         assert torch.equal(p, q)
 

@@ -12,9 +12,16 @@ The statistics come from the micro-batch gradients of the *first* optimizer step
 every instance (and, in a synchronous round, every peer) computes at the same synchronized θ. This is
 the "gradients at the synchronized θ" option of research/algorithms.md §2.10 item 4: the first step's
 batch is split into `stats_chunks` equal micro-batches when it is not already accumulated, and the
-chunk gradients are the samples g_m of the norm test. They are gathered tensor by tensor in a second
-backward pass over the same micro-batches (`_chunk_stats`), so no copy of the model's gradients is
-held: the memory stays at the training floor, for one extra forward and backward per round.
+chunk gradients are the samples g_m of the batch test, read tensor by tensor so that no copy of the
+model's gradients is ever held (the memory stays at the training floor):
+
+- the norm test (the default) needs only S = Σ_m ||g_m − ḡ||² = Σ_m ||g_m||² − M·||ḡ||² and ||ḡ||²:
+  a hook reads each g_m[j] the moment the chunk's backward forms it, adds its squared norm and moves
+  it into the step's gradient (`_step_with_sums`), so the statistics cost no extra pass;
+- the augmented inner-product test needs ⟨g_m, ḡ⟩, known only once every chunk is done: a second
+  backward pass over the same micro-batches yields each g_m again (`_chunk_stats`), one extra
+  forward and backward per round;
+- with no batch test ("none") nothing is gathered.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -36,6 +43,10 @@ from .devices import Placement, autocast
 from .loss import TiedEmbedding, causal_lm_loss
 from .sampling import TokenSampler
 from .state import malformed, mapping, tensors_like
+
+BatchStats = Literal["sums", "full", "none"]
+# What each batch test needs gathered in the first step of a round (`ScheduleConfig.test`).
+BATCH_STATS: dict[str, BatchStats] = {"norm": "sums", "augmented": "full", "none": "none"}
 
 
 @dataclass(frozen=True)
@@ -79,6 +90,8 @@ class Instance:
 
     `placement` says where θ and the round start live (default: with the model, as on a CPU);
     `autocast_dtype` is the precision of its forward passes (None: fp32), see `devices.py`.
+    `batch_stats` is what the first step of a round gathers for the batch test: "sums" (the norm
+    test's), "full" (also the inner products the augmented test needs) or "none".
     """
 
     def __init__(
@@ -90,8 +103,10 @@ class Instance:
         inner: InnerConfig,
         placement: Placement | None = None,
         autocast_dtype: torch.dtype | None = None,
+        batch_stats: BatchStats = "full",
     ) -> None:
         self.slot = slot
+        self.batch_stats = batch_stats
         self.model = model
         self.sampler = sampler
         self.inner = inner
@@ -238,7 +253,10 @@ class Instance:
     def inner_step(self, plan: BatchPlan, *, collect_stats: bool) -> tuple[float, GradStats | None]:
         """One AdamW step over plan.accum micro-batches; optionally the per-micro-batch gradient stats."""
         self.settle_delta()
+        collect_stats = collect_stats and self.batch_stats != "none"
         micro, accum = self._stats_split(plan) if collect_stats else (plan.micro, plan.accum)
+        if collect_stats and self.batch_stats == "sums" and accum >= 2:
+            return self._step_with_sums(micro, accum)
         self.optimizer.zero_grad(set_to_none=True)
         # With statistics: each micro-batch and the random state it ran under (dropout), to replay it.
         replay: list[tuple[torch.Tensor, _RngState]] = []
@@ -298,6 +316,39 @@ class Instance:
             for p, g_mean in zip(self.params, mean, strict=True):
                 p.grad = g_mean
         return acc.stats(samples_per_grad=samples_per_grad)
+
+    def _step_with_sums(self, micro: int, accum: int) -> tuple[float, GradStats]:
+        """One AdamW step over `accum` micro-batches that gathers the norm test's sums on the way.
+
+        Each chunk's backward starts with no gradient held; a hook takes each parameter's g_m[j]/M
+        as soon as it is formed, adds its squared norm to the sums and moves it into the step's
+        running sum (the tensor itself, no copy, added in the order autograd would add it), so the
+        gradient, the weights after the step and the peak memory are those of a plain step.
+        """
+        self.optimizer.zero_grad(set_to_none=True)
+        sums = _RunningSums(len(self.params), device=self.device)
+        handles = [
+            p.register_post_accumulate_grad_hook(sums.hook(j))  # type: ignore[no-untyped-call]
+            for j, p in enumerate(self.params)
+        ]
+        total_loss = 0.0
+        try:
+            for _ in range(accum):
+                batch = self.sampler.next_batch(micro).to(self.device, non_blocking=True)
+                with autocast(self.device, self.autocast_dtype):
+                    loss = causal_lm_loss(self.model, batch)
+                # Scaled as a plain accumulated step scales it: the hooks see g_m / M, and their sum
+                # is that step's gradient bit for bit.
+                torch.autograd.backward(loss / accum)
+                total_loss += float(loss.detach())
+        finally:
+            for handle in handles:
+                handle.remove()
+        stats = sums.finish(self.params, num_grads=accum, samples_per_grad=micro)
+        if self.inner.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.params, self.inner.grad_clip)
+        self.optimizer.step()
+        return total_loss / accum, stats
 
     def _stats_split(self, plan: BatchPlan) -> tuple[int, int]:
         """The (micro, accum) of the statistics step: the plan itself, or the batch cut into chunks."""
@@ -414,6 +465,64 @@ def _set_rng_state(device: torch.device, state: _RngState) -> None:
 
 # Elements per slice of a gradient tensor in the norm-test sums (4 MiB of fp32 temporaries).
 STATS_SLICE = 1 << 20
+
+
+class _RunningSums:
+    """The norm test's sums over M micro-batch gradients that arrive one tensor at a time, in one pass.
+
+    Each h = g_m[j]/M adds ||h||² (float64, on the device) and is moved into the running sum of
+    parameter j, which ends as the step's gradient ḡ[j]; `finish` returns ||ḡ||² and
+    S = M²·Σ_m ||g_m/M||² − M·||ḡ||² (= Σ_m ||g_m − ḡ||², clamped at 0 against rounding).
+    The inner products ⟨g_m, ḡ⟩ are not measured: each is reported as their mean ||ḡ||², so the
+    inner-product terms are 0 (only the augmented test reads them, and it gathers `_ChunkSums`).
+    """
+
+    def __init__(self, num_params: int, *, device: torch.device) -> None:
+        self.sq_norms = torch.zeros((), dtype=torch.float64, device=device)
+        self.sums: list[torch.Tensor | None] = [None] * num_params
+
+    def hook(self, j: int) -> Callable[[torch.Tensor], None]:
+        """A post-accumulate-grad hook for parameter j."""
+
+        def read(param: torch.Tensor) -> None:
+            with torch.no_grad():
+                g = param.grad
+                assert g is not None
+                param.grad = None  # the next chunk's backward forms g_{m+1}[j] afresh
+                self.sq_norms += _sq_norm(g)
+                held = self.sums[j]
+                if held is None:
+                    self.sums[j] = g
+                else:
+                    held.add_(g)
+
+        return read
+
+    def finish(self, params: Sequence[torch.Tensor], *, num_grads: int, samples_per_grad: int) -> GradStats:
+        """Set every parameter's gradient to ḡ and return the statistics."""
+        sq_norm = torch.zeros((), dtype=torch.float64, device=self.sq_norms.device)
+        for p, total in zip(params, self.sums, strict=True):
+            if total is not None:
+                sq_norm += _sq_norm(total)
+            p.grad = total
+        self.sums = []
+        mean_sq = float(sq_norm)
+        return stats_from_sums(
+            sq_dev=max(0.0, num_grads * num_grads * float(self.sq_norms) - num_grads * mean_sq),
+            sq_norm=mean_sq,
+            ip=[mean_sq] * num_grads,
+            samples_per_grad=samples_per_grad,
+        )
+
+
+def _sq_norm(tensor: torch.Tensor) -> torch.Tensor:
+    """||tensor||² in float64, a slice of at most STATS_SLICE values at a time."""
+    flat = tensor.reshape(-1)
+    total = torch.zeros((), dtype=torch.float64, device=tensor.device)
+    for start in range(0, flat.numel(), STATS_SLICE):
+        part = flat[start : start + STATS_SLICE].float()
+        total += torch.dot(part, part).double()
+    return total
 
 
 class _ChunkSums:

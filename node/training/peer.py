@@ -49,7 +49,7 @@ from .bmax import probe_b_max
 from .config import TrainConfig, residual_dtype
 from .corpus import Corpus
 from .devices import Placement, resolve_device, resolve_precision
-from .instances import Instance, InstanceRound
+from .instances import BATCH_STATS, Instance, InstanceRound
 from .model import build_model, enable_activation_checkpointing, model_fingerprint
 from .replica import HISTORY_ROUNDS, PeerState, Update, initial_state
 from .rounds import ContributionInfo, LocalRound
@@ -165,6 +165,7 @@ class Peer:
             inner=self.cfg.inner,
             placement=self.placement,
             autocast_dtype=self.autocast_dtype,
+            batch_stats=BATCH_STATS[self.cfg.schedule.test],
         )
 
     # ---- local phase -------------------------------------------------------------------------
