@@ -3,45 +3,26 @@
 The repository root is the package (pyproject maps `adloco` to it) and every import inside it is
 relative, so mypy reads the tree as it is: it names the package after the checkout's folder. Only a
 checkout whose folder name is not a Python identifier (e.g. `adloco-node`) needs an alias named
-`adloco` pointing at it; the modules checked are the same files either way.
+`adloco` pointing at it; the modules checked are the same files either way. The run starts with the
+session, in the background at the lowest priority (tests/typecheck.py); run alone, this test waits
+for it all the same.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-PACKAGE_PARTS = ("__init__.py", "errors.py", "settings.py", "protocol", "node", "dht_bootstrap")
+from typecheck import BACKGROUND, mypy_installed, start_mypy
 
 
 @pytest.mark.timeout(300)
-def test_package_is_strictly_typed(tmp_path: Path) -> None:
-    if shutil.which("mypy") is None and not (Path(sys.executable).parent / "mypy").exists():
+def test_package_is_strictly_typed(request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    if not mypy_installed():
         pytest.skip("mypy is not installed (pip install -e '.[test]')")
-    root = ROOT
-    if not ROOT.name.isidentifier():
-        root = tmp_path / "adloco"
-        root.symlink_to(ROOT, target_is_directory=True)
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "mypy",
-            "--strict",
-            "--no-incremental",
-            "--config-file",
-            str(ROOT / "pyproject.toml"),
-            *PACKAGE_PARTS,
-        ],
-        cwd=root,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "MYPY_FORCE_COLOR": "0"},
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
+    run = request.config.stash.get(BACKGROUND, None)
+    if run is None:  # selected by a name conftest.py did not recognize: run it now
+        run = start_mypy(tmp_path)
+    returncode, output = run.result(timeout=280)
+    assert returncode == 0, output
