@@ -203,7 +203,7 @@ class Instance:
         *,
         plan: BatchPlan,
         steps: int,
-        on_step: Callable[[int, float], None] | None = None,
+        on_step: Callable[[int], None] | None = None,
         share_theta: bool = False,
     ) -> InstanceRound:
         """Run `steps` optimizer steps of `plan`; return Δ and the round's statistics.
@@ -212,14 +212,15 @@ class Instance:
         continues a round `begin(None)` started, and Δ is measured from the start as `shift` may have
         moved it meanwhile. The gradients are freed when the round ends. Δ is a `PseudoGradient`
         read from the start and the weights: until the instance or θ next changes, which computes it
-        whole first (`settle_delta`), it costs no memory.
+        whole first (`settle_delta`), it costs no memory. `on_step(step)` runs after every step. The
+        losses stay on the device until the round ends: no step waits for the host to read one.
         """
         self.settle_delta()
         if theta is not None:
             self.begin(theta, share=share_theta)
         self.model.train()
         t0 = time.perf_counter()
-        losses: list[float] = []
+        losses: list[torch.Tensor] = []
         stats: GradStats | None = None
         for step in range(steps):
             loss, step_stats = self.inner_step(plan, collect_stats=step == 0)
@@ -227,9 +228,11 @@ class Instance:
             if step == 0:
                 stats = step_stats
             if on_step is not None:
-                on_step(step, loss)
+                on_step(step)
         # Until the next step nothing reads the gradients: free them for the exchange that follows.
         self.optimizer.zero_grad(set_to_none=True)
+        # Reading the mean waits for the last step: the compute time below includes it.
+        mean_loss = float(torch.stack(losses).mean()) if losses else 0.0
         compute_s = time.perf_counter() - t0
         delta: Sequence[torch.Tensor]
         if self.placement.staged:
@@ -245,13 +248,14 @@ class Instance:
             tokens=samples * self.sampler.seq_len,
             samples=samples,
             steps=steps,
-            mean_loss=sum(losses) / max(len(losses), 1),
+            mean_loss=mean_loss,
             stats=stats,
             compute_s=compute_s,
         )
 
-    def inner_step(self, plan: BatchPlan, *, collect_stats: bool) -> tuple[float, GradStats | None]:
-        """One AdamW step over plan.accum micro-batches; optionally the per-micro-batch gradient stats."""
+    def inner_step(self, plan: BatchPlan, *, collect_stats: bool) -> tuple[torch.Tensor, GradStats | None]:
+        """One AdamW step over plan.accum micro-batches; its mean loss (a 0-d tensor on the training
+        device, not waited for) and optionally the per-micro-batch gradient stats."""
         self.settle_delta()
         collect_stats = collect_stats and self.batch_stats != "none"
         micro, accum = self._stats_split(plan) if collect_stats else (plan.micro, plan.accum)
@@ -260,7 +264,7 @@ class Instance:
         self.optimizer.zero_grad(set_to_none=True)
         # With statistics: each micro-batch and the random state it ran under (dropout), to replay it.
         replay: list[tuple[torch.Tensor, _RngState]] = []
-        total_loss = 0.0
+        total_loss = torch.zeros((), device=self.device)
         for _ in range(accum):
             batch = self.sampler.next_batch(micro).to(self.device, non_blocking=True)
             if collect_stats:
@@ -268,7 +272,7 @@ class Instance:
             with autocast(self.device, self.autocast_dtype):
                 loss = causal_lm_loss(self.model, batch)
             torch.autograd.backward(loss / accum)
-            total_loss += float(loss.detach())
+            total_loss += loss.detach().float()
         stats = None
         if len(replay) >= 2:
             after = _rng_state(self.device)
@@ -317,7 +321,7 @@ class Instance:
                 p.grad = g_mean
         return acc.stats(samples_per_grad=samples_per_grad)
 
-    def _step_with_sums(self, micro: int, accum: int) -> tuple[float, GradStats]:
+    def _step_with_sums(self, micro: int, accum: int) -> tuple[torch.Tensor, GradStats]:
         """One AdamW step over `accum` micro-batches that gathers the norm test's sums on the way.
 
         Each chunk's backward starts with no gradient held; a hook takes each parameter's g_m[j]/M
@@ -331,7 +335,7 @@ class Instance:
             p.register_post_accumulate_grad_hook(sums.hook(j))  # type: ignore[no-untyped-call]
             for j, p in enumerate(self.params)
         ]
-        total_loss = 0.0
+        total_loss = torch.zeros((), device=self.device)
         try:
             for _ in range(accum):
                 batch = self.sampler.next_batch(micro).to(self.device, non_blocking=True)
@@ -340,7 +344,7 @@ class Instance:
                 # Scaled as a plain accumulated step scales it: the hooks see g_m / M, and their sum
                 # is that step's gradient bit for bit.
                 torch.autograd.backward(loss / accum)
-                total_loss += float(loss.detach())
+                total_loss += loss.detach().float()
         finally:
             for handle in handles:
                 handle.remove()

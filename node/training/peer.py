@@ -222,8 +222,8 @@ class Peer:
         """Each instance's round in turn; `on_step(samples done by all so far)` after every step."""
         done = 0
 
-        def counter(samples_per_step: int) -> Callable[[int, float], None]:
-            def step_done(_step: int, _loss: float) -> None:
+        def counter(samples_per_step: int) -> Callable[[int], None]:
+            def step_done(_step: int) -> None:
                 nonlocal done
                 done += samples_per_step
                 if on_step is not None:
