@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -60,6 +62,35 @@ def test_loss_and_every_gradient_match_transformers_over_several_uneven_chunks(
     assert loss == pytest.approx(ref_loss, rel=1e-6)
     for g, r in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("spec", ["tiny-llama", "gpt2"])
+def test_the_gpu_form_of_the_head_matches_transformers_loss_under_bf16_autocast(
+    spec: str, gpt2_config: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a GPU, chunks of GPU_CHUNK_BYTES and the head's weight gradient in bf16 under a bf16
+    autocast (as autocast forms any linear layer's). Run here on the CPU by taking it for a GPU, with
+    chunks of 7 tokens: the loss and every gradient within bf16 rounding of transformers' own loss
+    under the same autocast."""
+    monkeypatch.setattr(loss_module, "_is_gpu", lambda device: True)
+    monkeypatch.setattr(loss_module, "GPU_CHUNK_BYTES", 4 * VOCAB * 7)
+    model = _model(gpt2_config if spec == "gpt2" else spec)
+    x = torch.randint(0, VOCAB, (3, 20), generator=torch.Generator().manual_seed(3))
+
+    LossFn = Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]
+
+    def under_bf16(fn: LossFn) -> LossFn:
+        def run(m: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return fn(m, ids)
+
+        return run
+
+    ref_loss, ref_grads = _loss_and_grads(model, under_bf16(_reference), x)
+    loss, grads = _loss_and_grads(model, under_bf16(causal_lm_loss), x)
+    assert loss == pytest.approx(ref_loss, rel=2e-2)
+    for g, r in zip(grads, ref_grads, strict=True):
+        assert float((g - r).norm()) <= 3e-2 * float(r.norm()) + 1e-6
 
 
 def test_a_tied_weight_gets_the_head_gradient_itself_with_the_lookup_rows_added_in_place(

@@ -28,8 +28,31 @@ from torch import nn
 # Model types whose logits are the bias-free output embedding applied to the base model's last
 # hidden state (final norm included), with no scaling or capping of the logits.
 FUSED_TYPES = frozenset({"gpt2", "llama", "mistral", "qwen2", "bloom", "gpt_neox"})
-# The logits of one chunk, fp32: tokens per chunk = this / (4 · vocabulary).
+# The logits of one chunk, fp32: tokens per chunk = this / (4 · vocabulary). On a CPU a chunk that
+# stays in cache; on a GPU one large enough that the head's matrix products fill the device (at 16 MB
+# a chunk was 83 tokens of GPT-2: its weight-gradient product was a sliver of work per launch).
 CHUNK_BYTES = 16 << 20
+GPU_CHUNK_BYTES = 512 << 20
+
+
+def _is_gpu(device: torch.device) -> bool:
+    """Whether `device` runs matrix products fast enough that the GPU chunking applies."""
+    return device.type == "cuda"
+
+
+def _chunk_rows(device: torch.device, vocab: int) -> int:
+    """Tokens per chunk of logits on `device`."""
+    return max(1, (GPU_CHUNK_BYTES if _is_gpu(device) else CHUNK_BYTES) // (4 * vocab))
+
+
+def _add_weight_grad(grad_w: torch.Tensor, g: torch.Tensor, h32: torch.Tensor, compute: torch.dtype) -> None:
+    """grad_w += gᵀ · h. In fp32 and in place (no V x D temporary) where the compute is fp32 or the
+    device a CPU; under a low-precision autocast on a GPU in the compute dtype, as autocast computes
+    any linear layer's weight gradient (fp32 accumulation inside the product, one V x D temporary)."""
+    if compute == torch.float32 or not _is_gpu(g.device):
+        grad_w.addmm_(g.T, h32)
+    else:
+        grad_w.add_(g.to(compute).T @ h32.to(compute))
 
 
 def fused_head(model: nn.Module) -> tuple[nn.Module, nn.Linear] | None:
@@ -93,7 +116,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         if need_w and defer and tied is not None:
             deferred = _DeferredHead(hidden.detach(), targets, dtype)
         need_w = need_w and deferred is None
-        rows = max(1, CHUNK_BYTES // (4 * vocab))
+        rows = _chunk_rows(hidden.device, vocab)
         compute = dtype or weight.dtype
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight.detach().to(compute)
@@ -115,8 +138,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 if grad_h is not None:
                     grad_h[start : start + rows] = g.to(compute) @ w
                 if grad_w is not None:
-                    # In fp32 and in place, whatever the autocast: no V x D temporary per chunk.
-                    grad_w.addmm_(g.T, h32)
+                    _add_weight_grad(grad_w, g, h32, compute)
         if grad_h is not None:
             ctx.save_for_backward(grad_h)  # grows with the batch: counted as an activation
         ctx.grad_w = grad_w  # the weight's own gradient: not an activation (bmax)
@@ -167,7 +189,7 @@ class _DeferredHead:
         """grad_w += d(loss)/d(weight) through the head (softmax − one-hot, times the scale)."""
         assert self.scale is not None
         n, vocab = self.targets.numel(), weight.shape[0]
-        rows = max(1, CHUNK_BYTES // (4 * vocab))
+        rows = _chunk_rows(self.hidden.device, vocab)
         with torch.autocast(self.hidden.device.type, enabled=False):
             w = weight.detach().to(self.dtype or weight.dtype)
             for start in range(0, n, rows):
@@ -175,7 +197,7 @@ class _DeferredHead:
                 t = self.targets[start : start + rows]
                 logits = (h32.to(w.dtype) @ w.T).float()
                 g = _softmax_minus_one_hot_(logits, self.lse[start : start + rows], t)
-                grad_w.addmm_(g.mul_(self.scale).T, h32)
+                _add_weight_grad(grad_w, g.mul_(self.scale), h32, w.dtype)
 
 
 class TiedEmbedding(nn.Embedding):
