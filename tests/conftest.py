@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from background import AT_SESSION_START, STARTED, mypy_installed, strict_mypy
 from procs import Procs
-from typecheck import BACKGROUND, TEST, mypy_installed, start_mypy
 
 
 @pytest.fixture
@@ -22,17 +22,20 @@ def procs(tmp_path: Path) -> Iterator[Procs]:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def strict_mypy_in_the_background(
+def checks_in_the_background(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[None]:
-    """Starts test_types.py's mypy run as the session starts, if that test is selected, so that it
-    runs on the core the other tests leave idle (tests/typecheck.py); the test collects it."""
-    if not mypy_installed() or not any(item.nodeid == TEST for item in request.session.items):
-        yield
-        return
-    run = start_mypy(tmp_path_factory.mktemp("mypy"))
-    request.config.stash[BACKGROUND] = run
+    """Starts the subprocess checks of the selected tests that only run one (mypy, the kernel-path
+    comparison) as the session starts, at the lowest priority, on the core the other tests leave
+    idle (tests/background.py); each test collects its run."""
+    selected = {item.nodeid for item in request.session.items}
+    runs = {}
     try:
+        for test, start in AT_SESSION_START.items():
+            if test in selected and (start is not strict_mypy or mypy_installed()):
+                runs[test] = start(tmp_path_factory.mktemp("background"))
+        request.config.stash[STARTED] = runs
         yield
     finally:
-        run.stop()
+        for run in runs.values():
+            run.stop()

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,9 +19,9 @@ from adloco.protocol.algorithms.adaptive import relative_error
 from adloco.protocol.algorithms.codecs import decode, make_codec
 from adloco.protocol.algorithms.fixed_order import fixed_order_sum
 
-pytestmark = pytest.mark.timeout(600)
+from background import collect, kernel_paths
 
-SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "kernel_paths.py"
+pytestmark = pytest.mark.timeout(600)
 
 
 @pytest.fixture
@@ -54,17 +52,14 @@ def test_fixed_order_sum_is_accurate() -> None:
     assert fixed_order_sum(x[::3]) == pytest.approx(math.fsum(x[::3].tolist()), rel=1e-13, abs=1e-9)
 
 
-def test_decode_outer_step_and_codec_choice_agree_across_kernel_paths() -> None:
-    variants = "reference,aten-default,threads-1,threads-3,mkl-compatible"
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--size", "small", "--variants", variants, "--json"],
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=540,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout)
+def test_decode_outer_step_and_codec_choice_agree_across_kernel_paths(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    # bench/kernel_paths.py --size small with five variants, started with the session in the
+    # background (tests/background.py).
+    returncode, stdout, stderr = collect(request, tmp_path, kernel_paths).result(timeout=540)
+    assert returncode == 0, stderr[-3000:]
+    report = json.loads(stdout)
     capabilities = {v["capability"] for v in report["variants"].values()}
     assert "DEFAULT" in capabilities and len(capabilities) >= 2, report["variants"]
     assert {v["threads"] for v in report["variants"].values()} >= {1, 3}, report["variants"]

@@ -1,0 +1,126 @@
+"""Subprocess checks that start with the session, in the background, and are collected by their tests.
+
+A few tests only run a long CPU-bound subprocess and check its output: mypy --strict over the
+package (~40 s of one core; no cache can help a fresh clone) and the kernel-path comparison
+(bench/kernel_paths.py, ~25 s of fresh processes). Most of the suite leaves the second core idle,
+so conftest.py starts these as the session starts (those whose test is selected) and each test
+collects its run's result. They run at the lowest CPU priority, each in its own session so that
+its scheduler autogroup is niced too (nice only orders tasks within one autogroup): the
+multi-process swarm tests, whose nodes must register within a matchmaking window on two cores,
+take the CPU from them whenever they want it. Once a test waits for its run, the run gets back its
+normal priority (where the test may raise it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+IDLE_NICE = 19
+
+
+@dataclass
+class NicedRun:
+    """One subprocess at the lowest priority, its output in files in `folder`."""
+
+    proc: subprocess.Popen[bytes]
+    folder: Path
+
+    def result(self, timeout: float) -> tuple[int, str, str]:
+        """Its exit status, stdout and stderr once it has finished (at normal priority from now on)."""
+        if self.proc.poll() is None:
+            self._set_nice(0)  # best effort: lowering a nice value needs CAP_SYS_NICE
+        code = self.proc.wait(timeout=timeout)
+        return code, (self.folder / "stdout").read_text(), (self.folder / "stderr").read_text()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+    def _set_nice(self, nice: int) -> None:
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, self.proc.pid, nice)
+        with contextlib.suppress(OSError):
+            Path(f"/proc/{self.proc.pid}/autogroup").write_text(str(nice))
+
+
+def start_niced(
+    argv: list[str], folder: Path, *, cwd: Path = ROOT, env: dict[str, str] | None = None
+) -> NicedRun:
+    """Start `argv` at the lowest priority in a new session; stdout and stderr go into `folder`."""
+    with open(folder / "stdout", "wb") as stdout, open(folder / "stderr", "wb") as stderr:
+        proc = subprocess.Popen(
+            argv,
+            cwd=cwd,
+            stdout=stdout,
+            stderr=stderr,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,  # its own scheduler autogroup, niced with the process
+            preexec_fn=_lowest_priority,  # only os calls, in the child after the fork
+        )
+    return NicedRun(proc, folder)
+
+
+def _lowest_priority() -> None:
+    """In the child, after its setsid: nice the process and, where the kernel groups sessions for
+    the scheduler (autogroup), its session's group."""
+    os.nice(IDLE_NICE)
+    with contextlib.suppress(OSError):
+        Path("/proc/self/autogroup").write_text(str(IDLE_NICE))
+
+
+# ---- the runs -----------------------------------------------------------------------------------
+
+PACKAGE_PARTS = ("__init__.py", "errors.py", "settings.py", "protocol", "node", "dht_bootstrap")
+KERNEL_PATHS = ROOT / "bench" / "kernel_paths.py"
+KERNEL_VARIANTS = "reference,aten-default,threads-1,threads-3,mkl-compatible"
+
+
+def mypy_installed() -> bool:
+    return shutil.which("mypy") is not None or (Path(sys.executable).parent / "mypy").exists()
+
+
+def strict_mypy(folder: Path) -> NicedRun:
+    """mypy --strict over the package (test_types.py)."""
+    root = ROOT
+    if not ROOT.name.isidentifier():
+        # mypy names the package after the checkout's folder: give it an alias named `adloco`.
+        root = folder / "adloco"
+        root.symlink_to(ROOT, target_is_directory=True)
+    argv = [sys.executable, "-m", "mypy", "--strict", "--no-incremental"]
+    argv += ["--config-file", str(ROOT / "pyproject.toml"), *PACKAGE_PARTS]
+    return start_niced(argv, folder, cwd=root, env={"MYPY_FORCE_COLOR": "0"})
+
+
+def kernel_paths(folder: Path) -> NicedRun:
+    """bench/kernel_paths.py on the small tensors, every variant a fresh process (test_kernel_paths.py)."""
+    argv = [sys.executable, str(KERNEL_PATHS), "--size", "small", "--variants", KERNEL_VARIANTS, "--json"]
+    return start_niced(argv, folder)
+
+
+# test node id -> its run, started as the session starts when that test is selected
+AT_SESSION_START: dict[str, Callable[[Path], NicedRun]] = {
+    "tests/test_types.py::test_package_is_strictly_typed": strict_mypy,
+    "tests/test_kernel_paths.py::test_decode_outer_step_and_codec_choice_agree_across_kernel_paths": (
+        kernel_paths
+    ),
+}
+STARTED = pytest.StashKey[dict[str, NicedRun]]()
+
+
+def collect(request: pytest.FixtureRequest, tmp_path: Path, start: Callable[[Path], NicedRun]) -> NicedRun:
+    """The run conftest.py started for this test, or (selected in a way it did not see) a new one."""
+    run = request.config.stash.get(STARTED, {}).get(request.node.nodeid)
+    return run if run is not None else start(tmp_path)
