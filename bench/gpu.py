@@ -157,6 +157,7 @@ def main() -> None:
                 cfg = replace(base, model=str(path), activation_checkpointing=ckpt)
                 r = measure(name, cfg, corpus, rounds=args.rounds)
                 results.append(r)
+                _write(args.out, results)  # after every run: a run cut short keeps what it measured
                 print(
                     f"{name} ({r['params'] / 1e6:.0f}M) {r['autocast']} checkpointing={ckpt}:"
                     f" b_max={r['b_max']}, {r['tokens_per_s']:,.0f} tokens/s,"
@@ -165,10 +166,14 @@ def main() -> None:
                     f" peak host {r['peak_host_bytes'] / 2**30:.2f} GiB",
                     flush=True,
                 )
-    out = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "runs": results}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=1) + "\n")
+    _write(args.out, results)
     print(f"wrote {args.out}")
+
+
+def _write(path: Path, results: list[dict[str, Any]]) -> None:
+    out = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "runs": results}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,302 @@
+"""Cost of the node (issue 11 §5): inner-step throughput against a bare PyTorch loop, and codec speed.
+
+Part A, inner steps. The same model (the node's own `build_model`, same seed), the same batch and the
+same data (the peer's own shard and sampler seed) train on the same device, two ways, alternating
+rep by rep so drift hits both alike:
+
+- bare: a plain loop a user would write around the same compute: zero_grad, the batch to the
+  device, forward under the same autocast, the same loss function (`causal_lm_loss`), backward,
+  `clip_grad_norm_(1.0)`, fused AdamW with the node's inner settings, no per-step host sync;
+- node: a real `Peer` (one instance, fixed batch) running `train_round()` for H inner steps: what the
+  node does per inner step (its sampler, its loss bookkeeping, the variance-test statistics of the
+  first step when the batch test is on, Δ as a lazy view).
+
+The figure is tokens per second of wall time around the H steps (CUDA synchronized at both ends);
+the overhead is 1 − node / bare. Each mode is the median over `--reps` rounds after one warm-up
+round. As a reference, a bare loop through transformers' own loss (`model(input_ids, labels=...)`)
+is timed too: the node's fused loss head is part of the node, so it can beat a naive loop.
+
+Part B, codecs. Encode and decode of each codec on `--codec-mb` MB of float32 values with one CPU
+thread, in GB/s of float32 values (input bytes for encode, output bytes for decode), against a
+memcpy of the same bytes on the same thread (`torch.Tensor.copy_` into a preallocated buffer).
+
+Run from the repository root:
+
+    python bench/overhead.py                                  # tiny-llama on the CPU, ~1 min
+    python bench/overhead.py --model gpt2-124m --device cuda --seq-len 1024 --batch-size 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from adloco.node.training.config import TrainConfig
+from adloco.node.training.devices import autocast
+from adloco.node.training.loss import causal_lm_loss
+from adloco.node.training.model import build_model, count_parameters
+from adloco.node.training.peer import Peer
+from adloco.node.training.runtime import load_data
+from adloco.node.training.sampling import TokenSampler, shard_corpus
+from adloco.protocol.algorithms.codecs import decode, make_codec
+
+try:  # imported by adloco-bench
+    from .memory import GPT2_124M
+except ImportError:  # run as a script: this folder is on sys.path
+    from memory import GPT2_124M  # type: ignore[no-redef]
+
+CODECS = ("fp16", "int8", "int4", "sparse:64/4096:2")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+Runner = Callable[[int], tuple[int, float]]
+
+
+def bare_steps(cfg: TrainConfig, corpus: Any, vocab: int, *, hf_loss: bool) -> Runner:
+    """A plain training loop on the peer's data; returns run(steps) -> (tokens, wall seconds)."""
+    device = torch.device(cfg.device)
+    model = build_model(cfg.model, vocab_size=vocab, seed=cfg.seed, max_seq_len=max(1024, cfg.seq_len))
+    model.to(device)
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    inner = cfg.inner
+    opt = torch.optim.AdamW(
+        params,
+        lr=inner.lr,
+        betas=(inner.beta1, inner.beta2),
+        weight_decay=inner.weight_decay,
+        fused=device.type in ("cpu", "cuda") or None,
+    )
+    shard = shard_corpus(
+        corpus, peer_index=0, num_peers=1, instance_index=0, num_instances=1, non_iid=False, seed=cfg.seed
+    )
+    sampler = TokenSampler(shard, seq_len=cfg.seq_len, seed=cfg.seed * 1000)
+    dtype = None if cfg.precision == "fp32" else torch.bfloat16
+    batch_size = cfg.batch_size
+
+    def run(steps: int) -> tuple[int, float]:
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            opt.zero_grad(set_to_none=True)
+            batch = sampler.next_batch(batch_size).to(device, non_blocking=True)
+            with autocast(device, dtype):
+                loss = model(input_ids=batch, labels=batch).loss if hf_loss else causal_lm_loss(model, batch)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, inner.grad_clip)
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+        _sync(device)
+        return steps * batch_size * cfg.seq_len, time.perf_counter() - t0
+
+    return run
+
+
+def node_steps(cfg: TrainConfig, corpus: Any, vocab: int) -> Runner:
+    """A real peer's local round; returns run(steps) -> (tokens, wall seconds) with H = steps."""
+    peer = Peer(peer_id="overhead", index=0, num_peers=1, cfg=cfg, corpus=corpus, vocab_size=vocab)
+    device = torch.device(cfg.device)
+
+    def run(steps: int) -> tuple[int, float]:
+        schedule = peer.state.schedule
+        assert steps == schedule.inner_steps and schedule.batch == (cfg.batch_size,), schedule
+        _sync(device)
+        t0 = time.perf_counter()
+        local = peer.train_round()
+        _sync(device)
+        wall = time.perf_counter() - t0
+        # The round's Δ is dropped unapplied: θ stays where it was, as in a solo run between rounds.
+        del local
+        return cfg.batch_size * steps * cfg.seq_len, wall
+
+    return run
+
+
+def measure_inner_steps(cfg: TrainConfig, *, reps: int, vocab: int) -> dict[str, Any]:
+    """Tokens/s of the bare loops and the node, alternating, median over `reps` after a warm-up."""
+    corpus, _ = load_data(cfg)
+    steps = cfg.inner_steps
+    runners = {
+        "bare": bare_steps(cfg, corpus, vocab, hf_loss=False),
+        "bare_hf_loss": bare_steps(cfg, corpus, vocab, hf_loss=True),
+        "node": node_steps(cfg, corpus, vocab),
+        "node_batch_test_off": node_steps(
+            replace(cfg, schedule=replace(cfg.schedule, test="none")), corpus, vocab
+        ),
+    }
+    for run in runners.values():
+        run(steps)  # warm-up: kernels, allocator, AdamW state
+    rates: dict[str, list[float]] = {name: [] for name in runners}
+    for _ in range(reps):
+        for name, run in runners.items():
+            tokens, wall = run(steps)
+            rates[name].append(tokens / wall)
+    med = {name: statistics.median(r) for name, r in rates.items()}
+    return {
+        "tokens_per_s": med,
+        "tokens_per_s_runs": rates,
+        "overhead_pct": 100.0 * (1.0 - med["node"] / med["bare"]),
+        "overhead_batch_test_off_pct": 100.0 * (1.0 - med["node_batch_test_off"] / med["bare"]),
+        "node_vs_hf_loss_loop_pct": 100.0 * (med["node"] / med["bare_hf_loss"] - 1.0),
+        "spread_pct": {name: 100.0 * (max(r) - min(r)) / statistics.median(r) for name, r in rates.items()},
+    }
+
+
+def codec_speed(*, megabytes: float, reps: int) -> dict[str, Any]:
+    """Encode/decode GB/s of each codec on one thread against a memcpy of the same bytes."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        numel = int(megabytes * 1e6 / 4)
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(numel, generator=gen) * 1e-3
+        nbytes = x.numel() * 4
+        dst = torch.empty_like(x)
+        dst.copy_(x)  # fault the pages in
+
+        def timed(fn: Callable[[], object]) -> float:
+            times = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+            return statistics.median(times)
+
+        memcpy = nbytes / timed(lambda: dst.copy_(x)) / 1e9
+        out: dict[str, Any] = {"memcpy_gb_per_s": memcpy, "bytes": nbytes, "codecs": {}}
+        for name in CODECS:
+            codec = make_codec(name)
+            payload = codec.encode("x", x)
+            enc = nbytes / timed(lambda codec=codec: codec.encode("x", x)) / 1e9
+            dec = nbytes / timed(lambda p=payload: decode(p)) / 1e9
+            out["codecs"][name] = {
+                "encode_gb_per_s": enc,
+                "decode_gb_per_s": dec,
+                "encode_vs_memcpy": enc / memcpy,
+                "decode_vs_memcpy": dec / memcpy,
+            }
+        return out
+    finally:
+        torch.set_num_threads(threads)
+
+
+def run(
+    *,
+    model: str | None = None,
+    device: str = "cpu",
+    seq_len: int = 128,
+    batch_size: int = 8,
+    inner_steps: int = 10,
+    reps: int = 5,
+    precision: str = "fp32",
+    codec_mb: float = 64.0,
+    codec_reps: int = 5,
+) -> dict[str, Any]:
+    """Both parts; the dict `adloco-bench` stores under `overhead`."""
+    vocab = 256
+    with tempfile.TemporaryDirectory(prefix="adloco-overhead-") as tmp:
+        spec = model
+        if model == "gpt2-124m":
+            path = Path(tmp) / "gpt2-124m.json"
+            path.write_text(json.dumps(GPT2_124M))
+            spec, vocab = str(path), int(GPT2_124M["vocab_size"])
+        cfg = TrainConfig(
+            model=spec,
+            seq_len=seq_len,
+            batch_size=batch_size,
+            instances=1,
+            inner_steps=inner_steps,
+            device=device,
+            precision=precision,
+            overlap="off",
+            b_max=batch_size,
+        )
+        # The batch stays b (the test still runs, as in the node's default): rounds are comparable.
+        cfg = replace(cfg, schedule=replace(cfg.schedule, batch_cap=batch_size))
+        params = count_parameters(build_model(spec, vocab_size=vocab, max_seq_len=max(1024, seq_len)))
+        inner_steps_result = measure_inner_steps(cfg, reps=reps, vocab=vocab)
+    result: dict[str, Any] = {
+        "model": model or "default",
+        "params": params,
+        "device": _device_name(device),
+        "precision": precision,
+        "seq_len": seq_len,
+        "batch_size": batch_size,
+        "inner_steps": inner_steps,
+        "reps": reps,
+        "threads": torch.get_num_threads(),
+        **inner_steps_result,
+    }
+    if codec_mb > 0:
+        result["codec"] = codec_speed(megabytes=codec_mb, reps=codec_reps)
+    return result
+
+
+def _device_name(device: str) -> str:
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    return platform.processor() or platform.machine()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="preset, config path or gpt2-124m (default: tiny-llama)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--inner-steps", type=int, default=10)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--codec-mb", type=float, default=64.0, help="0 skips part B")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        sys.exit("bench/overhead.py: --device cuda, but torch sees no CUDA device here")
+    t0 = time.perf_counter()
+    result = run(
+        model=args.model,
+        device=args.device,
+        seq_len=args.seq_len,
+        batch_size=args.batch_size,
+        inner_steps=args.inner_steps,
+        reps=args.reps,
+        precision=args.precision,
+        codec_mb=args.codec_mb,
+    )
+    result["duration_s"] = time.perf_counter() - t0
+    tps = result["tokens_per_s"]
+    print(
+        f"{result['model']} ({result['params'] / 1e6:.1f}M) on {result['device']}, {args.precision}:"
+        f" bare {tps['bare']:,.0f} tok/s, node {tps['node']:,.0f} tok/s"
+        f" → overhead {result['overhead_pct']:+.2f} %"
+        f" (batch test off: {result['overhead_batch_test_off_pct']:+.2f} %);"
+        f" bare with transformers' loss {tps['bare_hf_loss']:,.0f} tok/s"
+    )
+    for name, c in result.get("codec", {}).get("codecs", {}).items():
+        print(
+            f"  {name}: encode {c['encode_gb_per_s']:.2f} GB/s ({c['encode_vs_memcpy']:.3f}× memcpy),"
+            f" decode {c['decode_gb_per_s']:.2f} GB/s; memcpy {result['codec']['memcpy_gb_per_s']:.2f} GB/s"
+        )
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

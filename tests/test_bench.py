@@ -1,0 +1,68 @@
+"""`adloco-bench --quick`: the harness runs every section at toy size and writes both files."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from adloco.bench.suite import KEYS, SECTIONS
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _bench(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "adloco.bench.suite", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def test_quick_run_writes_every_key_of_results_json_and_a_report_of_the_goals(tmp_path: Path) -> None:
+    done = _bench("--quick", "--out", str(tmp_path))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    meta = results["meta"]
+    assert meta["seeds"] == [0] and meta["quick"] is True
+    assert len(meta["commit"].removesuffix("+dirty")) == 40 and meta["machine"]["cpus"] >= 1
+    for name in SECTIONS:
+        section = results[name]
+        assert set(KEYS[name]) <= set(section), name
+        assert section["status"] in ("measured", "not measured"), (name, section.get("error"))
+        if section["status"] == "measured":
+            # Every key the issue names is a measured, finite number.
+            for key in KEYS[name]:
+                value = section[key]
+                assert isinstance(value, int | float) and math.isfinite(value), (name, key, value)
+        else:
+            assert section["reason"] and all(section[key] is None for key in KEYS[name])
+    assert results["overhead"]["status"] == "measured"
+    tokens_per_s = results["overhead"]["tokens_per_s"]
+    assert set(tokens_per_s) == {"bare", "bare_hf_loss", "node", "node_batch_test_off"}
+    assert all(v > 0 for v in tokens_per_s.values())
+    report = (tmp_path / "results.md").read_text()
+    assert "## Goals (issue 11) against what was measured" in report
+    assert "≥ 5,000× fewer bytes per token" in report and "≤ 3 % inner-step overhead" in report
+    for name in SECTIONS:
+        for png in (tmp_path / name).glob("*.png"):
+            assert f"({name}/{png.name})" in report  # every plot a section drew is shown
+
+
+def test_an_unknown_section_is_a_clear_error_and_writes_nothing(tmp_path: Path) -> None:
+    done = _bench("--sections", "comm,nope", "--out", str(tmp_path), timeout=120)
+    assert done.returncode == 2
+    assert "--sections: unknown ['nope']" in done.stderr and "Traceback" not in done.stderr
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("args", [["--quick"], ["--quick", "--sections", "overhead"]])
+def test_quick_figures_never_replace_the_documented_ones(args: list[str]) -> None:
+    done = _bench(*args, timeout=120)
+    assert done.returncode == 2 and "--quick needs --out" in done.stderr
