@@ -1,6 +1,6 @@
 """Allocator settings against memory and speed: a 124M training step's time and a solo node's peak.
 
-glibc keeps freed heap blocks resident (3.6 B/param at GPT-2 124M, docs/results.md); mapping every
+glibc keeps freed heap blocks resident (3.6 B/param at GPT-2 124M, docs/experiments.md); mapping every
 block of 128 KiB or more instead returns them but faults each one in afresh (38 % slower steps).
 This benchmark runs, per setting of the environment, in fresh processes:
 

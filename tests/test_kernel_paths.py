@@ -64,7 +64,7 @@ def test_decode_outer_step_and_codec_choice_agree_across_kernel_paths(
     assert "DEFAULT" in capabilities and len(capabilities) >= 2, report["variants"]
     assert {v["threads"] for v in report["variants"].values()} >= {1, 3}, report["variants"]
     # A low-rank codec's error is measured through an encode (matrix products with thousands of
-    # terms, a QR) that is MKL's to order: known to differ in its last digits (docs/results.md).
+    # terms, a QR) that is MKL's to order: known to differ in its last digits (docs/experiments.md).
     differ = {k: v for k, v in report["differences"].items() if not k.startswith("error lowrank")}
     assert differ == {}, json.dumps(differ, indent=1)
     assert len({tuple(c) for c in report["choices"].values()}) == 1, report["choices"]

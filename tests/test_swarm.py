@@ -288,7 +288,7 @@ def test_slow_node_contributes_late_and_corrected_without_holding_others(
         "5",
         "--dylu",
         # At τ ≈ 2 every tensor of this run is aligned with m above the default c_ok 0.2 (HeLoCo then
-        # keeps all of them, docs/results.md); asking for near-alignment makes it rotate them.
+        # keeps all of them, docs/experiments.md); asking for near-alignment makes it rotate them.
         "--heloco-c-ok",
         "0.95",
         *timing,

@@ -78,7 +78,7 @@ class TrainConfig:
         step, and bf16 for the others. Δ + e is formed in fp32 either way. In the simulator bf16
         changed the validation loss by < 0.001 nats against fp32, and int8 by < 0.001 against bf16
         with the int8 and int4 codecs, but +0.08 (within the seeds' spread) with lowrank:2
-        (docs/results.md).
+        (docs/experiments.md).
     downlink: how an owner's average of a part travels back (protocol/algorithms/downlink.py):
         "encode" re-encodes it with the round's codec; "feedback" does so with owner-side error
         feedback (what the owner's encoding drops is sent in the owner's next round), same bytes;

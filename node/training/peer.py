@@ -697,7 +697,7 @@ def overlap_this_round(mode: str, *, comm_s: float | None, compute_s: float | No
     off: never; rebase, overwrite, mix: always; auto: when the last exchange took no longer than the
     last local round (DiLoCoX: T_comm ≤ H·t_step). When the exchange is longer, a round started
     before the update landed is trained entirely from a θ one update old, which the outer momentum
-    turns into oscillation (docs/results.md), so that round waits for the update instead.
+    turns into oscillation (docs/experiments.md), so that round waits for the update instead.
     """
     if mode == "off":
         return False

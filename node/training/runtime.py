@@ -34,7 +34,7 @@ def lean_allocator() -> bool:
 
     By default glibc raises that threshold to the largest block freed so far (up to 32 MiB), so the
     activations of a training step come from the heap, whose free holes between live blocks stay
-    resident: 2-3 bytes per parameter at GPT-2 124M (docs/results.md). Fixed at 128 KiB, a freed
+    resident: 2-3 bytes per parameter at GPT-2 124M (docs/experiments.md). Fixed at 128 KiB, a freed
     block goes back to the system at once, for a page fault per page on its next use (~20 % slower
     CPU steps at 124M). False where the C library has no mallopt (not glibc)."""
     try:

@@ -79,7 +79,7 @@ def _nesterov(p: Tensor, m: Tensor, d: Tensor, *, mu: float, lr: float, dampened
     No `alpha=` (and no addcmul or lerp): their vectorized kernels fuse a·b + c into one FMA, while
     the scalar tails, ATEN_CPU_CAPABILITY=default and CPUs without FMA round twice, so peers on
     different hardware would hold θ differing in the last bit, and fork healing would download the
-    whole state every round (issue 9 §3; bench/kernel_paths.py measures it, docs/results.md).
+    whole state every round (issue 9 §3; bench/kernel_paths.py measures it, docs/experiments.md).
     """
     m.mul_(mu)
     m.add_(d.mul(1.0 - mu) if dampened else d)
