@@ -116,6 +116,8 @@ def goals_table(results: dict[str, Any]) -> str:
         status = section.get("status", "not run")
         measured, met = goal.check(section) if status == "measured" else ("–", None)
         verdict = {True: "yes", False: "**no**", None: status}[met]
+        if status == "measured" and met is None:
+            verdict = "not measured"
         lines.append(f"| {goal.section}: {goal.text} | {measured} | {verdict} |")
     return "\n".join(lines)
 

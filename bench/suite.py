@@ -104,7 +104,9 @@ def section_system(quick: bool, seeds: list[int], out: Path) -> dict[str, Any]:
 
 
 def section_scale(quick: bool, seeds: list[int], out: Path) -> dict[str, Any]:
-    raise NotBuilt("the 64-peer simulator and 8-node swarm runs (issue 11 §6) are not built yet")
+    from . import scale
+
+    return scale.run(quick, seeds, out)
 
 
 def section_overhead(quick: bool, seeds: list[int], out: Path) -> dict[str, Any]:
