@@ -97,10 +97,29 @@ def section_heterogeneity(quick: bool, seeds: list[int], out: Path) -> dict[str,
 
 
 def section_system(quick: bool, seeds: list[int], out: Path) -> dict[str, Any]:
-    raise NotBuilt(
-        "the real-swarm utilization and all-reduce benchmark behind shaped netns links (issue 11 §4) is"
-        " not built yet"
-    )
+    """Utilization behind shaped links (bench/system.py) and the all-reduce against hivemind's own
+    averager (bench/allreduce.py), one section."""
+    from . import system
+
+    try:
+        result = system.run(quick, seeds, out)
+    except system.Unavailable as e:
+        raise NotBuilt(f"needs network namespaces: {e}") from e
+    try:
+        allreduce = _optional_section("allreduce", quick, seeds, out)
+    except NotBuilt as e:
+        result["skipped"] = {"allreduce_s_vs_hivemind_ratio": str(e)}
+    else:
+        result["allreduce"] = allreduce
+        result["allreduce_s_vs_hivemind_ratio"] = allreduce.get("allreduce_s_vs_hivemind_ratio")
+    if quick:  # one run at 100 Mbit/s: the 10 Mbit/s figures are the full run's
+        result.setdefault("skipped", {}).update(
+            {
+                "utilization_overlap_10mbit": "--quick runs 100 Mbit/s only",
+                "utilization_no_overlap_10mbit": "--quick runs 100 Mbit/s only",
+            }
+        )
+    return result
 
 
 def section_scale(quick: bool, seeds: list[int], out: Path) -> dict[str, Any]:

@@ -22,8 +22,6 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from procs import Procs
 
 BASE = "adlt"  # every test namespace name starts with BASE + "<pid>-"
@@ -164,6 +162,8 @@ class Star:
 def star_lan(procs: Procs, hosts: int, **kwargs: Any) -> Iterator[Star]:
     """A `Star` for one test (skipped where namespaces cannot be made); at the end every process
     the test started is killed before the namespaces go, and neither may survive."""
+    import pytest  # here: bench/system.py uses this module where pytest may not be installed
+
     why = available()
     if why is not None:
         pytest.skip(why)
