@@ -1,14 +1,15 @@
 """Subprocess checks that start with the session, in the background, and are collected by their tests.
 
-A few tests only run a long CPU-bound subprocess and check its output: mypy --strict over the
-package (~40 s of one core; no cache can help a fresh clone) and the kernel-path comparison
-(bench/kernel_paths.py, ~25 s of fresh processes). Most of the suite leaves the second core idle,
-so conftest.py starts these as the session starts (those whose test is selected) and each test
-collects its run's result. They run at the lowest CPU priority, each in its own session so that
-its scheduler autogroup is niced too (nice only orders tasks within one autogroup): the
-multi-process swarm tests, whose nodes must register within a matchmaking window on two cores,
-take the CPU from them whenever they want it. Once a test waits for its run, the run gets back its
-normal priority (where the test may raise it).
+A few tests (or module fixtures) only run a long CPU-bound job and check what it produced: mypy
+--strict over the package (~40 s of one core; no cache can help a fresh clone), the kernel-path
+comparison (bench/kernel_paths.py, ~25 s of fresh processes) and the simulator scenarios of
+test_sim.py (~65 s). Most of the suite leaves the second core idle, so conftest.py starts these as
+the session starts (those a selected test needs) and the test or fixture collects its run's result.
+They run at the lowest CPU priority, each in its own session so that its scheduler autogroup is
+niced too (nice only orders tasks within one autogroup): the multi-process swarm tests, whose nodes
+must register within a matchmaking window on two cores, take the CPU from them whenever they want
+it. Once a test waits for its run, the run gets back its normal priority (where the test may raise
+it).
 """
 
 from __future__ import annotations
@@ -110,17 +111,38 @@ def kernel_paths(folder: Path) -> NicedRun:
     return start_niced(argv, folder)
 
 
-# test node id -> its run, started as the session starts when that test is selected
+SIM_SCENARIOS = ("sync_run", "async_runs", "overlap_runs")
+
+
+def sim_scenario(name: str) -> Callable[[Path], NicedRun]:
+    """test_sim.py's module fixture `name`, its simulation run by test_sim.py as a script."""
+
+    def start(folder: Path) -> NicedRun:
+        return start_niced([sys.executable, str(ROOT / "tests" / "test_sim.py"), name, str(folder)], folder)
+
+    return start
+
+
+# What conftest.py starts as the session starts: a test's node id, or the name of a fixture that
+# some selected test uses, -> its run.
 AT_SESSION_START: dict[str, Callable[[Path], NicedRun]] = {
     "tests/test_types.py::test_package_is_strictly_typed": strict_mypy,
     "tests/test_kernel_paths.py::test_decode_outer_step_and_codec_choice_agree_across_kernel_paths": (
         kernel_paths
     ),
+    **{name: sim_scenario(name) for name in SIM_SCENARIOS},
 }
 STARTED = pytest.StashKey[dict[str, NicedRun]]()
 
 
-def collect(request: pytest.FixtureRequest, tmp_path: Path, start: Callable[[Path], NicedRun]) -> NicedRun:
-    """The run conftest.py started for this test, or (selected in a way it did not see) a new one."""
-    run = request.config.stash.get(STARTED, {}).get(request.node.nodeid)
-    return run if run is not None else start(tmp_path)
+def wanted(key: str, items: list[pytest.Item]) -> bool:
+    return any(item.nodeid == key or key in getattr(item, "fixturenames", ()) for item in items)
+
+
+def collect(
+    request: pytest.FixtureRequest, key: str, folder: Callable[[], Path], start: Callable[[Path], NicedRun]
+) -> NicedRun:
+    """The run conftest.py started under `key`, or (not started: selected in a way it did not see)
+    a new one in `folder()`."""
+    run = request.config.stash.get(STARTED, {}).get(key)
+    return run if run is not None else start(folder())

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from background import AT_SESSION_START, STARTED, mypy_installed, strict_mypy
+from background import AT_SESSION_START, STARTED, mypy_installed, strict_mypy, wanted
 from procs import Procs
 
 
@@ -25,15 +25,14 @@ def procs(tmp_path: Path) -> Iterator[Procs]:
 def checks_in_the_background(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[None]:
-    """Starts the subprocess checks of the selected tests that only run one (mypy, the kernel-path
-    comparison) as the session starts, at the lowest priority, on the core the other tests leave
-    idle (tests/background.py); each test collects its run."""
-    selected = {item.nodeid for item in request.session.items}
+    """Starts the long CPU-bound jobs the selected tests need (mypy, the kernel-path comparison, the
+    simulator scenarios) as the session starts, at the lowest priority, on the core the other tests
+    leave idle (tests/background.py); each test or fixture collects its run."""
     runs = {}
     try:
-        for test, start in AT_SESSION_START.items():
-            if test in selected and (start is not strict_mypy or mypy_installed()):
-                runs[test] = start(tmp_path_factory.mktemp("background"))
+        for key, start in AT_SESSION_START.items():
+            if wanted(key, request.session.items) and (start is not strict_mypy or mypy_installed()):
+                runs[key] = start(tmp_path_factory.mktemp("background"))
         request.config.stash[STARTED] = runs
         yield
     finally:

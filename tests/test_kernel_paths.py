@@ -57,7 +57,8 @@ def test_decode_outer_step_and_codec_choice_agree_across_kernel_paths(
 ) -> None:
     # bench/kernel_paths.py --size small with five variants, started with the session in the
     # background (tests/background.py).
-    returncode, stdout, stderr = collect(request, tmp_path, kernel_paths).result(timeout=540)
+    run = collect(request, request.node.nodeid, lambda: tmp_path, kernel_paths)
+    returncode, stdout, stderr = run.result(timeout=540)
     assert returncode == 0, stderr[-3000:]
     report = json.loads(stdout)
     capabilities = {v["capability"] for v in report["variants"].values()}

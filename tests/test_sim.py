@@ -1,12 +1,17 @@
 """The simulator on the embedded corpus: loss falls, the batch adapts, switch mode and MIT merges
 engage, and in async mode a slow peer's late contributions are corrected.
 
-Each scenario runs once (module fixtures) and several tests read its records.
+Each scenario runs once (module fixtures) and several tests read its records. Its simulation runs in
+a subprocess (this file as a script) that conftest.py starts with the session, in the background at
+the lowest priority (tests/background.py); the fixture collects the records it saved.
 """
 
 from __future__ import annotations
 
 import json
+import pickle
+import sys
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -23,6 +28,8 @@ from adloco.protocol.algorithms.heloco import HelocoConfig
 from adloco.protocol.algorithms.merge import MergePolicy
 from adloco.protocol.algorithms.schedule import ScheduleConfig
 
+from background import collect, sim_scenario
+
 SMALL = TrainConfig(
     seq_len=64,
     batch_size=4,
@@ -35,11 +42,23 @@ SMALL = TrainConfig(
 )
 
 
+def _collect(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, name: str) -> Any:
+    """What scenario `name` returned, run in the background (`SCENARIOS`; its files in `out`)."""
+    started = collect(request, name, lambda: tmp_path_factory.mktemp(name), sim_scenario(name))
+    returncode, _, stderr = started.result(timeout=280)
+    assert returncode == 0, stderr[-3000:]
+    return pickle.loads((started.folder / "records.pkl").read_bytes())
+
+
+def _sync_run(out: Path) -> tuple[Path, list[RoundRecord]]:
+    return out, run(SimConfig(peers=4, rounds=10, train=SMALL), out, quiet=True)
+
+
 @pytest.fixture(scope="module")
-def sync_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[RoundRecord]]:
-    out = tmp_path_factory.mktemp("sync")
-    records = run(SimConfig(peers=4, rounds=10, train=SMALL), out, quiet=True)
-    return out, records
+def sync_run(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, list[RoundRecord]]:
+    return _collect(request, tmp_path_factory, "sync_run")
 
 
 def test_writes_results_and_plots(sync_run: tuple[Path, list[RoundRecord]]) -> None:
@@ -100,7 +119,13 @@ def test_mit_merges_down_to_the_minimum(sync_run: tuple[Path, list[RoundRecord]]
 
 
 @pytest.fixture(scope="module")
-def async_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[RoundRecord]]:
+def async_runs(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, list[RoundRecord]]:
+    return _collect(request, tmp_path_factory, "async_runs")
+
+
+def _async_runs(out: Path) -> dict[str, list[RoundRecord]]:
     # c_ok 0.6: late pseudo-gradients of this tiny run keep cos(Δ, m) around 0.3-0.7, which the
     # default c_ok 0.2 keeps as they are; a higher threshold makes the rotation branch act.
     train = replace(
@@ -121,7 +146,7 @@ def async_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Round
             slowdown=(1.0, 1.0, 4.0),
             train=replace(train, correct_late=correct),
         )
-        runs[name] = run(cfg, tmp_path_factory.mktemp(name), quiet=True)
+        runs[name] = run(cfg, out / name, quiet=True)
     return runs
 
 
@@ -150,7 +175,13 @@ def test_async_without_correction_applies_late_contributions_as_they_are(
 
 
 @pytest.fixture(scope="module")
-def overlap_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[RoundRecord]]:
+def overlap_runs(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, list[RoundRecord]]:
+    return _collect(request, tmp_path_factory, "overlap_runs")
+
+
+def _overlap_runs(out: Path) -> dict[str, list[RoundRecord]]:
     train = replace(SMALL, instances=2, inner_steps=4)
     runs = {}
     for name, mode, overlap, slowdown in (
@@ -161,7 +192,7 @@ def overlap_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Rou
         cfg = SimConfig(
             peers=3, rounds=6, mode=mode, slowdown=slowdown, train=replace(train, overlap=overlap)
         )
-        runs[name] = run(cfg, tmp_path_factory.mktemp(name), quiet=True)
+        runs[name] = run(cfg, out / name, quiet=True)
     return runs
 
 
@@ -260,3 +291,15 @@ def test_scoring_excludes_the_weighted_sign_flip_every_round_and_no_honest_peer(
     clean = Simulator(base, corpus, vocab_size=tokenizer.vocab_size)
     assert [r.group_size for r in clean.run()] == [4, 4]
     assert clean.scorer is not None and clean.scorer.stats.excluded == 0
+
+
+SCENARIOS: dict[str, Callable[[Path], Any]] = {
+    "sync_run": _sync_run,
+    "async_runs": _async_runs,
+    "overlap_runs": _overlap_runs,
+}
+
+if __name__ == "__main__":  # python tests/test_sim.py SCENARIO FOLDER (tests/background.py)
+    name, folder = sys.argv[1], Path(sys.argv[2])
+    result = SCENARIOS[name](folder / "out")
+    (folder / "records.pkl").write_bytes(pickle.dumps(result))

@@ -21,5 +21,6 @@ from background import collect, mypy_installed, strict_mypy
 def test_package_is_strictly_typed(request: pytest.FixtureRequest, tmp_path: Path) -> None:
     if not mypy_installed():
         pytest.skip("mypy is not installed (pip install -e '.[test]')")
-    returncode, stdout, stderr = collect(request, tmp_path, strict_mypy).result(timeout=280)
+    run = collect(request, request.node.nodeid, lambda: tmp_path, strict_mypy)
+    returncode, stdout, stderr = run.result(timeout=280)
     assert returncode == 0, stdout + stderr
