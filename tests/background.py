@@ -51,8 +51,8 @@ class NicedRun:
             self.proc.wait(timeout=10)
 
     def _set_nice(self, nice: int) -> None:
-        with contextlib.suppress(OSError):
-            os.setpriority(os.PRIO_PROCESS, self.proc.pid, nice)
+        with contextlib.suppress(OSError):  # every thread of every process of its group
+            os.setpriority(os.PRIO_PGRP, self.proc.pid, nice)
         with contextlib.suppress(OSError):
             Path(f"/proc/{self.proc.pid}/autogroup").write_text(str(nice))
 
