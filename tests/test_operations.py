@@ -22,6 +22,10 @@ from procs import FAST_NODE_ARGS, Procs, wait_for
 
 pytestmark = pytest.mark.timeout(300)
 
+# Every node here is alone in its run: no peer can come late to its rounds, so the matchmaking window
+# only delays them (a lone registrant waits two windows and two graces, `matchmaking_bound_s`).
+SOLO_NODE_ARGS = [*FAST_NODE_ARGS, "--window-s", "0.5"]
+
 
 def _events(path: Path) -> list[dict]:
     if not path.exists():
@@ -39,7 +43,7 @@ def _node(procs: Procs, tmp_path: Path, name: str, *extra: str) -> tuple[subproc
         "adloco-node",
         *("--run-id", f"ops-{name}", "--status-file", str(status), "--data-shard", "0"),
         *("--checkpoint-dir", str(tmp_path / f"{name}-ckpt"), "--checkpoint-every", "1"),
-        *FAST_NODE_ARGS,
+        *SOLO_NODE_ARGS,
         *extra,
     ]
     return procs.start(name, argv), status
@@ -165,7 +169,7 @@ def test_a_full_disk_keeps_the_previous_checkpoint_and_the_node_says_why(
             "adloco-node",
             *("--run-id", "ops-full", "--status-file", str(status), "--data-shard", "0"),
             *("--checkpoint-dir", str(ckpt), "--checkpoint-every", "1", "--rounds", "0"),
-            *FAST_NODE_ARGS,
+            *SOLO_NODE_ARGS,
         ]
         proc = procs.start("full", argv)
         checkpoints = lambda: [e for e in _events(status) if e["event"] == "checkpoint"]  # noqa: E731
