@@ -15,6 +15,7 @@ it).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import shutil
 import signal
@@ -28,6 +29,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 IDLE_NICE = 19
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 @dataclass
@@ -69,17 +71,20 @@ def start_niced(
             stderr=stderr,
             env={**os.environ, **(env or {})},
             start_new_session=True,  # its own scheduler autogroup, niced with the process
-            preexec_fn=_lowest_priority,  # only os calls, in the child after the fork
+            preexec_fn=_in_the_child,  # only os calls, in the child after the fork
         )
     return NicedRun(proc, folder)
 
 
-def _lowest_priority() -> None:
-    """In the child, after its setsid: nice the process and, where the kernel groups sessions for
-    the scheduler (autogroup), its session's group."""
+def _in_the_child() -> None:
+    """After its setsid: nice the process and, where the kernel groups sessions for the scheduler
+    (autogroup), its session's group; and die with pytest, should pytest be killed (its own
+    session keeps it from the terminal's signals, and a killed pytest runs no finalizer)."""
     os.nice(IDLE_NICE)
     with contextlib.suppress(OSError):
         Path("/proc/self/autogroup").write_text(str(IDLE_NICE))
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 # ---- the runs -----------------------------------------------------------------------------------
