@@ -4,7 +4,9 @@ owner's error feedback across rounds and owner changes, SparseLoCo's decaying re
 from __future__ import annotations
 
 import struct
+import threading
 from dataclasses import replace
+from typing import Any
 
 import pytest
 import torch
@@ -21,7 +23,7 @@ from adloco.protocol.algorithms.allreduce import Contribution, reduce_group
 from adloco.protocol.algorithms.codecs import decode, make_codec, payload_shape, sum_payload
 from adloco.protocol.algorithms.downlink import Gather, OwnerFeedback, downlink_for, make_downlink
 from adloco.protocol.algorithms.feedback import ErrorFeedback
-from adloco.protocol.algorithms.parts import reduce_part
+from adloco.protocol.algorithms.parts import most_bytes_moved, reduce_part
 from adloco.protocol.algorithms.schedule import ScheduleConfig
 from adloco.protocol.transport.memory import owner_codecs
 
@@ -273,3 +275,74 @@ def test_the_simulated_peers_agree_under_every_downlink(corpus_and_vocab: tuple[
         key = f"{TINY.codec}/avg"
         assert restored.codecs[key].state_dict().keys() == peer.codecs[key].state_dict().keys()
     assert round_bytes["feedback"] < round_bytes["gather"]
+
+
+def test_the_answer_bound_a_member_checks_fits_a_gathered_answer() -> None:
+    """A member refuses an owner's answer longer than `Codec.answer_bytes`: a gathered part is
+    every member's payload in one, and the exchange's deadlines count those bytes too."""
+    codec = make_codec("sparse:8/256:2")
+    payloads = [codec.encode("w", gaussian(3, 300, seed=s)) for s in range(3)]
+    gathered = reduce_part(payloads, [1.0, 1.0, 1.0], Gather(codec), "w", outlier_factor=None).payload
+    assert len(gathered) == Gather(codec).answer_bytes((3, 300), len(payloads[0]), 3)
+    assert codec.answer_bytes((3, 300), len(payloads[0]), 3) == len(payloads[0])
+    # Member 1 sends its 10 bytes to the owner, the owner answers with 30: the busiest link moves 30.
+    assert most_bytes_moved([10], [0], 2) == 10 and most_bytes_moved([10], [0], 2, [30]) == 30
+
+
+@pytest.mark.timeout(90)
+def test_gathered_parts_cross_the_network_transport() -> None:
+    """Three hivemind averagers with a gathering downlink: every member holds the bytes
+    `reduce_group` computes (sum payloads several times a single one's size: the answer bound and
+    the deadlines count them), and the traffic is what `reduce_group` counts."""
+    from adloco.protocol.transport.hivemind_averager import HivemindAverager
+    from adloco.protocol.transport.identity import NodeDHT
+
+    spec = "sparse:8/256:2"
+    local = {"host_maddrs": ["/ip4/127.0.0.1/tcp/0"], "nat_port_map": False, "auto_nat": False}
+    local |= {"use_relay": False, "use_auto_relay": False}
+    first = NodeDHT(start=True, **local)
+    dhts = [first] + [
+        NodeDHT(initial_peers=first.get_visible_maddrs(), start=True, **local) for _ in range(2)
+    ]
+    averagers = [
+        HivemindAverager(
+            dht, prefix="gather", window_s=1.0, grace_s=0.3, part_timeout_s=2.0, reduce_timeout_s=1.0
+        )
+        for dht in dhts
+    ]
+    try:
+        contributions = [
+            Contribution(
+                peer_id=a.peer_id,
+                payloads={
+                    k: make_codec(spec).encode(k, gaussian(*shape, seed=10 * i + j))
+                    for j, (k, shape) in enumerate({"a": (64, 40), "b": (300,)}.items())
+                },
+                weight=1.0 + i,
+                tokens=100.0,
+            )
+            for i, a in enumerate(averagers)
+        ]
+        results: list[Any] = [None] * 3
+        start = threading.Barrier(3)
+
+        def member(i: int) -> None:
+            start.wait()
+            codec = make_downlink(make_codec(spec), "gather")
+            results[i] = averagers[i].average(contributions[i], round=0, codec=codec, timeout=20.0)
+
+        threads = [threading.Thread(target=member, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+        expected = reduce_group(contributions, codec=make_downlink(make_codec(spec), "gather"))
+        assert all(len(p) > 2 * len(contributions[0].payloads[k]) for k, p in expected.averaged.items())
+        for r in results:
+            assert r is not None and r.averaged == expected.averaged
+            assert r.traffic.payload_received == expected.received_bytes[r.peer_id]
+    finally:
+        for a in averagers:
+            a.shutdown()
+        for dht in dhts:
+            dht.shutdown()

@@ -90,6 +90,12 @@ class Codec(abc.ABC):
     def wire_bytes(self, shape: tuple[int, ...]) -> int:
         """Exact `len(self.encode(key, t))` for any tensor `t` of this shape."""
 
+    def answer_bytes(self, shape: tuple[int, ...], contribution_bytes: int, members: int) -> int:
+        """At most how long an owner's answer for a part of `shape` is, in a group of `members` whose
+        payloads of it are `contribution_bytes` long: the average encoded by this codec, or a single
+        contribution forwarded as it came."""
+        return max(contribution_bytes, self.wire_bytes(shape))
+
     def for_part(self, key: str) -> Codec:
         """The codec that encodes part `key`: this one (a router of parts to their owners' codecs
         answers the owner's)."""
@@ -856,6 +862,11 @@ def sum_payload(payloads: Sequence[bytes], factors: Sequence[float]) -> bytes:
             *(bytes(p) for p in payloads),
         )
     )
+
+
+def sum_payload_bytes(shape: tuple[int, ...], count: int, part_bytes: int) -> int:
+    """Exact `len(sum_payload(...))` for `count` payloads of `part_bytes` each, of this shape."""
+    return _header_size(shape) + _U32.size + 8 * count + count * part_bytes
 
 
 def _read_sum(payload: bytes, shape: tuple[int, ...], offset: int) -> _Build:

@@ -31,7 +31,7 @@ from typing import Literal
 
 import torch
 
-from .codecs import Codec, decode, sum_payload, to_cpu_float
+from .codecs import Codec, decode, sum_payload, sum_payload_bytes, to_cpu_float
 
 Downlink = Literal["encode", "feedback", "gather"]
 DOWNLINKS: tuple[Downlink, ...] = ("encode", "feedback", "gather")
@@ -136,6 +136,13 @@ class Gather(Codec):
     def wire_bytes(self, shape: tuple[int, ...]) -> int:
         """A single encode's (a gathered part is the sum of its contributions' sizes and a header)."""
         return self.inner.wire_bytes(shape)
+
+    def answer_bytes(self, shape: tuple[int, ...], contribution_bytes: int, members: int) -> int:
+        """Every member's contribution in one sum payload."""
+        return max(
+            self.inner.answer_bytes(shape, contribution_bytes, members),
+            sum_payload_bytes(shape, members, contribution_bytes),
+        )
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return self.inner.state_dict()

@@ -384,11 +384,15 @@ def round_traffic(
     return sent, received
 
 
-def most_bytes_moved(sizes: Sequence[int], owners: Sequence[int], num_members: int) -> int:
+def most_bytes_moved(
+    sizes: Sequence[int], owners: Sequence[int], num_members: int, answers: Sequence[int] | None = None
+) -> int:
     """The most payload bytes one member sends or receives in a round where every member's payload
-    of tensor t is `sizes[t]` bytes, the average too (both phases together): what the slowest link
-    of the group must carry, and what the exchange's deadlines are sized for."""
-    sent, received = round_traffic(owners, [sizes] * num_members, sizes, num_members)
+    of tensor t is `sizes[t]` bytes and the average `answers[t]` (default: `sizes[t]`), both phases
+    together: what the slowest link of the group must carry, and what the exchange's deadlines are
+    sized for."""
+    down = sizes if answers is None else answers
+    sent, received = round_traffic(owners, [sizes] * num_members, down, num_members)
     return max(*sent, *received)
 
 

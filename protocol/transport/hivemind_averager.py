@@ -471,7 +471,12 @@ class HivemindAverager:
         sizes = [len(contribution.payloads[k]) for k in keys]
         owner_index = assign_parts(sizes, len(group.members))
         owners = {k: group.members[i] for k, i in zip(keys, owner_index, strict=True)}
-        moved = most_bytes_moved(sizes, owner_index, len(group.members))
+        members = len(group.members)
+        answer_sizes = [
+            codec.for_part(k).answer_bytes(payload_shape(contribution.payloads[k]), size, members)
+            for k, size in zip(keys, sizes, strict=True)
+        ]
+        moved = most_bytes_moved(sizes, owner_index, members, answer_sizes)
         by_owner = parts_by_owner(owners)
         metadata_owner = next(iter(owners.values()))
 
@@ -605,9 +610,11 @@ class HivemindAverager:
         group's order (`_stand_in`); `stand_ins` records who answered for whom.
         """
         # An owner's average of part k is a payload of k's shape from the round's codec, or a
-        # contributor's payload forwarded as is: never longer than the larger of the two.
+        # contributor's payload forwarded as is, or (downlink gather) all of them in one sum payload.
+        members = len(state.group.members)
         bounds = {
-            k: max(len(p), codec.wire_bytes(payload_shape(p))) for k, p in contribution.payloads.items()
+            k: codec.for_part(k).answer_bytes(payload_shape(p), len(p), members)
+            for k, p in contribution.payloads.items()
         }
         lost: set[str] = set()
         p2p = self._p2p
