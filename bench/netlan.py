@@ -5,8 +5,9 @@ killed first):
 - `Loopback`: one namespace whose only interface is its own `lo`: the peers share it on 127.0.0.1,
   isolated from the machine's other traffic, so `lo`'s counters are exactly what they sent.
 - `Star`: a hub namespace bridging `hosts` namespaces, each joined by a veth pair (`eth0` inside the
-  host) optionally shaped with tbf on both ends' egress, i.e. upload and download (as
-  tests/netns.py, which the tests use; benchmarks do not import tests).
+  host) optionally shaped with tbf on both ends' egress, i.e. upload and download, as
+  tests/netns.py builds it (this module adds the loopback layout and the link counters, and needs
+  neither pytest nor tests/ on the path).
 
 Names are `adlb<pid>-<random>`: `remove_stale` deletes the ones whose creating process is gone (a
 crashed earlier run) and never touches a live run's. Needs root and iproute2 (`available()`).
