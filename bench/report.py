@@ -250,10 +250,17 @@ def write_markdown(results: dict[str, Any], path: Path, *, figures: Path) -> Pat
             continue
         duration, stamp = section.get("duration_s"), section.get("measured") or {}
         lines += [f"## {title}", ""]
-        if duration is not None and stamp:
+        seeds = ", ".join(map(str, stamp.get("seeds") or []))
+        if stamp.get("adopted_from"):
             lines += [
-                f"({duration:.0f} s; commit `{stamp.get('commit')}`, {stamp.get('started')},"
-                f" seeds {', '.join(map(str, stamp.get('seeds', [])))})",
+                f"(adopted from `{stamp['adopted_from']}`, written by its module's own run outside the"
+                f" harness; that file's commit `{stamp.get('commit')}`, {stamp.get('started')};"
+                f" seeds {seeds})",
+                "",
+            ]
+        elif duration is not None and stamp:
+            lines += [
+                f"({duration:.0f} s; commit `{stamp.get('commit')}`, {stamp.get('started')}, seeds {seeds})",
                 "",
             ]
         lines += _section_body(name, section, figures, path.parent)

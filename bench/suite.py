@@ -12,6 +12,7 @@ section shows as stored measurements with their date and commit.
     adloco-bench                                # the full run into docs/ (docs/results.md: its duration)
     adloco-bench --quick --out /tmp/bench       # every section at toy size, about 3 minutes (CI runs it)
     adloco-bench --sections comm,overhead   # those sections again; the others kept from results.json
+    adloco-bench --adopt comm=DIR/comm.json # a section its module ran elsewhere (bench/comm.py --out DIR)
 """
 
 from __future__ import annotations
@@ -223,18 +224,58 @@ def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
+def adopt(name: str, path: Path, out: Path) -> dict[str, Any]:
+    """A section's result as its module's own `run()` wrote it outside the harness (on a machine with
+    more cores, say), stamped with the file and the commit that last changed it; the plots beside
+    it (named after the section, or all of a folder named after it) are copied to out/."""
+    section: dict[str, Any] = json.loads(path.read_text())
+    done = subprocess.run(
+        ["git", "log", "-1", "--format=%H %cI", "--", str(path.resolve())],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    commit, _, date = done.stdout.strip().partition(" ")
+    out.mkdir(parents=True, exist_ok=True)
+    for png in path.parent.glob("*.png"):
+        if png.stem.startswith(name) or path.parent.name == name:
+            (out / png.name).write_bytes(png.read_bytes())
+    section = {key: section.get(key) for key in KEYS[name]} | section
+    section["status"] = "measured"
+    section["measured"] = {
+        "adopted_from": os.path.relpath(path.resolve(), ROOT),
+        "commit": commit or "not committed",
+        "started": date or None,
+        "seeds": section.get("seeds"),
+        "quick": bool(section.get("quick", False)),
+    }
+    section.setdefault("duration_s", None)
+    return section
+
+
 def run_sections(
-    names: list[str], *, quick: bool, seeds: list[int], out: Path, json_path: Path
+    names: list[str],
+    *,
+    quick: bool,
+    seeds: list[int],
+    out: Path,
+    json_path: Path,
+    adopted: dict[str, Path] | None = None,
 ) -> dict[str, Any]:
     """Run each section into out/<name>/; results.json's dict, written to `json_path` after every
     section (a run cut short keeps what it measured)."""
     results: dict[str, Any] = {"meta": meta(seeds, quick)}
-    if not quick and set(names) != set(SECTIONS) and json_path.is_file():
+    if not quick and set(names) != set(SECTIONS) - set(adopted or {}) and json_path.is_file():
         # A subset of the sections: the others stay as the last run measured them (each section
         # carries the commit and time it was measured at).
         kept = json.loads(json_path.read_text())
         results.update({k: v for k, v in kept.items() if k in SECTIONS and k not in names})
+    for name, path in (adopted or {}).items():
+        results[name] = adopt(name, path, out / name)
+        print(f"adloco-bench: {name} adopted from {path}", flush=True)
     t_all = time.perf_counter()
+    results["meta"]["duration_s"] = 0.0
     for name in names:
         folder = out / name
         folder.mkdir(parents=True, exist_ok=True)
@@ -277,12 +318,35 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="toy sizes, one seed: checks the harness (CI)")
     ap.add_argument("--out", type=Path, default=None, help="output folder (default: docs/)")
     ap.add_argument("--seeds", type=int, nargs="+", default=None, help="default: 0 1 2 (0 with --quick)")
-    ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated: {', '.join(SECTIONS)}")
+    ap.add_argument("--sections", default=None, help=f"comma-separated: {', '.join(SECTIONS)} (default: all)")
+    ap.add_argument(
+        "--adopt",
+        action="append",
+        default=[],
+        metavar="SECTION=FILE",
+        help="take a section from the JSON its module's run() wrote elsewhere (marked as adopted)",
+    )
     args = ap.parse_args(argv)
-    names = [n for n in args.sections.split(",") if n]
+    adopted: dict[str, Path] = {}
+    for item in args.adopt:
+        name, _, file = item.partition("=")
+        if name not in SECTIONS or not file:
+            ap.error(f"--adopt {item!r}: expected SECTION=FILE with SECTION one of {', '.join(SECTIONS)}")
+        try:
+            if not isinstance(json.loads(Path(file).read_text()), dict):
+                raise ValueError("not a JSON object")
+        except (OSError, ValueError) as e:
+            ap.error(f"--adopt {item!r}: cannot read a section from {file}: {e}")
+        adopted[name] = Path(file)
+    default = [] if adopted else list(SECTIONS)
+    names = default if args.sections is None else [n for n in args.sections.split(",") if n]
     unknown = sorted(set(names) - set(SECTIONS))
-    if unknown or not names:
+    if unknown or not (names or adopted):
         ap.error(f"--sections: unknown {unknown}; choose from {', '.join(SECTIONS)}")
+    if set(names) & set(adopted):
+        ap.error(f"--sections and --adopt both name {sorted(set(names) & set(adopted))}")
+    if adopted and args.quick:
+        ap.error("--adopt takes full runs; --quick runs toy sizes")
     seeds = args.seeds or ([0] if args.quick else [0, 1, 2])
     if args.out is None and args.quick:
         ap.error("--quick needs --out: toy figures never replace docs/results.*")
@@ -293,7 +357,12 @@ def main(argv: list[str] | None = None) -> int:
     from .report import write_markdown
 
     results = run_sections(
-        names, quick=args.quick, seeds=seeds, out=sections_out, json_path=out / "results.json"
+        names,
+        quick=args.quick,
+        seeds=seeds,
+        out=sections_out,
+        json_path=out / "results.json",
+        adopted=adopted,
     )
     md = write_markdown(results, out / "results.md", figures=sections_out)
     print(f"adloco-bench: wrote {out / 'results.json'} and {md} in {results['meta']['duration_s']:.0f} s")

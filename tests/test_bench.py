@@ -69,3 +69,35 @@ def test_an_unknown_section_is_a_clear_error_and_writes_nothing(tmp_path: Path) 
 def test_quick_figures_never_replace_the_documented_ones(args: list[str]) -> None:
     done = _bench(*args, timeout=120)
     assert done.returncode == 2 and "--quick needs --out" in done.stderr
+
+
+def test_an_adopted_section_is_marked_with_its_file_and_the_others_are_kept(tmp_path: Path) -> None:
+    # The result of a module's run() made elsewhere (another machine): taken as it is, never re-run,
+    # marked as adopted in both files; sections already in results.json stay.
+    elsewhere = tmp_path / "elsewhere" / "scale"
+    elsewhere.mkdir(parents=True)
+    figures = {"sim_peers_max": 64, "swarm_nodes_max": 8, "table": [{"where": "simulator", "peers": 64}]}
+    (elsewhere / "scale.json").write_text(json.dumps(figures))
+    (elsewhere / "scale_plot.png").write_bytes(b"\x89PNG")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "results.json").write_text(json.dumps({"memory": {"bytes_per_param": 33.2, "status": "measured"}}))
+    done = _bench("--adopt", f"scale={elsewhere / 'scale.json'}", "--out", str(out), timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    assert results["scale"]["sim_peers_max"] == 64 and results["scale"]["status"] == "measured"
+    assert results["scale"]["measured"]["adopted_from"].endswith("elsewhere/scale/scale.json")
+    assert results["memory"]["bytes_per_param"] == 33.2  # kept
+    assert results["comm"]["status"] == "not run"  # nothing ran
+    report = (out / "results.md").read_text()
+    assert "adopted from" in report and "(scale/scale_plot.png)" in report
+    assert (out / "scale" / "scale_plot.png").read_bytes() == b"\x89PNG"
+
+
+def test_adopting_a_file_that_is_not_a_section_is_a_clear_error(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text("[1, 2]")
+    done = _bench("--adopt", f"scale={bad}", "--out", str(tmp_path / "out"), timeout=120)
+    assert done.returncode == 2 and "cannot read a section" in done.stderr and "Traceback" not in done.stderr
+    done = _bench("--adopt", f"nope={bad}", "--out", str(tmp_path / "out"), timeout=120)
+    assert done.returncode == 2 and "expected SECTION=FILE" in done.stderr
