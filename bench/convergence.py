@@ -82,7 +82,7 @@ class Budget:
 
 
 FULL = Budget()
-QUICK = Budget(diloco_rounds=2, inner_steps=3, overrun=3.0, ddp_eval_every=1)
+QUICK = Budget(diloco_rounds=2, inner_steps=2, overrun=3.0, ddp_eval_every=1)
 
 
 def argv(name: str, budget: Budget) -> list[str]:
@@ -266,8 +266,7 @@ def milestones(runs: dict[str, list[SimRun]], budget: Budget) -> list[Row]:
     half, three quarters and all of its rounds (per seed, DiLoCo's own curve): the goal's comparison
     at looser targets, which every run reaches."""
     out = []
-    for fraction in (0.25, 0.5, 0.75, 1.0):
-        k = max(1, round(fraction * budget.diloco_rounds))
+    for k in sorted({max(1, round(f * budget.diloco_rounds)) for f in (0.25, 0.5, 0.75, 1.0)}):
         targets = [base.records[min(k, len(base.records)) - 1].val_loss for base in runs[BASELINE]]
         for name, rs in runs.items():
             hits = [r.first_below(t) for r, t in zip(rs, targets, strict=True)]
