@@ -23,7 +23,7 @@ from procs import FAST_NODE_ARGS, Procs, wait_for
 pytestmark = pytest.mark.timeout(300)
 
 # Every node here is alone in its run: no peer can come late to its rounds, so the matchmaking window
-# only delays them (a lone registrant waits two windows and two graces, `matchmaking_bound_s`).
+# only delays them (a lone registrant waits the window and the grace every round).
 SOLO_NODE_ARGS = [*FAST_NODE_ARGS, "--window-s", "0.5"]
 
 
