@@ -77,7 +77,7 @@ class Budget:
 
     diloco_rounds: int = 20
     inner_steps: int = 10
-    overrun: float = 2.0
+    overrun: float = 3.0
     ddp_eval_every: int = 10  # DDP steps between evaluations: the resolution of its rounds to target
 
 
@@ -391,10 +391,11 @@ def summarize(
         "rounds_reduction_pct_paired": _paired(runs, targets, "rounds"),
         "time_reduction_pct_paired": _paired(runs, targets, "time"),
         "goal_pct": GOAL_PCT,
+        # 16 of 20 rounds is 20 % less, which floating point puts a hair below 20.
         "goal_met": rounds_cut is not None
         and time_cut is not None
-        and rounds_cut >= GOAL_PCT
-        and time_cut >= GOAL_PCT,
+        and rounds_cut >= GOAL_PCT - 1e-9
+        and time_cut >= GOAL_PCT - 1e-9,
         "table": table,
         "milestones": milestones(runs, budget),
         "setup": {
