@@ -107,6 +107,8 @@ def section_system(quick: bool, seeds: list[int], out: Path) -> dict[str, Any]:
     except system.Unavailable as e:
         raise NotBuilt(f"needs network namespaces: {e}") from e
     try:
+        if quick:  # its own tests run it at toy size (tests/test_allreduce_bench.py)
+            raise NotBuilt("--quick leaves the comparison with hivemind's averager out")
         allreduce = _optional_section("allreduce", quick, seeds, out)
     except NotBuilt as e:
         result["skipped"] = {"allreduce_s_vs_hivemind_ratio": str(e)}

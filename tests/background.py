@@ -2,8 +2,9 @@
 
 A few tests (or module fixtures) only run a long CPU-bound job and check what it produced: mypy
 --strict over the package (~40 s of one core; no cache can help a fresh clone), the kernel-path
-comparison (bench/kernel_paths.py, ~25 s of fresh processes) and the simulator scenarios of
-test_sim.py (~65 s). Most of the suite leaves the second core idle, so conftest.py starts these as
+comparison (bench/kernel_paths.py, ~25 s of fresh processes), the simulator scenarios of
+test_sim.py (~65 s) and `adloco-bench --quick` (~90 s). Most of the suite leaves the second core
+idle, so conftest.py starts these as
 the session starts (those a selected test needs) and the test or fixture collects its run's result.
 They run at the lowest CPU priority, each in its own session so that its scheduler autogroup is
 niced too (nice only orders tasks within one autogroup): the multi-process swarm tests, whose nodes
@@ -128,6 +129,17 @@ def sim_scenario(name: str) -> Callable[[Path], NicedRun]:
     return start
 
 
+# adloco-bench --quick but for the system section, whose real nodes in network namespaces must keep
+# to matchmaking windows (tests/test_bench.py runs that one in the foreground).
+BENCH_SECTIONS = "comm,convergence,heterogeneity,overhead,memory,scale"
+
+
+def bench_quick(folder: Path) -> NicedRun:
+    """adloco-bench --quick into folder/out (test_bench.py)."""
+    argv = [sys.executable, "-m", "adloco.bench.suite", "--quick", "--out", str(folder / "out")]
+    return start_niced([*argv, "--sections", BENCH_SECTIONS], folder)
+
+
 # What conftest.py starts as the session starts: a test's node id, or the name of a fixture that
 # some selected test uses, -> its run.
 AT_SESSION_START: dict[str, Callable[[Path], NicedRun]] = {
@@ -136,6 +148,9 @@ AT_SESSION_START: dict[str, Callable[[Path], NicedRun]] = {
         kernel_paths
     ),
     **{name: sim_scenario(name) for name in SIM_SCENARIOS},
+    "tests/test_bench.py::test_quick_run_writes_every_key_of_results_json_and_a_report_of_the_goals": (
+        bench_quick
+    ),
 }
 STARTED = pytest.StashKey[dict[str, NicedRun]]()
 

@@ -10,7 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from adloco.bench.suite import KEYS, SECTIONS
+from adloco.bench.suite import KEYS
+
+import netns
+from background import BENCH_SECTIONS, bench_quick, collect
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -25,37 +28,67 @@ def _bench(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]
     )
 
 
-def test_quick_run_writes_every_key_of_results_json_and_a_report_of_the_goals(tmp_path: Path) -> None:
-    done = _bench("--quick", "--out", str(tmp_path))
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    results = json.loads((tmp_path / "results.json").read_text())
+@pytest.mark.timeout(900)
+def test_quick_run_writes_every_key_of_results_json_and_a_report_of_the_goals(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    # Every section but `system` (the next test), run from the session's start in the background
+    # (tests/background.py); run alone, this test waits for it all the same.
+    run = collect(request, request.node.nodeid, lambda: tmp_path, bench_quick)
+    code, stdout, stderr = run.result(timeout=840)
+    assert code == 0, stdout[-3000:] + stderr[-3000:]
+    out = run.folder / "out"
+    results = json.loads((out / "results.json").read_text())
     meta = results["meta"]
     assert meta["seeds"] == [0] and meta["quick"] is True
     assert len(meta["commit"].removesuffix("+dirty")) == 40 and meta["machine"]["cpus"] >= 1
-    for name in SECTIONS:
-        section = results[name]
-        assert set(KEYS[name]) <= set(section), name
-        assert section["status"] in ("measured", "not measured"), (name, section.get("error"))
-        if section["status"] == "measured":
-            # Every key the issue names is a measured, finite number, unless the section says why not.
-            for key in KEYS[name]:
-                value = section[key]
-                if value is None and section.get("skipped", {}).get(key):
-                    continue
-                assert isinstance(value, int | float) and math.isfinite(value), (name, key, value)
-        else:
-            assert section["reason"] and all(section[key] is None for key in KEYS[name])
+    ran = BENCH_SECTIONS.split(",")
+    for name in ran:
+        _check_section(name, results[name])
+    assert results["system"]["status"] == "not run"
     assert results["overhead"]["status"] == "measured" and results["scale"]["status"] == "measured"
     assert results["scale"]["sim_peers_max"] >= 2 and results["scale"]["sim_bytes_over_bound_max"] <= 1.01
     tokens_per_s = results["overhead"]["tokens_per_s"]
     assert set(tokens_per_s) == {"bare", "bare_hf_loss", "node", "node_batch_test_off"}
     assert all(v > 0 for v in tokens_per_s.values())
-    report = (tmp_path / "results.md").read_text()
+    report = (out / "results.md").read_text()
     assert "## Goals (issue 11) against what was measured" in report
     assert "≥ 5,000× fewer bytes per token" in report and "≤ 3 % inner-step overhead" in report
-    for name in SECTIONS:
-        for png in (tmp_path / name).glob("*.png"):
+    for name in ran:
+        for png in (out / name).glob("*.png"):
             assert f"({name}/{png.name})" in report  # every plot a section drew is shown
+
+
+@pytest.mark.netns
+@pytest.mark.timeout(300)
+def test_quick_system_section_runs_real_nodes_behind_shaped_links(tmp_path: Path) -> None:
+    why = netns.available()
+    if why is not None:
+        pytest.skip(why)
+    done = _bench("--quick", "--sections", "system", "--out", str(tmp_path), timeout=280)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    system = json.loads((tmp_path / "results.json").read_text())["system"]
+    _check_section("system", system)
+    assert system["status"] == "measured"
+    (run,) = system["runs"]
+    assert run["rate_mbit"] == 100 and run["utilization"] > 0 and run["bytes_sent_per_round"] > 0
+    assert not [ns for ns in netns.namespaces() if ns.startswith(netns.BASE)], "namespaces left behind"
+
+
+def _check_section(name: str, section: dict[str, object]) -> None:
+    assert set(KEYS[name]) <= set(section), name
+    assert section["status"] in ("measured", "not measured"), (name, section.get("error"))
+    if section["status"] == "measured":
+        # Every key the issue names is a measured, finite number, unless the section says why not.
+        skipped = section.get("skipped") or {}
+        assert isinstance(skipped, dict)
+        for key in KEYS[name]:
+            value = section[key]
+            if value is None and skipped.get(key):
+                continue
+            assert isinstance(value, int | float) and math.isfinite(value), (name, key, value)
+    else:
+        assert section["reason"] and all(section[key] is None for key in KEYS[name])
 
 
 def test_an_unknown_section_is_a_clear_error_and_writes_nothing(tmp_path: Path) -> None:
