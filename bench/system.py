@@ -9,7 +9,10 @@ The matchmaking window is the node's default (3 s).
 
 Utilization of a node = the time it spent in inner steps (its rounds' `compute_s`) over the wall
 time, from its first applied round to its last (round 1, with start-up, is left out). The figure is
-the median over the three nodes; seconds per round and bytes a node sends per round likewise. All
+the median over the three nodes; seconds per round and bytes a node sends per round likewise. Under
+overlap a round's update lands while the next round trains, so this window starts inside round 2's
+training and ends with the wait for round R's update: the two nearly cancel, and a figure may read a
+point or two over 100 %. A key of the section takes the better of the two codecs at its rate. All
 three nodes share this machine's cores (one torch thread each), as volunteers' nodes would not:
 their compute is slower than alone, and so the link's share of a round is smaller than it would be.
 
