@@ -44,7 +44,7 @@ NODE_ARGS = [
     *("--data-shards", str(NODES), "--max-corpus-mb", "4"),
 ]
 FULL = {"model": "small-llama", "inner_steps": 30, "rounds": 5}
-QUICK = {"model": "tiny-llama", "inner_steps": 5, "rounds": 3}
+QUICK = {"model": "tiny-llama", "inner_steps": 5, "rounds": 2}
 
 
 class Unavailable(Exception):
