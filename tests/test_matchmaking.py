@@ -1,9 +1,10 @@
 """When a round opens and closes, and what a registration dated in the past can still do.
 
 A registration's time is its writer's word; the round opens at the `OPEN_QUORUM`-th earliest
-(`matchmaking.close_and_members`). The real-DHT test has one member date its registration 100 s in
+(`matchmaking.close_and_members`), and a registration that nobody followed within a window and a
+grace closed a round of its own. The real-DHT test has one member date its registration 100 s in
 the past, which under a round opened by the earliest registration alone left every honest member
-late, every round.
+late, every round; now it is in no group at all.
 """
 
 from __future__ import annotations
@@ -36,28 +37,43 @@ pytestmark = pytest.mark.timeout(60)
 
 def test_the_round_opens_at_the_second_registration_and_closes_a_window_later() -> None:
     assert OPEN_QUORUM == 2
-    # One registration dated 100 s in the past no longer closes the round before the others.
-    close, members = close_and_members({"x": -100.0, "a": 0.0, "b": 0.4, "c": 0.9}, 1.0)
-    assert close == 1.0 and members == ("a", "b", "c", "x")
+    # One registration dated 100 s in the past neither closes the round before the others nor is
+    # in their group: nobody followed it in time, so it closed a round of its own.
+    close, members = close_and_members({"x": -100.0, "a": 0.0, "b": 0.4, "c": 0.9}, 1.0, 0.3)
+    assert close == pytest.approx(1.4) and members == ("a", "b", "c")
     # Honest registrations: the window runs from the second; a third 1.1 s after the first is in.
-    close, members = close_and_members({"a": 0.0, "b": 0.3, "c": 1.1, "late": 1.4}, 1.0)
+    close, members = close_and_members({"a": 0.0, "b": 0.3, "c": 1.1, "late": 1.4}, 1.0, 0.3)
     assert close == pytest.approx(1.3) and members == ("a", "b", "c")
     # Alone, a peer's round closes a window after its own registration.
-    assert close_and_members({"a": 5.0}, 1.0) == (6.0, ("a",))
+    assert close_and_members({"a": 5.0}, 1.0, 0.3) == (6.0, ("a",))
+
+
+def test_a_registration_nobody_followed_within_window_and_grace_closed_a_round_of_its_own() -> None:
+    """A node cut off from the others registers and averages alone; once its link is back the DHT
+    hands its record to the others when they reach that round. Read at the first registrant's own
+    read (window + grace after it), a second registration still joins; one after that does not, and
+    the later peers form the round without it."""
+    cut = {"cut": 0.0}
+    close, members = close_and_members({**cut, "a": 1.29, "b": 1.5}, 1.0, 0.3)
+    assert close == pytest.approx(2.29) and members == ("a", "b", "cut")
+    close, members = close_and_members({**cut, "a": 60.0, "b": 60.4}, 1.0, 0.3)
+    assert close == pytest.approx(61.4) and members == ("a", "b")
+    # Alone after the gap too: a round of its own for the one that registered after it.
+    assert close_and_members({**cut, "a": 60.0}, 1.0, 0.3) == (61.0, ("a",))
 
 
 def test_a_quorum_of_records_dated_in_the_past_still_closes_the_round_early() -> None:
     """The limit, stated: OPEN_QUORUM identities that date their records in the past close the round
     before honest peers register (which is why a public run's identities are only as scarce as
     live p2pd instances, and a private run's are credentialed)."""
-    close, members = close_and_members({"x": -100.0, "y": -100.0, "a": 0.0}, 1.0)
+    close, members = close_and_members({"x": -100.0, "y": -100.0, "a": 0.0}, 1.0, 0.3)
     assert close == -99.0 and members == ("x", "y")
 
 
 @pytest.mark.parametrize(("records", "quorum"), [({}, 2), ({"a": 0.0}, 0)])
 def test_misuse_is_refused(records: dict[str, float], quorum: int) -> None:
     with pytest.raises(ValueError):
-        close_and_members(records, 1.0, quorum)
+        close_and_members(records, 1.0, 0.3, quorum)
 
 
 def test_a_registrant_waits_at_most_two_windows_and_graces() -> None:
@@ -98,12 +114,35 @@ def test_a_member_dating_its_registration_in_the_past_cannot_make_the_others_lat
     contributions = _contributions(averagers, "int8", seed=11)
     began = time.monotonic()
     outcomes = _average_together(averagers, contributions, round=2, spec="int8")
-    # Every member is in the group (the backdater too: it serves its parts like any member), and
-    # every member holds reduce_group's bytes; nobody was told late.
-    _assert_matches_reduce_group(outcomes, contributions, "int8")
+    # The honest three form the round and hold reduce_group's bytes over their contributions; the
+    # backdater's record, which nobody followed within a window and a grace, is in no group (its
+    # own call gets None: it is late to the round the others opened).
+    _assert_matches_reduce_group(outcomes[:3], contributions[:3], "int8")
+    assert outcomes[3].result is None
     bound = matchmaking_bound_s(WINDOW_S, GRACE_S) + SLACK_S
     assert all(o.elapsed_s < bound for o in outcomes), [o.elapsed_s for o in outcomes]
-    print(f"\nfour members despite a registration dated 100 s back, in {time.monotonic() - began:.2f} s")
+    print(f"\nthree members despite a registration dated 100 s back, in {time.monotonic() - began:.2f} s")
+
+
+def test_a_peer_that_averaged_a_round_alone_meets_the_others_at_that_round_later(
+    hivemind_swarm: Swarm,
+) -> None:
+    """A node cut off from the others averages round 5 alone, then takes the swarm's state back and
+    meets the others at round 5 when they get there: its old record is in no group of theirs, and
+    its second call at round 5 is taken (a round averaged alone is not spent): the three complete
+    it together with reduce_group's bytes."""
+    swarm = hivemind_swarm
+    swarm.add_nodes(3)
+    averagers = [swarm.averager(i) for i in range(3)]
+    contributions = _contributions(averagers, "int8", seed=12)
+    alone = averagers[0].average(contributions[0], round=5, codec=make_codec("int8"), timeout=30.0)
+    assert alone is not None and alone.members == (averagers[0].peer_id,)
+    time.sleep(WINDOW_S + GRACE_S)  # the others reach round 5 after its round of its own closed
+    outcomes = _average_together(averagers, contributions, round=5, spec="int8")
+    _assert_matches_reduce_group(outcomes, contributions, "int8")
+    # A round averaged with others is spent.
+    with pytest.raises(ValueError, match="single-use"):
+        averagers[1].average(contributions[1], round=5, codec=make_codec("int8"), timeout=30.0)
 
 
 def _phantom(swarm: Swarm, round: int, refuse_with: str | None) -> str:

@@ -10,7 +10,10 @@ implementation: the members are the peers that call `average` for the same (pref
 the matchmaking window (opened by the first call in process; over the DHT by the second
 registration, `matchmaking.OPEN_QUORUM`, so that one registration dated in the past cannot close
 it); a call after the window gets None at once and nobody waits beyond the window. A round
-number is single-use: retry a failed round under a new number.
+number is single-use: retry a failed round under a new number. (`HivemindAverager` lets a peer take
+up again a round it averaged alone or found no group in: a node cut off from the others that went
+on alone, then took their state, meets them at that round's number. A registration no other
+followed in time closed a round of its own and is in no later group, `matchmaking`.)
 None never proves that the others did not apply the round (they may have, with or without this
 member's Δ): a peer that gets None must re-check its θ against the group's (catch-up) before it
 trusts it. Implementations: `memory.MemoryAverager` (threads of one process: the solo trainer, the

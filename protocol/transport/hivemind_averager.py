@@ -176,6 +176,9 @@ class HivemindAverager:
         self._handler_name = f"adloco.allreduce.v{PROTOCOL_VERSION}.{digest}"
         self._rounds: dict[int, tuple[float, asyncio.Future[RoundState | None]]] = {}
         self._joined: set[int] = set()
+        # Rounds whose call here ended in no group with others (alone, late, or before any group):
+        # a later call may take them up afresh (`average`).
+        self._alone: set[int] = set()
         self._lost_owners: dict[int, set[str]] = {}  # round -> owners whose exchange broke here
         self._tasks: set[asyncio.Task[Any]] = set()
         self._calls: set[asyncio.Task[Any]] = set()  # our `average` calls running on the loop
@@ -261,8 +264,9 @@ class HivemindAverager:
         """Register for `round`, form the group, exchange parts; see the module docstring.
 
         Raises ValueError for a contribution of another peer or with no tensors, and for a second
-        call with the same round; RuntimeError after shutdown; `NotOpened` when a join-only call
-        found no round opened within `join_wait_s`.
+        call with the same round, unless the first ended in no group with others (it averaged alone,
+        came late, or failed before a group formed): that round may be taken up again. RuntimeError
+        after shutdown; `NotOpened` when a join-only call found no round opened within `join_wait_s`.
         """
         if self._closed:
             raise RuntimeError("average() after shutdown()")
@@ -427,7 +431,13 @@ class HivemindAverager:
         bounds: ClaimBounds,
     ) -> MemberResult | None:
         if round in self._joined:
-            raise ValueError(f"round {round} was already averaged by this peer; rounds are single-use")
+            if round not in self._alone:
+                raise ValueError(f"round {round} was already averaged by this peer; rounds are single-use")
+            # Averaged alone here before, or in no group (a node that went on alone, then took the
+            # swarm's state and meets the others at this round): nobody else holds this peer's try.
+            self._alone.discard(round)
+            self._rounds.pop(round, None)
+            self._lost_owners.pop(round, None)
         self._joined.add(round)
         ready = self._round_future(round)
         call = asyncio.current_task()
@@ -445,6 +455,9 @@ class HivemindAverager:
             self._calls.discard(call)
             if not ready.done():
                 ready.set_result(None)
+            state = ready.result()
+            if state is None or state.group.members == (self._peer_id,):
+                self._alone.add(round)
         if ready.result() is not None:  # a group formed: its other members may wait on this try
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._matchmaker.mark_failed(round), MARK_TIMEOUT_S)
@@ -663,6 +676,10 @@ class HivemindAverager:
             self._lost_owners[state.group.round] = lost
             raise RoundFailed(str(failed[0].exception()))
         if pending:
+            # An owner silent for the whole budget is lost as one whose stream broke (cut off, or
+            # dead): the others need not wait for it to say that its try failed.
+            silent = {owner for owner, task in fetches.items() if task in pending}
+            self._lost_owners[state.group.round] = lost | silent
             raise RoundFailed(f"no answer from {len(pending)} owner(s) within {budget:.1f} s")
         answers: dict[str, Answer] = {owner: task.result() for owner, task in fetches.items()}
         if state.session is not None:

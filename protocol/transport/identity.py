@@ -124,6 +124,10 @@ async def _rejoin(dht: hivemind.DHT, node: Any) -> int:
         with contextlib.suppress(Exception):
             answered += await node.protocol.call_ping(peer_id) is not None
     if answered:
+        # Cut off, this node's DHT banned every peer it called in vain, for longer after each try
+        # (hivemind's blacklist doubles the ban): long after the link is back its reads would skip
+        # the peers that hold the swarm's newest records and return the stale copies it holds.
+        node.blacklist.clear()
         with contextlib.suppress(Exception):
             await node.find_nearest_nodes([node.node_id])
     return answered

@@ -10,9 +10,11 @@ have registered) and closes `window_s` later, at T; a peer registered after T is
 at once. At T + `grace_s` the peer reads the key again and recomputes T from this read: a quorum
 reached since moves T later, and the peer waits again (at most once per registration short of the
 quorum); then the group is the peers registered at a time <= T, sorted by peer id; group_id =
-hash(prefix, r, members, tensor layout). Peers whose reads agree compute the same group without
-talking; clocks are assumed synchronized to well within `grace_s` (hivemind's DHT time is the wall
-clock).
+hash(prefix, r, members, tensor layout). A registration that no other followed within window + grace
+closed a round of its own (its registrant found itself alone at its read, a node cut off from the
+others, say) and is no member of a later group at that round. Peers whose reads agree compute the
+same group without talking; clocks are assumed synchronized to well within `grace_s` (hivemind's
+DHT time is the wall clock).
 
 A registration's time is its writer's word. Opened by the earliest registration alone, a round
 could be closed before anyone else registered by one record dated in the past, every round (the
@@ -74,17 +76,27 @@ def matchmaking_bound_s(window_s: float, grace_s: float) -> float:
 
 
 def close_and_members(
-    records: Mapping[str, float], window_s: float, quorum: int = OPEN_QUORUM
+    records: Mapping[str, float], window_s: float, grace_s: float, quorum: int = OPEN_QUORUM
 ) -> tuple[float, tuple[str, ...]]:
     """Close time T = the `quorum`-th earliest registration (the latest, while fewer) + window, and
-    the peers registered at or before T, sorted."""
+    the peers registered from the round's first registration to T, sorted.
+
+    A registration that no other followed within `window_s + grace_s` closed a round of its own: its
+    registrant read the key at that time, found itself alone and went on alone (a node cut off from
+    the others, say, whose record the DHT hands out once its link is back). It is not the first of
+    a later group, so the round starts at the first registration that another followed in time.
+    """
     if not records:
         raise ValueError("no registrations")
     if quorum < 1:
         raise ValueError(f"quorum must be >= 1, got {quorum}")
     times = sorted(records.values())
+    first = 0
+    while first + 1 < len(times) and times[first + 1] - times[first] > window_s + grace_s:
+        first += 1
+    times = times[first:]
     close = times[min(quorum, len(times)) - 1] + window_s
-    return close, tuple(sorted(peer for peer, t in records.items() if t <= close))
+    return close, tuple(sorted(peer for peer, t in records.items() if times[0] <= t <= close))
 
 
 def layout_of(payloads: Mapping[str, bytes]) -> bytes:
@@ -171,7 +183,7 @@ class Matchmaker:
                 raise NotOpened(f"round {round}: no peer opened it within {join_wait_s:.1f} s") from None
         registered = await self._register(key, round)
         records = await self._registrations(key, registered)
-        close, _ = close_and_members(records, self.window_s)
+        close, _ = close_and_members(records, self.window_s, self.grace_s)
         if registered > close:
             self._log(round, "late: the round closed %.2f s before this peer registered", registered - close)
             return None
@@ -184,8 +196,14 @@ class Matchmaker:
         )
         while True:
             await asyncio.sleep(max(0.0, close + self.grace_s - get_dht_time()))
-            records = await self._registrations(key, registered)
-            reread, members = close_and_members(records, self.window_s)
+            # A registration after close + grace is none of this round's (it is late, or it opens a
+            # round of its own after this one closed), even if the read comes late enough to see it.
+            records = {
+                p: t
+                for p, t in (await self._registrations(key, registered)).items()
+                if t <= close + self.grace_s
+            }
+            reread, members = close_and_members(records, self.window_s, self.grace_s)
             if reread <= close:
                 break
             # The quorum was reached after our last read: the round closes one window after it.
@@ -242,11 +260,13 @@ class Matchmaker:
         return registered
 
     async def _await_opened(self, key: str) -> None:
-        """Poll until another peer has registered for the round (bounded by the caller's timeout)."""
+        """Poll until another peer has opened the round: registering now would put this peer in a
+        group with others (bounded by the caller's timeout). A round long closed is not open."""
         while True:
             records = await self._read(key)
-            records.pop(self.peer_id, None)
-            if records:
+            records[self.peer_id] = float(get_dht_time())
+            _, members = close_and_members(records, self.window_s, self.grace_s)
+            if self.peer_id in members and len(members) > 1:
                 return
             # Poll fast: the joiner must register within the window that this registration opened.
             await asyncio.sleep(0.05)
@@ -263,5 +283,7 @@ class Matchmaker:
         except Exception as e:
             raise RoundFailed(f"reading the registrations failed: {e!r}") from e
         records = parse_registrations(None if found is None else found.value)
+        # A registration dated after now (beyond the clock skew allowed for) is no registration yet.
+        soonest = float(get_dht_time()) + self.grace_s
         admitted = await self._admission.select_async(records)
-        return {peer: t for peer, t in records.items() if peer in admitted}
+        return {peer: t for peer, t in records.items() if peer in admitted and t <= soonest}
