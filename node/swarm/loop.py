@@ -420,7 +420,9 @@ class RoundLoop:
         self.metrics.received.inc(traffic.wire_received)
         self._last = (info, result)
         self.sync.vouch(result.members)
-        self.sync.publish()
+        # Not waited for: under overlap this runs between two inner steps, and a store toward peers
+        # that went silent (a cut link) waits out their RPC timeouts.
+        self.sync.publish(wait=False)
 
     def _count_dropped(self, staleness: int) -> None:
         self.ops.counters.dropped += 1

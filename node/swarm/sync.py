@@ -333,9 +333,10 @@ class SwarmSync:
             if current - last > VOUCH_ROUNDS:
                 del self.vouched[member]
 
-    def publish(self) -> None:
+    def publish(self, *, wait: bool = True) -> None:
         """Offer this round's state and announce it (round, θ hash, schedule, manifest), signed, so
-        joiners and laggards know where the swarm is and what to download."""
+        joiners and laggards know where the swarm is and what to download. `wait=False`: do not
+        block on the DHT's answer (between rounds, `RunRecords.publish_state`)."""
         state = self.peer.state
         served = self.offers.publish()
         record = StateRecord(
@@ -346,7 +347,7 @@ class SwarmSync:
             manifest_hash=served.digest,
             manifest_bytes=len(served.encoded),
         )
-        self.records.publish_state(record)
+        self.records.publish_state(record, wait=wait)
         self._own_hashes[state.round] = record.theta_hash
         self._own_hashes.pop(state.round - OWN_HASHES_KEPT, None)
         counters = self.ops.counters

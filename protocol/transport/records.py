@@ -23,6 +23,7 @@ from __future__ import annotations
 import concurrent.futures
 import hashlib
 import json
+import logging
 from typing import Any, TypeVar
 
 import hivemind
@@ -33,6 +34,8 @@ from pydantic.v1 import BaseModel, StrictStr, confloat, conint, constr
 from .admission import MAX_TOKEN_CHARS, Admission, credentials_key
 from .identity import NodeDHT, peer_of_subkey
 from .manifest import MAX_MANIFEST_BYTES
+
+logger = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = 2  # 2: state records carry the state's manifest
 
@@ -155,8 +158,12 @@ class RunRecords:
         self.admission = admission or Admission()
         self.credential: str | None = None  # this peer's, republished with its state record
 
-    def publish_state(self, record: StateRecord) -> None:
-        """Store this peer's state record (blocks until the DHT has answered)."""
+    def publish_state(self, record: StateRecord, *, wait: bool = True) -> None:
+        """Store this peer's state record (and its credential in a private run). `wait`: block until
+        the DHT has answered; else return at once and log a failure when it comes (a round's record
+        between two rounds: a store toward peers that went silent waits out their RPC timeouts, and
+        the training thread must not; the newest record wins whatever order the stores land in, as
+        its expiration is the latest)."""
         now = get_dht_time()
         stored = self._dht.store(
             state_key(self._prefix),
@@ -165,11 +172,11 @@ class RunRecords:
             subkey=self._subkey,
             return_future=True,
         )
-        dht_result(stored, "storing the state record")
+        _settle(stored, "storing the state record", wait)
         if self.credential is not None:
-            self.publish_credential(self.credential)
+            self.publish_credential(self.credential, wait=wait)
 
-    def publish_credential(self, token: str) -> None:
+    def publish_credential(self, token: str, *, wait: bool = True) -> None:
         """Store this peer's credential of a private run, for the others to admit it."""
         self.credential = token
         expires = get_dht_time() + self._ttl_s
@@ -180,7 +187,7 @@ class RunRecords:
             subkey=self._subkey,
             return_future=True,
         )
-        dht_result(stored, "storing the credential")
+        _settle(stored, "storing the credential", wait)
 
     def publish_beacon(self, record: BeaconRecord) -> None:
         """Store this peer's beacon without waiting (metrics only)."""
@@ -219,6 +226,20 @@ def dht_result(future: Any, what: str) -> Any:
         return future.result(timeout=DHT_CALL_TIMEOUT_S)
     except (TimeoutError, concurrent.futures.TimeoutError):
         raise TimeoutError(f"{what}: the DHT did not answer in {DHT_CALL_TIMEOUT_S:.0f} s") from None
+
+
+def _settle(future: Any, what: str, wait: bool) -> None:
+    """Wait for a DHT store (`dht_result`), or have its failure logged whenever it comes."""
+    if wait:
+        dht_result(future, what)
+        return
+
+    def done(f: Any) -> None:
+        error = None if f.cancelled() else f.exception()
+        if error is not None:
+            logger.warning("%s failed: %r", what, error)
+
+    future.add_done_callback(done)
 
 
 def dht_time() -> float:
