@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from adloco.node.cli.processes import group_members
+from adloco.node.cli.progress import parse_status_lines
 
 # A node that trains fast enough for multi-process tests on 2 cores (tiny model, short rounds).
 FAST_NODE_ARGS = [
@@ -51,6 +52,14 @@ class Procs:
     def log(self, name: str) -> str:
         return (self.log_dir / f"{name}.log").read_text(errors="replace")
 
+    def stacks(self, name: str, proc: subprocess.Popen[bytes], *, tail: int = 6000) -> str:
+        """The tail of `name`'s log after asking the node for every thread's stack (SIGUSR1): what a
+        node that seems stuck is doing, for a failing test's message."""
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGUSR1)
+            time.sleep(1.0)
+        return self.log(name)[-tail:]
+
     def reap(self) -> list[int]:
         """SIGKILL every started group; returns pids that were still alive (should be none after)."""
         for proc in self.started:
@@ -66,6 +75,15 @@ class Procs:
         for proc in self.started:
             proc.wait(timeout=5)
         return leftover
+
+
+def read_events(path: Path) -> list[dict]:
+    """A status file's events so far: whole lines only, as the node may be writing the last one."""
+    if not path.exists():
+        return []
+    records, bad, _ = parse_status_lines(path.read_bytes())
+    assert not bad, f"malformed lines in {path}: {bad[:3]}"
+    return records
 
 
 def wait_for(predicate, *, timeout: float, interval: float = 0.1, what: str = "condition") -> None:  # type: ignore[no-untyped-def]

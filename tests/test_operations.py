@@ -18,7 +18,7 @@ import pytest
 
 from adloco.node.cli.processes import group_members
 
-from procs import FAST_NODE_ARGS, Procs, wait_for
+from procs import FAST_NODE_ARGS, Procs, read_events, wait_for
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -27,14 +27,8 @@ pytestmark = pytest.mark.timeout(300)
 SOLO_NODE_ARGS = [*FAST_NODE_ARGS, "--window-s", "0.5"]
 
 
-def _events(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def _rounds(path: Path) -> list[dict]:
-    return [e for e in _events(path) if e["event"] == "round"]
+    return [e for e in read_events(path) if e["event"] == "round"]
 
 
 def _node(procs: Procs, tmp_path: Path, name: str, *extra: str) -> tuple[subprocess.Popen[bytes], Path]:
@@ -80,7 +74,7 @@ def test_sigterm_checkpoints_and_exits_0_within_30_s(procs: Procs, tmp_path: Pat
     print(f"\nSIGTERM to exit: {took:.1f} s")
     assert code == 0, procs.log("term")
     assert took < 30
-    final = [e for e in _events(status) if e["event"] == "checkpoint" and e["final"]]
+    final = [e for e in read_events(status) if e["event"] == "checkpoint" and e["final"]]
     assert final and final[-1]["round"] == _rounds(status)[-1]["round"]
     assert not group_members(proc.pid), "p2pd or the DHT process outlived the node"
 
@@ -102,7 +96,7 @@ def test_p2pd_killed_under_a_running_node_ends_it_with_a_message_and_a_checkpoin
     print(f"\np2pd killed to exit: {time.monotonic() - t0:.1f} s")
     assert code == 3, procs.log("p2pd")
     assert "error: p2pd, the libp2p daemon" in procs.log("p2pd")
-    events = _events(status)
+    events = read_events(status)
     lost = [e for e in events if e["event"] == "network_lost"]
     final = [e for e in events if e["event"] == "checkpoint" and e["final"]]
     assert lost and final and final[-1]["round"] == _rounds(status)[-1]["round"], events[-4:]
@@ -119,7 +113,7 @@ def test_kill_9_resumes_losing_at_most_the_current_round(procs: Procs, tmp_path:
     hashes = {e["round"]: e["theta_hash"] for e in before}
     again, _ = _node(procs, tmp_path, "crash", "--rounds", "1")
     assert again.wait(timeout=180) == 0, procs.log("crash")
-    resumed = [e for e in _events(status) if e["event"] == "resumed"]
+    resumed = [e for e in read_events(status) if e["event"] == "resumed"]
     assert resumed, procs.log("crash")
     assert resumed[0]["round"] >= last - 1  # at most the round in progress is lost
     assert resumed[0]["theta_hash"] == hashes[resumed[0]["round"]]  # exactly the state of that round
@@ -140,11 +134,11 @@ def test_control_plane_status_checkpoint_and_drain(procs: Procs, tmp_path: Path)
     assert human.returncode == 0 and "phase" in human.stdout
     saved = _ctl(address, "checkpoint")
     assert saved.returncode == 0, saved.stderr
-    assert any(e["event"] == "checkpoint" for e in _events(status))
+    assert any(e["event"] == "checkpoint" for e in read_events(status))
     drained = _ctl(address, "drain")
     assert drained.returncode == 0, drained.stderr
     assert proc.wait(timeout=120) == 0, procs.log("ctl")
-    final = [e for e in _events(status) if e["event"] == "checkpoint" and e["final"]]
+    final = [e for e in read_events(status) if e["event"] == "checkpoint" and e["final"]]
     assert final, "drain did not write the final checkpoint"
     assert _ctl(address, "--timeout", "2", "status").returncode == 1  # gone: unhealthy
 
@@ -172,7 +166,7 @@ def test_a_full_disk_keeps_the_previous_checkpoint_and_the_node_says_why(
             *SOLO_NODE_ARGS,
         ]
         proc = procs.start("full", argv)
-        checkpoints = lambda: [e for e in _events(status) if e["event"] == "checkpoint"]  # noqa: E731
+        checkpoints = lambda: [e for e in read_events(status) if e["event"] == "checkpoint"]  # noqa: E731
         wait_for(lambda: len(checkpoints()) >= 1, timeout=180, what="the first checkpoint")
         with (ckpt / "filler").open("wb", buffering=0) as f:  # the disk is full from here on
             try:
@@ -180,7 +174,7 @@ def test_a_full_disk_keeps_the_previous_checkpoint_and_the_node_says_why(
                     pass
             except OSError:
                 pass
-        failures = lambda: [e for e in _events(status) if e["event"] == "checkpoint_failed"]  # noqa: E731
+        failures = lambda: [e for e in read_events(status) if e["event"] == "checkpoint_failed"]  # noqa: E731
         wait_for(lambda: bool(failures()), timeout=120, what="a failed checkpoint")
         failed = failures()
         kept = checkpoints()  # (the same thread wrote them, before the failure)

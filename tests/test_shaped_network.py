@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 import netns
-from procs import FAST_NODE_ARGS, Procs, wait_for
+from procs import FAST_NODE_ARGS, Procs, read_events, wait_for
 
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(240)]
 
@@ -58,12 +58,6 @@ print(time.perf_counter() - t0)
 def star(procs: Procs) -> Iterator[netns.Star]:
     with netns.star_lan(procs, NODES + 2, rate_mbit=RATE_MBIT) as lan:
         yield lan
-
-
-def _events(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def _expected_sent() -> tuple[list[int], int]:
@@ -153,7 +147,7 @@ def test_nodes_behind_shaped_links_agree_and_send_the_codec_payload(
     for host, (proc, _) in nodes.items():
         assert proc.wait(timeout=180) == 0, procs.log(f"node{host}")
 
-    events = {host: _events(status) for host, (_, status) in nodes.items()}
+    events = {host: read_events(status) for host, (_, status) in nodes.items()}
     peer_ids = {host: next(e["peer_id"] for e in ev if e["event"] == "start") for host, ev in events.items()}
     rounds = {host: [e for e in ev if e["event"] == "round"] for host, ev in events.items()}
     for host, records in rounds.items():

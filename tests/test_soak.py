@@ -21,7 +21,7 @@ import pytest
 
 from adloco.node.cli.processes import group_members
 
-from procs import FAST_NODE_ARGS, Procs, wait_for
+from procs import FAST_NODE_ARGS, Procs, read_events, wait_for
 
 MINUTES = float(os.environ.get("ADLOCO_SOAK_MINUTES", "30"))
 NODES = 4
@@ -30,12 +30,6 @@ CALM_ROUNDS = 4  # rounds every node applies after the last kill before θ is co
 RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results" / "soak.json"
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(int(MINUTES * 60) + 900)]
-
-
-def _events(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def _hang_bound_s() -> float:
@@ -97,7 +91,7 @@ class Node:
         """The round this node holds now (applied, caught up to, or resumed)."""
         rounds = [
             e["round"]
-            for e in _events(self.status)
+            for e in read_events(self.status)
             if e["event"] in ("round", "catch_up", "state_download", "resumed")
         ]
         return rounds[-1] if rounds else 0
@@ -115,7 +109,7 @@ class Node:
 
     def applied_in_life(self) -> list[dict]:
         started = self.lives[-1]["started"]
-        return [e for e in _events(self.status) if e["event"] == "round" and e["time"] >= started]
+        return [e for e in read_events(self.status) if e["event"] == "round" and e["time"] >= started]
 
     def stalled_s(self) -> float:
         return time.monotonic() - self.progress_at
@@ -129,7 +123,7 @@ class Node:
         life["rounds"] = [e["round"] for e in self.applied_in_life()]
         life["resumed"] = [
             e["round"]
-            for e in _events(self.status)
+            for e in read_events(self.status)
             if e["event"] == "resumed" and e["time"] >= life["started"]
         ]
         life["ended_by"] = how.name

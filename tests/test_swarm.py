@@ -12,17 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from procs import FAST_NODE_ARGS, Procs, wait_for
+from procs import FAST_NODE_ARGS, Procs, read_events, wait_for
 
 pytestmark = pytest.mark.timeout(300)
 
 FAST = [*FAST_NODE_ARGS, "--host-maddrs", "/ip4/127.0.0.1/tcp/0"]
-
-
-def _events(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def _bootstrap(procs: Procs, tmp_path: Path) -> list[str]:
@@ -84,7 +78,7 @@ def test_three_nodes_of_a_private_run_agree_every_round_and_an_outsider_stays_ap
     outsider.send_signal(signal.SIGTERM)
     outsider.wait(timeout=60)
 
-    alpha = {i: [e for e in _events(s) if e["event"] == "round"] for i, (_, s) in nodes.items() if i < 3}
+    alpha = {i: [e for e in read_events(s) if e["event"] == "round"] for i, (_, s) in nodes.items() if i < 3}
     for i, records in alpha.items():
         assert [r["round"] for r in records] == [1, 2, 3], procs.log(f"node{i}")
     for r in range(rounds):
@@ -99,7 +93,7 @@ def test_three_nodes_of_a_private_run_agree_every_round_and_an_outsider_stays_ap
         records[-1]["bytes_sent"] > 0 and records[-1]["bytes_received"] > 0 for records in alpha.values()
     )
 
-    outside = _events(outsider_status)
+    outside = read_events(outsider_status)
     assert all(e["group_size"] == 1 for e in outside if e["event"] == "round"), procs.log("node3")
     assert not [e for e in outside if e["event"] in ("catch_up", "state_download")], procs.log("node3")
     assert not {e["theta_hash"] for e in outside if e["event"] == "round"} & {
@@ -120,7 +114,7 @@ def _start_node(
 
 
 def _rounds(status: Path) -> dict[int, str]:
-    return {e["round"]: e["theta_hash"] for e in _events(status) if e["event"] == "round"}
+    return {e["round"]: e["theta_hash"] for e in read_events(status) if e["event"] == "round"}
 
 
 @dataclass
@@ -193,7 +187,7 @@ def test_joiner_downloads_verified_state_and_contributes(joined: JoinedSwarm) ->
     for i in range(3):
         assert joined.exits[f"n{i}"] == 0, procs.log(f"n{i}")
 
-    events = _events(status)
+    events = read_events(status)
     synced = [e for e in events if e["event"] in ("state_download", "catch_up")]
     assert synced and synced[0]["round"] >= 3, "the joiner did not take the swarm's state first"
     theirs = [_rounds(s) for _, s in first]
@@ -202,11 +196,11 @@ def test_joiner_downloads_verified_state_and_contributes(joined: JoinedSwarm) ->
     # it averaged apart from them (a fork, even one it healed afterwards) fails the test.
     forked = sorted(r for r, h in mine.items() if any(t.get(r) != h for t in theirs))
     assert mine and not forked, f"the joiner forked after rounds {forked}: {procs.log('late')[-4000:]}"
-    healed = [e for _, s in [*first, (None, status)] for e in _events(s) if e["event"] == "fork_healed"]
+    healed = [e for _, s in [*first, (None, status)] for e in read_events(s) if e["event"] == "fork_healed"]
     assert not healed, healed
     assert min(mine) > 3
     # It contributed: some round after it joined had all four peers in the group.
-    groups = {e["round"]: e["group_size"] for e in _events(first[0][1]) if e["event"] == "round"}
+    groups = {e["round"]: e["group_size"] for e in read_events(first[0][1]) if e["event"] == "round"}
     assert any(groups[r] == 4 for r in mine)
     print(
         f"\njoiner: {synced[0]['event']} at round {synced[0]['round']}; its rounds {sorted(mine)};"
@@ -227,7 +221,7 @@ def test_joiner_too_far_behind_to_replay_downloads_in_chunks_from_several_donors
     for i in range(3):
         assert joined.exits[f"n{i}"] == 0, procs.log(f"n{i}")
 
-    events = _events(status)
+    events = read_events(status)
     downloads = [e for e in events if e["event"] == "state_download"]
     assert downloads and downloads[0]["round"] >= 4, f"no state download: {events}"
     served = downloads[0]["chunks"]
@@ -299,7 +293,7 @@ def test_slow_node_contributes_late_and_corrected_without_holding_others(
     for i, (proc, _) in enumerate(fast):
         assert proc.wait(timeout=60) == 0, procs.log(f"fast{i}")
 
-    slow_rounds = [e for e in _events(slow_status) if e["event"] == "round"]
+    slow_rounds = [e for e in read_events(slow_status) if e["event"] == "round"]
     for e in slow_rounds:
         print(
             f"slow node round {e['round']}: τ={e['staleness']} HeLoCo {e['heloco']} H={e['inner_steps']}"
@@ -319,7 +313,7 @@ def test_slow_node_contributes_late_and_corrected_without_holding_others(
     assert together and all(fast_hashes[e["round"]] == e["theta_hash"] for e in together), slow_rounds
     # The fast nodes never waited for the slow one: while its late Δ was being computed they applied
     # the τ rounds it missed without it (groups of at most the two of them).
-    fast_rounds = [e for _, s in fast for e in _events(s) if e["event"] == "round"]
+    fast_rounds = [e for _, s in fast for e in read_events(s) if e["event"] == "round"]
     first_late = late[0]
     missed = range(first_late["round"] - first_late["staleness"], first_late["round"])
     without = {e["round"] for e in fast_rounds if e["round"] in missed and e["group_size"] <= 2}
@@ -364,14 +358,14 @@ def test_nodes_on_different_kernel_paths_hold_identical_theta(procs: Procs, tmp_
     for i, (proc, _) in enumerate(nodes):
         assert proc.wait(timeout=60) == 0, procs.log(f"n{i}")
 
-    records = [{e["round"]: e for e in _events(status) if e["event"] == "round"} for _, status in nodes]
+    records = [{e["round"]: e for e in read_events(status) if e["event"] == "round"} for _, status in nodes]
     for i, mine in enumerate(records):
         assert sorted(mine) == list(range(min(mine), max(mine) + 1)), procs.log(f"n{i}")  # no gap
     for r in common():
         hashes = {mine[r]["theta_hash"] for mine in records}
         assert len(hashes) == 1, f"round {r}: θ differs across kernel paths: {hashes}"
     assert any(mine[r]["group_size"] == 3 for mine in records for r in common())
-    healed = [e for _, status in nodes for e in _events(status) if e["event"] == "fork_healed"]
+    healed = [e for _, status in nodes for e in read_events(status) if e["event"] == "fork_healed"]
     assert not healed, healed
     print(f"\nrounds in common: {common()}; codecs: {[records[0][r]['codec'] for r in common()]}")
 
@@ -395,7 +389,7 @@ def test_a_peer_claiming_a_far_ahead_round_cannot_hijack_nodes_that_averaged_tog
     nodes = [_start_node(procs, tmp_path, f"n{i}", peers, *endless, "--data-shard", str(i)) for i in range(2)]
 
     def averaged_together(status: Path) -> bool:  # vouched: a round applied in the group of two
-        return any(e["event"] == "round" and e["group_size"] == 2 for e in _events(status))
+        return any(e["event"] == "round" and e["group_size"] == 2 for e in read_events(status))
 
     wait_for(lambda: all(averaged_together(s) for _, s in nodes), timeout=180, what="a round of both")
     hijacker = procs.start(
@@ -419,17 +413,17 @@ def test_a_peer_claiming_a_far_ahead_round_cannot_hijack_nodes_that_averaged_tog
     for a in range(3):
         for b in range(a):
             assert all(rounds[a][r] == rounds[b][r] for r in set(rounds[a]) & set(rounds[b])), (a, b)
-    joined = _events(joiner[1])
+    joined = read_events(joiner[1])
     synced = [e for e in joined if e["event"] in ("catch_up", "state_download")]
     mine = rounds[2]
     assert synced and mine and synced[0]["round"] >= forged_at, procs.log("joiner")
     forked = sorted(r for r, h in mine.items() if any(theirs.get(r) != h for theirs in rounds[:2]))
     assert not forked, f"the joiner forked after rounds {forked}: {procs.log('joiner')[-4000:]}"
-    groups = {e["round"]: e["group_size"] for e in _events(nodes[0][1]) if e["event"] == "round"}
+    groups = {e["round"]: e["group_size"] for e in read_events(nodes[0][1]) if e["event"] == "round"}
     assert any(groups[r] == 3 for r in mine), (groups, sorted(mine))
-    events = [e for _, s in [*nodes, joiner] for e in _events(s)]
+    events = [e for _, s in [*nodes, joiner] for e in read_events(s)]
     assert not [e for e in events if e["event"] == "fork_healed"]
     assert all(e.get("round", 0) < 1000 for e in events)
     assert not [e for e in events if hijacker_id[-6:] in str(e.get("source", ""))]
-    losses = [e["val_loss"] for e in _events(nodes[0][1]) if e["event"] == "round"]
+    losses = [e["val_loss"] for e in read_events(nodes[0][1]) if e["event"] == "round"]
     assert losses[-1] < losses[1]

@@ -10,6 +10,7 @@ any networking (`node/solo/trainer.py`). Bad input ends with one line naming the
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import signal
 import sys
@@ -329,6 +330,8 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         return usage_error(e)
     logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
+    # `kill -USR1 <pid>` prints every thread's stack to stderr: what a node that seems stuck is doing.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         run(args)
     except UserError as e:
