@@ -9,7 +9,10 @@ rep by rep so drift hits both alike:
   `clip_grad_norm_(1.0)`, fused AdamW with the node's inner settings, no per-step host sync;
 - node: a real `Peer` (one instance, fixed batch) running `train_round()` for H inner steps: what the
   node does per inner step (its sampler, its loss bookkeeping, the variance-test statistics of the
-  first step when the batch test is on, Δ as a lazy view).
+  first step while the batch is below its cap, Δ as a lazy view). No round is applied, so the batch
+  stays b and every round takes the test. Two more node runs: with the batch at its cap (the test
+  has nothing left to decide and gathers nothing: a grown swarm's steady state), and with the test
+  off.
 
 The figure is tokens per second of wall time around the H steps (CUDA synchronized at both ends);
 the overhead is 1 − node / bare. Each mode is the median over `--reps` rounds after one warm-up
@@ -135,6 +138,9 @@ def measure_inner_steps(cfg: TrainConfig, *, reps: int, vocab: int) -> dict[str,
         "bare": bare_steps(cfg, corpus, vocab, hf_loss=False),
         "bare_hf_loss": bare_steps(cfg, corpus, vocab, hf_loss=True),
         "node": node_steps(cfg, corpus, vocab),
+        "node_at_cap": node_steps(
+            replace(cfg, schedule=replace(cfg.schedule, batch_cap=cfg.batch_size)), corpus, vocab
+        ),
         "node_batch_test_off": node_steps(
             replace(cfg, schedule=replace(cfg.schedule, test="none")), corpus, vocab
         ),
@@ -151,6 +157,7 @@ def measure_inner_steps(cfg: TrainConfig, *, reps: int, vocab: int) -> dict[str,
         "tokens_per_s": med,
         "tokens_per_s_runs": rates,
         "overhead_pct": 100.0 * (1.0 - med["node"] / med["bare"]),
+        "overhead_at_cap_pct": 100.0 * (1.0 - med["node_at_cap"] / med["bare"]),
         "overhead_batch_test_off_pct": 100.0 * (1.0 - med["node_batch_test_off"] / med["bare"]),
         "node_vs_hf_loss_loop_pct": 100.0 * (med["node"] / med["bare_hf_loss"] - 1.0),
         "spread_pct": {name: 100.0 * (max(r) - min(r)) / statistics.median(r) for name, r in rates.items()},
@@ -226,8 +233,9 @@ def run(
             overlap="off",
             b_max=batch_size,
         )
-        # The batch stays b (the test still runs, as in the node's default): rounds are comparable.
-        cfg = replace(cfg, schedule=replace(cfg.schedule, batch_cap=batch_size))
+        # The cap above b: every round takes the batch test (as a swarm's do until b has grown to
+        # the cap); no round is applied, so b stays and the rounds are comparable.
+        cfg = replace(cfg, schedule=replace(cfg.schedule, batch_cap=2 * batch_size))
         params = count_parameters(build_model(spec, vocab_size=vocab, max_seq_len=max(1024, seq_len)))
         inner_steps_result = measure_inner_steps(cfg, reps=reps, vocab=vocab)
     result: dict[str, Any] = {
@@ -284,7 +292,8 @@ def main() -> None:
         f"{result['model']} ({result['params'] / 1e6:.1f}M) on {result['device']}, {args.precision}:"
         f" bare {tps['bare']:,.0f} tok/s, node {tps['node']:,.0f} tok/s"
         f" → overhead {result['overhead_pct']:+.2f} %"
-        f" (batch test off: {result['overhead_batch_test_off_pct']:+.2f} %);"
+        f" (batch at its cap: {result['overhead_at_cap_pct']:+.2f} %;"
+        f" batch test off: {result['overhead_batch_test_off_pct']:+.2f} %);"
         f" bare with transformers' loss {tps['bare_hf_loss']:,.0f} tok/s"
     )
     for name, c in result.get("codec", {}).get("codecs", {}).items():

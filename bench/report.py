@@ -161,6 +161,7 @@ def _overhead(s: dict[str, Any]) -> list[str]:
         ),
         "",
         f"Overhead (1 − node / bare): {_fmt(s.get('overhead_pct'))} % with the norm test,"
+        f" {_fmt(s.get('overhead_at_cap_pct'))} % with the batch at its cap (no test left to take),"
         f" {_fmt(s.get('overhead_batch_test_off_pct'))} % without a batch test.",
     ]
     codec = s.get("codec")

@@ -132,6 +132,21 @@ def test_without_a_batch_test_the_first_step_gathers_nothing(corpus: Corpus) -> 
         assert torch.equal(p, q)
 
 
+def test_a_slot_whose_batch_is_at_the_cap_gathers_no_statistics(corpus: Corpus) -> None:
+    """The batch test only grows b up to the cap: a slot already there reports no statistics (they
+    could not change the schedule) and its round is the plain one; a slot below the cap reports them."""
+    at_cap = replace(CFG, schedule=replace(CFG.schedule, batch_cap=CFG.batch_size))
+    capped, below = _peer(corpus, cfg=at_cap), _peer(corpus)
+    assert capped.state.schedule.batch == below.state.schedule.batch == (CFG.batch_size,) * CFG.instances
+    capped_round, below_round = capped.train_round(), below.train_round()
+    assert all(s is None for s in capped_round.report.slot_stats)
+    assert all(s is not None and s.num_grads >= 2 for s in below_round.report.slot_stats)
+    assert capped_round.tokens == below_round.tokens
+    # The same schedule either way: at the cap the test keeps b whatever it is told.
+    _round([capped])
+    assert capped.state.schedule.batch == (CFG.batch_size,) * CFG.instances
+
+
 def test_the_inner_adamw_runs_pytorchs_fused_kernel_on_a_cpu(corpus: Corpus) -> None:
     inst = _peer(corpus).instances[0]
     assert inst.params[0].device.type == "cpu" and inst.optimizer.defaults["fused"] is True

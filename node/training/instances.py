@@ -205,8 +205,10 @@ class Instance:
         steps: int,
         on_step: Callable[[int], None] | None = None,
         share_theta: bool = False,
+        collect_stats: bool = True,
     ) -> InstanceRound:
-        """Run `steps` optimizer steps of `plan`; return Δ and the round's statistics.
+        """Run `steps` optimizer steps of `plan`; return Δ and the round's statistics (none unless
+        `collect_stats`: a batch already at the cap has no test left to take).
 
         With θ the round starts there (`share_theta`: from θ's own tensors, see `begin`). With None it
         continues a round `begin(None)` started, and Δ is measured from the start as `shift` may have
@@ -223,7 +225,7 @@ class Instance:
         losses: list[torch.Tensor] = []
         stats: GradStats | None = None
         for step in range(steps):
-            loss, step_stats = self.inner_step(plan, collect_stats=step == 0)
+            loss, step_stats = self.inner_step(plan, collect_stats=collect_stats and step == 0)
             losses.append(loss)
             if step == 0:
                 stats = step_stats

@@ -232,12 +232,21 @@ class Peer:
             return step_done
 
         theta = self.state.theta if from_theta else None
+        cap = self.cfg.schedule.batch_cap
         # Without overlap nothing changes θ until the round ends, so it is the round start itself.
+        # A slot whose batch is at the cap gathers no statistics: the batch test only grows b up to
+        # the cap, so they could not change the schedule (`batchtest.next_batch`), and they cost the
+        # first step a split into micro-batches and, with the norm test, its hooks.
         return [
             inst.run_round(
-                theta, plan=plan, steps=steps, on_step=counter(plan.effective), share_theta=not self.overlap
+                theta,
+                plan=plan,
+                steps=steps,
+                on_step=counter(plan.effective),
+                share_theta=not self.overlap,
+                collect_stats=batch < cap,
             )
-            for inst, plan in zip(self.instances, plans, strict=True)
+            for inst, plan, batch in zip(self.instances, plans, self.state.schedule.batch, strict=True)
         ]
 
     def _local_round(
