@@ -103,6 +103,7 @@ class ScriptedSwarm:
         self.peer, self.update = peer, update
         self.published = 0
         self.published_at: float | None = None
+        self.behind = False  # `sync` always catches up
 
     def others_apply(self) -> None:
         self.published, self.published_at = 1, time.monotonic()
@@ -119,7 +120,7 @@ class ScriptedSwarm:
     def vouch(self, members: Sequence[str]) -> None:
         pass
 
-    def publish(self) -> None:
+    def publish(self, *, wait: bool = True) -> None:
         pass
 
 
@@ -186,6 +187,20 @@ def test_a_peer_that_really_is_alone_retries_once_the_failed_try_is_over(corpus:
     assert (second.round_id, second.join_only) == (1, False)  # round 0's next try, opened by us
     assert second.at - first.at >= 1.0  # ... once every call of the failed try must have returned
     assert peer.state.round == 1
+
+
+def test_a_peer_left_behind_the_head_by_a_failed_catch_up_only_joins(corpus: Corpus) -> None:
+    """Its catch-up failed (the donors had moved on), so its Δ is fresh by its own round but the
+    swarm finished that round long ago: it never opens the round (alone, a fork) but joins one a
+    fresh peer opened, and its Δ is dropped when none did."""
+    peer = _peer(corpus, "me")
+    swarm = ScriptedSwarm(peer, _others_round_zero(corpus))
+    swarm.behind = True
+    averager = ScriptedAverager("me", ["not_opened", "alone"])
+    loop = _loop(peer, averager, swarm, timeout_s=1.0)
+    loop.run(lambda: len(averager.calls) >= 2)
+    assert [c.join_only for c in averager.calls] == [True, True]
+    assert loop.ops.counters.dropped == 1 and loop.ops.counters.applied == 1
 
 
 class FailureAwareAverager(ScriptedAverager):

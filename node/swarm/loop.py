@@ -339,7 +339,9 @@ class RoundLoop:
         """One averaging call (on the averaging thread under overlap), accounted for."""
         t0 = time.perf_counter()
         result, error, registered = None, "", True
-        late = info.staleness > 0
+        # Behind the swarm's head (a catch-up that failed) is late too: the round this node would
+        # open is one the others finished long ago, and it would average it alone (a fork).
+        late = info.staleness > 0 or self.sync.behind
         try:
             result = self.averager.average(
                 contribution,

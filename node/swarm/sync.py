@@ -320,6 +320,10 @@ class SwarmSync:
         # The peers this node averaged with, and the last round it did: what it trusts on where the
         # swarm is (`swarm_head`), for VOUCH_ROUNDS rounds.
         self.vouched: dict[str, int] = {}
+        # The last sync left this node behind the head it read (its catch-up failed: the donors had
+        # moved on, say): its contribution is late whatever its own staleness, and joins only.
+        self.behind = False
+        self._head_round = -1
 
     def vouch(self, members: Sequence[str]) -> None:
         """The members of the group whose round this node just applied (authenticated: each sent or
@@ -402,9 +406,11 @@ class SwarmSync:
             # Alone: maybe its link was down and its DHT forgot every other peer; tell it of them.
             self._rejoined_at = time.monotonic()
             self._rejoin()
+        self._head_round = -1
         for _ in range(SYNC_PASSES):
             if not self._sync_once():
                 break
+        self.behind = self._head_round > self.peer.state.round
         return self.peer.state.round - start
 
     def _sync_once(self) -> bool:
@@ -412,6 +418,7 @@ class SwarmSync:
         head = self.head()
         if head is None or not head.holders:
             return False
+        self._head_round = head.round
         behind = head.round - self.peer.state.round
         if behind < 0 and self._apart_from(head):
             logger.warning(
