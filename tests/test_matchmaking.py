@@ -29,7 +29,14 @@ from test_averager_contract import (
 
 from adloco.protocol.algorithms.allreduce import reduce_group
 from adloco.protocol.algorithms.codecs import make_codec
-from adloco.protocol.transport.matchmaking import OPEN_QUORUM, close_and_members, matchmaking_bound_s
+from adloco.protocol.transport.matchmaking import (
+    OPEN_QUORUM,
+    close_and_members,
+    expectation,
+    join_deadline,
+    joining,
+    matchmaking_bound_s,
+)
 from adloco.protocol.transport.wire import PROTOCOL_VERSION, Meter, read_frame, write_frame
 
 pytestmark = pytest.mark.timeout(60)
@@ -60,6 +67,50 @@ def test_a_registration_nobody_followed_within_window_and_grace_closed_a_round_o
     assert close == pytest.approx(61.4) and members == ("a", "b")
     # Alone after the gap too: a round of its own for the one that registered after it.
     assert close_and_members({**cut, "a": 60.0}, 1.0, 0.3) == (61.0, ("a",))
+
+
+def test_a_round_closes_once_the_group_its_registrants_expect_is_complete() -> None:
+    """Registrations that all expect the group they turn out to be close the round at the last of
+    them, not a window later; anyone else registering in between keeps the window."""
+    group = ("a", "b", "c")
+    expects = dict.fromkeys(group, expectation(group))
+    times = {"a": 0.0, "b": 0.1, "c": 0.2}
+    assert close_and_members(times, 1.0, 0.3, expects=expects) == (0.2, group)
+    # Not complete yet: the window, as before.
+    assert close_and_members({"a": 0.0, "b": 0.1}, 1.0, 0.3, expects=expects) == (1.1, ("a", "b"))
+    # A joiner (no expectation) before the group was complete: the window, and the joiner is in.
+    joined = close_and_members({**times, "d": 0.15}, 1.0, 0.3, expects={**expects, "d": ""})
+    assert joined == (pytest.approx(1.1), ("a", "b", "c", "d"))
+    # One after it: the round had closed, it is late.
+    assert close_and_members({**times, "d": 0.3}, 1.0, 0.3, expects={**expects, "d": ""}) == (0.2, group)
+    # Registrants that expect different groups (one left since): the window.
+    split = {**expects, "a": expectation(("a", "b"))}
+    assert close_and_members(times, 1.0, 0.3, expects=split)[0] == pytest.approx(1.1)
+    # Alone, expecting itself: no early close (the quorum), its round closes a window later.
+    assert close_and_members({"a": 5.0}, 1.0, 0.3, expects={"a": expectation(["a"])}) == (6.0, ("a",))
+
+
+def test_a_join_only_registration_opens_nothing_and_keeps_the_window_while_it_waits() -> None:
+    """A late contribution registers at once, marked join-only until it gives up: alone it opens no
+    round; while it waits, the fresh peers' round keeps its window and takes it in; once it gave up,
+    or if it came after the round closed, it is no member."""
+    group = ("f1", "f2")
+    fresh = {"f1": 5.0, "f2": 5.1}
+    expects = dict.fromkeys(group, expectation(group))
+    assert close_and_members({"j": 0.0}, 1.0, 0.3, expects={"j": joining(10.0)}) == (float("-inf"), ())
+    waiting = close_and_members({**fresh, "j": 0.0}, 1.0, 0.3, expects={**expects, "j": joining(10.0)})
+    assert waiting == (pytest.approx(6.1), ("f1", "f2", "j"))
+    gave_up = close_and_members({**fresh, "j": 0.0}, 1.0, 0.3, expects={**expects, "j": joining(4.0)})
+    assert gave_up == (5.1, group)
+    after = close_and_members({**fresh, "j": 5.2}, 1.0, 0.3, expects={**expects, "j": joining(20.0)})
+    assert after == (5.1, group)
+    # It neither opens a round nor counts toward the quorum: one fresh peer and it, a window later.
+    assert close_and_members({"f1": 5.0, "j": 0.0}, 1.0, 0.3, expects={"j": joining(10.0)}) == (
+        6.0,
+        ("f1", "j"),
+    )
+    assert join_deadline(joining(12.5)) == 12.5 and join_deadline("join:nan") is None
+    assert join_deadline(expectation(group)) is None
 
 
 def test_a_quorum_of_records_dated_in_the_past_still_closes_the_round_early() -> None:
@@ -98,12 +149,12 @@ def test_a_member_dating_its_registration_in_the_past_cannot_make_the_others_lat
     backdater: Any = averagers[3]
     matchmaker = backdater._matchmaker
 
-    async def register_100_s_ago(key: str, round: int) -> float:
+    async def register_100_s_ago(key: str, round: int, expect: str) -> float:
         # The record a peer that chooses its own time would store: signed, bound, dated 100 s back.
         now = get_dht_time()
         await matchmaker.dht.store(
             key,
-            (now - 100.0, matchmaker.peer_id),
+            (now - 100.0, matchmaker.peer_id, expect),
             expiration_time=now + matchmaker.record_ttl_s,
             subkey=matchmaker.dht.identity.subkey,
             return_future=True,
@@ -145,6 +196,25 @@ def test_a_peer_that_averaged_a_round_alone_meets_the_others_at_that_round_later
         averagers[1].average(contributions[1], round=5, codec=make_codec("int8"), timeout=30.0)
 
 
+def test_the_second_round_of_a_group_closes_when_all_of_it_has_registered(hivemind_swarm: Swarm) -> None:
+    """The first round of three closes a window after its second registration; the next, whose
+    registrations all expect the three, closes as soon as the third registers: its calls take less
+    than the window. Both hold reduce_group's bytes."""
+    swarm = hivemind_swarm
+    swarm.add_nodes(3)
+    averagers = [swarm.averager(i) for i in range(3)]
+    first = _contributions(averagers, "int8", seed=13)
+    outcomes = _average_together(averagers, first, round=1, spec="int8")
+    _assert_matches_reduce_group(outcomes, first, "int8")
+    assert max(o.elapsed_s for o in outcomes) >= WINDOW_S
+    second = _contributions(averagers, "int8", seed=14)
+    outcomes = _average_together(averagers, second, round=2, spec="int8")
+    _assert_matches_reduce_group(outcomes, second, "int8")
+    elapsed = [o.elapsed_s for o in outcomes]
+    assert max(elapsed) < WINDOW_S, elapsed
+    print(f"\nfirst round closed a window late; the second in {max(elapsed):.2f} s (window {WINDOW_S} s)")
+
+
 def _phantom(swarm: Swarm, round: int, refuse_with: str | None) -> str:
     """A DHT peer registered for `round` that is not an averager: no stream to it opens, or (with
     `refuse_with`) it refuses every request with that text. Returns its peer id."""
@@ -152,7 +222,7 @@ def _phantom(swarm: Swarm, round: int, refuse_with: str | None) -> str:
     now = get_dht_time()
     assert phantom.store(
         f"run-a.round{round}",
-        (now, phantom.identity.peer_id),
+        (now, phantom.identity.peer_id, ""),
         expiration_time=now + 60,
         subkey=phantom.identity.subkey,
     )

@@ -548,6 +548,8 @@ class HivemindAverager:
             stand_ins=stand_ins,
         )
         self._measure(result)
+        # The next round's registration expects this group again: it closes once they are all in.
+        self._matchmaker.expected = group.members
         self._log(
             round,
             "averaged with %d members, %d wire bytes out, %d in, %d parts rejected",

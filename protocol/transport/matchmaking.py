@@ -22,8 +22,13 @@ honest peers would all be late); opened by the quorum's, it takes `OPEN_QUORUM` 
 The price: a round closes one window after its second registration instead of its first, so its
 first registrant waits at most two windows and two graces (`matchmaking_bound_s`).
 
-A late contribution matchmakes with `join_only`: it waits until another peer has registered (at most
-`join_wait_s`) and never opens a round itself.
+A late contribution matchmakes with `join_only`: it registers at once, marked join-only, and waits
+(at most `join_wait_s`) for another peer to open the round; it never opens one itself.
+
+Early close: each registration says which group its registrant expects (the last it completed a
+round with); when the first registrations are exactly that group, all expecting it, the round
+closes at the last of them rather than a window later, unless a join-only registrant waits
+(`close_and_members`).
 
 A member whose try failed after its group formed says so under f"{prefix}.round{r}.failed"
 (`mark_failed`, bound to its key like a registration); once every member of the group it read has
@@ -38,7 +43,7 @@ import asyncio
 import hashlib
 import logging
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,6 +71,10 @@ class RoundFailed(Exception):
 
 
 OPEN_QUORUM = 2  # registrations that open a round (see the module docstring)
+EXPECTATION_CHARS = 32  # `expectation`'s hex digest
+JOIN_PREFIX = "join:"
+MAX_EXPECT_CHARS = 48
+JOIN_POLL_S = 0.05  # how often a join-only registrant looks whether a round has opened
 
 
 def matchmaking_bound_s(window_s: float, grace_s: float) -> float:
@@ -75,28 +84,81 @@ def matchmaking_bound_s(window_s: float, grace_s: float) -> float:
     return OPEN_QUORUM * (window_s + grace_s)
 
 
+def expectation(members: Collection[str]) -> str:
+    """What a registration says of the group its registrant expects: a digest of its members."""
+    return hashlib.sha256("\n".join(sorted(members)).encode()).hexdigest()[:EXPECTATION_CHARS]
+
+
+def joining(until: float) -> str:
+    """The expectation field of a join-only registration: it waits for a round until `until`."""
+    return f"{JOIN_PREFIX}{until:.3f}"
+
+
+def join_deadline(expect: str) -> float | None:
+    """When a join-only registration gives up waiting (None: not a join-only registration)."""
+    if not expect.startswith(JOIN_PREFIX):
+        return None
+    try:
+        until = float(expect[len(JOIN_PREFIX) :])
+    except ValueError:
+        return None
+    return until if math.isfinite(until) else None
+
+
 def close_and_members(
-    records: Mapping[str, float], window_s: float, grace_s: float, quorum: int = OPEN_QUORUM
+    records: Mapping[str, float],
+    window_s: float,
+    grace_s: float,
+    quorum: int = OPEN_QUORUM,
+    expects: Mapping[str, str] | None = None,
 ) -> tuple[float, tuple[str, ...]]:
     """Close time T = the `quorum`-th earliest registration (the latest, while fewer) + window, and
-    the peers registered from the round's first registration to T, sorted.
+    the peers registered from the round's first registration to T, sorted. (-inf, ()) when no
+    round is open: only join-only registrations, which never open one.
 
     A registration that no other followed within `window_s + grace_s` closed a round of its own: its
     registrant read the key at that time, found itself alone and went on alone (a node cut off from
     the others, say, whose record the DHT hands out once its link is back). It is not the first of
     a later group, so the round starts at the first registration that another followed in time.
+
+    `expects` (per registrant: "", an `expectation`, or `joining(until)`):
+    - join-only registrations (late contributions) never open a round, take no part in the rules
+      above, and are members of the round if it opened before their registrant gave up waiting
+      (`until`) and they came before its close;
+    - early close: when the round's first registrations, in time order, all expect one group and
+      are exactly its members (at least `quorum` of them), and no join-only registrant waits, the
+      round closes at the last of them, as soon as the group it expected is complete, instead of a
+      window later (hivemind closes a group once it is full). Anyone else registering in between
+      (a newcomer expects another group) keeps the window.
     """
     if not records:
         raise ValueError("no registrations")
     if quorum < 1:
         raise ValueError(f"quorum must be >= 1, got {quorum}")
-    times = sorted(records.values())
+    expects = expects or {}
+    deadlines = {p: join_deadline(expects.get(p, "")) for p in records}
+    ordered = sorted(
+        ((p, t) for p, t in records.items() if deadlines[p] is None), key=lambda item: (item[1], item[0])
+    )
+    if not ordered:
+        return -math.inf, ()
     first = 0
-    while first + 1 < len(times) and times[first + 1] - times[first] > window_s + grace_s:
+    while first + 1 < len(ordered) and ordered[first + 1][1] - ordered[first][1] > window_s + grace_s:
         first += 1
-    times = times[first:]
-    close = times[min(quorum, len(times)) - 1] + window_s
-    return close, tuple(sorted(peer for peer, t in records.items() if times[0] <= t <= close))
+    ordered = ordered[first:]
+    start = ordered[0][1]
+    close = ordered[min(quorum, len(ordered)) - 1][1] + window_s
+    waiting = {p for p, until in deadlines.items() if until is not None and start <= until}
+    expected = expects.get(ordered[0][0], "")
+    for k, (peer, t) in enumerate(ordered):
+        if not expected or t > close or expects.get(peer, "") != expected:
+            break
+        if any(records[p] <= t for p in waiting):
+            break  # a late contribution waits to join: the window
+        if k + 1 >= quorum and expectation([p for p, _ in ordered[: k + 1]]) == expected:
+            return t, tuple(sorted(p for p, _ in ordered[: k + 1]))
+    members = [p for p, t in ordered if t <= close] + [p for p in waiting if records[p] <= close]
+    return close, tuple(sorted(members))
 
 
 def layout_of(payloads: Mapping[str, bytes]) -> bytes:
@@ -122,25 +184,29 @@ def parse_failures(value: Any) -> set[str]:
     }
 
 
-def parse_registrations(value: Any) -> dict[str, float]:
-    """Registration time per peer from a DHT dictionary value; malformed entries, and entries naming
-    another peer than the one whose key signed them, are ignored."""
+def parse_registrations(value: Any) -> tuple[dict[str, float], dict[str, str]]:
+    """Registration time and expectation per peer from a DHT dictionary value; malformed entries,
+    and entries naming another peer than the one whose key signed them, are ignored."""
     records: dict[str, float] = {}
+    expects: dict[str, str] = {}
     if not isinstance(value, dict):
-        return records
+        return records, expects
     for subkey, item in value.items():
         record = getattr(item, "value", None)
         if (
             isinstance(record, (list, tuple))
-            and len(record) == 2
+            and len(record) == 3
             and isinstance(record[0], (int, float))
             and not isinstance(record[0], bool)
             and math.isfinite(record[0])
             and isinstance(record[1], str)
             and record[1] == peer_of_subkey(subkey)
+            and isinstance(record[2], str)
+            and len(record[2]) <= MAX_EXPECT_CHARS
         ):
             records[record[1]] = float(record[0])
-    return records
+            expects[record[1]] = record[2]
+    return records, expects
 
 
 class Matchmaker:
@@ -169,6 +235,9 @@ class Matchmaker:
         self.window_s, self.grace_s, self.record_ttl_s = window_s, grace_s, record_ttl_s
         self._on_stage = on_stage
         self._log = log
+        # The members of the last group this peer completed a round with: its registrations expect
+        # them again (`close_and_members`'s early close); None before the first.
+        self.expected: tuple[str, ...] | None = None
 
     async def matchmake(
         self, round: int, layout: bytes, *, join_only: bool = False, join_wait_s: float | None = None
@@ -176,17 +245,33 @@ class Matchmaker:
         """This peer's group for `round`, or None when it came too late; RoundFailed on DHT errors;
         `NotOpened` when `join_only` waited `join_wait_s` and no other peer had registered."""
         key = f"{self.prefix}.round{round}"
+        until = math.inf
         if join_only:
-            try:
-                await asyncio.wait_for(self._await_opened(key), join_wait_s)
-            except asyncio.TimeoutError:
-                raise NotOpened(f"round {round}: no peer opened it within {join_wait_s:.1f} s") from None
-        registered = await self._register(key, round)
-        records = await self._registrations(key, registered)
-        close, _ = close_and_members(records, self.window_s, self.grace_s)
-        if registered > close:
-            self._log(round, "late: the round closed %.2f s before this peer registered", registered - close)
-            return None
+            # Registered at once, marked join-only: it opens no round, and while it waits no round
+            # closes early without it (`close_and_members`).
+            until = float(get_dht_time()) + (self.record_ttl_s if join_wait_s is None else join_wait_s)
+            expect = joining(until)
+        else:
+            expect = "" if self.expected is None else expectation(self.expected)
+        registered = await self._register(key, round, expect)
+        while True:
+            records, expects = await self._registrations(key, registered, expect)
+            close, members = close_and_members(records, self.window_s, self.grace_s, expects=expects)
+            if close > -math.inf and registered > close:
+                self._log(
+                    round, "late: the round closed %.2f s before this peer registered", registered - close
+                )
+                return None
+            if self.peer_id in members:
+                break
+            if not join_only:  # a registration that came after a round it could have been in
+                self._log(round, "late: an earlier registration closed the round before this peer's")
+                return None
+            # Join-only, and no round open yet: wait for a fresh peer to open one, until `until`
+            # and the grace after it (a registration dated before `until` may show up that late).
+            if get_dht_time() > until + self.grace_s:
+                raise NotOpened(f"round {round}: no peer opened it within {join_wait_s or 0:.1f} s")
+            await asyncio.sleep(JOIN_POLL_S)
         self._log(
             round,
             "registered at %.2f; %d registrations seen, earliest %.2f s before it",
@@ -195,15 +280,22 @@ class Matchmaker:
             registered - min(records.values()),
         )
         while True:
-            await asyncio.sleep(max(0.0, close + self.grace_s - get_dht_time()))
+            # Until the close and the grace after it, read again now and then: the group this peer
+            # expects may be complete sooner (the early close), and the round then closes there.
+            while (left := close + self.grace_s - get_dht_time()) > 0:
+                if left <= self.poll_s:
+                    await asyncio.sleep(left)
+                    break
+                await asyncio.sleep(self.poll_s)
+                records, expects = await self._registrations(
+                    key, registered, expect, until=close + self.grace_s
+                )
+                early, _ = close_and_members(records, self.window_s, self.grace_s, expects=expects)
+                close = min(close, early)
             # A registration after close + grace is none of this round's (it is late, or it opens a
             # round of its own after this one closed), even if the read comes late enough to see it.
-            records = {
-                p: t
-                for p, t in (await self._registrations(key, registered)).items()
-                if t <= close + self.grace_s
-            }
-            reread, members = close_and_members(records, self.window_s, self.grace_s)
+            records, expects = await self._registrations(key, registered, expect, until=close + self.grace_s)
+            reread, members = close_and_members(records, self.window_s, self.grace_s, expects=expects)
             if reread <= close:
                 break
             # The quorum was reached after our last read: the round closes one window after it.
@@ -237,12 +329,17 @@ class Matchmaker:
             raise RoundFailed(f"reading the failures failed: {e!r}") from e
         return set(members) <= parse_failures(None if found is None else found.value)
 
-    async def _register(self, key: str, round: int) -> float:
+    @property
+    def poll_s(self) -> float:
+        """How often a registrant reads the registrations again while it waits for the close."""
+        return min(0.5, max(0.05, self.window_s / 8))
+
+    async def _register(self, key: str, round: int, expect: str) -> float:
         registered = float(get_dht_time())
         try:
             stored = await self.dht.store(
                 key,
-                (registered, self.peer_id),
+                (registered, self.peer_id, expect),
                 expiration_time=registered + self.record_ttl_s,
                 subkey=self.dht.identity.subkey,
                 return_future=True,
@@ -259,31 +356,25 @@ class Matchmaker:
             self._on_stage("registered", round)
         return registered
 
-    async def _await_opened(self, key: str) -> None:
-        """Poll until another peer has opened the round: registering now would put this peer in a
-        group with others (bounded by the caller's timeout). A round long closed is not open."""
-        while True:
-            records = await self._read(key)
-            records[self.peer_id] = float(get_dht_time())
-            _, members = close_and_members(records, self.window_s, self.grace_s)
-            if self.peer_id in members and len(members) > 1:
-                return
-            # Poll fast: the joiner must register within the window that this registration opened.
-            await asyncio.sleep(0.05)
-
-    async def _registrations(self, key: str, registered: float) -> dict[str, float]:
-        records = await self._read(key)
+    async def _registrations(
+        self, key: str, registered: float, expect: str, *, until: float | None = None
+    ) -> tuple[dict[str, float], dict[str, str]]:
+        """The registrations (and their expectations) dated `until` at the latest."""
+        records, expects = await self._read(key, until=until)
         # Our own record may not be visible yet; we know it exists.
-        records.setdefault(self.peer_id, registered)
-        return records
+        records[self.peer_id], expects[self.peer_id] = registered, expect
+        return records, expects
 
-    async def _read(self, key: str) -> dict[str, float]:
+    async def _read(self, key: str, *, until: float | None = None) -> tuple[dict[str, float], dict[str, str]]:
         try:
             found = await self.dht.get(key, latest=True, return_future=True)
         except Exception as e:
             raise RoundFailed(f"reading the registrations failed: {e!r}") from e
-        records = parse_registrations(None if found is None else found.value)
+        records, expects = parse_registrations(None if found is None else found.value)
         # A registration dated after now (beyond the clock skew allowed for) is no registration yet.
-        soonest = float(get_dht_time()) + self.grace_s
+        latest = float(get_dht_time()) + self.grace_s
+        if until is not None:
+            latest = min(latest, until)
         admitted = await self._admission.select_async(records)
-        return {peer: t for peer, t in records.items() if peer in admitted and t <= soonest}
+        kept = {peer: t for peer, t in records.items() if peer in admitted and t <= latest}
+        return kept, {peer: expects[peer] for peer in kept}

@@ -37,7 +37,8 @@ from .manifest import MAX_MANIFEST_BYTES
 
 logger = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 2  # 2: state records carry the state's manifest
+# 2: state records carry the state's manifest; 3: a round registration says which group it expects
+PROTOCOL_VERSION = 3
 
 
 def run_prefix(run_id: str, fingerprint: str) -> str:
