@@ -49,7 +49,7 @@ def test_quick_run_writes_every_key_of_results_json_and_a_report_of_the_goals(
     assert results["overhead"]["status"] == "measured" and results["scale"]["status"] == "measured"
     assert results["scale"]["sim_peers_max"] >= 2 and results["scale"]["sim_bytes_over_bound_max"] <= 1.01
     tokens_per_s = results["overhead"]["tokens_per_s"]
-    assert set(tokens_per_s) == {"bare", "bare_hf_loss", "node", "node_batch_test_off"}
+    assert set(tokens_per_s) == {"bare", "bare_hf_loss", "node", "node_at_cap", "node_batch_test_off"}
     assert all(v > 0 for v in tokens_per_s.values())
     report = (out / "results.md").read_text()
     assert "## Goals (issue 11) against what was measured" in report

@@ -111,11 +111,13 @@ def test_an_owner_leaving_after_its_last_round_delivers_the_answers_a_slow_membe
 CUT_S = 60.0
 CUT = 3  # the host whose link goes down (0: the bootstrap; 1-3: the nodes)
 RECONVERGE_ROUNDS = 5
-# Rounds of at least 6 s (a 6 s matchmaking window). Once the link is back, libp2p redials a peer it
-# failed to reach only after its backoff (go-libp2p: 5 s + 1 s × tries², per address), ~20-30 s
-# after a 60 s cut; the issue's 5 rounds mean rounds longer than that wait, as a real swarm's
-# rounds (minutes) are, not the 3 s of a tiny model on two cores.
-CUT_WINDOW_S = "6"
+# Rounds of ~6 s once the batch has grown (every node 6× slower, by sleeping: no CPU taken), and a
+# window to match (the nodes' compute times spread 6× as far). Once the link is back, libp2p redials
+# a peer it failed to reach only after its backoff (go-libp2p: 5 s + 1 s × tries², per address),
+# ~20-30 s after a 60 s cut; the issue's 5 rounds mean rounds longer than that wait, as a real
+# swarm's rounds (minutes) are, not the 1-2 s of a tiny model whose round closes as soon as its
+# group is in.
+CUT_SLOWDOWN = ["--simulate-slowdown", "6", "--window-s", "6"]
 
 
 @pytest.mark.netns
@@ -143,7 +145,7 @@ def test_a_node_cut_off_for_60_s_reconverges_with_the_others_within_5_rounds(
             status = tmp_path / f"node{host}.jsonl"
             argv = ["adloco-node", "--peers", *peers, "--run-id", "cut", "--rounds", "0", "--status-file",
                     str(status), "--data-shard", str(host), "--host-maddrs", f"/ip4/{star.addrs[host]}/tcp/0",
-                    "--log-level", "INFO", *FAST_NODE_ARGS, "--window-s", CUT_WINDOW_S]  # fmt: skip
+                    "--log-level", "INFO", *FAST_NODE_ARGS, *CUT_SLOWDOWN]  # fmt: skip
             nodes[host] = (star.start(procs, host, f"node{host}", argv), status)
         statuses = {host: status for host, (_, status) in nodes.items()}
         wait_for(lambda: all(max(_rounds(s), default=0) >= 2 for s in statuses.values()), timeout=150,

@@ -160,7 +160,7 @@ def _join_one_after_the_other(procs: Procs, tmp_path: Path) -> JoinedSwarm:
     chunked, chunked_status = _start_node(procs, tmp_path, "chunked", peers, "--rounds", "2", *joiner)
     exits = {"chunked": chunked.wait(timeout=240)}
     slow = ("--overlap", "off", "--simulate-slowdown", "6")
-    late, late_status = _start_node(procs, tmp_path, "late", peers, "--rounds", "3", *joiner, *slow)
+    late, late_status = _start_node(procs, tmp_path, "late", peers, "--rounds", "2", *joiner, *slow)
     exits["late"] = late.wait(timeout=240)
     last = max(_rounds(late_status), default=0)
     wait_for(

@@ -330,8 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         return usage_error(e)
     logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
-    # `kill -USR1 <pid>` prints every thread's stack to stderr: what a node that seems stuck is doing.
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    dump_stacks_on_sigusr1()
     try:
         run(args)
     except UserError as e:
@@ -343,6 +342,17 @@ def main(argv: list[str] | None = None) -> int:
         print("adloco-node: interrupted", file=sys.stderr)
         return 130
     return 0
+
+
+def dump_stacks_on_sigusr1() -> None:
+    """`kill -USR1 <pid>` prints every thread's stack to the process's stderr: what a node that seems
+    stuck is doing. Skipped where that stderr is no file (the node's main called in-process)."""
+    stderr = sys.__stderr__
+    try:
+        if stderr is not None:
+            faulthandler.register(signal.SIGUSR1, file=stderr, all_threads=True)
+    except (OSError, ValueError):  # io.UnsupportedOperation is both: a stream with no descriptor
+        pass
 
 
 def usage_error(e: UserError) -> int:
