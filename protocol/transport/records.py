@@ -173,7 +173,7 @@ class RunRecords:
             subkey=self._subkey,
             return_future=True,
         )
-        _settle(stored, "storing the state record", wait)
+        _stored_or_logged(stored, "storing the state record", wait)
         if self.credential is not None:
             self.publish_credential(self.credential, wait=wait)
 
@@ -188,7 +188,7 @@ class RunRecords:
             subkey=self._subkey,
             return_future=True,
         )
-        _settle(stored, "storing the credential", wait)
+        _stored_or_logged(stored, "storing the credential", wait)
 
     def publish_beacon(self, record: BeaconRecord) -> None:
         """Store this peer's beacon without waiting (metrics only)."""
@@ -229,7 +229,7 @@ def dht_result(future: Any, what: str) -> Any:
         raise TimeoutError(f"{what}: the DHT did not answer in {DHT_CALL_TIMEOUT_S:.0f} s") from None
 
 
-def _settle(future: Any, what: str, wait: bool) -> None:
+def _stored_or_logged(future: Any, what: str, wait: bool) -> None:
     """Wait for a DHT store (`dht_result`), or have its failure logged whenever it comes."""
     if wait:
         dht_result(future, what)
