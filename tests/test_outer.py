@@ -73,3 +73,74 @@ def test_shape_mismatch():
         outer_step([torch.zeros(2)], [torch.zeros(3)], [torch.zeros(2)], OuterConfig())
     with pytest.raises(ValueError):
         outer_step([torch.zeros(2)], [], [torch.zeros(2)], OuterConfig())
+
+
+def _dn_reference(theta, deltas, *, lr, mu, n, dampened):
+    """Delayed Nesterov as research/algorithms.md §6.2 writes it (forgather's form): a separate
+    buffer of the cycle's Δ, m updated from it only at the cycle's last push."""
+    theta, m, buffer = theta.clone(), torch.zeros_like(theta), torch.zeros_like(theta)
+    for k, g in enumerate(deltas, start=1):
+        buffer += g
+        if k % n == 0:
+            m = mu * m + (1 - mu if dampened else 1.0) * buffer / n
+            theta -= lr * (g / n + mu * m)
+            buffer.zero_()
+        else:
+            theta -= lr * g / n
+    return theta, m
+
+
+@pytest.mark.parametrize("convention", ["n1", "n2"])
+def test_delayed_nesterov_matches_the_buffered_form_without_its_buffer(convention):
+    """Over 3 cycles of 3 and a partial one, θ matches the two-buffer form of Async DiLoCo's DN;
+    at each cycle's end our m (which doubles as the buffer) equals its momentum."""
+    torch.manual_seed(1)
+    theta0, deltas = torch.randn(6, 4), [torch.randn(6, 4) for _ in range(11)]
+    cfg = OuterConfig(lr=0.35, momentum=0.9, convention=convention, delay=3)
+    ours, mom = theta0.clone(), torch.zeros_like(theta0)
+    for i, d in enumerate(deltas):
+        outer_step([ours], [mom], [d], cfg, index=i)
+        ref_theta, ref_m = _dn_reference(
+            theta0, deltas[: i + 1], lr=0.35, mu=0.9, n=3, dampened=convention == "n2"
+        )
+        torch.testing.assert_close(ours, ref_theta, rtol=1e-5, atol=1e-6)
+        if i % 3 == 2:
+            torch.testing.assert_close(mom, ref_m, rtol=1e-5, atol=1e-6)
+
+
+def test_a_cycle_of_delayed_nesterov_is_one_nesterov_step_on_the_mean():
+    torch.manual_seed(2)
+    theta0, deltas = torch.randn(5), [torch.randn(5) for _ in range(4)]
+    delayed, m_delayed = theta0.clone(), torch.zeros(5)
+    for i, d in enumerate(deltas):
+        outer_step([delayed], [m_delayed], [d], OuterConfig(lr=0.5, momentum=0.8, delay=4), index=8 + i)
+    plain, m_plain = theta0.clone(), torch.zeros(5)
+    outer_step([plain], [m_plain], [torch.stack(deltas).mean(0)], OuterConfig(lr=0.5, momentum=0.8))
+    torch.testing.assert_close(delayed, plain, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(m_delayed, m_plain, rtol=1e-6, atol=1e-6)
+
+
+def test_delayed_nesterov_hand_values():
+    # η = μ = 0.5, N = 2, θ0 = [1, 2], Δ1 = [1, −2], Δ2 = [0.5, 1] (the N1 example above)
+    # round 0: m = 0.5·0 + Δ1/2 = [0.5, −1];  θ = θ0 − 0.5 Δ1/2 = [0.75, 2.5]
+    # round 1: m = [0.5, −1] + Δ2/2 = [0.75, −0.5];  θ = [0.75, 2.5] − 0.5([0.25, 0.5] + 0.5 m)
+    #          = [0.75, 2.5] − 0.5[0.625, 0.25] = [0.4375, 2.375]
+    theta, mom = torch.tensor([1.0, 2.0]), torch.zeros(2)
+    cfg = OuterConfig(lr=0.5, momentum=0.5, delay=2)
+    outer_step([theta], [mom], [torch.tensor([1.0, -2.0])], cfg, index=0)
+    assert torch.equal(mom, torch.tensor([0.5, -1.0]))
+    assert torch.equal(theta, torch.tensor([0.75, 2.5]))
+    outer_step([theta], [mom], [torch.tensor([0.5, 1.0])], cfg, index=1)
+    assert torch.equal(mom, torch.tensor([0.75, -0.5]))
+    assert torch.equal(theta, torch.tensor([0.4375, 2.375]))
+
+
+@pytest.mark.parametrize("delay", [0, -1, 1.5, True])
+def test_delay_must_be_whole_rounds(delay):
+    with pytest.raises(ValueError, match="outer delay"):
+        OuterConfig(delay=delay)
+
+
+def test_a_negative_index_is_refused():
+    with pytest.raises(ValueError, match="count from 0"):
+        outer_step([torch.zeros(2)], [torch.zeros(2)], [torch.zeros(2)], OuterConfig(), index=-1)

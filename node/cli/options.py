@@ -145,6 +145,13 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         "--nesterov", choices=("n1", "n2"), default="n1", help="N1 PyTorch or N2 dampened form"
     )
     outer.add_argument(
+        "--outer-delay",
+        type=int,
+        default=1,
+        help="delayed Nesterov (Async DiLoCo): the momentum term every N rounds, Δ/N each round;"
+        " 1: plain Nesterov; the same on every peer of a run",
+    )
+    outer.add_argument(
         "--codec",
         default="int8",
         help="none|fp16|int8|int4|lowrank:R[:fp16|int4]|sparse[:K/C[:B]]|adaptive (sparse: SparseLoCo's top K"
@@ -256,6 +263,7 @@ def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
                 lr=base.outer.lr if args.outer_lr is None else args.outer_lr,
                 momentum=outer_momentum(args),
                 convention=args.nesterov,
+                delay=args.outer_delay,
             ),
             schedule=replace(
                 base.schedule,

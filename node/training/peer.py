@@ -428,7 +428,7 @@ class Peer:
         # Tensor by tensor: one decoded tensor at a time, never a decoded copy of the whole model.
         for name, theta, momentum in zip(self.names, self.state.theta, self.state.momentum, strict=True):
             delta = decode(update.averaged[name]).to(self.placement.state)
-            outer_step([theta], [momentum], [delta], self.cfg.outer)
+            outer_step([theta], [momentum], [delta], self.cfg.outer, index=self.state.round)
         if update.merge is not None:
             if self._in_round:
                 # The instances are mid-round (overlap): merge when the round ends.
