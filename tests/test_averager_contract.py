@@ -43,6 +43,8 @@ from adloco.protocol.algorithms.report import PeerReport
 from adloco.protocol.transport.averager import Averager, MemberResult, Misconduct, NotOpened
 from adloco.protocol.transport.memory import MemoryAverager, MemoryHub
 
+from background import AVERAGER_TEST_MARK
+
 pytestmark = pytest.mark.timeout(60)
 
 WINDOW_S = 1.0
@@ -62,7 +64,7 @@ DHT_KWARGS: dict[str, Any] = {
 SHAPES = {"embed": (48, 32), "proj": (32, 40), "norm": (32,)}
 
 # Inherited by every DHT process and p2pd started from here (and by the killed member's process).
-_MARK = f"ADLOCO_AVERAGER_TEST_{uuid.uuid4().hex}"
+_MARK = f"{AVERAGER_TEST_MARK}{uuid.uuid4().hex}"
 os.environ[_MARK] = "1"
 
 

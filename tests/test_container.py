@@ -2,7 +2,8 @@
 
 `test_compose_swarm_trains_and_stops` builds docker/Dockerfile.cpu with container-build (podman +
 runc on a local Debian base tagged under the FROM names; $ADLOCO_CONTAINER_BUILD, by default
-../shared/tools/container-build beside the repository), then starts the bootstrap and node
+../shared/tools/container-build beside the repository; the build starts with the session, at the
+lowest priority, tests/background.py), then starts the bootstrap and node
 services of docker/compose.yaml as containers on one podman network. Entrypoint, command,
 environment, volumes, init and shm size come from the compose file, so the containers run what
 compose runs; `restart` is left out (a crash must fail the test) and so are `ulimits` where the
@@ -25,6 +26,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -35,6 +37,7 @@ from typing import Any
 import pytest
 import yaml
 
+from background import collect_outcome, container_image
 from netns import pid_alive
 from procs import wait_for
 
@@ -132,31 +135,62 @@ def container_build(tool: Path, dockerfile: Path, tag: str, log: Path) -> float:
     return seconds
 
 
+def unusable(tool: Path | None, folder: Path) -> str | None:
+    """Why the container tests cannot run here (their skip reason), or None: they need root and
+    container-build, and container-build must build a probe image."""
+    if os.geteuid() != 0:
+        return "container tests need root (podman with runc, as tools/container-build runs it)"
+    if tool is None:
+        return "container-build not found: set ADLOCO_CONTAINER_BUILD to its path"
+    (folder / "Dockerfile").write_text("FROM python:3.11-slim-bookworm\nRUN python3 -c 'import venv'\n")
+    argv = [str(tool), "--tag", f"localhost/{PREFIX}probe", "--base-as", "python:3.11-slim-bookworm"]
+    done = subprocess.run([*argv, str(folder / "Dockerfile"), str(folder)], capture_output=True, text=True)
+    if done.returncode != 0:
+        tail = "\n".join(quiet(done.stdout + done.stderr).splitlines()[-15:])
+        return f"container-build cannot build here (exit {done.returncode}):\n{tail}"
+    podman("rmi", f"localhost/{PREFIX}probe", check=False)
+    return None
+
+
 @pytest.fixture(scope="module")
 def tool(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """container-build, once it has shown it can build something here (else the tests skip)."""
-    if os.geteuid() != 0:
-        pytest.skip("container tests need root (podman with runc, as tools/container-build runs it)")
     found = build_tool()
-    if found is None:
-        pytest.skip("container-build not found: set ADLOCO_CONTAINER_BUILD to its path")
-    probe = tmp_path_factory.mktemp("probe")
-    (probe / "Dockerfile").write_text("FROM python:3.11-slim-bookworm\nRUN python3 -c 'import venv'\n")
-    argv = [str(found), "--tag", f"localhost/{PREFIX}probe", "--base-as", "python:3.11-slim-bookworm"]
-    done = subprocess.run([*argv, str(probe / "Dockerfile"), str(probe)], capture_output=True, text=True)
-    if done.returncode != 0:
-        tail = "\n".join(quiet(done.stdout + done.stderr).splitlines()[-15:])
-        pytest.skip(f"container-build cannot build here (exit {done.returncode}):\n{tail}")
-    podman("rmi", f"localhost/{PREFIX}probe", check=False)
+    reason = unusable(found, tmp_path_factory.mktemp("probe"))
+    if reason is not None:
+        pytest.skip(reason)
+    assert found is not None
     return found
 
 
+def probe_and_build(folder: Path) -> None:
+    """`cpu_image`'s work, run as a script (`python tests/test_container.py FOLDER`) that
+    tests/background.py starts with the session at the lowest priority, since the build is most of a
+    minute of CPU and pip downloads: the probe, then docker/Dockerfile.cpu built. folder/outcome.json
+    says which: {"skip": reason}, {"build_s": seconds} or {"build_error": message}."""
+    found = build_tool()
+    reason = unusable(found, folder)
+    outcome: dict[str, Any] = {"skip": reason}
+    if reason is None:
+        assert found is not None
+        try:
+            outcome = {
+                "build_s": container_build(found, DOCKER / "Dockerfile.cpu", CPU_IMAGE, folder / "cpu.log")
+            }
+        except AssertionError as e:
+            outcome = {"build_error": str(e)}
+    (folder / "outcome.json").write_text(json.dumps(outcome))
+
+
 @pytest.fixture(scope="module")
-def cpu_image(tool: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, float]]:
-    log = tmp_path_factory.mktemp("build") / "cpu.log"
-    seconds = container_build(tool, DOCKER / "Dockerfile.cpu", CPU_IMAGE, log)
-    print(f"\n[container] built docker/Dockerfile.cpu in {seconds:.0f}s")
-    yield CPU_IMAGE, seconds
+def cpu_image(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, float]:
+    """docker/Dockerfile.cpu built (by the run the session started, or now), and how long it took."""
+    _, built = collect_outcome(
+        request, "cpu_image", lambda: tmp_path_factory.mktemp("build"), container_image, timeout=1500
+    )
+    assert "build_error" not in built, built["build_error"]
+    print(f"\n[container] built docker/Dockerfile.cpu in {built['build_s']:.0f}s (with the session, niced)")
+    return CPU_IMAGE, built["build_s"]
 
 
 def image_healthcheck(image: str) -> dict[str, Any]:
@@ -467,3 +501,7 @@ def test_cuda_dockerfile_builds(tool: Path, tmp_path: Path) -> None:
     build_s = container_build(tool, DOCKER / "Dockerfile", CUDA_IMAGE, tmp_path / "cuda.log")
     print(f"\n[container] built docker/Dockerfile (CUDA layout, local base) in {build_s:.0f}s")
     check_image_config(CUDA_IMAGE)
+
+
+if __name__ == "__main__":  # python tests/test_container.py FOLDER (tests/background.py)
+    probe_and_build(Path(sys.argv[1]))

@@ -11,12 +11,14 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
 import netns
+from background import collect_outcome, cut_off_run
 from procs import FAST_NODE_ARGS, Procs, read_events, wait_for
 
 LOOPBACK = ["--host-maddrs", "/ip4/127.0.0.1/tcp/0"]
@@ -120,93 +122,144 @@ RECONVERGE_ROUNDS = 5
 CUT_SLOWDOWN = ["--simulate-slowdown", "6", "--window-s", "6"]
 
 
+def cut_off_scenario(folder: Path) -> None:
+    """The scenario of the test below, as a script (`python tests/test_faults.py FOLDER`) that
+    tests/background.py starts with the session: a minute of cut link is a minute of waiting, which
+    the tests that run meanwhile use. Writes folder/outcome.json: {"skip": why} where namespaces
+    cannot be made, else the times of the cut and the restore, the swarm's round at the restore,
+    each node's exit code and, for a cut node that has not come back, its stacks; the nodes' status
+    files and logs stay in `folder`."""
+    procs = Procs(folder)
+    outcome: dict[str, object] = {}
+    try:
+        with netns.star_lan(procs, 4) as star:
+            outcome = _cut_off(procs, star, folder)
+    except pytest.skip.Exception as e:
+        outcome = {"skip": str(e)}
+    (folder / "outcome.json").write_text(json.dumps(outcome))
+
+
+def _cut_off(procs: Procs, star: netns.Star, folder: Path) -> dict[str, object]:
+    boot_maddrs = folder / "bootstrap.json"
+    star.start(
+        procs, 0, "bootstrap",
+        ["adloco-bootstrap", "--identity-path", str(folder / "b.key"), "--host-maddrs",
+         f"/ip4/{star.addrs[0]}/tcp/0", "--no-nat-port-map", "--maddrs-file", str(boot_maddrs)],
+    )  # fmt: skip
+    wait_for(boot_maddrs.exists, timeout=60, what="bootstrap")
+    peers = [m for m in json.loads(boot_maddrs.read_text()) if f"/ip4/{star.addrs[0]}/" in m]
+    nodes = {}
+    for host in (1, 2, 3):
+        argv = ["adloco-node", "--peers", *peers, "--run-id", "cut", "--rounds", "0", "--status-file",
+                str(folder / f"node{host}.jsonl"), "--data-shard", str(host), "--host-maddrs",
+                f"/ip4/{star.addrs[host]}/tcp/0", "--log-level", "INFO",
+                *FAST_NODE_ARGS, *CUT_SLOWDOWN]  # fmt: skip
+        nodes[host] = star.start(procs, host, f"node{host}", argv)
+    statuses = _cut_statuses(folder)
+    wait_for(lambda: all(max(_rounds(s), default=0) >= 2 for s in statuses.values()), timeout=150,
+             what="round 2 on every node")  # fmt: skip
+
+    cut_at = time.time()
+    star.set_link(CUT, up=False)
+    deadline = time.monotonic() + CUT_S
+    while time.monotonic() < deadline:
+        if nodes[CUT].poll() is not None:  # cut off, not crashed
+            return {"crashed": procs.log(f"node{CUT}")[-6000:]}
+        time.sleep(0.5)
+    star.set_link(CUT, up=True)
+    restored_at = time.time()
+    others = [host for host in nodes if host != CUT]
+    at_restore = max(max(_rounds(statuses[host]), default=0) for host in others)
+
+    def judged() -> bool:  # converged, or the others are past the rounds it had to happen in
+        return _common(statuses, at_restore) is not None or all(
+            max(_rounds(statuses[h])) > at_restore + RECONVERGE_ROUNDS for h in others
+        )
+
+    wait_for(judged, timeout=150, what=f"{RECONVERGE_ROUNDS} rounds after the restore")
+    # A cut node that has not come back: what each of its threads is doing, before it is stopped.
+    stuck = "" if _common(statuses, at_restore) is not None else procs.stacks(f"node{CUT}", nodes[CUT])
+    for proc in nodes.values():
+        proc.send_signal(signal.SIGTERM)
+    exits = {host: proc.wait(timeout=60) for host, proc in nodes.items()}
+    return {
+        "cut_at": cut_at,
+        "restored_at": restored_at,
+        "at_restore": at_restore,
+        "exits": exits,
+        "stuck": stuck,
+    }
+
+
+def _cut_statuses(folder: Path) -> dict[int, Path]:
+    return {host: folder / f"node{host}.jsonl" for host in (1, 2, 3)}
+
+
+def _common(statuses: dict[int, Path], at_restore: int) -> int | None:
+    """The first round after the restore at which all three hold one θ."""
+    rounds = [_rounds(s) for s in statuses.values()]
+    for r in range(at_restore + 1, at_restore + RECONVERGE_ROUNDS + 1):
+        if all(r in mine for mine in rounds) and len({mine[r]["theta_hash"] for mine in rounds}) == 1:
+            return r
+    return None
+
+
+@pytest.fixture(scope="module")
+def cut_off(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    """The cut-off scenario's folder and outcome (run by the session from its start, or now)."""
+    return collect_outcome(
+        request, "cut_off", lambda: tmp_path_factory.mktemp("cut_off"), cut_off_run, timeout=400
+    )
+
+
 @pytest.mark.netns
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(500)
 def test_a_node_cut_off_for_60_s_reconverges_with_the_others_within_5_rounds(
-    procs: Procs, tmp_path: Path
+    cut_off: tuple[Path, dict],
 ) -> None:
     """A bootstrap and three nodes on their own hosts (`netns.Star`); once all three are past
     round 2, one node's link goes down at the hub for 60 s (a pulled cable: silence, no resets),
     then comes back. The cut node keeps running (it may fail rounds, or average alone); the two
     others go on together. Within 5 of the swarm's rounds after the link is back, all three hold
     the same θ after the same round. Prints the timeline: rounds the cut node missed, what it did
-    meanwhile, and the seconds from the restore to the common θ."""
-    with netns.star_lan(procs, 4) as star:
-        boot_maddrs = tmp_path / "bootstrap.json"
-        star.start(
-            procs, 0, "bootstrap",
-            ["adloco-bootstrap", "--identity-path", str(tmp_path / "b.key"), "--host-maddrs",
-             f"/ip4/{star.addrs[0]}/tcp/0", "--no-nat-port-map", "--maddrs-file", str(boot_maddrs)],
-        )  # fmt: skip
-        wait_for(boot_maddrs.exists, timeout=60, what="bootstrap")
-        peers = [m for m in json.loads(boot_maddrs.read_text()) if f"/ip4/{star.addrs[0]}/" in m]
-        nodes = {}
-        for host in (1, 2, 3):
-            status = tmp_path / f"node{host}.jsonl"
-            argv = ["adloco-node", "--peers", *peers, "--run-id", "cut", "--rounds", "0", "--status-file",
-                    str(status), "--data-shard", str(host), "--host-maddrs", f"/ip4/{star.addrs[host]}/tcp/0",
-                    "--log-level", "INFO", *FAST_NODE_ARGS, *CUT_SLOWDOWN]  # fmt: skip
-            nodes[host] = (star.start(procs, host, f"node{host}", argv), status)
-        statuses = {host: status for host, (_, status) in nodes.items()}
-        wait_for(lambda: all(max(_rounds(s), default=0) >= 2 for s in statuses.values()), timeout=150,
-                 what="round 2 on every node")  # fmt: skip
+    meanwhile, and the seconds from the restore to the common θ. The scenario runs beside the
+    session's first tests (`cut_off_scenario`); its nodes' logs are in its folder."""
+    folder, outcome = cut_off
+    assert "crashed" not in outcome, f"node{CUT} exited while cut off:\n{outcome['crashed']}"
+    cut_at, restored_at, at_restore = outcome["cut_at"], outcome["restored_at"], outcome["at_restore"]
+    statuses = _cut_statuses(folder)
+    for host, code in outcome["exits"].items():
+        assert code == 0, (folder / f"node{host}.log").read_text(errors="replace")[-6000:]
 
-        cut_at = time.time()
-        star.set_link(CUT, up=False)
-        deadline = time.monotonic() + CUT_S
-        while time.monotonic() < deadline:
-            assert nodes[CUT][0].poll() is None, procs.log(f"node{CUT}")  # cut off, not crashed
-            time.sleep(0.5)
-        star.set_link(CUT, up=True)
-        restored_at = time.time()
-        others = [host for host in nodes if host != CUT]
-        at_restore = max(max(_rounds(statuses[host]), default=0) for host in others)
+    events = {host: read_events(s) for host, s in statuses.items()}
+    mine = _rounds(statuses[CUT])
+    during = [e for e in mine.values() if cut_at <= e["time"] <= restored_at]
+    theirs = _rounds(statuses[min(h for h in statuses if h != CUT)])
+    swarm_during = [r for r, e in theirs.items() if cut_at <= e["time"] <= restored_at]
+    synced = [
+        (e["event"], e["round"], round(e["time"] - restored_at, 1))
+        for e in events[CUT]
+        if e["event"] in ("catch_up", "state_download", "fork_healed") and e["time"] > cut_at
+    ]
+    converged = _common(statuses, at_restore)
+    print(
+        f"\nlink of node{CUT} down {restored_at - cut_at:.1f} s from the others' round"
+        f" {max(r for r, e in theirs.items() if e['time'] < cut_at)}; the others applied rounds"
+        f" {swarm_during[:1] + swarm_during[-1:]} meanwhile ({len(swarm_during)}), in groups of"
+        f" {sorted({theirs[r]['group_size'] for r in swarm_during})}; the cut node applied"
+        f" {[(e['round'], e['group_size']) for e in during]} meanwhile; after the restore it"
+        f" synced {synced}; round at restore {at_restore}, common θ at round {converged}"
+    )
+    assert converged is not None, f"no common θ within {RECONVERGE_ROUNDS} rounds: {outcome['stuck']}"
+    last = max(_rounds(s)[converged]["time"] for s in statuses.values())
+    lost = len([r for r, e in theirs.items() if cut_at <= e["time"] and r < converged and r not in
+                {r2 for r2, e2 in mine.items() if e2["group_size"] == 3}])  # fmt: skip
+    print(
+        f"reconverged {converged - at_restore} rounds and {last - restored_at:.1f} s after the restore;"
+        f" rounds of the swarm without the cut node: {lost}"
+    )
 
-        def common() -> int | None:
-            """The first round after the restore at which all three hold one θ."""
-            rounds = [_rounds(s) for s in statuses.values()]
-            for r in range(at_restore + 1, at_restore + RECONVERGE_ROUNDS + 1):
-                if all(r in mine for mine in rounds) and len({mine[r]["theta_hash"] for mine in rounds}) == 1:
-                    return r
-            return None
 
-        def judged() -> bool:  # converged, or the others are past the rounds it had to happen in
-            return common() is not None or all(
-                max(_rounds(statuses[h])) > at_restore + RECONVERGE_ROUNDS for h in others
-            )
-
-        wait_for(judged, timeout=150, what=f"{RECONVERGE_ROUNDS} rounds after the restore")
-        # A cut node that has not come back: what each of its threads is doing, before it is stopped.
-        stuck = "" if common() is not None else procs.stacks(f"node{CUT}", nodes[CUT][0])
-        for proc, _ in nodes.values():
-            proc.send_signal(signal.SIGTERM)
-        for host, (proc, _) in nodes.items():
-            assert proc.wait(timeout=60) == 0, procs.log(f"node{host}")
-
-        events = {host: read_events(s) for host, s in statuses.items()}
-        mine = _rounds(statuses[CUT])
-        during = [e for e in mine.values() if cut_at <= e["time"] <= restored_at]
-        theirs = _rounds(statuses[others[0]])
-        swarm_during = [r for r, e in theirs.items() if cut_at <= e["time"] <= restored_at]
-        synced = [
-            (e["event"], e["round"], round(e["time"] - restored_at, 1))
-            for e in events[CUT]
-            if e["event"] in ("catch_up", "state_download", "fork_healed") and e["time"] > cut_at
-        ]
-        converged = common()
-        print(
-            f"\nlink of node{CUT} down {restored_at - cut_at:.1f} s from the others' round"
-            f" {max(r for r, e in theirs.items() if e['time'] < cut_at)}; the others applied rounds"
-            f" {swarm_during[:1] + swarm_during[-1:]} meanwhile ({len(swarm_during)}), in groups of"
-            f" {sorted({theirs[r]['group_size'] for r in swarm_during})}; the cut node applied"
-            f" {[(e['round'], e['group_size']) for e in during]} meanwhile; after the restore it"
-            f" synced {synced}; round at restore {at_restore}, common θ at round {converged}"
-        )
-        assert converged is not None, f"no common θ within {RECONVERGE_ROUNDS} rounds: {stuck}"
-        last = max(_rounds(s)[converged]["time"] for s in statuses.values())
-        lost = len([r for r, e in theirs.items() if cut_at <= e["time"] and r < converged and r not in
-                    {r2 for r2, e2 in mine.items() if e2["group_size"] == 3}])  # fmt: skip
-        print(
-            f"reconverged {converged - at_restore} rounds and {last - restored_at:.1f} s after the restore;"
-            f" rounds of the swarm without the cut node: {lost}"
-        )
+if __name__ == "__main__":  # python tests/test_faults.py FOLDER (tests/background.py)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # reap the nodes and namespaces on the way out
+    cut_off_scenario(Path(sys.argv[1]))
