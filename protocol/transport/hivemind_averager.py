@@ -412,6 +412,9 @@ class HivemindAverager:
         for old in [r for r, (t, _) in self._rounds.items() if now - t > self.record_ttl_s]:
             _, stale = self._rounds.pop(old)
             self._lost_owners.pop(old, None)
+            # Its records have expired too: what a call there would meet is a round nobody holds.
+            self._joined.discard(old)
+            self._alone.discard(old)
             if not stale.done():
                 stale.set_result(None)
         if round not in self._rounds:
