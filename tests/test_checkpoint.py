@@ -449,3 +449,21 @@ def test_an_incompatible_state_is_refused_and_the_peer_left_unchanged(corpus: Co
     _assert_tree_equal(b.state_dict(), before)
     with pytest.raises(IncompatibleState, match=r"2 MIT instances.*--instances 2"):
         _peer(corpus, replace(CFG, instances=1)).load_state_dict(state)
+
+
+@pytest.mark.parametrize(
+    ("codec", "saved", "resumed"), [("sparse", "feedback", "encode"), ("lowrank:2", "encode", "feedback")]
+)
+def test_a_checkpoint_resumes_under_another_downlink(
+    corpus: Corpus, tmp_path: Path, codec: str, saved: str, resumed: str
+) -> None:
+    """--downlink is a setting of the run, not of the state: a node restarted with another one
+    resumes from its checkpoint at its round and trains on."""
+    source = _trained(corpus, replace(CFG, codec=codec, downlink=saved))
+    _save(tmp_path, source)
+    peer = _peer(corpus, replace(CFG, codec=codec, downlink=resumed))
+    assert _load(tmp_path, peer) is not None
+    assert peer.state.round == source.state.round
+    assert peer.state.theta_hash() == source.state.theta_hash()
+    _round(peer)
+    assert peer.state.round == source.state.round + 1
