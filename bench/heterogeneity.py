@@ -9,18 +9,21 @@ so the slow peers' contributions arrive about 14 rounds late: 0.05 simulated sec
 the 2.4 MB fp32 Δ takes ~0.05 s), so the fast peer completes ~14 rounds while a slow one trains.
 
 Configurations (`CONFIGS`, each an `adloco-sim` command line): sync DiLoCo (outer lr 0.7); async
-Nesterov: late Δ applied uncorrected; async + DyLU; async + HeLoCo; async + HeLoCo + DyLU. Every
-async run uses the simulator's async outer lr (0.35), Nesterov N1 with μ 0.9, and the staleness
-weight ρ(τ) = (1+τ)^−½, so the runs differ only in what is named. Async delayed Nesterov (Async
-DiLoCo's DN) is not in the simulator (its momentum buffer across rounds would be new peer state, kept
-through catch-up and state download), so it is reported as not available.
+Nesterov: late Δ applied uncorrected; async delayed Nesterov (Async DiLoCo's DN, `--outer-delay 5`:
+the momentum term once every 5 rounds, about one push per peer, as the paper sets N to the number of
+workers), late Δ uncorrected; async + DyLU; async + HeLoCo; async + HeLoCo + DyLU. Every async run
+uses the simulator's async outer lr (0.35), Nesterov N1 with μ 0.9, and the staleness weight
+ρ(τ) = (1+τ)^−½, so the runs differ only in what is named; except delayed Nesterov, at 5 × 0.35:
+each of its rounds steps θ by η Δ/N and its momentum, built from the mean Δ of N rounds, acts once
+per N rounds, so at the same η its steady-state step per round would be 1/N of plain Nesterov's
+(η Δ/(1−μ)); N η gives it the same (the grid also runs it at 0.35 and 0.7).
 
 Budgets: the simulated time T of `cycles` slow local rounds, and the token budget B that async
 without DyLU trains in T (cycles × (15 + 4) local rounds of H·b sequences). Every run goes until it
 has passed both; reported: val loss at B tokens and at T seconds (the last record at or before each),
 the staleness τ of the late contributions, and what HeLoCo did to their tensors. HeLoCo's constants
 are ours (the paper gives none): when the default misses, `grid` searches c_ok, κ and the staleness
-weight on the first seed (`grid_variants`).
+weight on the first seed (`grid_variants`), and delayed Nesterov's outer lr (its steps are smaller).
 
     python bench/heterogeneity.py --out bench/results/heterogeneity            # 3 seeds and the grid
     python bench/heterogeneity.py --quick --out /tmp/heterogeneity
@@ -50,6 +53,7 @@ GOAL_VS_ASYNC_PCT = 5.0
 # ... and below sync DiLoCo at fixed simulated time.
 
 SLOWDOWN = (1, 15, 15, 15, 15)
+ASYNC_OUTER_LR = 0.35  # adloco-sim's outer lr in async mode: half the default 0.7 (node/cli/sim.py)
 SEC_PER_SAMPLE = 0.05
 COMMON = (
     "--peers", "5", "--slowdown", ",".join(map(str, SLOWDOWN)), "--non-iid", "--seq-len", "64",
@@ -59,12 +63,16 @@ COMMON = (
 CONFIGS: dict[str, tuple[str, ...]] = {
     "sync DiLoCo": ("--mode", "sync"),
     "async Nesterov": ("--mode", "async", "--no-correction"),
+    "async delayed Nesterov": (
+        *("--mode", "async", "--no-correction", "--outer-delay", str(len(SLOWDOWN))),
+        *("--outer-lr", f"{ASYNC_OUTER_LR * len(SLOWDOWN):g}"),
+    ),
     "async + DyLU": ("--mode", "async", "--no-correction", "--dylu"),
     "async + HeLoCo": ("--mode", "async"),
     "async + HeLoCo + DyLU": ("--mode", "async", "--dylu"),
 }
-NOT_AVAILABLE = {"async delayed Nesterov": "not in the simulator (no delayed-Nesterov outer step)"}
-SYNC, ASYNC, HELOCO = "sync DiLoCo", "async Nesterov", "async + HeLoCo"
+DELAYED_LRS = (ASYNC_OUTER_LR, 2 * ASYNC_OUTER_LR)
+SYNC, ASYNC, DELAYED, HELOCO = "sync DiLoCo", "async Nesterov", "async delayed Nesterov", "async + HeLoCo"
 
 
 @dataclass(frozen=True)
@@ -100,6 +108,7 @@ class Variant:
     config: str
     heloco: dict[str, float] = field(default_factory=dict)
     staleness_weight: str | None = None
+    outer_lr: float | None = None
 
 
 def variant_config(v: Variant, budget: Budget, seed: int) -> SimConfig:
@@ -110,6 +119,8 @@ def variant_config(v: Variant, budget: Budget, seed: int) -> SimConfig:
         train = replace(train, heloco=replace(train.heloco, **v.heloco))
     if v.staleness_weight is not None:
         train = replace(train, staleness_weight=v.staleness_weight)  # type: ignore[arg-type]
+    if v.outer_lr is not None:
+        train = replace(train, outer=replace(train.outer, lr=v.outer_lr))
     return replace(cfg, train=train)
 
 
@@ -207,6 +218,7 @@ def variant_row(v: Variant, runs: Sequence[HeteroRun], budget: Budget) -> Row:
         "argv": list(CONFIGS[v.config]),
         "heloco": v.heloco,
         "staleness_weight": v.staleness_weight,
+        "outer_lr": v.outer_lr,
         "val_loss_at_tokens": spread([r.run.val_at("tokens_total", tokens) for r in runs]),
         "val_loss_at_time": spread([r.run.val_at("sim_time_s", budget.time_s) for r in runs]),
         "rounds_at_time": spread([_rounds_at(r.run, budget.time_s) for r in runs]),
@@ -259,6 +271,8 @@ def grid_variants() -> list[Variant]:
     ]
     out.append(Variant("async Nesterov ρ=constant", ASYNC, staleness_weight="constant"))
     out.append(Variant("HeLoCo ρ=constant", HELOCO, staleness_weight="constant"))
+    # Delayed Nesterov at the async outer lr itself and at twice it (its row runs at N times it).
+    out += [Variant(f"delayed Nesterov η={lr:g}", DELAYED, outer_lr=lr) for lr in DELAYED_LRS]
     return out
 
 
@@ -317,7 +331,7 @@ def run(quick: bool, seeds: list[int], out: Path, *, grid: bool | None = None) -
         for v in grid_variants():
             one = run_variant(v, corpus, tokenizer.vocab_size, seed=seeds[0], budget=budget)
             grid_rows.append(variant_row(v, [one], budget))
-    asy, hel, syn = rows[ASYNC], rows[HELOCO], rows[SYNC]
+    asy, hel, syn, dn = rows[ASYNC], rows[HELOCO], rows[SYNC], rows[DELAYED]
     vs_async = _pct_lower(hel["val_loss_at_tokens"]["median"], asy["val_loss_at_tokens"]["median"])
     hel_t, syn_t = hel["val_loss_at_time"]["median"], syn["val_loss_at_time"]["median"]
     summary: dict[str, Any] = {
@@ -328,6 +342,10 @@ def run(quick: bool, seeds: list[int], out: Path, *, grid: bool | None = None) -
         "tau_mean": hel["tau_mean_late"],
         "heloco_vs_async_pct": vs_async,
         "heloco_vs_async_pct_paired": _paired_pct(runs[HELOCO], runs[ASYNC], "tokens_total", tokens),
+        "delayed_nesterov_val_loss": dn["val_loss_at_tokens"]["median"],
+        "heloco_vs_delayed_nesterov_pct": _pct_lower(
+            hel["val_loss_at_tokens"]["median"], dn["val_loss_at_tokens"]["median"]
+        ),
         "heloco_vs_sync_at_time_pct": _pct_lower(hel_t, syn_t),
         "goal_vs_async_pct": GOAL_VS_ASYNC_PCT,
         "goal_vs_async_met": vs_async is not None and vs_async >= GOAL_VS_ASYNC_PCT,
@@ -335,7 +353,6 @@ def run(quick: bool, seeds: list[int], out: Path, *, grid: bool | None = None) -
         "token_budget": tokens,
         "time_budget_s": budget.time_s,
         "table": table,
-        "not_available": NOT_AVAILABLE,
         "grid": grid_rows,
         "grid_seed": seeds[0] if grid else None,
         "setup": {
@@ -379,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     s = run(args.quick, args.seeds, args.out, grid=args.grid)
     print(format_table(s["table"]))
     if s["grid"]:
-        print(f"\nHeLoCo grid (seed {s['grid_seed']}):\n" + format_table(s["grid"]))
+        print(f"\nGrid (seed {s['grid_seed']}):\n" + format_table(s["grid"]))
     print(
         f"B = {s['token_budget']} tokens, T = {s['time_budget_s']:g} s; τ of late Δ (HeLoCo run)"
         f" {s['tau_mean']:.1f}. HeLoCo vs async Nesterov at B: {_pct(s['heloco_vs_async_pct'])} lower"

@@ -239,6 +239,11 @@ def adopt(name: str, path: Path, out: Path) -> dict[str, Any]:
         check=False,
     )
     commit, _, date = done.stdout.strip().partition(" ")
+    dirty = subprocess.run(
+        ["git", "diff", "--quiet", "HEAD", "--", str(path.resolve())], cwd=ROOT, check=False
+    ).returncode
+    if dirty:  # changed since its last commit: that commit did not write it
+        commit, date = "", ""
     out.mkdir(parents=True, exist_ok=True)
     for png in path.parent.glob("*.png"):
         if png.stem.startswith(name) or path.parent.name == name:
