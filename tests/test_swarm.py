@@ -427,3 +427,37 @@ def test_a_peer_claiming_a_far_ahead_round_cannot_hijack_nodes_that_averaged_tog
     assert not [e for e in events if hijacker_id[-6:] in str(e.get("source", ""))]
     losses = [e["val_loss"] for e in read_events(nodes[0][1]) if e["event"] == "round"]
     assert losses[-1] < losses[1]
+
+
+def test_a_node_left_behind_by_peers_that_have_gone_finishes_its_rounds_alone(
+    procs: Procs, tmp_path: Path
+) -> None:
+    """Three nodes; once the third has applied round 2 its machine freezes (SIGSTOP to its process
+    group, p2pd included), and the other two average round 3 without it, then stop (--rounds 3).
+    Thawed, the third reads their records of round 3 and cannot catch up (nobody serves it): it
+    must not wait for them as for live peers ahead (join-only: nobody ever opens its round again),
+    but go on alone and finish its own rounds."""
+    import os
+
+    peers = _bootstrap(procs, tmp_path)
+    nodes = [
+        _start_node(
+            procs, tmp_path, f"n{i}", peers, "--rounds", "3", "--data-shard", str(i), "--overlap", "off"
+        )
+        for i in range(3)
+    ]
+    frozen, frozen_status = nodes[2]
+    wait_for(lambda: max(_rounds(frozen_status), default=0) >= 2, timeout=180, what="round 2")
+    os.killpg(frozen.pid, signal.SIGSTOP)
+    try:
+        for i, (proc, _) in enumerate(nodes[:2]):
+            assert proc.wait(timeout=120) == 0, procs.log(f"n{i}")
+    finally:
+        os.killpg(frozen.pid, signal.SIGCONT)
+    theirs = _rounds(nodes[0][1])
+    assert max(theirs) == 3 and max(_rounds(frozen_status)) == 2, (theirs, _rounds(frozen_status))
+    assert frozen.wait(timeout=120) == 0, procs.log("n2")
+    mine = [e for e in read_events(frozen_status) if e["event"] == "round"]
+    assert [e["round"] for e in mine] == [1, 2, 3], procs.log("n2")
+    assert mine[-1]["group_size"] == 1
+    assert "no longer answer: going on without them" in procs.log("n2"), procs.log("n2")

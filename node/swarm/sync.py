@@ -323,7 +323,7 @@ class SwarmSync:
         # The last sync left this node behind the head it read (its catch-up failed: the donors had
         # moved on, say): its contribution is late whatever its own staleness, and joins only.
         self.behind = False
-        self._head_round = -1
+        self._head: SwarmHead | None = None  # the last head `sync` read
 
     def vouch(self, members: Sequence[str]) -> None:
         """The members of the group whose round this node just applied (authenticated: each sent or
@@ -406,19 +406,37 @@ class SwarmSync:
             # Alone: maybe its link was down and its DHT forgot every other peer; tell it of them.
             self._rejoined_at = time.monotonic()
             self._rejoin()
-        self._head_round = -1
+        self._head = None
         for _ in range(SYNC_PASSES):
             if not self._sync_once():
                 break
-        self.behind = self._head_round > self.peer.state.round
+        head = self._head
+        self.behind = head is not None and head.round > self.peer.state.round and self._holders_stand(head)
         return self.peer.state.round - start
+
+    def _holders_stand(self, head: SwarmHead) -> bool:
+        """Whether a holder of the head this node is behind still stands by its state (asked over
+        the network: only when a catch-up left this node behind). Then a round this node opened
+        would be one the others finished: it joins only. When the holders have all gone (their run
+        ended, or they left), their records outlive them, and waiting for them would be forever: it
+        goes on."""
+        ahead = [r for r in self.records.states() if r.peer_id in head.holders]
+        if not ahead or self._live(ahead):
+            return bool(ahead)
+        logger.warning(
+            "[%s round=%d] the %d peers at round %d no longer answer: going on without them",
+            *self._tag(),
+            len(ahead),
+            head.round,
+        )
+        return False
 
     def _sync_once(self) -> bool:
         """One step toward the head; True if this node moved and may still be behind."""
         head = self.head()
         if head is None or not head.holders:
             return False
-        self._head_round = head.round
+        self._head = head
         behind = head.round - self.peer.state.round
         if behind < 0 and self._apart_from(head):
             logger.warning(
