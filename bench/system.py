@@ -15,6 +15,8 @@ training and ends with the wait for round R's update: the two nearly cancel, and
 point or two over 100 %. A key of the section takes the better of the two codecs at its rate. All
 three nodes share this machine's cores (one torch thread each), as volunteers' nodes would not:
 their compute is slower than alone, and so the link's share of a round is smaller than it would be.
+A run whose nodes did not hold one θ after every round keeps their logs and status files in
+out/disagreed/runN.
 
 Needs root (network namespaces). From the repository root:
 
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -169,6 +172,13 @@ def run(quick: bool, seeds: list[int], out: Path) -> dict[str, Any]:
                 work=Path(tmp) / f"run{i}",
             )
             result["wall_s"] = time.perf_counter() - t0
+            if not result["theta_agreed_every_round"]:
+                # The swarm split somewhere: keep what its nodes said, which the temporary folder loses.
+                kept = out / "disagreed" / f"run{i}"
+                kept.mkdir(parents=True, exist_ok=True)
+                for name in [*Path(tmp, f"run{i}").glob("*.log"), *Path(tmp, f"run{i}").glob("*.jsonl")]:
+                    shutil.copy2(name, kept / name.name)
+                result["logs"] = str(kept)
             print(
                 f"system: {rate:g} Mbit/s, overlap {overlap}, {codec}:"
                 f" utilization {result['utilization']:.1%},"
