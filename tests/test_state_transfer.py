@@ -372,10 +372,14 @@ def test_a_donor_process_killed_mid_download_is_replaced_by_the_other(
         _download(swarm, joiner, downloads, target)
         took = time.monotonic() - began
         killer.join(timeout=30)
-        assert killed, f"the donor never served its chunks; its log:\n{log_path.read_text()[-3000:]}"
-        killed_s = killed[0] - began
         report = downloads.last
         assert report is not None
+        assert killed, (
+            f"the donor never served its chunks (download: kept {dict(report.kept)}, failed"
+            f" {dict(report.failed)}, dropped {list(report.dropped)}); its log:\n"
+            + log_path.read_text()[-3000:]
+        )
+        killed_s = killed[0] - began
         print(
             f"donor killed {killed_s:.2f} s into the download, done {took - killed_s:.2f} s later "
             f"({took:.2f} s in all, bound {DOWNLOAD_BOUND_S:.0f} s); "
