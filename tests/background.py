@@ -70,7 +70,7 @@ class NicedRun:
             Path(f"/proc/{self.proc.pid}/autogroup").write_text(str(nice))
 
 
-def start_niced(
+def start_background(
     argv: list[str],
     folder: Path,
     *,
@@ -127,13 +127,13 @@ def strict_mypy(folder: Path) -> NicedRun:
         root.symlink_to(ROOT, target_is_directory=True)
     argv = [sys.executable, "-m", "mypy", "--strict", "--no-incremental"]
     argv += ["--config-file", str(ROOT / "pyproject.toml"), *PACKAGE_PARTS]
-    return start_niced(argv, folder, cwd=root, env={"MYPY_FORCE_COLOR": "0"})
+    return start_background(argv, folder, cwd=root, env={"MYPY_FORCE_COLOR": "0"})
 
 
 def kernel_paths(folder: Path) -> NicedRun:
     """bench/kernel_paths.py on the small tensors, every variant a fresh process (test_kernel_paths.py)."""
     argv = [sys.executable, str(KERNEL_PATHS), "--size", "small", "--variants", KERNEL_VARIANTS, "--json"]
-    return start_niced(argv, folder)
+    return start_background(argv, folder)
 
 
 SIM_SCENARIOS = ("sync_run", "async_runs", "overlap_runs")
@@ -143,7 +143,9 @@ def sim_scenario(name: str) -> Callable[[Path], NicedRun]:
     """test_sim.py's module fixture `name`, its simulation run by test_sim.py as a script."""
 
     def start(folder: Path) -> NicedRun:
-        return start_niced([sys.executable, str(ROOT / "tests" / "test_sim.py"), name, str(folder)], folder)
+        return start_background(
+            [sys.executable, str(ROOT / "tests" / "test_sim.py"), name, str(folder)], folder
+        )
 
     return start
 
@@ -156,7 +158,7 @@ BENCH_SECTIONS = "comm,convergence,heterogeneity,overhead,memory,scale"
 def bench_quick(folder: Path) -> NicedRun:
     """adloco-bench --quick into folder/out (test_bench.py)."""
     argv = [sys.executable, "-m", "adloco.bench.suite", "--quick", "--out", str(folder / "out")]
-    return start_niced([*argv, "--sections", BENCH_SECTIONS], folder)
+    return start_background([*argv, "--sections", BENCH_SECTIONS], folder)
 
 
 def cut_off_run(folder: Path) -> NicedRun:
@@ -165,12 +167,12 @@ def cut_off_run(folder: Path) -> NicedRun:
     it lose little CPU. Without the averager tests' p2pd marker, which they count as their own."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(AVERAGER_TEST_MARK)}
     argv = [sys.executable, str(ROOT / "tests" / "test_faults.py"), str(folder)]
-    return start_niced(argv, folder, env=env, nice=0)
+    return start_background(argv, folder, env=env, nice=0)
 
 
 def container_image(folder: Path) -> NicedRun:
     """test_container.py's probe and image build (its `cpu_image` fixture)."""
-    return start_niced([sys.executable, str(ROOT / "tests" / "test_container.py"), str(folder)], folder)
+    return start_background([sys.executable, str(ROOT / "tests" / "test_container.py"), str(folder)], folder)
 
 
 # What conftest.py starts as the session starts: a test's node id, or the name of a fixture that
