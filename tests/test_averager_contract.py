@@ -203,16 +203,26 @@ def _average_together(
     round: int,
     spec: str,
     bounds: Any = None,
+    delays: Sequence[float] | None = None,
+    patience_s: float = 0.0,
 ) -> list[Outcome]:
-    """Every averager calls `average` at the same moment from its own thread (as trainers do)."""
+    """Every averager calls `average` at the same moment from its own thread (as trainers do), or
+    `delays[i]` seconds after it."""
     outcomes: list[Outcome | None] = [None] * len(averagers)
     start = threading.Barrier(len(averagers))
 
     def member(i: int) -> None:
         start.wait()
+        if delays is not None:
+            time.sleep(delays[i])
         began = time.monotonic()
         result = averagers[i].average(
-            contributions[i], round=round, codec=make_codec(spec), timeout=CALL_TIMEOUT_S, bounds=bounds
+            contributions[i],
+            round=round,
+            codec=make_codec(spec),
+            timeout=CALL_TIMEOUT_S,
+            bounds=bounds,
+            patience_s=patience_s,
         )
         assert result is None or isinstance(result, MemberResult)
         outcomes[i] = Outcome(result, time.monotonic() - began)

@@ -30,6 +30,7 @@ from test_averager_contract import (
 from adloco.protocol.algorithms.allreduce import reduce_group
 from adloco.protocol.algorithms.codecs import make_codec
 from adloco.protocol.transport.matchmaking import (
+    MAX_PATIENCE_S,
     OPEN_QUORUM,
     close_and_members,
     expectation,
@@ -127,8 +128,59 @@ def test_misuse_is_refused(records: dict[str, float], quorum: int) -> None:
         close_and_members(records, 1.0, 0.3, quorum)
 
 
-def test_a_registrant_waits_at_most_two_windows_and_graces() -> None:
-    assert matchmaking_bound_s(1.0, 0.3) == pytest.approx(2.6)
+def test_a_registrant_waits_at_most_two_windows_and_graces_after_the_first_ones_patience() -> None:
+    assert matchmaking_bound_s(1.0, 0.3, patience_s=0.0) == pytest.approx(2.6)
+    assert matchmaking_bound_s(1.0, 0.3) == pytest.approx(2.6 + MAX_PATIENCE_S)
+
+
+def test_a_patient_registration_keeps_its_round_open_for_the_group_it_expects() -> None:
+    """Peers whose local rounds drifted apart: the first registers 8 s before the second. With a
+    window of 1 s it opens a round alone and the second another (a fork); with a patience of 10 s
+    its round stays open 10 s, takes both, and closes at the patience or a window after the
+    quorum, the later; early once the group it expects is complete."""
+    times = {"a": 0.0, "b": 8.0}
+    assert close_and_members(times, 1.0, 0.3) == (9.0, ("b",))  # a's round was its own
+    patient = {"a": 10.0, "b": 10.0}
+    assert close_and_members(times, 1.0, 0.3, patience=patient) == (10.0, ("a", "b"))
+    assert close_and_members({**times, "c": 9.9}, 1.0, 0.3, patience=patient) == (10.0, ("a", "b", "c"))
+    assert close_and_members({**times, "c": 10.1}, 1.0, 0.3, patience=patient) == (10.0, ("a", "b"))
+    # The second in 9.8 s: the quorum's window runs past the patience.
+    assert close_and_members({"a": 0.0, "b": 9.8}, 1.0, 0.3, patience=patient) == (
+        pytest.approx(10.8),
+        ("a", "b"),
+    )
+    # The group a expects is complete at c's registration: the round closes there.
+    group = ("a", "b", "c")
+    expects = dict.fromkeys(group, expectation(group))
+    early = close_and_members({**times, "c": 9.0}, 1.0, 0.3, expects=expects, patience=patient)
+    assert early == (9.0, group)
+    # Only the first registration's patience holds the round: b's own is of no account here.
+    assert close_and_members(times, 1.0, 0.3, patience={"b": 10.0})[1] == ("b",)
+    # Alone, a patient registration closes its round of its own at its patience.
+    assert close_and_members({"a": 5.0}, 1.0, 0.3, patience={"a": 10.0}) == (15.0, ("a",))
+    # Nobody followed within patience and grace: a round of its own, as with the window.
+    late = close_and_members({"a": 0.0, "b": 10.4, "c": 10.5}, 1.0, 0.3, patience={"a": 10.0})
+    assert late == (pytest.approx(11.5), ("b", "c"))
+
+
+def test_registrants_that_drifted_apart_meet_in_one_round_when_the_first_is_patient(
+    hivemind_swarm: Swarm,
+) -> None:
+    """Two averagers complete a round together, so each expects the other. At the next round one
+    calls 4 s after the other (more than window and grace: alone, the first would open a round of
+    its own and the second another, a fork). With a patience of 6 s they are one group, with
+    reduce_group's bytes; and it closes as soon as the second registered, not at the patience."""
+    swarm = hivemind_swarm
+    swarm.add_nodes(2)
+    averagers = [swarm.averager(i) for i in range(2)]
+    first = _contributions(averagers, "int8", seed=15)
+    _assert_matches_reduce_group(_average_together(averagers, first, round=1, spec="int8"), first, "int8")
+    second = _contributions(averagers, "int8", seed=16)
+    outcomes = _average_together(averagers, second, round=2, spec="int8", delays=[0.0, 4.0], patience_s=6.0)
+    _assert_matches_reduce_group(outcomes, second, "int8")
+    waited = outcomes[0].elapsed_s
+    assert waited < 6.0, waited  # the group it expected was complete at 4 s
+    print(f"\nthe first registrant waited {waited:.2f} s for the second (called 4 s later)")
 
 
 @pytest.fixture
@@ -149,12 +201,12 @@ def test_a_member_dating_its_registration_in_the_past_cannot_make_the_others_lat
     backdater: Any = averagers[3]
     matchmaker = backdater._matchmaker
 
-    async def register_100_s_ago(key: str, round: int, expect: str) -> float:
+    async def register_100_s_ago(key: str, round: int, expect: str, patience: float) -> float:
         # The record a peer that chooses its own time would store: signed, bound, dated 100 s back.
         now = get_dht_time()
         await matchmaker.dht.store(
             key,
-            (now - 100.0, matchmaker.peer_id, expect),
+            (now - 100.0, matchmaker.peer_id, expect, patience),
             expiration_time=now + matchmaker.record_ttl_s,
             subkey=matchmaker.dht.identity.subkey,
             return_future=True,
@@ -170,7 +222,7 @@ def test_a_member_dating_its_registration_in_the_past_cannot_make_the_others_lat
     # own call gets None: it is late to the round the others opened).
     _assert_matches_reduce_group(outcomes[:3], contributions[:3], "int8")
     assert outcomes[3].result is None
-    bound = matchmaking_bound_s(WINDOW_S, GRACE_S) + SLACK_S
+    bound = matchmaking_bound_s(WINDOW_S, GRACE_S, patience_s=0.0) + SLACK_S  # nobody was patient
     assert all(o.elapsed_s < bound for o in outcomes), [o.elapsed_s for o in outcomes]
     print(f"\nthree members despite a registration dated 100 s back, in {time.monotonic() - began:.2f} s")
 
@@ -222,7 +274,7 @@ def _phantom(swarm: Swarm, round: int, refuse_with: str | None) -> str:
     now = get_dht_time()
     assert phantom.store(
         f"run-a.round{round}",
-        (now, phantom.identity.peer_id, ""),
+        (now, phantom.identity.peer_id, "", 0.0),
         expiration_time=now + 60,
         subkey=phantom.identity.subkey,
     )

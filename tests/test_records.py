@@ -11,7 +11,12 @@ import pytest
 from hivemind.utils import get_dht_time
 
 from adloco.protocol.transport.identity import NodeDHT, load_identity, peer_of_subkey
-from adloco.protocol.transport.matchmaking import expectation, parse_registrations
+from adloco.protocol.transport.matchmaking import (
+    MAX_PATIENCE_S,
+    Registrations,
+    expectation,
+    parse_registrations,
+)
 from adloco.protocol.transport.records import (
     StateRecord,
     add_run_validators,
@@ -118,15 +123,23 @@ def test_a_record_in_another_peers_name_is_dropped_where_it_is_read(dhts: list[N
     assert [(r.peer_id, r.round) for r in parse_states(found.value)] == [(victim, 3)]
 
     ready = f"{prefix}.round5"
-    assert attacker.store(ready, (now - 30.0, victim, ""), now + 60, subkey=attacker.identity.subkey)
-    assert attacker.store(ready, (now - 29.0, "QmPhantom", ""), now + 60, subkey=b"QmPhantom")
-    assert honest.store(ready, (now, victim, ""), now + 60, subkey=honest.identity.subkey)
+    assert attacker.store(ready, (now - 30.0, victim, "", 0.0), now + 60, subkey=attacker.identity.subkey)
+    assert attacker.store(ready, (now - 29.0, "QmPhantom", "", 0.0), now + 60, subkey=b"QmPhantom")
+    assert honest.store(ready, (now, victim, "", 0.0), now + 60, subkey=honest.identity.subkey)
     found = reader.get(ready, latest=True)
     assert found is not None and len(found.value) == 3
-    assert parse_registrations(found.value) == ({victim: now}, {victim: ""})
+    assert parse_registrations(found.value) == Registrations({victim: now}, {victim: ""}, {victim: 0.0})
     # In its own name the attacker registers as any peer does (its one entry, replaced).
     expect = expectation([victim, mine])
-    assert attacker.store(ready, (now + 1.0, mine, expect), now + 61, subkey=attacker.identity.subkey)
+    assert attacker.store(ready, (now + 1.0, mine, expect, 5.0), now + 61, subkey=attacker.identity.subkey)
     found = reader.get(ready, latest=True)
     assert found is not None
-    assert parse_registrations(found.value) == ({victim: now, mine: now + 1.0}, {victim: "", mine: expect})
+    assert parse_registrations(found.value) == Registrations(
+        {victim: now, mine: now + 1.0}, {victim: "", mine: expect}, {victim: 0.0, mine: 5.0}
+    )
+    # A patience beyond the cap (or not a number) would hold every round open: the entry is ignored.
+    for i, patience in enumerate((MAX_PATIENCE_S + 1, -1.0, float("nan"), "5", True)):
+        record = (now + 1.0, mine, expect, patience)
+        assert attacker.store(ready, record, now + 62 + i, subkey=attacker.identity.subkey)
+        found = reader.get(ready, latest=True)
+        assert found is not None and mine not in parse_registrations(found.value).times

@@ -54,6 +54,7 @@ class Call:
     join_only: bool
     at: float
     join_wait_s: float | None = None
+    patience_s: float = 0.0
 
 
 class ScriptedAverager:
@@ -79,8 +80,9 @@ class ScriptedAverager:
         join_only: bool = False,
         join_wait_s: float | None = None,
         bounds: ClaimBounds | None = None,
+        patience_s: float = 0.0,
     ) -> MemberResult | None:
-        self.calls.append(Call(round, join_only, time.monotonic(), join_wait_s))
+        self.calls.append(Call(round, join_only, time.monotonic(), join_wait_s, patience_s))
         answer = self.answers.pop(0) if self.answers else "late"
         if answer == "not_opened":
             raise NotOpened(f"round {round}: scripted")
@@ -276,6 +278,9 @@ def test_a_late_delta_no_fresh_peer_takes_is_dropped_and_the_peer_opens_the_next
     assert (late.round_id, late.join_only) == (1 * ROUND_ID_STRIDE, True)
     assert late.join_wait_s is not None and late.join_wait_s < 30.0
     assert (fresh.round_id, fresh.join_only, fresh.join_wait_s) == (1 * ROUND_ID_STRIDE + 1, False, None)
+    # A round the peer may open waits for the others up to a local round of its own; a late Δ
+    # opens none.
+    assert late.patience_s == 0.0 and fresh.patience_s > 0
     # Without overlap round 0's Δ went in late and was dropped; with it, round 0's failed try is
     # dropped too, and the next local round's Δ went in late.
     assert loop.ops.counters.dropped == (1 if overlap == "off" else 2)

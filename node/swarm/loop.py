@@ -352,6 +352,10 @@ class RoundLoop:
                 join_only=late,
                 join_wait_s=self._join_wait_s() if late else None,
                 bounds=self.peer.claim_bounds(),
+                # A round this node opens waits up to a local round for the peers it last averaged
+                # with: their local rounds end up to that much later (under overlap nothing pulls
+                # the peers back into step), and a window of seconds would let it average alone.
+                patience_s=0.0 if late else (self._last_compute_s or 0.0),
             )
             error = "" if result is not None else "no complete group this round"
             return result

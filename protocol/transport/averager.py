@@ -118,6 +118,7 @@ class Averager(Protocol):
         join_only: bool = False,
         join_wait_s: float | None = None,
         bounds: ClaimBounds | None = None,
+        patience_s: float = 0.0,
     ) -> MemberResult | None:
         """Average `contribution` with the peers ready for `round`; None if no group / failed.
 
@@ -129,7 +130,9 @@ class Averager(Protocol):
         without having registered. `bounds`: what another member's contribution may claim
         (`claims.ClaimBounds`, from the round's schedule); a member claiming more, or a weight or
         token count that is not finite and >= 0 (checked with or without bounds), is left out of
-        the round and the others complete it.
+        the round and the others complete it. `patience_s`: a round this call opens stays open at
+        least that long for the others (a driver passes its local round's length: peers whose
+        rounds drift apart still meet); 0 keeps the averager's own window.
         """
         ...
 

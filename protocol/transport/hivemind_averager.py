@@ -260,6 +260,7 @@ class HivemindAverager:
         join_only: bool = False,
         join_wait_s: float | None = None,
         bounds: ClaimBounds | None = None,
+        patience_s: float = 0.0,
     ) -> MemberResult | None:
         """Register for `round`, form the group, exchange parts; see the module docstring.
 
@@ -276,7 +277,9 @@ class HivemindAverager:
             raise ValueError(f"contribution of {contribution.peer_id!r} given to averager {self._peer_id!r}")
         if not contribution.payloads:
             raise ValueError("a contribution needs at least one tensor")
-        coro = self._average(contribution, round, codec, timeout, join_only, join_wait_s, bounds or UNBOUNDED)
+        coro = self._average(
+            contribution, round, codec, timeout, join_only, join_wait_s, bounds or UNBOUNDED, patience_s
+        )
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)
         try:
             # The coroutine bounds itself by `timeout`; the margin only guards against a stuck loop.
@@ -432,6 +435,7 @@ class HivemindAverager:
         join_only: bool,
         join_wait_s: float | None,
         bounds: ClaimBounds,
+        patience_s: float,
     ) -> MemberResult | None:
         if round in self._joined:
             if round not in self._alone:
@@ -448,7 +452,10 @@ class HivemindAverager:
         self._calls.add(call)
         try:
             return await asyncio.wait_for(
-                self._run_round(contribution, round, codec, ready, join_only, join_wait_s, bounds), timeout
+                self._run_round(
+                    contribution, round, codec, ready, join_only, join_wait_s, bounds, patience_s
+                ),
+                timeout,
             )
         except asyncio.TimeoutError:
             self._log(round, "gave up after the caller's timeout of %.1f s", timeout, level=logging.WARNING)
@@ -475,9 +482,14 @@ class HivemindAverager:
         join_only: bool,
         join_wait_s: float | None,
         bounds: ClaimBounds,
+        patience_s: float,
     ) -> MemberResult | None:
         group = await self._matchmaker.matchmake(
-            round, layout_of(contribution.payloads), join_only=join_only, join_wait_s=join_wait_s
+            round,
+            layout_of(contribution.payloads),
+            join_only=join_only,
+            join_wait_s=join_wait_s,
+            patience_s=patience_s,
         )
         if group is None:
             return None

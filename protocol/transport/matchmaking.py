@@ -2,25 +2,34 @@
 
 `Matchmaker.matchmake(round)` stores a readiness record under the DHT key f"{prefix}.round{r}",
 subkey = this peer's signing key (`identity.NodeDHT`: the key its peer id derives from), value =
-(registration time, peer id) in DHT time, expiring after `record_ttl_s`. A record naming another
-peer than its key's is ignored: no one registers in another peer's name (a registrant is a peer
-that holds its key and is then expected to serve its parts, as any member). It reads the key back:
-the round opens at the `OPEN_QUORUM`-th earliest registration seen (the earliest of all while fewer
-have registered) and closes `window_s` later, at T; a peer registered after T is late and gets None
-at once. At T + `grace_s` the peer reads the key again and recomputes T from this read: a quorum
-reached since moves T later, and the peer waits again (at most once per registration short of the
-quorum); then the group is the peers registered at a time <= T, sorted by peer id; group_id =
-hash(prefix, r, members, tensor layout). A registration that no other followed within window + grace
-closed a round of its own (its registrant found itself alone at its read, a node cut off from the
-others, say) and is no member of a later group at that round. Peers whose reads agree compute the
-same group without talking; clocks are assumed synchronized to well within `grace_s` (hivemind's
-DHT time is the wall clock).
+(registration time, peer id, expectation, patience) in DHT time, expiring after `record_ttl_s`. A
+record naming another peer than its key's is ignored: no one registers in another peer's name (a
+registrant is a peer that holds its key and is then expected to serve its parts, as any member).
+It reads the key back: the round opens at the `OPEN_QUORUM`-th earliest registration seen (the
+earliest of all while fewer have registered) and closes `window_s` later, at T, or, when its first
+registration is patient (see below), no sooner than that registration's patience after it; a peer
+registered after T is late and gets None at once. At T + `grace_s` the peer reads the key again
+and recomputes T from this read: a quorum reached since moves T later, and the peer waits again
+(at most once per registration short of the quorum); then the group is the peers registered at a
+time <= T, sorted by peer id; group_id = hash(prefix, r, members, tensor layout). A registration
+that no other followed within window (or its patience) + grace closed a round of its own (its
+registrant found itself alone at its read, a node cut off from the others, say) and is no member
+of a later group at that round. Peers whose reads agree compute the same group without talking;
+clocks are assumed synchronized to well within `grace_s` (hivemind's DHT time is the wall clock).
 
 A registration's time is its writer's word. Opened by the earliest registration alone, a round
 could be closed before anyone else registered by one record dated in the past, every round (the
 honest peers would all be late); opened by the quorum's, it takes `OPEN_QUORUM` such identities.
 The price: a round closes one window after its second registration instead of its first, so its
-first registrant waits at most two windows and two graces (`matchmaking_bound_s`).
+first registrant waits at most two windows and two graces (`matchmaking_bound_s`), after the
+patience of the round's first registration.
+
+Patience: a registrant that completed its last round with others expects them again, and registers
+with a patience (its own last local round, at most `MAX_PATIENCE_S`): a round it opens stays open
+that long for them, unless the group it expects is complete sooner (the early close below). Peers
+whose local rounds drift apart (under overlap nothing pulls them back into step; the fastest one
+finishes up to a local round before the slowest) then still meet, where a window of a few seconds
+let the fastest open a round alone and the others another: a fork.
 
 A late contribution matchmakes with `join_only`: it registers at once, marked join-only, and waits
 (at most `join_wait_s`) for another peer to open the round; it never opens one itself.
@@ -71,17 +80,21 @@ class RoundFailed(Exception):
 
 
 OPEN_QUORUM = 2  # registrations that open a round (see the module docstring)
+# The longest a registration may keep the round it opens open (its patience); a record claiming more
+# is ignored. Every peer's bound on matchmaking includes it: a first registrant may claim it.
+MAX_PATIENCE_S = 60.0
 EXPECTATION_CHARS = 32  # `expectation`'s hex digest
 JOIN_PREFIX = "join:"
 MAX_EXPECT_CHARS = 48
 JOIN_POLL_S = 0.05  # how often a join-only registrant looks whether a round has opened
 
 
-def matchmaking_bound_s(window_s: float, grace_s: float) -> float:
+def matchmaking_bound_s(window_s: float, grace_s: float, patience_s: float = MAX_PATIENCE_S) -> float:
     """The longest a registrant that is not late waits for its group: a registration it sees at its
     read one window and the grace after its own moves the close one window (and a read) further,
-    once per registration short of the quorum."""
-    return OPEN_QUORUM * (window_s + grace_s)
+    once per registration short of the quorum; and the round's first registration may keep it
+    open for its patience (at most `patience_s`) first."""
+    return OPEN_QUORUM * (window_s + grace_s) + patience_s
 
 
 def expectation(members: Collection[str]) -> str:
@@ -111,15 +124,21 @@ def close_and_members(
     grace_s: float,
     quorum: int = OPEN_QUORUM,
     expects: Mapping[str, str] | None = None,
+    patience: Mapping[str, float] | None = None,
 ) -> tuple[float, tuple[str, ...]]:
-    """Close time T = the `quorum`-th earliest registration (the latest, while fewer) + window, and
-    the peers registered from the round's first registration to T, sorted. (-inf, ()) when no
-    round is open: only join-only registrations, which never open one.
+    """Close time T = the `quorum`-th earliest registration (the latest, while fewer) + window, or
+    the round's first registration + its patience if that is later, and the peers registered from
+    the round's first registration to T, sorted. (-inf, ()) when no round is open: only join-only
+    registrations, which never open one.
 
-    A registration that no other followed within `window_s + grace_s` closed a round of its own: its
-    registrant read the key at that time, found itself alone and went on alone (a node cut off from
-    the others, say, whose record the DHT hands out once its link is back). It is not the first of
-    a later group, so the round starts at the first registration that another followed in time.
+    A registration that no other followed within its wait (window or patience, the larger) + grace
+    closed a round of its own: its registrant read the key at that time, found itself alone and went
+    on alone (a node cut off from the others, say, whose record the DHT hands out once its link is
+    back). It is not the first of a later group, so the round starts at the first registration that
+    another followed in time.
+
+    `patience` (per registrant, seconds, default 0): how long a round that registration opens stays
+    open at least (see the module docstring).
 
     `expects` (per registrant: "", an `expectation`, or `joining(until)`):
     - join-only registrations (late contributions) never open a round, take no part in the rules
@@ -136,18 +155,28 @@ def close_and_members(
     if quorum < 1:
         raise ValueError(f"quorum must be >= 1, got {quorum}")
     expects = expects or {}
+    patience = patience or {}
     deadlines = {p: join_deadline(expects.get(p, "")) for p in records}
     ordered = sorted(
         ((p, t) for p, t in records.items() if deadlines[p] is None), key=lambda item: (item[1], item[0])
     )
     if not ordered:
         return -math.inf, ()
+
+    def waits(peer: str) -> float:  # how long a registration that opens a round waits for company
+        return max(window_s, patience.get(peer, 0.0))
+
     first = 0
-    while first + 1 < len(ordered) and ordered[first + 1][1] - ordered[first][1] > window_s + grace_s:
+    while (
+        first + 1 < len(ordered)
+        and ordered[first + 1][1] - ordered[first][1] > waits(ordered[first][0]) + grace_s
+    ):
         first += 1
     ordered = ordered[first:]
     start = ordered[0][1]
-    close = ordered[min(quorum, len(ordered)) - 1][1] + window_s
+    close = max(
+        ordered[min(quorum, len(ordered)) - 1][1] + window_s, start + patience.get(ordered[0][0], 0.0)
+    )
     waiting = {p for p, until in deadlines.items() if until is not None and start <= until}
     expected = expects.get(ordered[0][0], "")
     for k, (peer, t) in enumerate(ordered):
@@ -184,29 +213,55 @@ def parse_failures(value: Any) -> set[str]:
     }
 
 
-def parse_registrations(value: Any) -> tuple[dict[str, float], dict[str, str]]:
-    """Registration time and expectation per peer from a DHT dictionary value; malformed entries,
-    and entries naming another peer than the one whose key signed them, are ignored."""
-    records: dict[str, float] = {}
-    expects: dict[str, str] = {}
+@dataclass
+class Registrations:
+    """What the registrations of one round say, per registrant: time, expectation, patience."""
+
+    times: dict[str, float]
+    expects: dict[str, str]
+    patience: dict[str, float]
+
+    def close_and_members(self, window_s: float, grace_s: float) -> tuple[float, tuple[str, ...]]:
+        return close_and_members(self.times, window_s, grace_s, expects=self.expects, patience=self.patience)
+
+    def dated_by(self, latest: float, admitted: Collection[str]) -> Registrations:
+        """The registrations of `admitted` peers dated `latest` at the latest."""
+        kept = [p for p, t in self.times.items() if p in admitted and t <= latest]
+        return Registrations(
+            {p: self.times[p] for p in kept},
+            {p: self.expects[p] for p in kept},
+            {p: self.patience[p] for p in kept},
+        )
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def parse_registrations(value: Any) -> Registrations:
+    """The registrations in a DHT dictionary value; malformed entries (a patience outside
+    [0, MAX_PATIENCE_S] too), and entries naming another peer than the one whose key signed them,
+    are ignored."""
+    found = Registrations({}, {}, {})
     if not isinstance(value, dict):
-        return records, expects
+        return found
     for subkey, item in value.items():
         record = getattr(item, "value", None)
         if (
             isinstance(record, (list, tuple))
-            and len(record) == 3
-            and isinstance(record[0], (int, float))
-            and not isinstance(record[0], bool)
-            and math.isfinite(record[0])
+            and len(record) == 4
+            and _number(record[0])
             and isinstance(record[1], str)
             and record[1] == peer_of_subkey(subkey)
             and isinstance(record[2], str)
             and len(record[2]) <= MAX_EXPECT_CHARS
+            and _number(record[3])
+            and 0 <= record[3] <= MAX_PATIENCE_S
         ):
-            records[record[1]] = float(record[0])
-            expects[record[1]] = record[2]
-    return records, expects
+            found.times[record[1]] = float(record[0])
+            found.expects[record[1]] = record[2]
+            found.patience[record[1]] = float(record[3])
+    return found
 
 
 class Matchmaker:
@@ -240,12 +295,22 @@ class Matchmaker:
         self.expected: tuple[str, ...] | None = None
 
     async def matchmake(
-        self, round: int, layout: bytes, *, join_only: bool = False, join_wait_s: float | None = None
+        self,
+        round: int,
+        layout: bytes,
+        *,
+        join_only: bool = False,
+        join_wait_s: float | None = None,
+        patience_s: float = 0.0,
     ) -> Group | None:
         """This peer's group for `round`, or None when it came too late; RoundFailed on DHT errors;
-        `NotOpened` when `join_only` waited `join_wait_s` and no other peer had registered."""
+        `NotOpened` when `join_only` waited `join_wait_s` and no other peer had registered.
+        `patience_s`: how long a round this registration opens stays open for the group this peer
+        expects (capped at `MAX_PATIENCE_S`); it applies only while that group is more than this
+        peer (see the module docstring)."""
         key = f"{self.prefix}.round{round}"
         until = math.inf
+        patience = 0.0
         if join_only:
             # Registered at once, marked join-only: it opens no round, and while it waits no round
             # closes early without it (`close_and_members`).
@@ -253,10 +318,13 @@ class Matchmaker:
             expect = joining(until)
         else:
             expect = "" if self.expected is None else expectation(self.expected)
-        registered = await self._register(key, round, expect)
+            if self.expected is not None and len(self.expected) > 1:
+                patience = min(MAX_PATIENCE_S, max(0.0, patience_s))
+        mine = (await self._register(key, round, expect, patience), expect, patience)
+        registered = mine[0]
         while True:
-            records, expects = await self._registrations(key, registered, expect)
-            close, members = close_and_members(records, self.window_s, self.grace_s, expects=expects)
+            records = await self._registrations(key, mine)
+            close, members = records.close_and_members(self.window_s, self.grace_s)
             if close > -math.inf and registered > close:
                 self._log(
                     round, "late: the round closed %.2f s before this peer registered", registered - close
@@ -274,10 +342,11 @@ class Matchmaker:
             await asyncio.sleep(JOIN_POLL_S)
         self._log(
             round,
-            "registered at %.2f; %d registrations seen, earliest %.2f s before it",
+            "registered at %.2f (patience %.1f s); %d registrations seen, earliest %.2f s before it",
             registered,
-            len(records),
-            registered - min(records.values()),
+            patience,
+            len(records.times),
+            registered - min(records.times.values()),
         )
         while True:
             # Until the close and the grace after it, read again now and then: the group this peer
@@ -287,15 +356,13 @@ class Matchmaker:
                     await asyncio.sleep(left)
                     break
                 await asyncio.sleep(self.poll_s)
-                records, expects = await self._registrations(
-                    key, registered, expect, until=close + self.grace_s
-                )
-                early, _ = close_and_members(records, self.window_s, self.grace_s, expects=expects)
+                records = await self._registrations(key, mine, until=close + self.grace_s)
+                early, _ = records.close_and_members(self.window_s, self.grace_s)
                 close = min(close, early)
             # A registration after close + grace is none of this round's (it is late, or it opens a
             # round of its own after this one closed), even if the read comes late enough to see it.
-            records, expects = await self._registrations(key, registered, expect, until=close + self.grace_s)
-            reread, members = close_and_members(records, self.window_s, self.grace_s, expects=expects)
+            records = await self._registrations(key, mine, until=close + self.grace_s)
+            reread, members = records.close_and_members(self.window_s, self.grace_s)
             if reread <= close:
                 break
             # The quorum was reached after our last read: the round closes one window after it.
@@ -334,12 +401,12 @@ class Matchmaker:
         """How often a registrant reads the registrations again while it waits for the close."""
         return min(0.5, max(0.05, self.window_s / 8))
 
-    async def _register(self, key: str, round: int, expect: str) -> float:
+    async def _register(self, key: str, round: int, expect: str, patience: float) -> float:
         registered = float(get_dht_time())
         try:
             stored = await self.dht.store(
                 key,
-                (registered, self.peer_id, expect),
+                (registered, self.peer_id, expect, patience),
                 expiration_time=registered + self.record_ttl_s,
                 subkey=self.dht.identity.subkey,
                 return_future=True,
@@ -357,24 +424,25 @@ class Matchmaker:
         return registered
 
     async def _registrations(
-        self, key: str, registered: float, expect: str, *, until: float | None = None
-    ) -> tuple[dict[str, float], dict[str, str]]:
-        """The registrations (and their expectations) dated `until` at the latest."""
-        records, expects = await self._read(key, until=until)
+        self, key: str, mine: tuple[float, str, float], *, until: float | None = None
+    ) -> Registrations:
+        """The registrations dated `until` at the latest, with this peer's `mine` (time,
+        expectation, patience) among them."""
+        records = await self._read(key, until=until)
         # Our own record may not be visible yet; we know it exists.
-        records[self.peer_id], expects[self.peer_id] = registered, expect
-        return records, expects
+        me = self.peer_id
+        records.times[me], records.expects[me], records.patience[me] = mine
+        return records
 
-    async def _read(self, key: str, *, until: float | None = None) -> tuple[dict[str, float], dict[str, str]]:
+    async def _read(self, key: str, *, until: float | None = None) -> Registrations:
         try:
             found = await self.dht.get(key, latest=True, return_future=True)
         except Exception as e:
             raise RoundFailed(f"reading the registrations failed: {e!r}") from e
-        records, expects = parse_registrations(None if found is None else found.value)
+        records = parse_registrations(None if found is None else found.value)
         # A registration dated after now (beyond the clock skew allowed for) is no registration yet.
         latest = float(get_dht_time()) + self.grace_s
         if until is not None:
             latest = min(latest, until)
-        admitted = await self._admission.select_async(records)
-        kept = {peer: t for peer, t in records.items() if peer in admitted and t <= latest}
-        return kept, {peer: expects[peer] for peer in kept}
+        admitted = await self._admission.select_async(records.times)
+        return records.dated_by(latest, admitted)

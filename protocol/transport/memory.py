@@ -140,8 +140,10 @@ class MemoryHub:
         join_only: bool = False,
         join_wait_s: float | None = None,
         bounds: ClaimBounds | None = None,
+        patience_s: float = 0.0,
     ) -> MemberResult | None:
         """Join (or open) the group of (prefix, round); block until it is reduced or `timeout`.
+        A round this call opens stays open for max(window, `patience_s`) unless it is complete.
 
         With `join_only`, wait (within `timeout`, and `join_wait_s` if given) until another peer
         has opened the round: None when the timeout ends the wait, `NotOpened` when join_wait_s does.
@@ -158,7 +160,7 @@ class MemoryHub:
                     if bounded:
                         raise NotOpened(f"round {round}: no peer opened it within {join_wait_s:.1f} s")
                     return None
-            gathering, opened = self._open(prefix, round)
+            gathering, opened = self._open(prefix, round, 0.0 if join_only else patience_s)
             if peer in gathering.seen:
                 raise ValueError(f"peer {peer} already called round {round}; rounds are single-use")
             gathering.seen.add(peer)
@@ -181,15 +183,16 @@ class MemoryHub:
             return None
         return _member_view(result, peer)
 
-    def _open(self, prefix: str, round: int) -> tuple[_Gathering, bool]:
-        """The gathering of (prefix, round), and whether this call opened it."""
+    def _open(self, prefix: str, round: int, patience_s: float = 0.0) -> tuple[_Gathering, bool]:
+        """The gathering of (prefix, round), and whether this call opened it (its window: the larger
+        of the hub's and `patience_s`)."""
         now = self._clock()
         for key in [k for k, g in self._rounds.items() if now - g.closes_at > self.ttl_s]:
             del self._rounds[key]
         gathering = self._rounds.get((prefix, round))
         if gathering is not None:
             return gathering, False
-        gathering = self._rounds[(prefix, round)] = _Gathering(closes_at=now + self.window_s)
+        gathering = self._rounds[(prefix, round)] = _Gathering(closes_at=now + max(self.window_s, patience_s))
         self._cond.notify_all()  # join_only callers wait for a round to be opened
         return gathering, True
 
@@ -294,6 +297,7 @@ class MemoryAverager:
         join_only: bool = False,
         join_wait_s: float | None = None,
         bounds: ClaimBounds | None = None,
+        patience_s: float = 0.0,
     ) -> MemberResult | None:
         """Join the hub's group for (prefix, `round`); see `MemoryHub.join`."""
         if self._closed:
@@ -309,6 +313,7 @@ class MemoryAverager:
             join_only=join_only,
             join_wait_s=join_wait_s,
             bounds=bounds,
+            patience_s=patience_s,
         )
 
     def shutdown(self) -> None:
