@@ -65,6 +65,7 @@ CHUNK = 64 << 10
 # Update payloads travel in pieces of the server's chunk size: small here, so they take several.
 SETTINGS = TransferSettings(chunk_bytes=4 << 10, timeout_floor_s=2.0)
 FLAKY_FAILURES = 2
+HOLD_S = 1.0  # well below SETTINGS.timeout_floor_s: a held request is late, not failed
 # A download whose donor dies: the other serves every chunk (a second on loopback), and the dead one
 # holds a chunk for at most MAX_DONOR_FAILURES requests in a row that time out (a floor each, here),
 # with slack for 2 busy cores.
@@ -80,7 +81,9 @@ class Donor:
     server: StateServer | None = None
     dht: DHT | None = None
     # "honest", "corrupt", "stall" (after `after` chunks), "die" (likewise), "flaky" (after `after`
-    # chunks, fails the next FLAKY_FAILURES requests, then answers again)
+    # chunks, fails the next FLAKY_FAILURES requests, then answers again), "hold" (after `after`
+    # chunks, answers each only once `release` is set, or HOLD_S later: well within a request's
+    # timeout)
     mode: str = "honest"
     after: int = 0
     reads: int = 0  # chunks read and answered
@@ -100,6 +103,7 @@ class Donor:
                 self.failures += 1
                 raise RuntimeError("a transient failure")
             limited = self.mode in ("stall", "die") and self.reads >= self.after
+            held = self.mode == "hold" and self.reads >= self.after
             if not limited:
                 self.reads += 1
                 self.indices.append(index)
@@ -108,6 +112,8 @@ class Donor:
         if limited:
             self.release.wait(timeout=60)  # answers nothing in time (a dying one is shut down meanwhile)
             raise RuntimeError("stalled")
+        if held:
+            self.release.wait(timeout=HOLD_S)
         data = served.read_chunk(index)
         if self.mode == "corrupt":
             data = bytes([data[0] ^ 1]) + data[1:]
@@ -351,11 +357,6 @@ def test_a_donor_process_killed_mid_download_is_replaced_by_the_other(
         assert p2pd, "the donor's p2pd was not found under its DHT process"
         killed: list[float] = []
 
-        def kill_once_it_served() -> None:
-            if said.readline().startswith("SERVED"):
-                os.killpg(proc.pid, signal.SIGKILL)
-                killed.append(time.monotonic())
-
         # Reachable before the download starts: a donor the joiner cannot dial yet is dropped and the
         # other serves every chunk (seen once in a fresh-clone run), and nothing is killed mid-way.
         wait_for(
@@ -363,6 +364,18 @@ def test_a_donor_process_killed_mid_download_is_replaced_by_the_other(
             timeout=30,
             what="the donor process reachable",
         )
+        # The other donor answers its first chunks, then holds each next one until the kill (at most
+        # HOLD_S): the dying donor gets its 9th request unless it is that slow to answer 8. Without
+        # the hold, a dying donor slow to answer (a loaded machine) could see the other take every
+        # chunk first and never be killed (it happened once in a fresh-clone run).
+        donors[0].reset("hold", after=4)
+
+        def kill_once_it_served() -> None:
+            if said.readline().startswith("SERVED"):
+                os.killpg(proc.pid, signal.SIGKILL)
+                killed.append(time.monotonic())
+            donors[0].release.set()
+
         killer = threading.Thread(target=kill_once_it_served)
         target = replace(swarm.target([donors[0]]), donors=(dying, donors[0].peer_id))
         joiner = _peer("joiner")
