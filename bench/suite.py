@@ -22,6 +22,7 @@ import datetime
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import time
@@ -320,6 +321,10 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     tmp.replace(path)
 
 
+def _terminated(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="adloco-bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="toy sizes, one seed: checks the harness (CI)")
@@ -363,6 +368,9 @@ def main(argv: list[str] | None = None) -> int:
     sections_out.mkdir(parents=True, exist_ok=True)
     from .report import write_markdown
 
+    # SIGTERM unwinds as Ctrl-C does: each section's `finally` reaps its nodes and network namespaces
+    # (without this, a killed run left its swarm training in the namespaces).
+    signal.signal(signal.SIGTERM, _terminated)
     results = run_sections(
         names,
         quick=args.quick,
