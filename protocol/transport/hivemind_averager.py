@@ -78,6 +78,7 @@ from .identity import NodeDHT
 from .matchmaking import Group, Matchmaker, RoundFailed, layout_of, matchmaking_bound_s
 from .member import OwnerUnreachable, assemble, fetch
 from .owner import Answer, Incoming, OwnerHandler, OwnerSession, RoundState
+from .turns import SendTurn, chain, send_order, turn_budget_s
 from .wire import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, PROTOCOL_VERSION, bytes_timeout, daemon_listen_maddr
 
 logger = logging.getLogger(__name__)
@@ -510,6 +511,7 @@ class HivemindAverager:
 
         def new_session(owner: str) -> OwnerSession:
             return self._new_session(
+                owner,
                 group,
                 contribution,
                 by_owner[owner],
@@ -590,8 +592,13 @@ class HivemindAverager:
             rate = moved / t.exchange_s
             self.measured_bps = rate if self.measured_bps is None else (self.measured_bps + rate) / 2
 
+    def _turn_rate_bps(self) -> float:
+        """The rate a send turn's budget assumes: the configured one, or the measured one if faster."""
+        return max(self.bandwidth_bps, self.measured_bps or 0.0)
+
     def _new_session(
         self,
+        owner: str,
         group: Group,
         contribution: Contribution,
         keys: list[str],
@@ -620,6 +627,10 @@ class HivemindAverager:
             # itself gives up (its whole budget), so load on this peer cannot cut an answer short.
             answer_timeout_s=self._exchange_budget_s(moved),
             on_stage=self._on_stage,
+            owner=owner,
+            turn_budget_s=turn_budget_s(
+                sum(len(contribution.payloads[k]) for k in keys), self._turn_rate_bps()
+            ),
         )
         self._spawn(session.run(self._executor))
         return session
@@ -652,8 +663,14 @@ class HivemindAverager:
         if delay_s > 0:
             p2p = cast(P2P, _LateAnswers(p2p, delay_s))
 
+        # Our payloads go to the owners one at a time, each member starting with another (`turns`).
+        order = [o for o in send_order(state.group.members, self._peer_id) if o in by_owner]
+        rate = self._turn_rate_bps()
+        sent = {o: sum(len(contribution.payloads[k]) for k in by_owner[o]) for o in order}
+        turns = chain(order, {o: turn_budget_s(sent[o], rate) for o in order})
+
         async def answer_of(owner: str, keys: list[str]) -> Answer:
-            def ask(member: str) -> Awaitable[Answer]:
+            def ask(member: str, turn: SendTurn | None = None) -> Awaitable[Answer]:
                 return fetch(
                     p2p,
                     self._handler_name,
@@ -666,10 +683,11 @@ class HivemindAverager:
                     chunk_bytes=self.chunk_bytes,
                     answer_bounds={k: bounds[k] for k in keys},
                     on_stage=self._on_stage,
+                    turn=turn,
                 )
 
             try:
-                return await ask(owner)
+                return await ask(owner, turns.get(owner))
             except RoundFailed as e:
                 lost.add(owner)
                 if not isinstance(e, OwnerUnreachable):

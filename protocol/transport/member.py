@@ -29,6 +29,7 @@ from ..algorithms.parts import merge_rejected
 from .averager import MemberResult
 from .matchmaking import RoundFailed
 from .owner import Answer, RoundState, shape_error, size_list, str_list
+from .turns import SendTurn
 from .wire import PROTOCOL_VERSION, read_chunks, read_frame, write_chunks, write_frame
 
 logger = logging.getLogger(__name__)
@@ -87,17 +88,20 @@ async def fetch(
     chunk_bytes: int,
     answer_bounds: Mapping[str, int],
     on_stage: Callable[[str, int], None] | None = None,
+    turn: SendTurn | None = None,
 ) -> Answer:
     """Send `owner` our payloads of `keys` (and our report if `with_metadata`) in chunks of
     `chunk_bytes`; return its answer, whose part k may be at most `answer_bounds[k]` bytes.
     `on_stage` is the fault-injection hook, called as on_stage("sending", round) once the first
-    chunk frame is written."""
+    chunk frame is written. `turn`: the payloads go out in this member's turn (`SendTurn`)."""
     header = request_header(
         state, peer_id=peer_id, keys=keys, contribution=contribution, with_metadata=with_metadata
     )
     try:
         _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(owner), handler)
     except Exception as e:
+        if turn is not None:
+            turn.end()
         raise OwnerUnreachable(f"cannot reach owner {owner[-8:]}: {e}") from e
     try:
         await write_frame(writer, header, [], state.meter)
@@ -105,16 +109,24 @@ async def fetch(
         if not go.get("ok"):
             raise RoundFailed(f"owner {owner[-8:]} refused: {go.get('e')}")
         payloads = [contribution.payloads[k] for k in keys]
-        if on_stage is None:
-            await write_chunks(writer, payloads, chunk_bytes, state.meter)
-        else:
-            await _write_chunks_staged(writer, payloads, chunk_bytes, state, on_stage)
+        if turn is not None:
+            await turn.begin()
+        try:
+            if on_stage is None:
+                await write_chunks(writer, payloads, chunk_bytes, state.meter)
+            else:
+                await _write_chunks_staged(writer, payloads, chunk_bytes, state, on_stage)
+        finally:
+            if turn is not None:
+                turn.end()
         response, _ = await read_frame(reader, state.meter, max_body=0)
         sizes = _answer_sizes(response, owner=owner, keys=keys, bounds=answer_bounds)
         body = await read_chunks(reader, sizes, state.meter)
     except (OSError, EOFError, asyncio.IncompleteReadError, ValueError) as e:
         raise RoundFailed(f"exchange with owner {owner[-8:]} broke: {e!r}") from e
     finally:
+        if turn is not None:
+            turn.end()  # refused, or broke before its payloads went out
         writer.close()
     # Each averaged part must decode to our own part's shape: a payload's header states its shape,
     # so a few bytes could otherwise decode to any size (a low-rank factor pair, say).

@@ -51,6 +51,7 @@ from ..algorithms.report import MAX_REPORT_BYTES
 from ..algorithms.scoring import Scorer
 from .admission import NOT_ADMITTED, Admission
 from .matchmaking import Group
+from .turns import TURN_FLOOR_S, SendTurn, chain, send_order
 from .wire import PROTOCOL_VERSION, Meter, read_chunks, read_frame, write_chunks, write_frame
 
 logger = logging.getLogger(__name__)
@@ -199,8 +200,13 @@ class OwnerSession:
         aggregate: Aggregate = MEAN,
         on_stage: Callable[[str, int], None] | None = None,
         scorer: Scorer | None = None,
+        owner: str = "",
+        turn_budget_s: float = TURN_FLOOR_S,
     ) -> None:
         self.group = group
+        # The members are answered one at a time, after the owner's place in the group (`turns`).
+        self.owner, self.turn_budget_s = owner, turn_budget_s
+        self._turns: dict[str, SendTurn] | None = None
         self.keys = keys
         self.shapes = shapes
         self.sizes = sizes
@@ -256,6 +262,16 @@ class OwnerSession:
     def answered(self) -> None:
         self._answering -= 1
         self._update_idle()
+
+    def answer_turn(self, peer: str) -> SendTurn | None:
+        """`peer`'s turn among the answers (once reduced): the members it admitted, in the order after
+        the owner's place in the group; None for a peer it does not answer."""
+        if self._turns is None:
+            if not self.done.is_set() or self.owner not in self.group.members:
+                return None
+            order = [m for m in send_order(self.group.members, self.owner) if m in self.contributions]
+            self._turns = chain(order, dict.fromkeys(order, self.turn_budget_s))
+        return self._turns.get(peer)
 
     async def run(self, executor: ThreadPoolExecutor) -> None:
         """Wait for the members (at most until the deadline), then reduce on `executor`."""
@@ -449,7 +465,7 @@ class OwnerHandler:
                 return
             await admitted.done.wait()
             await asyncio.wait_for(
-                self._answer_until_received(reader, writer, admitted, meter),
+                self._answer_until_received(reader, writer, admitted, meter, request.peer),
                 timeout=admitted.answer_timeout_s,
             )
         except ValueError as e:  # a protocol violation: the member is out of this round
@@ -514,24 +530,32 @@ class OwnerHandler:
         return None
 
     async def _answer_until_received(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, session: OwnerSession, meter: Meter
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        session: OwnerSession,
+        meter: Meter,
+        peer: str,
     ) -> None:
         """Answer, then wait for the member to close its end, which it does once it has read the
         answer. Until then the answer is not given: bytes written may still sit in this process's
         p2pd, and an owner that counted them as given could end its last round and stop its p2pd
         with the answer in flight."""
-        await self._answer(writer, session, meter)
+        await self._answer(writer, session, meter, peer)
         await writer.drain()
         if await reader.read(1):
             raise ValueError("the member sent more after its parts")
 
-    async def _answer(self, writer: asyncio.StreamWriter, session: OwnerSession, meter: Meter) -> None:
+    async def _answer(
+        self, writer: asyncio.StreamWriter, session: OwnerSession, meter: Meter, peer: str
+    ) -> None:
         result = session.result
         if result is None:
             header: dict[str, Any] = {"v": PROTOCOL_VERSION, "ok": False, "e": "the owner's reduction failed"}
             await write_frame(writer, header, [], meter)
             return
         payloads = [result.payloads[k] for k in session.keys]
+        turn = session.answer_turn(peer)
         header = {
             "v": PROTOCOL_VERSION,
             "ok": True,
@@ -542,4 +566,11 @@ class OwnerHandler:
             "x": result.rejected,
         }
         await write_frame(writer, header, [], meter)
-        await write_chunks(writer, payloads, self._chunk_bytes, meter)
+        if turn is None:
+            await write_chunks(writer, payloads, self._chunk_bytes, meter)
+            return
+        try:
+            await turn.begin()
+            await write_chunks(writer, payloads, self._chunk_bytes, meter)
+        finally:
+            turn.end()
