@@ -11,12 +11,13 @@ the 2.4 MB fp32 Δ takes ~0.05 s), so the fast peer completes ~14 rounds while a
 Configurations (`CONFIGS`, each an `adloco-sim` command line): sync DiLoCo (outer lr 0.7); async
 Nesterov: late Δ applied uncorrected; async delayed Nesterov (Async DiLoCo's DN, `--outer-delay 5`:
 the momentum term once every 5 rounds, about one push per peer, as the paper sets N to the number of
-workers), late Δ uncorrected; async + DyLU; async + HeLoCo; async + HeLoCo + DyLU. Every async run
+workers), late Δ uncorrected; async + DyLU; async + HeLoCo; async + HeLoCo + DyLU; async + HeLoCo +
+delayed Nesterov (does the correction add to DN?). Every async run
 uses the simulator's async outer lr (0.35), Nesterov N1 with μ 0.9, and the staleness weight
 ρ(τ) = (1+τ)^−½, so the runs differ only in what is named; except delayed Nesterov, at 5 × 0.35:
 each of its rounds steps θ by η Δ/N and its momentum, built from the mean Δ of N rounds, acts once
 per N rounds, so at the same η its steady-state step per round would be 1/N of plain Nesterov's
-(η Δ/(1−μ)); N η gives it the same (the grid also runs it at 0.35 and 0.7).
+(η Δ/(1−μ)); N η gives it the same (the grid also runs it at 0.35 and 0.7), and so does HeLoCo + DN.
 
 Budgets: the simulated time T of `cycles` slow local rounds, and the token budget B that async
 without DyLU trains in T (cycles × (15 + 4) local rounds of H·b sequences). Every run goes until it
@@ -70,9 +71,15 @@ CONFIGS: dict[str, tuple[str, ...]] = {
     "async + DyLU": ("--mode", "async", "--no-correction", "--dylu"),
     "async + HeLoCo": ("--mode", "async"),
     "async + HeLoCo + DyLU": ("--mode", "async", "--dylu"),
+    # HeLoCo's correction on top of the best async baseline: does it add anything to DN?
+    "async + HeLoCo + delayed Nesterov": (
+        *("--mode", "async", "--outer-delay", str(len(SLOWDOWN))),
+        *("--outer-lr", f"{ASYNC_OUTER_LR * len(SLOWDOWN):g}"),
+    ),
 }
 DELAYED_LRS = (ASYNC_OUTER_LR, 2 * ASYNC_OUTER_LR)
 SYNC, ASYNC, DELAYED, HELOCO = "sync DiLoCo", "async Nesterov", "async delayed Nesterov", "async + HeLoCo"
+HELOCO_DN = "async + HeLoCo + delayed Nesterov"
 
 
 @dataclass(frozen=True)
@@ -331,7 +338,7 @@ def run(quick: bool, seeds: list[int], out: Path, *, grid: bool | None = None) -
         for v in grid_variants():
             one = run_variant(v, corpus, tokenizer.vocab_size, seed=seeds[0], budget=budget)
             grid_rows.append(variant_row(v, [one], budget))
-    asy, hel, syn, dn = rows[ASYNC], rows[HELOCO], rows[SYNC], rows[DELAYED]
+    asy, hel, syn, dn, hel_dn = rows[ASYNC], rows[HELOCO], rows[SYNC], rows[DELAYED], rows[HELOCO_DN]
     vs_async = _pct_lower(hel["val_loss_at_tokens"]["median"], asy["val_loss_at_tokens"]["median"])
     hel_t, syn_t = hel["val_loss_at_time"]["median"], syn["val_loss_at_time"]["median"]
     summary: dict[str, Any] = {
@@ -345,6 +352,10 @@ def run(quick: bool, seeds: list[int], out: Path, *, grid: bool | None = None) -
         "delayed_nesterov_val_loss": dn["val_loss_at_tokens"]["median"],
         "heloco_vs_delayed_nesterov_pct": _pct_lower(
             hel["val_loss_at_tokens"]["median"], dn["val_loss_at_tokens"]["median"]
+        ),
+        "heloco_delayed_nesterov_val_loss": hel_dn["val_loss_at_tokens"]["median"],
+        "heloco_dn_vs_delayed_nesterov_pct": _pct_lower(
+            hel_dn["val_loss_at_tokens"]["median"], dn["val_loss_at_tokens"]["median"]
         ),
         "heloco_vs_sync_at_time_pct": _pct_lower(hel_t, syn_t),
         "goal_vs_async_pct": GOAL_VS_ASYNC_PCT,
