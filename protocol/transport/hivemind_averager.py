@@ -238,7 +238,7 @@ class HivemindAverager:
     def phase_s(self, nbytes: int, *, floor_s: float, measured: bool = False) -> float:
         """How long a phase moving `nbytes` per peer may take: `wire.bytes_timeout` at the configured
         rate, or (`measured`) at the faster of it and the rate this peer measured."""
-        rate = max(self.bandwidth_bps, self.measured_bps or 0.0) if measured else self.bandwidth_bps
+        rate = self._best_bps() if measured else self.bandwidth_bps
         return bytes_timeout(nbytes, rate, slack=self.slack, floor_s=floor_s)
 
     def call_timeout_s(self, payload_bytes: int) -> float:
@@ -592,8 +592,8 @@ class HivemindAverager:
             rate = moved / t.exchange_s
             self.measured_bps = rate if self.measured_bps is None else (self.measured_bps + rate) / 2
 
-    def _turn_rate_bps(self) -> float:
-        """The rate a send turn's budget assumes: the configured one, or the measured one if faster."""
+    def _best_bps(self) -> float:
+        """The configured rate, or the one this peer measured if faster (`phase_s`, send turns)."""
         return max(self.bandwidth_bps, self.measured_bps or 0.0)
 
     def _new_session(
@@ -628,9 +628,7 @@ class HivemindAverager:
             answer_timeout_s=self._exchange_budget_s(moved),
             on_stage=self._on_stage,
             owner=owner,
-            turn_budget_s=turn_budget_s(
-                sum(len(contribution.payloads[k]) for k in keys), self._turn_rate_bps()
-            ),
+            turn_budget_s=turn_budget_s(sum(len(contribution.payloads[k]) for k in keys), self._best_bps()),
         )
         self._spawn(session.run(self._executor))
         return session
@@ -665,7 +663,7 @@ class HivemindAverager:
 
         # Our payloads go to the owners one at a time, each member starting with another (`turns`).
         order = [o for o in send_order(state.group.members, self._peer_id) if o in by_owner]
-        rate = self._turn_rate_bps()
+        rate = self._best_bps()
         sent = {o: sum(len(contribution.payloads[k]) for k in by_owner[o]) for o in order}
         turns = chain(order, {o: turn_budget_s(sent[o], rate) for o in order})
 

@@ -97,11 +97,11 @@ async def fetch(
     header = request_header(
         state, peer_id=peer_id, keys=keys, contribution=contribution, with_metadata=with_metadata
     )
+    turn = turn or SendTurn(None, 0.0)  # none given: its own turn, at once
     try:
         _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(owner), handler)
     except Exception as e:
-        if turn is not None:
-            turn.end()
+        turn.end()
         raise OwnerUnreachable(f"cannot reach owner {owner[-8:]}: {e}") from e
     try:
         await write_frame(writer, header, [], state.meter)
@@ -109,24 +109,19 @@ async def fetch(
         if not go.get("ok"):
             raise RoundFailed(f"owner {owner[-8:]} refused: {go.get('e')}")
         payloads = [contribution.payloads[k] for k in keys]
-        if turn is not None:
-            await turn.begin()
-        try:
-            if on_stage is None:
-                await write_chunks(writer, payloads, chunk_bytes, state.meter)
-            else:
-                await _write_chunks_staged(writer, payloads, chunk_bytes, state, on_stage)
-        finally:
-            if turn is not None:
-                turn.end()
+        await turn.begin()
+        if on_stage is None:
+            await write_chunks(writer, payloads, chunk_bytes, state.meter)
+        else:
+            await _write_chunks_staged(writer, payloads, chunk_bytes, state, on_stage)
+        turn.end()  # the next owner's payloads may go while we wait for this one's answer
         response, _ = await read_frame(reader, state.meter, max_body=0)
         sizes = _answer_sizes(response, owner=owner, keys=keys, bounds=answer_bounds)
         body = await read_chunks(reader, sizes, state.meter)
     except (OSError, EOFError, asyncio.IncompleteReadError, ValueError) as e:
         raise RoundFailed(f"exchange with owner {owner[-8:]} broke: {e!r}") from e
     finally:
-        if turn is not None:
-            turn.end()  # refused, or broke before its payloads went out
+        turn.end()  # refused, or broke before its payloads were out (a no-op otherwise)
         writer.close()
     # Each averaged part must decode to our own part's shape: a payload's header states its shape,
     # so a few bytes could otherwise decode to any size (a low-rank factor pair, say).

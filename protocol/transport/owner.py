@@ -263,15 +263,13 @@ class OwnerSession:
         self._answering -= 1
         self._update_idle()
 
-    def answer_turn(self, peer: str) -> SendTurn | None:
+    def answer_turn(self, peer: str) -> SendTurn:
         """`peer`'s turn among the answers (once reduced): the members it admitted, in the order after
-        the owner's place in the group; None for a peer it does not answer."""
-        if self._turns is None:
-            if not self.done.is_set() or self.owner not in self.group.members:
-                return None
+        the owner's place in the group; a turn of its own, at once, for any other peer."""
+        if self._turns is None and self.done.is_set() and self.owner in self.group.members:
             order = [m for m in send_order(self.group.members, self.owner) if m in self.contributions]
             self._turns = chain(order, dict.fromkeys(order, self.turn_budget_s))
-        return self._turns.get(peer)
+        return (self._turns or {}).get(peer) or SendTurn(None, 0.0)
 
     async def run(self, executor: ThreadPoolExecutor) -> None:
         """Wait for the members (at most until the deadline), then reduce on `executor`."""
@@ -566,9 +564,6 @@ class OwnerHandler:
             "x": result.rejected,
         }
         await write_frame(writer, header, [], meter)
-        if turn is None:
-            await write_chunks(writer, payloads, self._chunk_bytes, meter)
-            return
         try:
             await turn.begin()
             await write_chunks(writer, payloads, self._chunk_bytes, meter)
