@@ -286,6 +286,31 @@ def test_late_peer_is_left_out_and_nobody_waits_for_it(swarm: Swarm) -> None:
     assert all(averagers[3].peer_id not in o.result.members for o in on_time if o.result is not None)
 
 
+@pytest.mark.parametrize("patience_s", [0.0, 2.5])
+def test_a_memory_round_stays_open_for_its_openers_patience(patience_s: float) -> None:
+    """The in-process hub keeps a round its first caller opens open for max(window, patience): a peer
+    calling 1.5 s later (after the 1 s window) is in the group with a patience of 2.5 s, and left
+    out without one. The hub has no expected group to close early on, so the opener waits it out."""
+    swarm = Swarm("memory")
+    try:
+        swarm.add_nodes(2)
+        averagers = [swarm.averager(i) for i in range(2)]
+        contributions = _contributions(averagers, "int8", seed=17)
+        outcomes = _average_together(
+            averagers, contributions, round=4, spec="int8", delays=[0.0, 1.5], patience_s=patience_s
+        )
+    finally:
+        swarm.close()
+    if patience_s:
+        _assert_matches_reduce_group(outcomes, contributions, "int8")
+        assert outcomes[0].elapsed_s >= patience_s - 0.05
+    else:
+        first, late = outcomes
+        assert late.result is None
+        assert first.result is not None and first.result.members == (averagers[0].peer_id,)
+        assert first.elapsed_s < patience_s + WINDOW_S + SLACK_S
+
+
 def test_join_only_never_opens_a_round_but_joins_one_opened_by_another(swarm: Swarm) -> None:
     swarm.add_nodes(2)
     fresh, late = swarm.averager(0), swarm.averager(1)
