@@ -45,8 +45,8 @@ def test_first_step_statistics_and_tokens(corpus: Corpus) -> None:
     theta = [p.detach().clone() for p in inst.params]
     result = inst.run_round(theta, plan=BatchPlan(micro=4, accum=1), steps=3)
     end_of_first = [p.detach().clone() for p in inst.params]
-    # accum=1: the first step is cut into stats_chunks=4 micro-batches of one sample each.
-    assert result.stats is not None and result.stats.num_grads == 4 and result.stats.samples_per_grad == 1
+    # accum=1: the first step is cut into stats_chunks=2 micro-batches of two samples each.
+    assert result.stats is not None and result.stats.num_grads == 2 and result.stats.samples_per_grad == 2
     assert result.tokens == 4 * 3 * CFG.seq_len
     assert len(inst.optimizer.state) == len(inst.params)  # AdamW state exists and persists
     step = float(next(iter(inst.optimizer.state.values()))["step"])
@@ -403,4 +403,4 @@ def test_overlap_defers_a_merge_to_the_end_of_the_local_round(corpus: Corpus) ->
     assert peer.state.schedule.instances == 1
     assert set(counts) == {2}  # both instances ran the whole round
     assert len(peer.instances) == 1 and len(local.report.slot_stats) == 1
-    assert local.report.slot_stats[0] is not None and local.report.slot_stats[0].num_grads == 8
+    assert local.report.slot_stats[0] is not None and local.report.slot_stats[0].num_grads == 4

@@ -11,7 +11,7 @@ recorded start onto the new θ (rebase, overwrite or mix), so Δ is always measu
 The statistics come from the micro-batch gradients of the *first* optimizer step of the round, which
 every instance (and, in a synchronous round, every peer) computes at the same synchronized θ. This is
 the "gradients at the synchronized θ" option of research/algorithms.md §2.10 item 4: the first step's
-batch is split into `stats_chunks` equal micro-batches when it is not already accumulated, and the
+batch is split into `stats_chunks` (2) equal micro-batches when it is not already accumulated, and the
 chunk gradients are the samples g_m of the batch test, read tensor by tensor so that no copy of the
 model's gradients is ever held (the memory stays at the training floor):
 
@@ -56,6 +56,10 @@ class InnerConfig:
     `grad_clip` bounds the global gradient norm of each inner step (0 turns it off); lower it if the
     inner loss spikes right after the batch size grows. `stats_chunks` is how many equal micro-batches
     the first step of a round is split into for the variance test when it is not already accumulated.
+    Two: the test pools every instance of every peer (one degree of freedom each, so a swarm of P
+    peers has at least P, what AdLoCo's own code gathers from P nodes), and each further chunk makes
+    the round's first step slower (smaller matrix products, one more pass of hooks): on this CPU 4
+    chunks cost 4 % of an H = 10 round, 2 cost 2 % (docs/decisions.md, "Two chunks for the test").
     """
 
     lr: float = 4e-4
@@ -63,7 +67,7 @@ class InnerConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0
-    stats_chunks: int = 4
+    stats_chunks: int = 2
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.lr) and self.lr > 0):
