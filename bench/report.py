@@ -160,9 +160,10 @@ def _overhead(s: dict[str, Any]) -> list[str]:
             ]
         ),
         "",
-        f"Overhead (1 − node / bare): {_fmt(s.get('overhead_pct'))} % with the norm test,"
-        f" {_fmt(s.get('overhead_at_cap_pct'))} % with the batch at its cap (no test left to take),"
-        f" {_fmt(s.get('overhead_batch_test_off_pct'))} % without a batch test.",
+        f"Overhead (1 − node / bare of the same rep, median over the reps): {_fmt(s.get('overhead_pct'))} %"
+        f" with the norm test, {_fmt(s.get('overhead_at_cap_pct'))} % with the batch at its cap (no test"
+        f" left to take), {_fmt(s.get('overhead_batch_test_off_pct'))} % without a batch test. From each"
+        f" mode's median instead (unpaired): {_fmt(s.get('overhead_unpaired_pct'))} % with the norm test.",
     ]
     codec = s.get("codec")
     if codec:
