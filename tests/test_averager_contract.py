@@ -237,9 +237,12 @@ def _average_together(
 
 
 def _assert_matches_reduce_group(
-    outcomes: Sequence[Outcome], contributions: Sequence[Contribution], spec: str
+    outcomes: Sequence[Outcome],
+    contributions: Sequence[Contribution],
+    spec: str,
+    work_cap: float | None = None,
 ) -> None:
-    expected = reduce_group(contributions, codec=make_codec(spec))
+    expected = reduce_group(contributions, codec=make_codec(spec), work_cap=work_cap)
     for o in outcomes:
         r = o.result
         assert r is not None
@@ -820,6 +823,43 @@ def test_a_member_claiming_more_than_the_round_allows_is_left_out_and_the_others
     outcomes = _average_together(averagers, contributions, round=0, spec="int8", bounds=bounds)
     assert outcomes[2].result is None
     _assert_matches_reduce_group(outcomes[:2], contributions[:2], "int8")
+
+
+@pytest.mark.parametrize(
+    ("third_tokens", "third_scale", "rejected_parts", "rejected_as_the_others"),
+    [(30.0, 13.5, 0, 2), (60.0, 15.0, 3, 3)],
+    ids=["dylu", "overclaim"],
+)
+def test_owners_screen_norms_per_claimed_token_capped_at_the_reference_work(
+    swarm: Swarm, third_tokens: float, third_scale: float, rejected_parts: int, rejected_as_the_others: int
+) -> None:
+    """Bounds of 60 tokens (the round's reference work: 30). dylu: two slow members ran 1/15 of the
+    steps (2 tokens each), the fast one all of them (30) and its Δ is 13.5x theirs; per token it is
+    not an outlier and nothing is rejected (claiming the slow ones' work, two of its three parts are).
+    overclaim: two members did the reference work (30) and one claims 60, as the bounds allow, with
+    15x their Δ; credited with 30, its parts are 15x the median and all rejected (uncapped, its claim
+    would have let them through). Both transports hold reduce_group's bytes under that cap."""
+    from adloco.protocol.algorithms.claims import ClaimBounds
+
+    swarm.add_nodes(3)
+    averagers = [swarm.averager(i) for i in range(3)]
+    others = 2.0 if third_tokens == 30.0 else 30.0
+    tokens = [others, others, third_tokens]
+    int8 = make_codec("int8")
+    contributions = []
+    for i, c in enumerate(_contributions(averagers, "int8", seed=18)):
+        scale = third_scale if i == 2 else 1.0
+        payloads = {k: int8.encode(k, codecs.decode(p) * scale) for k, p in c.payloads.items()}
+        contributions.append(dataclasses.replace(c, payloads=payloads, weight=tokens[i], tokens=tokens[i]))
+    bounds = ClaimBounds(max_tokens=60.0, max_weight_per_token=1.0)
+    claimed_as_the_others = [dataclasses.replace(c, weight=others, tokens=others) for c in contributions]
+    as_the_others = reduce_group(claimed_as_the_others, codec=int8).rejected
+    assert as_the_others == {averagers[2].peer_id: rejected_as_the_others}
+    uncapped = reduce_group(contributions, codec=int8).rejected
+    capped = reduce_group(contributions, codec=int8, work_cap=bounds.reference_tokens).rejected
+    assert uncapped == {} and capped == ({averagers[2].peer_id: rejected_parts} if rejected_parts else {})
+    outcomes = _average_together(averagers, contributions, round=0, spec="int8", bounds=bounds)
+    _assert_matches_reduce_group(outcomes, contributions, "int8", work_cap=bounds.reference_tokens)
 
 
 def test_a_member_that_broke_a_rule_is_refused_by_its_owners_in_the_next_rounds_too(tmp_path: Path) -> None:

@@ -14,6 +14,8 @@ from adloco.protocol.algorithms.parts import (
     most_bytes_moved,
     reduce_part,
     round_traffic,
+    screen_part,
+    screening_work,
 )
 
 NONE = make_codec("none")
@@ -128,8 +130,41 @@ def test_outlier_among_three_is_rejected_with_its_tokens() -> None:
     # Norms 1, 1, 1414: the median is 1, and 1414 > 10 × 1.
     payloads = [encoded(1.0, 0.0), encoded(1000.0, 1000.0), encoded(0.0, 1.0)]
     out = reduce_part(payloads, [1.0, 1.0, 1.0], NONE, "t", tokens=[1.0, 1.0, 1.0])
-    assert out.rejected == {1: "norm 1414.2x the median"}
+    assert out.rejected == {1: "norm per unit of work 1414.2x the median"}
     assert out.payload == encoded(0.5, 0.5)
+
+
+def test_a_payload_as_much_larger_as_the_work_behind_it_is_not_an_outlier() -> None:
+    # DyLU: a fast peer runs 15x the steps of two slow ones, and its Δ is 13.5x their norm. Per
+    # claimed token it is below theirs: kept. The same norms with equal claims are an outlier.
+    payloads = [encoded(1.0, 0.0), encoded(0.0, 1.0), encoded(13.5, 0.0)]
+    fast = reduce_part(payloads, [2.0, 2.0, 30.0], NONE, "t", tokens=[2.0, 2.0, 30.0], work_cap=30.0)
+    assert fast.rejected == {}
+    assert fast.payload == encoded((1.0 + 13.5 * 15) / 17, 1.0 / 17)
+    equal = reduce_part(payloads, [2.0, 2.0, 2.0], NONE, "t", tokens=[2.0, 2.0, 2.0], work_cap=30.0)
+    assert list(equal.rejected) == [2]
+
+
+def test_a_claim_beyond_the_rounds_reference_work_buys_no_room() -> None:
+    # Three peers did the reference work (1); one claims 2x it, as the claim bounds allow, with 15x
+    # the norm. Credited with at most the reference, it is 15x the median per unit of work: rejected.
+    # Uncapped, its claim would have halved that to 7.5x and let it through.
+    payloads = [encoded(1.0, 0.0), encoded(0.0, 1.0), encoded(1.0, 1.0), encoded(15.0, 0.0)]
+    weights, tokens = [1.0, 1.0, 1.0, 2.0], [1.0, 1.0, 1.0, 2.0]
+    capped = reduce_part(payloads, weights, NONE, "t", tokens=tokens, work_cap=1.0)
+    assert list(capped.rejected) == [3]
+    assert reduce_part(payloads, weights, NONE, "t", tokens=tokens).rejected == {}
+
+
+def test_screening_work_is_the_capped_claims_or_none_when_a_claim_says_nothing() -> None:
+    assert screening_work([1.0, 5.0, 3.0], 4.0) == [1.0, 4.0, 3.0]
+    assert screening_work([1.0, 5.0], None) == [1.0, 5.0]
+    assert screening_work([1.0, 0.0], 4.0) is None  # a claim of 0 tokens: raw norms for all
+    assert screening_work(None, 4.0) is None
+    with pytest.raises(ValueError, match="work_cap"):
+        screening_work([1.0], 0.0)
+    with pytest.raises(ValueError, match="work"):
+        screen_part([torch.ones(2)] * 3, 10.0, [1.0, 0.0, 1.0])
 
 
 def test_outlier_threshold_is_factor_times_median() -> None:

@@ -86,13 +86,15 @@ def reduce_group(
     codec: Codec,
     outlier_factor: float | None = DEFAULT_OUTLIER_FACTOR,
     aggregate: Aggregate = MEAN,
+    work_cap: float | None = None,
 ) -> GroupResult:
     """Average the group's contributions part by part; deterministic in the members' order.
 
     Members are ordered by peer id, so every member computes the same part ownership and the same
     reduction whatever order the contributions arrived in. Each part is screened by its owner
     (`parts.reduce_parts`; `outlier_factor` 0 or None turns the norm test off, never the non-finite
-    one); every rejection is logged and counted in `GroupResult.rejected`. Raises ValueError on an
+    one; norms are compared per claimed token, each claim capped at `work_cap`, the round's reference
+    work); every rejection is logged and counted in `GroupResult.rejected`. Raises ValueError on an
     empty group, mismatched tensor names, or invalid weights.
     """
     if not contributions:
@@ -115,6 +117,7 @@ def reduce_group(
         codec,
         outlier_factor=outlier_factor,
         aggregate=aggregate,
+        work_cap=work_cap,
     )
     for k, peer, reason in reduced.rejections:
         logger.warning("owner %s rejected part %r of %s: %s", owners[k][-8:], k, peer[-8:], reason)

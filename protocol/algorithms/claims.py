@@ -51,6 +51,12 @@ class ClaimBounds:
         rho = TOKEN_SLACK if staleness_weight == "tokens" else 1.0
         return cls(max_tokens=TOKEN_SLACK * reference_tokens(schedule, seq_len), max_weight_per_token=rho)
 
+    @property
+    def reference_tokens(self) -> float | None:
+        """The work of one honest round (H·Σb·seq_len), or None without a token bound: the cap on
+        the work an owner's screening credits a claim with (`parts.screening_work`)."""
+        return None if self.max_tokens is None else self.max_tokens / TOKEN_SLACK
+
     def violation(self, weight: float, tokens: float) -> str | None:
         """Why a claim of (`weight`, `tokens`) is refused; None when it is within the bounds.
 

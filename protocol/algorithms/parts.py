@@ -9,8 +9,13 @@ exact bytes each member sends and receives in such a round.
 Screening (DESIGN §3 step 5): before averaging, the owner rejects, part by part, every payload that
 decodes to a NaN or inf, and, when at least `MIN_OUTLIER_GROUP` finite payloads remain, every one
 whose L2 norm exceeds `DEFAULT_OUTLIER_FACTOR` (configurable) × their median norm (`screen_part`).
-A rejected payload is left out of the weighted sum and its tokens out of the normalizer; if nothing
-is left the part averages to zeros. Rejection is per part: the member stays a contributor.
+The norms compared are per unit of work, each divided by the tokens its contributor claims (at most
+the round's reference work, `work_cap`): under DyLU a fast peer runs H steps where the slow ones run
+H/15, and its Δ, 13.5× their norm, was rejected whole, its work thrown away (in the simulator's sync
+rounds, 5 peers at speeds 1 and 1/15, H = 30). Capped at the reference, a claim beyond an honest
+round's work buys no room. A rejected payload is left out of the weighted sum and its tokens out of
+the normalizer; if nothing is left the part averages to zeros. Rejection is per part: the member
+stays a contributor.
 
 Robust aggregation (issue 10 §3, `Aggregate`): what passes the screening is combined by the weighted
 mean (the default), a coordinate-wise trimmed mean, or CenteredClip (Karimireddy et al., as BTARD
@@ -41,10 +46,11 @@ DEFAULT_OUTLIER_FACTOR = 10.0
 
 Honest Δs of one round differ by data noise and by the work behind them (in the simulator's sync
 and async tests the largest is at most 1.5× the median); a scaled or corrupted one (a bit flip in
-an exponent, a diverged peer) is off by orders of magnitude. Lower it if poisoned rounds get
-through (watch the owners' "rejected" warnings and the loss spikes); raise it, or set 0 / None to
-disable the test, if honest peers with unequal work per round (very different H or batch size)
-get rejected. Non-finite payloads are rejected regardless.
+an exponent, a diverged peer) is off by orders of magnitude. The work is divided out where it is
+claimed (norms per token, see the module doc), so unequal H (DyLU) is not an outlier. Lower it if
+poisoned rounds get through (watch the owners' "rejected" warnings and the loss spikes); raise it,
+or set 0 / None to disable the test, if honest peers still get rejected. Non-finite payloads are
+rejected regardless.
 """
 MIN_OUTLIER_GROUP = 3
 """The outlier test needs this many finite payloads of a part: with two, the median cannot say
@@ -165,30 +171,48 @@ def check_outlier_factor(factor: float | None) -> float | None:
     return factor
 
 
-def screen_part(tensors: Sequence[torch.Tensor], outlier_factor: float | None) -> dict[int, str]:
+def screen_part(
+    tensors: Sequence[torch.Tensor], outlier_factor: float | None, work: Sequence[float] | None = None
+) -> dict[int, str]:
     """Why each rejected tensor of one part is rejected, by index: the screening rule above.
 
     A tensor holding any NaN or inf is rejected. Among the finite ones, when there are at least
     `MIN_OUTLIER_GROUP` of them and `outlier_factor` is neither None nor 0, a tensor whose L2 norm
     exceeds `outlier_factor` × their median L2 norm is rejected too (with a median of 0, any tensor
-    that is not all zeros).
+    that is not all zeros). With `work` (the work behind each tensor, every one > 0), the norms
+    compared are norm / work: a tensor may be as much larger than the others as its work is.
     """
+    if work is not None and (len(work) != len(tensors) or not all(w > 0 for w in work)):
+        raise ValueError(f"work must be one number > 0 per tensor, got {list(work)}")
     # One pass per tensor: in float64 the L2 norm of finite float32 values cannot overflow, so it is
     # finite exactly when every value is.
     norms = [float(torch.linalg.vector_norm(t, dtype=torch.float64)) for t in tensors]
     rejected = {i: "non-finite values" for i, norm in enumerate(norms) if not math.isfinite(norm)}
-    finite = {i: norm for i, norm in enumerate(norms) if i not in rejected}
+    scale = list(work) if work is not None else [1.0] * len(norms)
+    finite = {i: norm / scale[i] for i, norm in enumerate(norms) if i not in rejected}
     if not outlier_factor or len(finite) < MIN_OUTLIER_GROUP:
         return rejected
     median = statistics.median(finite.values())
+    what = "norm per unit of work" if work is not None else "norm"
     for i, norm in finite.items():
         if norm > outlier_factor * median:
             rejected[i] = (
-                f"norm {norm / median:.1f}x the median"
+                f"{what} {norm / median:.1f}x the median"
                 if median > 0
-                else f"norm {norm:.3g} while the median is 0"
+                else f"{what} {norm:.3g} while the median is 0"
             )
     return dict(sorted(rejected.items()))
+
+
+def screening_work(tokens: Sequence[float] | None, work_cap: float | None) -> list[float] | None:
+    """The work `screen_part` divides each norm by: the claimed tokens, each at most `work_cap`
+    (the round's reference work; None: no cap). None, so raw norms, without tokens or when some
+    claim is 0 (nothing says what that payload's work was)."""
+    if tokens is None or not all(t > 0 for t in tokens):
+        return None
+    if work_cap is not None and not work_cap > 0:
+        raise ValueError(f"work_cap must be > 0, got {work_cap!r}")
+    return [min(t, work_cap) if work_cap is not None else float(t) for t in tokens]
 
 
 @dataclass(frozen=True)
@@ -212,6 +236,7 @@ def reduce_part(
     outlier_factor: float | None = DEFAULT_OUTLIER_FACTOR,
     aggregate: Aggregate = MEAN,
     excluded: Mapping[int, str] | None = None,
+    work_cap: float | None = None,
 ) -> ReducedPart:
     """Decode every member's payload of one tensor, screen them, average the rest, re-encode.
 
@@ -223,10 +248,11 @@ def reduce_part(
     relative to the others. When nothing is left (every payload rejected, or the accepted ones all
     weigh 0) the average is zeros. A single accepted payload that is its own average is forwarded
     unchanged. `excluded` (index -> why, from a scorer) are rejected before the screening looks at the
-    others. With a `downlink.Gather` codec and the mean, the accepted payloads themselves are sent,
-    as one sum payload with the mean's factors; the robust rules always encode their result. Raises
-    ValueError on empty, negative, non-finite or zero-sum weights, on negative or non-finite tokens,
-    on a count mismatch, on an undecodable payload and on differing shapes.
+    others. The screening compares norms per claimed token, each claim capped at `work_cap`
+    (`screening_work`). With a `downlink.Gather` codec and the mean, the accepted payloads
+    themselves are sent, as one sum payload with the mean's factors; the robust rules always encode
+    their result. Raises ValueError on empty, negative, non-finite or zero-sum weights, on negative
+    or non-finite tokens, on a count mismatch, on an undecodable payload and on differing shapes.
     """
     _check_inputs(payloads, weights, tokens)
     check_outlier_factor(outlier_factor)
@@ -234,7 +260,7 @@ def reduce_part(
     shapes = {tuple(t.shape) for t in tensors}
     if len(shapes) != 1:
         raise ValueError(f"{key}: payload shapes differ: {sorted(shapes)}")
-    rejected = _screen(tensors, outlier_factor, excluded or {})
+    rejected = _screen(tensors, outlier_factor, excluded or {}, screening_work(tokens, work_cap))
     accepted = [i for i in range(len(tensors)) if i not in rejected]
     normalized = _normalized(
         [weights[i] for i in accepted], None if tokens is None else [tokens[i] for i in accepted]
@@ -254,13 +280,18 @@ def reduce_part(
 
 
 def _screen(
-    tensors: Sequence[torch.Tensor], outlier_factor: float | None, excluded: Mapping[int, str]
+    tensors: Sequence[torch.Tensor],
+    outlier_factor: float | None,
+    excluded: Mapping[int, str],
+    work: Sequence[float] | None,
 ) -> dict[int, str]:
     """`screen_part` over the tensors not already `excluded`, with the excluded ones added."""
     if any(not 0 <= i < len(tensors) for i in excluded):
         raise ValueError(f"excluded indices must be in [0, {len(tensors)}), got {sorted(excluded)}")
     rest = [i for i in range(len(tensors)) if i not in excluded]
-    screened = screen_part([tensors[i] for i in rest], outlier_factor)
+    screened = screen_part(
+        [tensors[i] for i in rest], outlier_factor, None if work is None else [work[i] for i in rest]
+    )
     return dict(sorted({**excluded, **{rest[j]: why for j, why in screened.items()}}.items()))
 
 
@@ -288,14 +319,16 @@ def reduce_parts(
     outlier_factor: float | None = DEFAULT_OUTLIER_FACTOR,
     aggregate: Aggregate = MEAN,
     scorer: Scorer | None = None,
+    work_cap: float | None = None,
 ) -> ReducedParts:
     """`reduce_part` for each of `keys` over the same contributors: the one reduction every transport
     runs (the in-process `allreduce.reduce_group` for all parts, a network owner for its own).
 
     `payloads(i, key)` is contributor i's payload of `key`; `weights[i]` / `tokens[i]` its averaging
     weight and tokens. With a `scorer`, each contributor's decoded payloads of `keys` are judged
-    first (`scoring.Scorer`) and the excluded ones are left out of every part. Raises ValueError as
-    `reduce_part` does.
+    first (`scoring.Scorer`) and the excluded ones are left out of every part. `work_cap`: the
+    round's reference work, at which each claimed token count is capped for the screening
+    (`screening_work`). Raises ValueError as `reduce_part` does.
     """
     excluded: dict[int, str] = {}
     if scorer is not None:
@@ -312,6 +345,7 @@ def reduce_parts(
             outlier_factor=outlier_factor,
             aggregate=aggregate,
             excluded=excluded,
+            work_cap=work_cap,
         )
         averaged[key] = part.payload
         rejections += [(key, contributors[i], reason) for i, reason in part.rejected.items()]

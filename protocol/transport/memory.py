@@ -228,6 +228,7 @@ class MemoryHub:
                 codec=owner_codecs(contributions, codecs),
                 outlier_factor=self.outlier_factor,
                 aggregate=self.aggregate,
+                work_cap=_work_cap([b for _, _, b in entries]),
             )
         except ValueError as e:  # a malformed contribution fails the round for everyone
             logger.warning("round failed: %s", e)
@@ -249,6 +250,13 @@ class MemoryHub:
         for i, why in excluded.items():
             logger.warning("%s left out of the round by the scorer: %s", ordered[i].peer_id, why)
         return [c for i, c in enumerate(ordered) if i not in excluded]
+
+
+def _work_cap(bounds: Collection[ClaimBounds]) -> float | None:
+    """The reference work the screening caps claims at: the smallest any member's bounds give (honest
+    members agree on one schedule, so on one bound); None if none bounds the tokens."""
+    caps = [b.reference_tokens for b in bounds if b.reference_tokens is not None]
+    return min(caps) if caps else None
 
 
 def _member_view(result: GroupResult, peer: str) -> MemberResult:

@@ -146,9 +146,11 @@ def reduce_owned(
     outlier_factor: float | None,
     aggregate: Aggregate = MEAN,
     scorer: Scorer | None = None,
+    work_cap: float | None = None,
 ) -> tuple[Answer, list[tuple[str, str, str]]]:
     """The owner's reduction over the contributors that arrived, and (part, peer, reason) rejections;
-    with a `scorer`, the contributors it excludes are rejected in every part (`parts.reduce_parts`)."""
+    with a `scorer`, the contributors it excludes are rejected in every part (`parts.reduce_parts`);
+    `work_cap`: the round's reference work, the most the screening credits a claim with."""
     contributors = tuple(sorted(contributions))
     entries = [contributions[peer] for peer in contributors]
     reduced = reduce_parts(
@@ -161,6 +163,7 @@ def reduce_owned(
         outlier_factor=outlier_factor,
         aggregate=aggregate,
         scorer=scorer,
+        work_cap=work_cap,
     )
     metadata = tuple(e.metadata or b"" for e in entries)
     return Answer(contributors, reduced.averaged, metadata, reduced.rejected), reduced.rejections
@@ -297,6 +300,7 @@ class OwnerSession:
                 self.outlier_factor,
                 self.aggregate,
                 self.scorer,
+                self.bounds.reference_tokens,
             )
             for key, peer, reason in rejections:
                 logger.warning(
