@@ -158,6 +158,7 @@ TRAIN_CASES = [
     ("--outer-lr", ["--outer-lr", "-1"]),
     ("--outer-momentum", ["--outer-momentum", "1.5"]),
     ("--eta", ["--eta", "0"]),
+    ("--outlier-factor", ["--outlier-factor", "-1"]),
     ("--batch-cap", ["--batch-cap", "0"]),
     ("--merge-every", ["--merge-every", "0"]),
     ("--max-rel-error", ["--codec", "adaptive", "--max-rel-error", "0"]),

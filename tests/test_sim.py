@@ -263,6 +263,11 @@ def test_hostile_peers_send_their_attack_and_the_owners_screen_or_bound_it() -> 
     base = SimConfig(peers=4, rounds=2, train=train)
     sim, flipped, _ = run_sim(replace(base, hostile=1, attack="flip1000"))
     assert [r.rejected_parts for r in flipped] == [len(sim.peers[0].names)] * 2
+    # --outlier-factor 0 turns the norm test off: the same attack reaches the average.
+    _, unscreened, _ = run_sim(
+        replace(base, hostile=1, attack="flip1000", train=replace(train, outlier_factor=0.0))
+    )
+    assert [r.rejected_parts for r in unscreened] == [0, 0]
     _, _, clean = run_sim(base)
     moved = {}
     for spec in ("mean", "clip:1"):

@@ -186,6 +186,13 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         " clip:c (CenteredClip); the robust rules bound what hostile peers can move",
     )
     outer.add_argument(
+        "--outlier-factor",
+        type=finite_float,
+        default=TrainConfig.outlier_factor,
+        help="owners reject a part whose norm per claimed token exceeds this many times the part's"
+        " median (0: no norm test; non-finite values are always rejected)",
+    )
+    outer.add_argument(
         "--score",
         default=TrainConfig.score,
         help="contribution scoring (Templar's Gauntlet): off, or loss[:k]: exclude a Δ that raises the"
@@ -279,6 +286,7 @@ def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
             ef_decay=1.0 if args.ef_momentum is None else args.ef_momentum,
             max_rel_error=args.max_rel_error,
             aggregate=args.aggregate,
+            outlier_factor=args.outlier_factor,
             score=args.score,
             correct_late=not args.no_correction,
             heloco=replace(base.heloco, c_ok=args.heloco_c_ok),

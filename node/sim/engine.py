@@ -205,6 +205,7 @@ class Simulator:
         self.hub = MemoryHub(
             window_s=AVERAGE_TIMEOUT_S,
             aggregate=Aggregate.parse(cfg.train.aggregate),
+            outlier_factor=cfg.train.outlier_factor,
             scorer=self.scorer,
         )
         self.averagers = [MemoryAverager(self.hub, peer.peer_id) for peer in self.peers]

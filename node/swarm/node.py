@@ -171,6 +171,7 @@ class SwarmNode:
             bandwidth_bps=swarm.exchange_bandwidth_bps,
             chunk_bytes=swarm.exchange_chunk_bytes,
             aggregate=Aggregate.parse(self.peer.cfg.aggregate),
+            outlier_factor=self.peer.cfg.outlier_factor,
             admission=self.admission,
             scorer=shard_scorer(self.peer),
             answer_delay=self._answer_delay,

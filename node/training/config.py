@@ -18,7 +18,7 @@ from ...protocol.algorithms.downlink import downlink_for
 from ...protocol.algorithms.feedback import RESIDUAL_DTYPES
 from ...protocol.algorithms.heloco import HelocoConfig
 from ...protocol.algorithms.outer import OuterConfig
-from ...protocol.algorithms.parts import Aggregate
+from ...protocol.algorithms.parts import DEFAULT_OUTLIER_FACTOR, Aggregate, check_outlier_factor
 from ...protocol.algorithms.schedule import ScheduleConfig
 from ...protocol.algorithms.scoring import Score
 from .instances import InnerConfig
@@ -100,6 +100,11 @@ class TrainConfig:
         Costs (contributors + 1) forward passes of 16 sequences per round where it runs. Turn it
         on when peers are not trusted and a sign-flipped or noise Δ at an honest norm gets past the
         aggregate rule (the loss jumps after rounds while the norm screening rejects nothing).
+    outlier_factor: the owners' norm screening rejects a payload of a part whose norm per claimed
+        token exceeds this many times the part's median (protocol/algorithms/parts.py; default 10,
+        0 turns the norm test off, never the non-finite one). Lower it if scaled Δs get through
+        (the loss jumps while no part is rejected); raise it if honest parts are rejected (the
+        owners' "rejected part" warnings name peer, part and ratio).
     b_max: override the probed hardware batch limit (switch mode engages above it).
     memory_budget_gb: CPU memory for b_max probing (default: half of what is available).
     non_iid: give each peer a different part of the corpus (by top-level package).
@@ -155,6 +160,7 @@ class TrainConfig:
     ef_decay: float = 1.0
     aggregate: str = "mean"
     score: str = "off"
+    outlier_factor: float = DEFAULT_OUTLIER_FACTOR
     b_max: int | None = None
     memory_budget_gb: float | None = None
     non_iid: bool = False
@@ -189,6 +195,7 @@ class TrainConfig:
         if not (math.isfinite(self.replay_mb) and self.replay_mb >= 0):
             raise ValueError(f"replay_mb must be >= 0, got {self.replay_mb}")
         try:
+            check_outlier_factor(self.outlier_factor)
             aggregate = Aggregate.parse(self.aggregate)
             Score.parse(self.score)
             downlink_for(self.downlink, self.codec)

@@ -114,8 +114,9 @@ class HivemindAverager:
       header (~10 bytes) per chunk.
     - `record_ttl_s`: lifetime of readiness records; a call for a round older than this opens a
       new group instead of being late.
-    - `outlier_factor`: this peer, as an owner, rejects a member's part whose L2 norm exceeds this
-      many times the part's median norm (3+ finite payloads; `parts.DEFAULT_OUTLIER_FACTOR`); 0 or
+    - `outlier_factor`: this peer, as an owner, rejects a member's part whose L2 norm per claimed
+      token exceeds this many times the part's median (3+ finite payloads, each claim credited with
+      at most the round's reference work; `parts.DEFAULT_OUTLIER_FACTOR`, `--outlier-factor`); 0 or
       None turns the test off, non-finite parts are rejected regardless. Symptom of too low: honest
       peers named in "rejected part" warnings every round; of too high: loss spikes after rounds.
     - `on_stage`: fault-injection hook, called on the event-loop thread as on_stage(stage, round) at
