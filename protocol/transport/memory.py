@@ -255,7 +255,7 @@ class MemoryHub:
 def _work_cap(bounds: Collection[ClaimBounds]) -> float | None:
     """The reference work the screening caps claims at: the smallest any member's bounds give (honest
     members agree on one schedule, so on one bound); None if none bounds the tokens."""
-    caps = [b.reference_tokens for b in bounds if b.reference_tokens is not None]
+    caps = [cap for b in bounds if (cap := b.reference_tokens) is not None and cap > 0]
     return min(caps) if caps else None
 
 
