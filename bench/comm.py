@@ -11,7 +11,8 @@ inner steps per peer, so every run sees the same training tokens.
   settings; its lr is the best of a small grid (`DDP_LRS`, each run at every seed), never worse than
   the DiLoCo runs' inner lr. Bytes as a ring all-reduce sends them: per peer per step
   2(n−1)/n × 4P sent and as many received.
-- DiLoCo: the simulator's sync rounds of H inner steps (`node/sim/engine.py`), bytes exactly as
+- DiLoCo: the simulator's sync rounds of H inner steps (`node/sim/engine.py`) at the setup's inner
+  lr and outer step, chosen like DDP's lr by a grid (`--tune`, docs/decisions.md), bytes exactly as
   the in-process transport counts its payloads (`parts.round_traffic`: each part to its owner, the
   owner's answer to every other member), plus the members' reports as the swarm relays them (each
   to one owner, who answers every member with all of them), which the in-process transport leaves
@@ -22,9 +23,10 @@ median over the seeds with its spread (min..max); the val-loss gap is paired by 
 data order as the DDP run of that seed). `run(quick, seeds, out)` is what `adloco-bench` calls; the
 runs go to a pool of worker processes (`python bench/comm.py --one ...`), one torch thread each.
 
-    python bench/comm.py --device cuda --jobs 16 --seeds 0 1 2   # the full sweep: 36 runs, 167 s on
-                                                                  # an H100 machine with 16 cores
-    python bench/comm.py --quick --seeds 0 --out /tmp/comm        # about a minute on 2 cores
+    python -m adloco.bench.comm --device cpu --jobs 2 --seeds 0 1 2   # the full sweep: 42 runs,
+                                                    # about 50 min on 2 cores (167 s for 36 on an H100)
+    python -m adloco.bench.comm --tune --seeds 0 --jobs 2              # the lr grid: 26 runs, ~33 min
+    python -m adloco.bench.comm --quick --seeds 0 --out /tmp/comm      # about a minute on 2 cores
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -300,6 +303,17 @@ def _outer(setup: Setup, v: Variant) -> str:
     return f"{lr:g}/{setup.outer_momentum if v.outer_momentum is None else v.outer_momentum:g}"
 
 
+def machine(device: str, jobs: int) -> str:
+    """Where the sweep ran, in words (the results table shows it beside the figures)."""
+    where = str(resolve_device(device))
+    if where.startswith("cuda"):
+        where = torch.cuda.get_device_name(0)
+    return (
+        f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, runs on {where};"
+        f" {jobs} worker processes"
+    )
+
+
 def _median(values: Sequence[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
@@ -413,10 +427,12 @@ def run(
     jobs: int | None = None,
     device: str = "auto",
     tune: bool = False,
+    command: str | None = None,
 ) -> dict[str, Any]:
     """The sweep (`quick`: a few steps, DDP, fp32 DiLoCo and one sparse run), written to
     out/comm.json and out/comm_frontier.png; returns the summary (see `frontier`). `tune`: the lr
-    grid of `tune_variants` instead, written to out/comm_tune.json."""
+    grid of `tune_variants` instead, written to out/comm_tune.json. `command`: how it was started,
+    recorded beside the machine."""
     if not seeds:
         raise ValueError("comm: at least one seed")
     setup = Setup(steps=16, val_sequences=16, device=device) if quick else Setup(device=device)
@@ -440,6 +456,8 @@ def run(
             "setup": asdict(setup),
             "seeds": list(seeds),
             "quick": quick,
+            "machine": machine(setup.device, jobs),
+            "command": command,
             "duration_s": time.perf_counter() - t0,
             "runs": [{"name": v.name, "seed": s, **runs[(v.name, s)]} for v, s in tasks],
         }
@@ -489,7 +507,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.tune and args.quick:
         ap.error("--tune runs the full setup; --quick a toy one")
-    summary = run(args.quick, args.seeds, args.out, jobs=args.jobs, device=args.device, tune=args.tune)
+    command = "python -m adloco.bench.comm " + " ".join(sys.argv[1:] if argv is None else argv)
+    summary = run(
+        args.quick, args.seeds, args.out, jobs=args.jobs, device=args.device, tune=args.tune, command=command
+    )
     print(format_table(summary))
     verdict = "meets" if summary["goal_met"] else "misses"
     within = "best within" if summary["gap_goal_met"] else "nothing within; closest to"
