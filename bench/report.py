@@ -28,7 +28,12 @@ def _comm(s: dict[str, Any]) -> tuple[str, bool | None]:
     if ratio is None or gap is None:
         return "–", None
     best = s.get("best", "?")
-    return f"{ratio:,.0f}× at {gap:+.2f} % ({best})", ratio >= 5000 and gap <= 2.0
+    text = f"{ratio:,.0f}× at {gap:+.2f} % ({best})"
+    cheap = s.get("best_at_goal_ratio")  # the other end of a miss: the smallest gap at ≥ 5,000×
+    if isinstance(cheap, dict) and _num(cheap.get("val_loss_gap_pct")) is not None and cheap["name"] != best:
+        at, cheap_gap = cheap["ratio_vs_ddp"], cheap["val_loss_gap_pct"]
+        text += f"; at ≥ 5,000×: {at:,.0f}× at {cheap_gap:+.2f} % ({cheap['name']})"
+    return text, ratio >= 5000 and gap <= 2.0
 
 
 def _ratio(a: str, b: str, goal: float, what: str) -> Callable[[dict[str, Any]], tuple[str, bool | None]]:
