@@ -295,14 +295,6 @@ def _spawn(setup: Setup, seed: int, variant: Variant, work: Path, index: int) ->
     return loaded
 
 
-def _outer(setup: Setup, v: Variant) -> str:
-    """DiLoCo's outer step as the runs take it: "lr/momentum"."""
-    if v.ef_momentum is not None:
-        return f"{SPARSELOCO_OUTER_LR:g}/0"
-    lr = setup.outer_lr if v.outer_lr is None else v.outer_lr
-    return f"{lr:g}/{setup.outer_momentum if v.outer_momentum is None else v.outer_momentum:g}"
-
-
 def machine(device: str, jobs: int) -> str:
     """Where the sweep ran, in words (the results table shows it beside the figures)."""
     where = str(resolve_device(device))
@@ -327,6 +319,7 @@ def frontier(
     ddp_bpt = runs[(best_ddp.name, seeds[0])]["bytes"] / runs[(best_ddp.name, seeds[0])]["tokens"]
     rows = []
     for v in vs:
+        cfg = train_config(setup, seeds[0], v)  # the lrs as the runs took them
         per_seed = [runs[(v.name, s)] for s in seeds]
         bpt = [r["bytes"] / r["tokens"] for r in per_seed]
         gaps = [
@@ -340,8 +333,8 @@ def frontier(
                 "inner_steps": v.inner_steps,
                 "downlink": v.downlink,
                 "ef_momentum": v.ef_momentum,
-                "lr": v.lr or setup.inner_lr,
-                "outer": None if v.method == "ddp" else _outer(setup, v),
+                "lr": cfg.inner.lr,
+                "outer": None if v.method == "ddp" else f"{cfg.outer.lr:g}/{cfg.outer.momentum:g}",
                 "bytes_per_token": _median(bpt),
                 "ratio_vs_ddp": ddp_bpt / statistics.median(bpt),
                 "val_loss": _median([r["val_loss"] for r in per_seed]),
