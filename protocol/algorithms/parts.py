@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -171,22 +171,49 @@ def check_outlier_factor(factor: float | None) -> float | None:
     return factor
 
 
+_NORM_CHUNK = 1 << 16
+
+
+def tensor_norm(tensor: torch.Tensor) -> float:
+    """The L2 norm screening compares: a member commits to this number for each of its payloads
+    (`verify`), and its owner compares it with its own (`norms_agree`). Finite exactly when every
+    value is: the squares are summed in float32 per chunk of 2**16 values (30x faster than a float64
+    pass; ~1e-7 relative) and the chunks in float64, and a chunk whose float32 sum overflows is summed
+    again in float64, where the squares of finite float32 values cannot overflow."""
+    flat = tensor.reshape(-1)
+    total = 0.0
+    for start in range(0, flat.numel(), _NORM_CHUNK):
+        chunk = flat[start : start + _NORM_CHUNK].float()
+        squares = float(torch.dot(chunk, chunk))
+        if not math.isfinite(squares):
+            wide = chunk.to(torch.float64)
+            squares = float(torch.dot(wide, wide))
+        total += squares
+    return math.sqrt(total)
+
+
 def screen_part(
     tensors: Sequence[torch.Tensor], outlier_factor: float | None, work: Sequence[float] | None = None
 ) -> dict[int, str]:
-    """Why each rejected tensor of one part is rejected, by index: the screening rule above.
+    """Why each rejected tensor of one part is rejected, by index: `screen_norms` of their norms."""
+    return screen_norms([tensor_norm(t) for t in tensors], outlier_factor, work)
 
-    A tensor holding any NaN or inf is rejected. Among the finite ones, when there are at least
-    `MIN_OUTLIER_GROUP` of them and `outlier_factor` is neither None nor 0, a tensor whose L2 norm
-    exceeds `outlier_factor` × their median L2 norm is rejected too (with a median of 0, any tensor
-    that is not all zeros). With `work` (the work behind each tensor, every one > 0), the norms
-    compared are norm / work: a tensor may be as much larger than the others as its work is.
+
+def screen_norms(
+    norms: Sequence[float], outlier_factor: float | None, work: Sequence[float] | None = None
+) -> dict[int, str]:
+    """Why each rejected payload of one part is rejected, by index, from the payloads' L2 norms.
+
+    A payload whose norm is not finite (it holds a NaN or inf) is rejected. Among the finite ones,
+    when there are at least `MIN_OUTLIER_GROUP` of them and `outlier_factor` is neither None nor 0,
+    one whose norm exceeds `outlier_factor` × their median norm is rejected too (with a median of 0,
+    any payload that is not all zeros). With `work` (the work behind each payload, every one > 0), the
+    norms compared are norm / work: a payload may be as much larger than the others as its work is.
+    A function of these numbers alone, so anyone holding them (a member checking its owner's
+    answer, `verify`) reaches the same decisions.
     """
-    if work is not None and (len(work) != len(tensors) or not all(w > 0 for w in work)):
+    if work is not None and (len(work) != len(norms) or not all(w > 0 for w in work)):
         raise ValueError(f"work must be one number > 0 per tensor, got {list(work)}")
-    # One pass per tensor: in float64 the L2 norm of finite float32 values cannot overflow, so it is
-    # finite exactly when every value is.
-    norms = [float(torch.linalg.vector_norm(t, dtype=torch.float64)) for t in tensors]
     rejected = {i: "non-finite values" for i, norm in enumerate(norms) if not math.isfinite(norm)}
     scale = list(work) if work is not None else [1.0] * len(norms)
     finite = {i: norm / scale[i] for i, norm in enumerate(norms) if i not in rejected}
@@ -215,15 +242,36 @@ def screening_work(tokens: Sequence[float] | None, work_cap: float | None) -> li
     return [min(t, work_cap) if work_cap is not None else float(t) for t in tokens]
 
 
+SCORED, MISMATCH, SCREENED = "scored", "mismatch", "screened"
+"""Why an owner left a payload out, as its signed answer states it (`verify`): its scorer excluded
+the contributor (judged on a batch only the owner holds); the payload's norm differs from the one its
+member committed to (only that member can check it); or the screening rejected it (every member
+recomputes that from the committed norms)."""
+NORM_AGREEMENT = 1e-5
+"""Relative difference within which an owner's norm of a payload and the member's committed one
+agree: both are `tensor_norm` of the same decoded values, so only the summation order of another
+machine's kernels can set them apart (~1e-7). What it leaves a member is a norm shaded by 1e-5."""
+
+
+def norms_agree(actual: float, claimed: float) -> bool:
+    """Whether `claimed` is the norm `actual` (both `tensor_norm`s): equal to `NORM_AGREEMENT`, or
+    both not finite."""
+    if not (math.isfinite(actual) and math.isfinite(claimed)):
+        return not math.isfinite(actual) and not math.isfinite(claimed)
+    return abs(actual - claimed) <= NORM_AGREEMENT * max(abs(actual), abs(claimed))
+
+
 @dataclass(frozen=True)
 class ReducedPart:
     """One part as its owner reduced it: the bytes sent to every member, and what was left out.
 
-    `rejected` maps the index of each payload left out of the average to the reason.
+    `rejected` maps the index of each payload left out of the average to the reason, `codes` to its
+    kind (`SCORED`, `MISMATCH` or `SCREENED`).
     """
 
     payload: bytes
     rejected: dict[int, str]
+    codes: dict[int, str] = field(default_factory=dict)
 
 
 def reduce_part(
@@ -237,6 +285,7 @@ def reduce_part(
     aggregate: Aggregate = MEAN,
     excluded: Mapping[int, str] | None = None,
     work_cap: float | None = None,
+    claimed_norms: Sequence[float] | None = None,
 ) -> ReducedPart:
     """Decode every member's payload of one tensor, screen them, average the rest, re-encode.
 
@@ -249,10 +298,13 @@ def reduce_part(
     weigh 0) the average is zeros. A single accepted payload that is its own average is forwarded
     unchanged. `excluded` (index -> why, from a scorer) are rejected before the screening looks at the
     others. The screening compares norms per claimed token, each claim capped at `work_cap`
-    (`screening_work`). With a `downlink.Gather` codec and the mean, the accepted payloads
-    themselves are sent, as one sum payload with the mean's factors; the robust rules always encode
-    their result. Raises ValueError on empty, negative, non-finite or zero-sum weights, on negative
-    or non-finite tokens, on a count mismatch, on an undecodable payload and on differing shapes.
+    (`screening_work`). With `claimed_norms` (the norms the members committed to, `verify`), a
+    payload whose norm differs from its claim is rejected (`MISMATCH`) and the screening decides on
+    the claimed norms, so that every member can recompute it. With a `downlink.Gather` codec and the
+    mean, the accepted payloads themselves are sent, as one sum payload with the mean's factors; the
+    robust rules always encode their result. Raises ValueError on empty, negative, non-finite or
+    zero-sum weights, on negative or non-finite tokens, on a count mismatch, on an undecodable
+    payload and on differing shapes.
     """
     _check_inputs(payloads, weights, tokens)
     check_outlier_factor(outlier_factor)
@@ -260,39 +312,74 @@ def reduce_part(
     shapes = {tuple(t.shape) for t in tensors}
     if len(shapes) != 1:
         raise ValueError(f"{key}: payload shapes differ: {sorted(shapes)}")
-    rejected = _screen(tensors, outlier_factor, excluded or {}, screening_work(tokens, work_cap))
+    norms = [tensor_norm(t) for t in tensors]
+    excluded = dict(excluded or {})
+    codes = dict.fromkeys(excluded, SCORED)
+    if claimed_norms is not None:
+        if len(claimed_norms) != len(norms):
+            raise ValueError(f"{len(claimed_norms)} claimed norms for {len(norms)} payloads")
+        for i, (norm, claimed) in enumerate(zip(norms, claimed_norms, strict=True)):
+            if i not in excluded and not norms_agree(norm, claimed):
+                excluded[i] = f"norm {norm:.9g} differs from its commitment {claimed:.9g}"
+                codes[i] = MISMATCH
+        norms = [float(n) for n in claimed_norms]
+    rejected = _screen(norms, outlier_factor, excluded, screening_work(tokens, work_cap))
+    codes = {i: codes.get(i, SCREENED) for i in rejected}
     accepted = [i for i in range(len(tensors)) if i not in rejected]
     normalized = _normalized(
         [weights[i] for i in accepted], None if tokens is None else [tokens[i] for i in accepted]
     )
     if normalized is None:
-        return ReducedPart(codec.encode(key, torch.zeros_like(tensors[0])), rejected)
+        return ReducedPart(codec.encode(key, torch.zeros_like(tensors[0])), rejected, codes)
     if normalized == [1.0]:
         # The average of one contribution is that contribution: forward its bytes rather than
         # re-encode them and add a second compression error.
-        return ReducedPart(bytes(payloads[accepted[0]]), rejected)
+        return ReducedPart(bytes(payloads[accepted[0]]), rejected, codes)
     gather = codec.for_part(key)
     if isinstance(gather, Gather) and aggregate.rule == "mean":
         # The contributions travel as they came, with the factors of their mean (`downlink`).
-        return ReducedPart(gather.gather([payloads[i] for i in accepted], normalized), rejected)
+        return ReducedPart(gather.gather([payloads[i] for i in accepted], normalized), rejected, codes)
     average = aggregate.combine([tensors[i] for i in accepted], normalized)
-    return ReducedPart(codec.encode(key, average), rejected)
+    return ReducedPart(codec.encode(key, average), rejected, codes)
 
 
 def _screen(
-    tensors: Sequence[torch.Tensor],
+    norms: Sequence[float],
     outlier_factor: float | None,
     excluded: Mapping[int, str],
     work: Sequence[float] | None,
 ) -> dict[int, str]:
-    """`screen_part` over the tensors not already `excluded`, with the excluded ones added."""
-    if any(not 0 <= i < len(tensors) for i in excluded):
-        raise ValueError(f"excluded indices must be in [0, {len(tensors)}), got {sorted(excluded)}")
-    rest = [i for i in range(len(tensors)) if i not in excluded]
-    screened = screen_part(
-        [tensors[i] for i in rest], outlier_factor, None if work is None else [work[i] for i in rest]
+    """`screen_norms` over the payloads not already `excluded`, with the excluded ones added."""
+    if any(not 0 <= i < len(norms) for i in excluded):
+        raise ValueError(f"excluded indices must be in [0, {len(norms)}), got {sorted(excluded)}")
+    rest = [i for i in range(len(norms)) if i not in excluded]
+    screened = screen_norms(
+        [norms[i] for i in rest], outlier_factor, None if work is None else [work[i] for i in rest]
     )
     return dict(sorted({**excluded, **{rest[j]: why for j, why in screened.items()}}.items()))
+
+
+def screened_out(
+    norms: Sequence[float],
+    tokens: Sequence[float],
+    *,
+    given: Mapping[int, str],
+    outlier_factor: float | None,
+    work_cap: float | None,
+) -> set[int]:
+    """The payloads the screening rejects when the ones in `given` (index -> `SCORED` or
+    `MISMATCH`) are left out first: what an owner that screened on these claimed norms must have
+    marked `SCREENED`, recomputed by anyone holding the commitments (`verify`)."""
+    screened = _screen(norms, outlier_factor, given, screening_work(tokens, work_cap))
+    return {i for i in screened if i not in given}
+
+
+def accepted_factors(
+    weights: Sequence[float], tokens: Sequence[float], accepted: Sequence[int]
+) -> list[float] | None:
+    """The factors an owner's mean gives the `accepted` payloads (`reduce_part`'s arithmetic); None
+    when nothing weighs."""
+    return _normalized([weights[i] for i in accepted], [tokens[i] for i in accepted])
 
 
 @dataclass(frozen=True)
@@ -301,11 +388,14 @@ class ReducedParts:
 
     `averaged`: part -> the bytes sent to every member. `rejected`: contributor -> how many of its
     payloads the screening left out. `rejections`: (part, contributor, reason) for each of them.
+    `codes`: part -> {contributor index: `SCORED`, `MISMATCH` or `SCREENED`}, what the owner's signed
+    answer states.
     """
 
     averaged: dict[str, bytes]
     rejected: dict[str, int]
     rejections: list[tuple[str, str, str]]
+    codes: dict[str, dict[int, str]] = field(default_factory=dict)
 
 
 def reduce_parts(
@@ -320,6 +410,7 @@ def reduce_parts(
     aggregate: Aggregate = MEAN,
     scorer: Scorer | None = None,
     work_cap: float | None = None,
+    claimed_norms: Callable[[int, str], float] | None = None,
 ) -> ReducedParts:
     """`reduce_part` for each of `keys` over the same contributors: the one reduction every transport
     runs (the in-process `allreduce.reduce_group` for all parts, a network owner for its own).
@@ -328,12 +419,14 @@ def reduce_parts(
     weight and tokens. With a `scorer`, each contributor's decoded payloads of `keys` are judged
     first (`scoring.Scorer`) and the excluded ones are left out of every part. `work_cap`: the
     round's reference work, at which each claimed token count is capped for the screening
-    (`screening_work`). Raises ValueError as `reduce_part` does.
+    (`screening_work`). `claimed_norms(i, key)`: the norm contributor i committed to for its payload
+    of `key` (`reduce_part`'s `claimed_norms`). Raises ValueError as `reduce_part` does.
     """
     excluded: dict[int, str] = {}
     if scorer is not None:
         excluded = scorer(len(contributors), lambda i: {key: decode(payloads(i, key)) for key in keys})
     averaged: dict[str, bytes] = {}
+    codes: dict[str, dict[int, str]] = {}
     rejections: list[tuple[str, str, str]] = []
     for key in keys:
         part = reduce_part(
@@ -346,13 +439,17 @@ def reduce_parts(
             aggregate=aggregate,
             excluded=excluded,
             work_cap=work_cap,
+            claimed_norms=None
+            if claimed_norms is None
+            else [claimed_norms(i, key) for i in range(len(contributors))],
         )
         averaged[key] = part.payload
+        codes[key] = part.codes
         rejections += [(key, contributors[i], reason) for i, reason in part.rejected.items()]
     rejected: dict[str, int] = {}
     for _, peer, _ in rejections:
         rejected[peer] = rejected.get(peer, 0) + 1
-    return ReducedParts(averaged, dict(sorted(rejected.items())), rejections)
+    return ReducedParts(averaged, dict(sorted(rejected.items())), rejections, codes)
 
 
 def merge_rejected(counts: Sequence[Mapping[str, int]]) -> dict[str, int]:

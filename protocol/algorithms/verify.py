@@ -1,0 +1,275 @@
+"""Checking an owner's answer from commitments and one random projection: the math, no transport.
+
+An owner averages the members' payloads of the parts it owns and answers everyone with the same
+bytes (`allreduce`); nothing in those bytes shows that they are the average. A member checks them
+the way BTARD does (Gorbunov et al. 2021, "Secure Distributed Training at Scale"), for a few
+scalars per contributor and part instead of the parts themselves:
+
+1. Before the exchange every member commits (signed, in its request header) to the sha256 of each
+   of its payloads and to each one's L2 norm (`parts.tensor_norm` of the decoded values), its weight
+   and tokens, and the hash of a secret. The owner checks each norm against the payload it got and
+   screens on the committed norms, so every member can recompute the screening (`expected_factors`).
+2. The owner answers with a signed statement of its answer's hashes, the contributors it used and
+   why it left each rejected payload out.
+3. Once every answer is in, the members reveal their secrets. The seed of the direction z (one per
+   part, uniform in [-1, 1) per coordinate, `direction`) hashes all of them with the answers
+   (`round_seed`): no owner can know z while it can still change its answer, so a lie cannot be
+   shaped to be orthogonal to it.
+4. Every member sends every other the projections s_j = <x_j, z> of its own payloads (`project`)
+   and checks each part of each owner: for the mean, <v, z> = Σ f_j s_j up to the answer's rounding
+   (`check_mean`).
+
+Why one projection suffices. z is drawn after the error e = v − Σ f_j x_j is fixed, and its
+coordinates are independent and bounded, so <e, z> is a sum of independent terms of variance
+e_i²/3: Bernstein's inequality bounds it by about κ‖e‖/√3 but with probability 2 exp(−κ²/2),
+4.6e-11 at κ = `KAPPA` = 7 (`bernstein`). An honest answer's error is bounded from the answer
+itself (`codecs.error_bound`: 0 for fp32, half a quantization step per value for int8/int4) plus
+the float32 arithmetic of the sum, so an honest owner fails the check with that probability per
+part. A lie of L times that bound passes with probability about 0.8·κ/L (|<e, z>| is then spread
+over ‖e‖/√3 with a bounded density): 6 % at L = 100; one that fails is caught with the statements
+that prove it. A lie is thus caught in the round it is told with a probability that grows with its
+size, and the liar is excluded from then on: the expected harm before that is a few times the
+answer's own rounding. For int8 that rounding is about 1 % of the answer's norm; for int4, 15 %, so
+an int4 answer (the downlink of an int4 run) is checked only that coarsely: a lie of its own size
+(a sign flip, noise) passes about half the time.
+
+What is exact instead of projected: a part nobody weighs (all zeros), a part of one contributor
+(its payload forwarded: the hashes compare), and a gathered part (`downlink.Gather`: the
+contributions themselves travel in a sum payload, each one's hash and factor compared). Every other
+answer must also lie within the norm its contributions allow (`check_bound`), which is all that is
+checked of an answer of a lossy codec that leaves out part of the average (low rank, sparse:
+`codecs.error_bound` is None) and of the robust rules (trimmed mean, CenteredClip); it also caps a
+lie under a coarse codec (int4's half step is 1/14 of its block's largest value, so a scaled answer
+would widen its own rounding bound); an exclusion by the owner's scorer
+(`parts.SCORED`), which rests on a batch only the owner holds, is taken as stated.
+
+A contributor's own projection is its word, checked against its committed norm (|s_j| ≤ κ‖x_j‖,
+`check_projection`): one that colludes with an owner can move the check by at most that much, so
+the owner's lie through it is bounded by the contributor's own screened norm.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .codecs import decode, error_bound, sum_parts
+from .parts import MISMATCH, SCORED, SCREENED, Aggregate, accepted_factors, screened_out, tensor_norm
+
+KAPPA = 7.0
+"""How many bounds of the honest error a projection may be off: Hoeffding for z uniform in [-1, 1)
+gives P(|<e, z>| ≥ κ‖e‖) ≤ 2 exp(−κ²/2) = 4.6e-11 per part (an honest owner's false alarm)."""
+FLOAT32_ROUNDING = 2.0**-24
+"""The relative rounding of one float32 operation: an owner's weighted sum adds one per term."""
+PROJECTION_CHUNK = 1 << 16
+"""Coordinates of z drawn and multiplied at a time: z is never a whole tensor in memory."""
+_Z_BITS = 24  # z takes 2**24 values in [-1, 1): the top 24 bits of each 64-bit draw
+
+
+class Misanswer(ValueError):
+    """An owner's answer contradicts the commitments it was made from (a lie, or a rule it does not
+    share with this member)."""
+
+
+class Misprojection(ValueError):
+    """A contributor's projection cannot be that of the payload it committed to."""
+
+
+def payload_digest(payload: bytes) -> bytes:
+    """The sha256 a commitment names a payload by."""
+    return hashlib.sha256(payload).digest()
+
+
+def round_seed(group_id: bytes, secrets: Sequence[bytes], answers: Sequence[bytes]) -> bytes:
+    """The seed of a round's directions: every member's secret and every answer's digest, in the
+    group's order, length-prefixed. Known to nobody before every answer is fixed and every secret
+    revealed."""
+    h = hashlib.sha256(b"adloco.verify.v1")
+    for item in (group_id, *secrets, *answers):
+        h.update(len(item).to_bytes(4, "little"))
+        h.update(item)
+    return h.digest()
+
+
+def direction(seed: bytes, key: str, numel: int) -> Iterator[torch.Tensor]:
+    """z for part `key`: `numel` coordinates uniform on a grid of 2**24 values in [-1, 1), in
+    float64 chunks of `PROJECTION_CHUNK`. Drawn from PCG64's raw output (specified bits, the same on
+    every machine and numpy version) seeded by sha256(seed, key)."""
+    digest = hashlib.sha256(seed + key.encode()).digest()
+    bits = np.random.PCG64(int.from_bytes(digest[:16], "little"))
+    scale = 2.0 ** (1 - _Z_BITS)
+    for start in range(0, numel, PROJECTION_CHUNK):
+        raw = bits.random_raw(min(PROJECTION_CHUNK, numel - start))
+        z = (raw >> np.uint64(64 - _Z_BITS)).astype(np.float64)
+        z *= scale
+        z -= 1.0
+        yield torch.from_numpy(z)
+
+
+def project(tensor: torch.Tensor, seed: bytes, key: str) -> float:
+    """<tensor, z> for part `key`'s direction, the products and their sum in float64 (exact to
+    ~1e-16 relative, far below any tolerance)."""
+    flat = tensor.reshape(-1)
+    total = 0.0
+    start = 0
+    for z in direction(seed, key, flat.numel()):
+        total += float(torch.dot(flat[start : start + len(z)].to(torch.float64), z))
+        start += len(z)
+    return total
+
+
+def project_payload(payload: bytes, seed: bytes, key: str) -> float:
+    """`project` of a payload's decoded values."""
+    return project(decode(payload), seed, key)
+
+
+@dataclass(frozen=True)
+class Claim:
+    """One contributor's payload of one part as its signed commitment states it."""
+
+    weight: float
+    tokens: float
+    norm: float
+    digest: bytes
+
+
+def expected_factors(
+    claims: Sequence[Claim],
+    codes: Mapping[int, str],
+    *,
+    outlier_factor: float | None,
+    work_cap: float | None,
+) -> list[tuple[int, float]] | None:
+    """The (contributor index, factor) pairs of the mean an owner who stated `codes` (index ->
+    `SCORED`, `MISMATCH` or `SCREENED`) must have taken; None when nothing weighs (the answer is
+    zeros). Misanswer when the screening it states is not the one the committed norms give."""
+    if any(not 0 <= i < len(claims) or code not in (SCORED, MISMATCH, SCREENED) for i, code in codes.items()):
+        raise Misanswer(f"rejections {dict(codes)} name no contributor or no reason")
+    given = {i: code for i, code in codes.items() if code != SCREENED}
+    screened = screened_out(
+        [c.norm for c in claims],
+        [c.tokens for c in claims],
+        given=given,
+        outlier_factor=outlier_factor,
+        work_cap=work_cap,
+    )
+    stated = {i for i, code in codes.items() if code == SCREENED}
+    if screened != stated:
+        raise Misanswer(f"screened out {sorted(stated)}; the committed norms screen out {sorted(screened)}")
+    accepted = [i for i in range(len(claims)) if i not in codes]
+    factors = accepted_factors([c.weight for c in claims], [c.tokens for c in claims], accepted)
+    return None if factors is None else list(zip(accepted, factors, strict=True))
+
+
+def check_exact(
+    payload: bytes, decoded: torch.Tensor, claims: Sequence[Claim], factors: list[tuple[int, float]] | None
+) -> bool:
+    """Check the answers that need no projection; True when `payload` is one of them and right,
+    False when it must be projected (or bounded). Misanswer when it is wrong: nonzero where nothing
+    weighs, not the single contribution it stands for, or a sum that does not carry the accepted
+    contributions with their factors."""
+    if factors is None:
+        if bool(decoded.count_nonzero()):
+            raise Misanswer("nothing weighs in this part, yet the answer is not zeros")
+        return True
+    if len(factors) == 1 and factors[0][1] == 1.0:
+        if payload_digest(payload) != claims[factors[0][0]].digest:
+            raise Misanswer("the answer of one contribution is not that contribution")
+        return True
+    try:
+        carried, parts = sum_parts(payload)
+    except ValueError:
+        return False  # not a sum: an encoded average
+    expected = [float(np.float32(f)) for _, f in factors]
+    digests = [payload_digest(p) for p in parts]
+    if carried != expected or digests != [claims[i].digest for i, _ in factors]:
+        raise Misanswer("the gathered contributions or their factors are not the accepted ones")
+    return True
+
+
+def check_projection(projection: float, claim: Claim) -> None:
+    """Misprojection unless |projection| ≤ κ × the committed norm: a projection on z of a payload of
+    that norm is within it but with probability 4.6e-11 (Hoeffding, as for `KAPPA`)."""
+    if not (math.isfinite(projection) and abs(projection) <= KAPPA * claim.norm):
+        raise Misprojection(f"projection {projection:.6g} of a payload of norm {claim.norm:.6g}")
+
+
+def bernstein(l2: float, peak: float, kappa: float = KAPPA) -> float:
+    """t with P(|<e, z>| ≥ t) ≤ 2 exp(−κ²/2) for any e with |e_i| ≤ `peak` and ‖e‖ ≤ `l2`, z uniform
+    in [-1, 1): Bernstein's inequality for independent terms e_i z_i of variance e_i²/3 and size at
+    most `peak`, solved for t. About κ‖e‖/√3 when no coordinate dominates (Hoeffding's κ‖e‖ is √3
+    looser)."""
+    variance = l2 * l2 / 3
+    a = kappa * kappa * peak / 3
+    return (a + math.sqrt(a * a + 4 * kappa * kappa * variance)) / 2
+
+
+def mean_tolerance(
+    payload: bytes, decoded: torch.Tensor, claims: Sequence[Claim], factors: list[tuple[int, float]]
+) -> float | None:
+    """How far an honest mean's <v, z> may be from Σ f_j s_j: `bernstein` of the answer's rounding
+    (`codecs.error_bound`), plus κ × one float32 rounding per term of the owner's sum and of the
+    factors (Hoeffding). None for an answer whose payload bounds no error (low rank, sparse)."""
+    rounding = error_bound(payload, decoded)
+    if rounding is None:
+        return None
+    weighed = math.fsum(f * claims[i].norm for i, f in factors)
+    arithmetic = (len(factors) + 2) * FLOAT32_ROUNDING * (weighed + tensor_norm(decoded))
+    return bernstein(rounding.l2, rounding.peak) + KAPPA * arithmetic
+
+
+def check_mean(
+    answer_projection: float,
+    projections: Mapping[int, float | None],
+    claims: Sequence[Claim],
+    factors: list[tuple[int, float]],
+    tolerance: float,
+) -> None:
+    """Misanswer unless <v, z> is Σ f_j s_j within `tolerance`. A contributor whose projection is
+    missing (None: it never sent it) can be anything its committed norm allows (`check_projection`),
+    which widens the tolerance by f_j κ ‖x_j‖: a member missing one projection accepts whatever a
+    member holding it accepts, never less."""
+    known = 0.0
+    unknown = 0.0
+    for i, f in factors:
+        s = projections.get(i)
+        if s is None:
+            unknown += f * KAPPA * claims[i].norm
+        else:
+            known += f * s
+    # The float64 products and sums of the projections themselves.
+    slack = 1e-12 * (
+        abs(answer_projection) + math.fsum(abs(f * (projections.get(i) or 0.0)) for i, f in factors)
+    )
+    off = abs(answer_projection - known)
+    if not off <= tolerance + unknown + slack:
+        raise Misanswer(f"projection off by {off:.6g}, allowed {tolerance + unknown + slack:.6g}")
+
+
+def check_bound(
+    decoded: torch.Tensor,
+    payload: bytes,
+    claims: Sequence[Claim],
+    factors: list[tuple[int, float]],
+    aggregate: Aggregate,
+) -> None:
+    """Misanswer unless the answer is no larger than its rule allows: for the mean, Σ f_j ‖x_j‖ (the
+    triangle inequality; a low-rank projection or a top-k selection of the mean is no larger than the
+    mean); for the robust rules (each coordinate within the contributions' range, rescaled by Σ f),
+    Σ f × √(Σ ‖x_j‖²); plus the answer's own rounding where it bounds it."""
+    total = math.fsum(f for _, f in factors)
+    if aggregate.rule == "mean":
+        allowed = math.fsum(f * claims[i].norm for i, f in factors)
+    else:
+        allowed = total * math.sqrt(math.fsum(claims[i].norm ** 2 for i, _ in factors))
+    bound = error_bound(payload, decoded)
+    rounding = 0.0 if bound is None else bound.l2
+    norm = tensor_norm(decoded)
+    allowed = allowed * (1 + 1e-6) + rounding
+    if not norm <= allowed:
+        raise Misanswer(f"the answer's norm {norm:.6g} exceeds the {allowed:.6g} its contributions allow")
