@@ -445,18 +445,30 @@ def _count_decodes(monkeypatch: pytest.MonkeyPatch) -> Counter[bytes]:
     return counts
 
 
-def test_every_contributed_payload_is_decoded_once_by_its_owner(
+def test_every_payload_is_decoded_as_often_as_its_checks_need(
     swarm: Swarm, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Owners check what they receive from its header (`codecs.payload_shape`) and decode each
-    contributed payload exactly once, when they reduce it; nothing else is decoded in a round."""
+    contributed payload exactly once, when they reduce it. Over the network every member also
+    decodes its own payloads twice (the norms it commits to, then its projections:
+    protocol/transport/verification.py) and each answer it did not reduce itself once, to check it;
+    nothing else is decoded in a round."""
     swarm.add_nodes(3)
     averagers = [swarm.averager(i) for i in range(3)]
     contributions = _contributions(averagers, "int8", seed=11)
     decodes = _count_decodes(monkeypatch)
     outcomes = _average_together(averagers, contributions, round=0, spec="int8")
-    assert all(o.result is not None for o in outcomes)
-    assert decodes == Counter(p for c in contributions for p in c.payloads.values())
+    results = [o.result for o in outcomes]
+    assert all(r is not None for r in results)
+    contributed = Counter(p for c in contributions for p in c.payloads.values())
+    if swarm.kind == "memory":
+        assert decodes == contributed
+        return
+    answers = Counter(a for r in results if r is not None for a in r.averaged.values())
+    assert all(n == len(averagers) for n in answers.values())  # every member holds every answer
+    # Each answer is checked by the members that did not reduce it.
+    checked = Counter({a: n - 1 for a, n in answers.items()})
+    assert decodes == Counter({p: 3 * n for p, n in contributed.items()}) + checked
 
 
 def test_alone_timeouts_and_misuse(swarm: Swarm) -> None:
@@ -702,45 +714,213 @@ def test_an_owner_killed_mid_reduce_fails_the_round_everywhere_and_the_retry_com
         assert all(o.elapsed_s < killed.swarm.round_bound_s for o in retry)
 
 
-def _round_with_a_lying_owner(lie: Callable[[Any], Any], spec: str, seed: int) -> None:
-    """Three members; the owner of the largest part answers with `lie(its result)` instead of its
-    result (its own copy stays intact). The others must return None, and nobody crash."""
+Lie = Callable[[Any, Any], Any]  # (the owner's true Answer, its OwnerSession) -> the Answer it gives
+
+
+@dataclass
+class LyingRound:
+    """A round of three in which the owner of the largest part (the lowest peer id: it also relays
+    the reports) answers with a lie of its own making, signed with its own key."""
+
+    averagers: list[Averager]
+    liar: Averager
+    contributions: list[Contribution]
+    outcomes: list[Outcome]
+    logs: str
+
+    @property
+    def honest(self) -> list[Averager]:
+        return [a for a in self.averagers if a is not self.liar]
+
+    def verdicts(self, averager: Averager) -> dict[str, Any]:
+        return averager.verdicts()  # type: ignore[attr-defined, no-any-return]
+
+
+@contextlib.contextmanager
+def _round_with_a_lying_owner(
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    spec: str,
+    seed: int,
+    *,
+    lie: Lie | None = None,
+    per_member: Callable[[Any, Any, str], Any] | None = None,
+) -> Iterator[LyingRound]:
+    """The liar's reductions give `lie(answer, session)` (re-signed: the liar signs its own lie), or
+    each member `per_member(answer, session, member)`; the other two are honest. Yields once every
+    member returned."""
+    from adloco.protocol.transport import owner as owner_module
+
     swarm = Swarm("hivemind")
     try:
         swarm.add_nodes(3)
-        averagers = [swarm.averager(i) for i in range(3)]
-        owner: Any = min(averagers, key=lambda a: a.peer_id)  # owns "embed", the largest part
-        answer = owner._handler._answer
+        averagers = sorted((swarm.averager(i) for i in range(3)), key=lambda a: a.peer_id)
+        liar = averagers[0]
+        real_reduce = owner_module.reduce_owned
 
-        async def answer_lying(writer: Any, session: Any, meter: Any) -> None:
-            lying = copy.copy(session)
-            if session.result is not None:
-                lying.result = lie(session.result)
-            await answer(writer, lying, meter)
+        def lying_reduce(*args: Any, **kwargs: Any) -> Any:
+            answer, rejections = real_reduce(*args, **kwargs)
+            session = kwargs["signed_by"].__self__
+            if lie is not None and session.signer.peer_id == liar.peer_id:
+                answer = _signed(lie(answer, session), session)
+            return answer, rejections
 
-        owner._handler._answer = answer_lying
+        monkeypatch.setattr(owner_module, "reduce_owned", lying_reduce)
+        if per_member is not None:
+            handler = liar._handler  # type: ignore[attr-defined]
+            answer = handler._answer
+
+            async def answer_each(writer: Any, session: Any, meter: Any, peer: str) -> None:
+                told = copy.copy(session)
+                if session.result is not None:
+                    told.result = _signed(per_member(session.result, session, peer), session)
+                await answer(writer, told, meter, peer)
+
+            handler._answer = answer_each
         contributions = _contributions(averagers, spec, seed=seed)
-        outcomes = _average_together(averagers, contributions, round=0, spec=spec)
-        assert [o.result is None for o in outcomes] == [a is not owner for a in averagers]
+        with caplog.at_level("WARNING"):
+            outcomes = _average_together(averagers, contributions, round=0, spec=spec)
+        yield LyingRound(averagers, liar, contributions, outcomes, caplog.text)
     finally:
         swarm.close()
 
 
-def test_an_owner_answering_a_malformed_rejected_field_fails_the_round_for_its_members() -> None:
-    """The owner of the largest part lists a non-member as rejected: the others return None, no crash."""
-    _round_with_a_lying_owner(lambda r: dataclasses.replace(r, rejected={"not-a-member": 1}), "int8", 9)
+def _signed(answer: Any, session: Any) -> Any:
+    """`answer` with a statement of it signed by `session`'s owner (as a liar would sign its lie)."""
+    statement = session._sign(
+        keys=session.keys,
+        payloads=[answer.payloads[k] for k in session.keys],
+        contributors=answer.contributors,
+        commitments=[c.signed.digest for c in answer.commitments],
+        codes=answer.statement.codes,
+        metadata=answer.metadata,
+    )
+    return dataclasses.replace(answer, statement=statement)
 
 
-def test_an_owner_answering_a_part_of_another_shape_fails_the_round_before_decoding_it() -> None:
+def _scaled(factor: float, spec: str) -> Lie:
+    def lie(answer: Any, session: Any) -> Any:
+        told = {k: make_codec(spec).encode(k, codecs.decode(p) * factor) for k, p in answer.payloads.items()}
+        return dataclasses.replace(answer, payloads=told)
+
+    return lie
+
+
+def _noise(answer: Any, session: Any) -> Any:
+    """Noise of the same norm as the true average, in the same codec ("none")."""
+    told = {}
+    for key, payload in answer.payloads.items():
+        true = codecs.decode(payload)
+        noise = torch.randn_like(true)
+        told[key] = make_codec("none").encode(key, noise * (float(true.norm()) / float(noise.norm())))
+    return dataclasses.replace(answer, payloads=told)
+
+
+def _assert_caught_by_the_honest(round: LyingRound, why: str) -> None:
+    """No honest member applied the round (what the liar does with its own copy is its business);
+    every honest member names the liar, shown by its signed statements."""
+    print(round.logs)
+    assert [o.result for o in round.outcomes[1:]] == [None, None]
+    for honest in round.honest:
+        verdicts = round.verdicts(honest)
+        assert round.liar.peer_id in verdicts, verdicts
+        verdict = verdicts[round.liar.peer_id]
+        assert verdict.proven and why in verdict.why, verdict
+
+
+@pytest.mark.parametrize("spec", ["int8", "none"])
+def test_an_owner_answering_its_parts_scaled_by_minus_50_is_caught_by_every_member(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, spec: str
+) -> None:
+    """The issue's attack: the true average of its part scaled by -50, validly encoded and signed.
+    It exceeds the norm the contributions allow: every honest member refuses the round and holds
+    the liar's signed statement that shows it."""
+    with _round_with_a_lying_owner(monkeypatch, caplog, spec, 9, lie=_scaled(-50.0, spec)) as round:
+        _assert_caught_by_the_honest(round, "norm")
+
+
+def test_an_owner_answering_noise_of_the_averages_size_is_caught_by_its_projection(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Noise of the true average's norm passes the norm bound; only the projection on the round's
+    direction (drawn after the answers were fixed) shows it. Under fp32 the tolerance is the owner's
+    float32 arithmetic alone, so it fails but with probability ~1e-6."""
+    with _round_with_a_lying_owner(monkeypatch, caplog, "none", 15, lie=_noise) as round:
+        assert [o.result for o in round.outcomes[1:]] == [None, None]
+        for honest in round.honest:
+            verdict = round.verdicts(honest)[round.liar.peer_id]
+            assert "projection off" in verdict.why and not verdict.proven  # a colluder could frame it
+
+
+def test_an_owner_answering_each_member_differently_is_caught_by_its_two_signatures(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The owner signs and sends each member its own answer (one of them honest): the members'
+    reveals carry the answers they got, and the two statements signed by the same key for the same
+    parts of the same round prove the lie to anyone."""
+    honest_answer_to: list[str] = []
+
+    def each(answer: Any, session: Any, member: str) -> Any:
+        if not honest_answer_to:
+            honest_answer_to.append(member)
+        if member == honest_answer_to[0]:
+            return answer
+        return _scaled(1.001, "int8")(answer, session)
+
+    with _round_with_a_lying_owner(monkeypatch, caplog, "int8", 16, per_member=each) as round:
+        _assert_caught_by_the_honest(round, "otherwise than this peer")
+
+
+def test_an_owner_rewriting_a_report_it_relays_is_caught(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The owner that relays the reports changes another member's (its tokens) and signs the list:
+    the member's own commitment names its report's digest."""
+
+    def rewrite(answer: Any, session: Any) -> Any:
+        if answer.metadata is None:
+            return answer
+        forged = PeerReport.decode(answer.metadata[1])
+        metadata = list(answer.metadata)
+        metadata[1] = dataclasses.replace(forged, tokens=10**9).encode()
+        return dataclasses.replace(answer, metadata=tuple(metadata))
+
+    with _round_with_a_lying_owner(monkeypatch, caplog, "int8", 17, lie=rewrite) as round:
+        _assert_caught_by_the_honest(round, "relayed another report")
+
+
+def test_an_owner_answering_a_malformed_rejected_field_fails_the_round_for_its_members(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The owner of the largest part lists a non-member as rejected (its statement says nothing of
+    it): every member refuses the answer, no crash."""
+
+    def reject(answer: Any, session: Any) -> Any:
+        return dataclasses.replace(answer, rejected={"not-a-member": 1})
+
+    with _round_with_a_lying_owner(monkeypatch, caplog, "int8", 9, lie=reject) as round:
+        assert [o.result for o in round.outcomes[1:]] == [None, None]
+        assert "counted other rejections than its statement" in round.logs or "rejected part" in round.logs
+        for honest in round.honest:
+            assert round.liar.peer_id in round.verdicts(honest)
+
+
+def test_an_owner_answering_a_part_of_another_shape_fails_the_round_before_decoding_it(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     """The owner of the largest part answers it as a valid rank-1 payload of shape (760, 760): within
     the answer's byte bound (the fp32 size of the (48, 32) part), 376 times its elements once
-    decoded. The others refuse it from its header and return None: no result, so no outer step
-    ever decodes it."""
+    decoded. The others refuse it from its header (before any statement or decode) and return
+    None: no result, so no outer step ever decodes it."""
     bomb = encode_tensors(make_codec("lowrank:1"), {"embed": torch.ones(760, 760)})["embed"]
     assert len(bomb) <= 48 * 32 * 4
-    _round_with_a_lying_owner(
-        lambda r: dataclasses.replace(r, payloads={**r.payloads, "embed": bomb}), "none", 15
-    )
+
+    def bombing(answer: Any, session: Any) -> Any:
+        return dataclasses.replace(answer, payloads={**answer.payloads, "embed": bomb})
+
+    with _round_with_a_lying_owner(monkeypatch, caplog, "none", 15, lie=bombing) as round:
+        assert [o.result for o in round.outcomes[1:]] == [None, None]
+        assert round.logs.count("answered a part of another shape") == 2
 
 
 @pytest.mark.parametrize(

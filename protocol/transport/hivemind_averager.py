@@ -51,18 +51,21 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import hashlib
 import logging
+import secrets
 import threading
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
 from hivemind.p2p import P2P, PeerID
 
 from ..algorithms.allreduce import Contribution
 from ..algorithms.claims import UNBOUNDED, ClaimBounds
-from ..algorithms.codecs import Codec, payload_shape
+from ..algorithms.codecs import Codec, decode, payload_shape
 from ..algorithms.parts import (
     DEFAULT_OUTLIER_FACTOR,
     MEAN,
@@ -70,15 +73,20 @@ from ..algorithms.parts import (
     assign_parts,
     check_outlier_factor,
     most_bytes_moved,
+    tensor_norm,
 )
 from ..algorithms.scoring import Scorer
+from ..algorithms.verify import payload_digest
 from .admission import Admission
 from .averager import MemberResult, Misconduct
 from .identity import NodeDHT
-from .matchmaking import Group, Matchmaker, RoundFailed, layout_of, matchmaking_bound_s
+from .matchmaking import Caught, Group, Matchmaker, RoundFailed, layout_of, matchmaking_bound_s
 from .member import OwnerUnreachable, assemble, fetch
-from .owner import Answer, Incoming, OwnerHandler, OwnerSession, RoundState
+from .owner import BAN_S, Answer, Incoming, OwnerHandler, OwnerSession, RoundState
+from .statements import Commitment, Signed, Signer
 from .turns import SendTurn, chain, send_order, turn_budget_s
+from .verification import Settings, VerifyHandler, send_statement, verify_round
+from .verification import handler_name as verification_handler
 from .wire import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, PROTOCOL_VERSION, bytes_timeout, daemon_listen_maddr
 
 logger = logging.getLogger(__name__)
@@ -87,6 +95,22 @@ _T = TypeVar("_T")
 
 
 MARK_TIMEOUT_S = 5.0  # storing or reading the failures of a try (`Matchmaker.mark_failed`)
+EXCLUDE_PROVEN_S = BAN_S
+"""How long a peer caught by its own signed statements is left out of this peer's rounds (a lie
+anyone can check), as long as an owner bans a member that broke the protocol."""
+EXCLUDE_SEEN_S = BAN_S / 5
+"""How long a peer caught only by this peer's observation (a silence, an answer that failed its
+projection) is left out: a failure an honest peer can have (a dropped link) costs it less."""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Why this peer leaves another out of its rounds, whether signed statements show it, and until
+    when (the averager's loop time)."""
+
+    why: str
+    proven: bool
+    until: float
 
 
 class HivemindAverager:
@@ -182,10 +206,15 @@ class HivemindAverager:
         # a later call may take them up afresh (`average`).
         self._alone: set[int] = set()
         self._lost_owners: dict[int, set[str]] = {}  # round -> owners whose exchange broke here
+        self._verdicts: dict[str, Verdict] = {}  # peers caught lying or silent, left out for a while
         self._tasks: set[asyncio.Task[Any]] = set()
         self._calls: set[asyncio.Task[Any]] = set()  # our `average` calls running on the loop
         self._closed = False
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adloco-reduce")
+        # A member's own work on the checks (digests, norms, projections): off the reductions' thread.
+        self._verify_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adloco-verify")
+        self._signer = Signer(dht.identity)
+        self._verify_name = verification_handler(prefix)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="adloco-averager", daemon=True)
         self._thread.start()
@@ -210,6 +239,7 @@ class HivemindAverager:
             on_stage=self._on_stage,
             log=self._log,
             admission=self.admission,
+            excluded=self.excluded,
         )
         self._handler = handler = OwnerHandler(
             peer_id=self._peer_id,
@@ -220,11 +250,38 @@ class HivemindAverager:
             admission=self.admission,
         )
         self._call(self._p2p.add_binary_stream_handler(self._handler_name, handler.serve), timeout=30)
+        checks = VerifyHandler(
+            round_state=lambda r: asyncio.shield(self._round_future(r)),
+            wait_s=matchmaking_bound_s(self.window_s, self.grace_s) + self._exchange_budget_s(0),
+            admission=self.admission,
+        )
+        self._call(self._p2p.add_binary_stream_handler(self._verify_name, checks.serve), timeout=30)
 
     @property
     def peer_id(self) -> str:
         """This peer's libp2p id (base58), the id contributions must carry."""
         return self._peer_id
+
+    def _convict(self, caught: Caught) -> None:
+        """Leave the peers `caught` names out of this peer's next rounds (`excluded`)."""
+        until = self._loop.time() + (EXCLUDE_PROVEN_S if caught.proven else EXCLUDE_SEEN_S)
+        for peer, why in caught.culprits.items():
+            if peer != self._peer_id:
+                self._verdicts[peer] = Verdict(why, caught.proven, until)
+
+    def excluded(self) -> list[str]:
+        """The peers this peer asks the others to leave out of its rounds' groups (its readiness
+        records carry them; `matchmaking.outvoted`): those whose lies or silences it caught as a
+        member (`verification`), and the members its owners banned for breaking the protocol."""
+        now = self._loop.time()
+        caught = [p for p, v in list(self._verdicts.items()) if v.until > now]
+        banned = [p for p, until in list(self._handler.banned.items()) if until > now]
+        return sorted(set(caught) | set(banned))
+
+    def verdicts(self) -> dict[str, Verdict]:
+        """The peers this peer caught as a member and still leaves out, with why."""
+        now = self._loop.time()
+        return {p: v for p, v in list(self._verdicts.items()) if v.until > now}
 
     def misconduct(self) -> Misconduct:
         """What this peer's owners caught (`owner.OwnerHandler`): rule breaks since start, bans now."""
@@ -312,7 +369,7 @@ class HivemindAverager:
             return False
         # An owner whose exchange broke here has mostly died and gives its parts to nobody; one that
         # dropped only us and completed without us alone is at worst a fork the majority heals.
-        waited = set(state.group.members) - self._lost_owners.get(round, set())
+        waited = set(state.group.members) - self._lost_owners.get(round, set()) - set(self.excluded())
         return await self._matchmaker.all_failed(round, sorted(waited))
 
     def shutdown(self) -> None:
@@ -354,12 +411,14 @@ class HivemindAverager:
         if not self._thread.is_alive():
             self._loop.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self._verify_executor.shutdown(wait=False, cancel_futures=True)
 
     async def _end_calls(self) -> float:
         """Stop taking streams and end our own calls still running (their rounds are abandoned: their
         own slots in our sessions are released); returns how long answers may still be owed."""
         try:
             await asyncio.wait_for(self._p2p.remove_binary_stream_handler(self._handler_name), timeout=5)
+            await asyncio.wait_for(self._p2p.remove_binary_stream_handler(self._verify_name), timeout=5)
         except Exception as e:  # p2pd already gone with its DHT: there is no handler left to remove
             logger.debug("removing the averaging handler: %r", e)
         for call in self._calls:
@@ -461,6 +520,10 @@ class HivemindAverager:
             )
         except asyncio.TimeoutError:
             self._log(round, "gave up after the caller's timeout of %.1f s", timeout, level=logging.WARNING)
+        except Caught as e:
+            self._convict(e)
+            how = "shown by their signed statements" if e.proven else "seen by this peer"
+            self._log(round, "no result: %s (%s)", e, how, level=logging.WARNING)
         except RoundFailed as e:
             self._log(round, "no result: %s", e, level=logging.WARNING)
         finally:
@@ -486,6 +549,9 @@ class HivemindAverager:
         bounds: ClaimBounds,
         patience_s: float,
     ) -> MemberResult | None:
+        loop = asyncio.get_running_loop()
+        # What we commit to (our payloads' digests and norms), worked out while the group forms.
+        facts = loop.run_in_executor(self._verify_executor, own_facts, contribution.payloads)
         group = await self._matchmaker.matchmake(
             round,
             layout_of(contribution.payloads),
@@ -496,8 +562,22 @@ class HivemindAverager:
         if group is None:
             return None
         self._stage("grouped", round)
-        grouped_at = asyncio.get_running_loop().time()
+        grouped_at = loop.time()
         keys = list(contribution.payloads)
+        digests, norms = await facts
+        secret = secrets.token_bytes(32)
+        commitment = Commitment.make(
+            self._signer,
+            round=group.round,
+            group_id=group.group_id,
+            weight=float(contribution.weight),
+            tokens=float(contribution.tokens),
+            digests=digests,
+            norms=norms,
+            report=bytes(contribution.metadata),
+            secret=secret,
+        )
+        layout = {k: i for i, k in enumerate(keys)}
         sizes = [len(contribution.payloads[k]) for k in keys]
         owner_index = assign_parts(sizes, len(group.members))
         owners = {k: group.members[i] for k, i in zip(keys, owner_index, strict=True)}
@@ -521,13 +601,14 @@ class HivemindAverager:
                 moved,
                 grouped_at,
                 bounds,
+                layout,
             )
 
         session = None
         if self._peer_id in by_owner:
             session = new_session(self._peer_id)
             # Our own slot is released below once we have taken the result (not on the wire).
-            session.admit(self._peer_id, _incoming(contribution, by_owner[self._peer_id]))
+            session.admit(self._peer_id, _incoming(contribution, by_owner[self._peer_id], commitment))
         stand_in_for: dict[str, OwnerSession] = {}
 
         def take_over(keys: list[str]) -> OwnerSession | None:
@@ -539,7 +620,7 @@ class HivemindAverager:
                 stand_in_for[owner].drop(owner)  # an owner never sends its own parts
             return stand_in_for[owner]
 
-        state = RoundState(group, session, take_over=take_over)
+        state = RoundState(group, session, take_over=take_over, layout=layout, own=commitment)
         ready.set_result(state)
         owned = len(state.session.keys) if state.session else 0
         self._log(round, "group of %d, owning %d of %d parts", len(group.members), owned, len(keys))
@@ -565,6 +646,29 @@ class HivemindAverager:
             exchange_s=asyncio.get_running_loop().time() - grouped_at,
             stand_ins=stand_ins,
         )
+        exchange_s = loop.time() - grouped_at
+        await verify_round(
+            state=state,
+            answers=answers,
+            members=result.members,
+            peer_id=self._peer_id,
+            own=commitment,
+            secret=secret,
+            payloads=contribution.payloads,
+            settings=Settings(self.aggregate, self.outlier_factor, bounds.reference_tokens),
+            signer=self._signer,
+            send=lambda peer, kind, signed: self._send_statement(state, peer, kind, signed, moved),
+            executor=self._verify_executor,
+            budget_s=self.phase_s(moved, floor_s=self.reduce_timeout_s),
+        )
+        # What the checks moved counts too (their frames carry no payload).
+        traffic = state.meter.traffic(exchange_s)
+        result = dataclasses.replace(
+            result,
+            traffic=traffic,
+            sent_bytes={self._peer_id: traffic.wire_sent},
+            received_bytes={self._peer_id: traffic.wire_received},
+        )
         self._measure(result)
         # The next round's registration expects this group again: it closes once they are all in.
         self._matchmaker.expected = group.members
@@ -577,6 +681,21 @@ class HivemindAverager:
             sum(result.rejected.values()),
         )
         return result
+
+    def _send_statement(self, state: RoundState, peer: str, kind: str, signed: Signed, moved: int) -> None:
+        """Start sending one verification statement to `peer` (not waited for)."""
+        self._spawn(
+            send_statement(
+                self._p2p,
+                self._verify_name,
+                peer,
+                round=state.group.round,
+                kind=kind,
+                signed=signed,
+                timeout_s=self.phase_s(moved, floor_s=self.reduce_timeout_s),
+                meter=state.meter,
+            )
+        )
 
     def _exchange_budget_s(self, moved: int) -> float:
         """How long a member waits for every answer after forming the group, at the configured rate."""
@@ -608,6 +727,7 @@ class HivemindAverager:
         moved: int,
         grouped_at: float,
         bounds: ClaimBounds,
+        layout: Mapping[str, int],
     ) -> OwnerSession:
         """A reduction of `keys` (ours, or an unreachable owner's), running from now."""
         # From the headers: our own payloads are decoded once, with the others', when we reduce.
@@ -630,6 +750,8 @@ class HivemindAverager:
             on_stage=self._on_stage,
             owner=owner,
             turn_budget_s=turn_budget_s(sum(len(contribution.payloads[k]) for k in keys), self._best_bps()),
+            signer=self._signer,
+            layout=layout,
         )
         self._spawn(session.run(self._executor))
         return session
@@ -708,7 +830,8 @@ class HivemindAverager:
         failed = [t for t in done if t.exception() is not None]
         if failed:
             self._lost_owners[state.group.round] = lost
-            raise RoundFailed(str(failed[0].exception()))
+            error = failed[0].exception()
+            raise error if isinstance(error, RoundFailed) else RoundFailed(str(error))
         if pending:
             # An owner silent for the whole budget is lost as one whose stream broke (cut off, or
             # dead): the others need not wait for it to say that its try failed.
@@ -743,7 +866,7 @@ class HivemindAverager:
             if member == self._peer_id:
                 session = state.take_over(keys)
                 assert session is not None  # they are `owner`'s parts, and we are not `owner`
-                if not session.admit(self._peer_id, _incoming(contribution, keys)):
+                if not session.admit(self._peer_id, _incoming(contribution, keys, state.own)):
                     raise RoundFailed(f"standing in for {owner[-8:]}: the reduction had already closed")
                 try:
                     await session.done.wait()
@@ -775,10 +898,20 @@ def parts_by_owner(owners: Mapping[str, str]) -> dict[str, list[str]]:
     return by_owner
 
 
-def _incoming(contribution: Contribution, keys: list[str]) -> Incoming:
+def _incoming(contribution: Contribution, keys: list[str], commitment: Commitment | None) -> Incoming:
     """Our own contribution to the parts `keys`, as a session takes it (never on the wire)."""
     own = {k: bytes(contribution.payloads[k]) for k in keys}
-    return Incoming(contribution.weight, contribution.tokens, own, bytes(contribution.metadata))
+    return Incoming(
+        float(contribution.weight), float(contribution.tokens), own, bytes(contribution.metadata), commitment
+    )
+
+
+def own_facts(payloads: Mapping[str, bytes]) -> tuple[list[bytes], list[float]]:
+    """What a member commits to of its payloads: their digests and the norms of their decoded values
+    (`statements.Commitment`), in the layout's order."""
+    digests = [payload_digest(p) for p in payloads.values()]
+    norms = [tensor_norm(decode(p)) for p in payloads.values()]
+    return digests, norms
 
 
 class _LateAnswers:

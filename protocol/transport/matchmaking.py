@@ -53,7 +53,7 @@ import hashlib
 import logging
 import math
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from hivemind.utils import get_dht_time
@@ -79,6 +79,17 @@ class RoundFailed(Exception):
     """This member cannot return a result for the round (the reason is logged)."""
 
 
+class Caught(RoundFailed):
+    """The round failed because of what peers did: `culprits` maps each to why. `proven`: this
+    member holds statements they signed that show it (`statements`); otherwise it is this member's
+    own observation (a silence, an answer that failed its check), which it alone can vouch for."""
+
+    def __init__(self, message: str, culprits: dict[str, str], *, proven: bool) -> None:
+        super().__init__(message)
+        self.culprits = culprits
+        self.proven = proven
+
+
 OPEN_QUORUM = 2  # registrations that open a round (see the module docstring)
 # The longest a registration may keep the round it opens open (its patience); a record claiming more
 # is ignored. Every peer's bound on matchmaking includes it: a first registrant may claim it.
@@ -86,6 +97,7 @@ MAX_PATIENCE_S = 60.0
 EXPECTATION_CHARS = 32  # `expectation`'s hex digest
 JOIN_PREFIX = "join:"
 MAX_EXPECT_CHARS = 48
+MAX_PEER_CHARS = 64
 JOIN_POLL_S = 0.05  # how often a join-only registrant looks whether a round has opened
 
 
@@ -213,16 +225,44 @@ def parse_failures(value: Any) -> set[str]:
     }
 
 
+MAX_EXCLUDED = 16
+"""The most peers one registration may ask the others to leave out (`outvoted`)."""
+
+
+def outvoted(excludes: Mapping[str, Collection[str]]) -> set[str]:
+    """The registrants that more than half of the other registrants ask to leave out: peers whose
+    lies or silences most of the others caught (`verification`). One registrant cannot remove
+    anyone, and a majority of keys is needed to remove one (keys, not work, for now: many keys of
+    one attacker count as many)."""
+    registrants = set(excludes)
+    out = set()
+    for peer in registrants:
+        votes = sum(1 for other in registrants if other != peer and peer in excludes[other])
+        if 2 * votes > len(registrants) - 1:
+            out.add(peer)
+    return out
+
+
 @dataclass
 class Registrations:
-    """What the registrations of one round say, per registrant: time, expectation, patience."""
+    """What the registrations of one round say, per registrant: time, expectation, patience, and
+    the peers it asks the others to leave out."""
 
     times: dict[str, float]
     expects: dict[str, str]
     patience: dict[str, float]
+    excludes: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     def close_and_members(self, window_s: float, grace_s: float) -> tuple[float, tuple[str, ...]]:
-        return close_and_members(self.times, window_s, grace_s, expects=self.expects, patience=self.patience)
+        """`close_and_members` over the registrants the others did not outvote (`outvoted`)."""
+        out = outvoted({p: self.excludes.get(p, ()) for p in self.times})
+        times = {p: t for p, t in self.times.items() if p not in out}
+        if not times:
+            return -math.inf, ()
+        return close_and_members(times, window_s, grace_s, expects=self.expects, patience=self.patience)
+
+    def outvoted(self) -> set[str]:
+        return outvoted({p: self.excludes.get(p, ()) for p in self.times})
 
     def dated_by(self, latest: float, admitted: Collection[str]) -> Registrations:
         """The registrations of `admitted` peers dated `latest` at the latest."""
@@ -231,6 +271,7 @@ class Registrations:
             {p: self.times[p] for p in kept},
             {p: self.expects[p] for p in kept},
             {p: self.patience[p] for p in kept},
+            {p: self.excludes.get(p, ()) for p in kept},
         )
 
 
@@ -238,10 +279,18 @@ def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def _excluded(value: Any) -> bool:
+    return (
+        isinstance(value, (list, tuple))
+        and len(value) <= MAX_EXCLUDED
+        and all(isinstance(p, str) and len(p) <= MAX_PEER_CHARS for p in value)
+    )
+
+
 def parse_registrations(value: Any) -> Registrations:
     """The registrations in a DHT dictionary value; malformed entries (a patience outside
-    [0, MAX_PATIENCE_S] too), and entries naming another peer than the one whose key signed them,
-    are ignored."""
+    [0, MAX_PATIENCE_S], more than MAX_EXCLUDED exclusions too), and entries naming another peer
+    than the one whose key signed them, are ignored."""
     found = Registrations({}, {}, {})
     if not isinstance(value, dict):
         return found
@@ -249,7 +298,7 @@ def parse_registrations(value: Any) -> Registrations:
         record = getattr(item, "value", None)
         if (
             isinstance(record, (list, tuple))
-            and len(record) == 4
+            and len(record) == 5
             and _number(record[0])
             and isinstance(record[1], str)
             and record[1] == peer_of_subkey(subkey)
@@ -257,10 +306,12 @@ def parse_registrations(value: Any) -> Registrations:
             and len(record[2]) <= MAX_EXPECT_CHARS
             and _number(record[3])
             and 0 <= record[3] <= MAX_PATIENCE_S
+            and _excluded(record[4])
         ):
             found.times[record[1]] = float(record[0])
             found.expects[record[1]] = record[2]
             found.patience[record[1]] = float(record[3])
+            found.excludes[record[1]] = tuple(record[4])
     return found
 
 
@@ -282,8 +333,11 @@ class Matchmaker:
         on_stage: Callable[[str, int], None] | None = None,
         log: Callable[..., None],
         admission: Admission | None = None,
+        excluded: Callable[[], Collection[str]] = tuple,
     ) -> None:
         self._admission = admission or Admission()
+        # The peers this one asks the others to leave out (`outvoted`): those it caught.
+        self.excluded = excluded
         if peer_id != dht.identity.peer_id:
             raise ValueError(f"peer id {peer_id} is not the DHT identity's {dht.identity.peer_id}")
         self.dht, self.peer_id, self.prefix = dht, peer_id, prefix
@@ -320,7 +374,8 @@ class Matchmaker:
             expect = "" if self.expected is None else expectation(self.expected)
             if self.expected is not None and len(self.expected) > 1:
                 patience = min(MAX_PATIENCE_S, max(0.0, patience_s))
-        mine = (await self._register(key, round, expect, patience), expect, patience)
+        excluded = tuple(sorted(self.excluded())[:MAX_EXCLUDED])
+        mine = (await self._register(key, round, expect, patience, excluded), expect, patience, excluded)
         registered = mine[0]
         while True:
             records = await self._registrations(key, mine)
@@ -332,6 +387,9 @@ class Matchmaker:
                 return None
             if self.peer_id in members:
                 break
+            if self.peer_id in records.outvoted():
+                self._log(round, "left out: most of the others caught this peer", level=logging.WARNING)
+                return None
             if not join_only:  # a registration that came after a round it could have been in
                 self._log(round, "late: an earlier registration closed the round before this peer's")
                 return None
@@ -401,12 +459,14 @@ class Matchmaker:
         """How often a registrant reads the registrations again while it waits for the close."""
         return min(0.5, max(0.05, self.window_s / 8))
 
-    async def _register(self, key: str, round: int, expect: str, patience: float) -> float:
+    async def _register(
+        self, key: str, round: int, expect: str, patience: float, excluded: tuple[str, ...]
+    ) -> float:
         registered = float(get_dht_time())
         try:
             stored = await self.dht.store(
                 key,
-                (registered, self.peer_id, expect, patience),
+                (registered, self.peer_id, expect, patience, list(excluded)),
                 expiration_time=registered + self.record_ttl_s,
                 subkey=self.dht.identity.subkey,
                 return_future=True,
@@ -424,14 +484,14 @@ class Matchmaker:
         return registered
 
     async def _registrations(
-        self, key: str, mine: tuple[float, str, float], *, until: float | None = None
+        self, key: str, mine: tuple[float, str, float, tuple[str, ...]], *, until: float | None = None
     ) -> Registrations:
         """The registrations dated `until` at the latest, with this peer's `mine` (time,
-        expectation, patience) among them."""
+        expectation, patience, exclusions) among them."""
         records = await self._read(key, until=until)
         # Our own record may not be visible yet; we know it exists.
         me = self.peer_id
-        records.times[me], records.expects[me], records.patience[me] = mine
+        records.times[me], records.expects[me], records.patience[me], records.excludes[me] = mine
         return records
 
     async def _read(self, key: str, *, until: float | None = None) -> Registrations:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -27,8 +28,9 @@ from ..algorithms.allreduce import Contribution, gather_reports
 from ..algorithms.codecs import payload_shape
 from ..algorithms.parts import merge_rejected
 from .averager import MemberResult
-from .matchmaking import RoundFailed
-from .owner import Answer, RoundState, shape_error, size_list, str_list
+from .matchmaking import Caught, RoundFailed
+from .owner import Answer, RoundState, reports_digest, shape_error, size_list, str_list
+from .statements import AnswerStatement, BadStatement, Commitment, Signed, digest
 from .turns import SendTurn
 from .wire import PROTOCOL_VERSION, read_chunks, read_frame, write_chunks, write_frame
 
@@ -40,6 +42,11 @@ GO_HEADER_BYTES = 1 << 12  # the owner's go or refusal after a request header
 class OwnerUnreachable(RoundFailed):
     """No stream to the owner could be opened: nothing of ours reached it (it is gone, never
     existed, or serves nothing), so its parts may be asked of another member."""
+
+
+def _fault(owner: str, why: str) -> Caught:
+    """An owner's answer that breaks the protocol, as this member saw it on the owner's stream."""
+    return Caught(f"owner {owner[-8:]} {why}", {owner: why}, proven=False)
 
 
 def parse_rejected(value: Any, contributors: Sequence[str], num_parts: int) -> dict[str, int] | None:
@@ -61,8 +68,12 @@ def parse_rejected(value: Any, contributors: Sequence[str], num_parts: int) -> d
 def request_header(
     state: RoundState, *, peer_id: str, keys: list[str], contribution: Contribution, with_metadata: bool
 ) -> dict[str, Any]:
-    """The request header announcing our payloads of `keys` to their owner (owner.py's framing)."""
+    """The request header announcing our payloads of `keys` to their owner (owner.py's framing),
+    with our signed commitment (`statements.Commitment`)."""
+    if state.own is None:
+        raise RoundFailed("no commitment to send")
     return {
+        "c": state.own.signed.to_wire(),
         "v": PROTOCOL_VERSION,
         "r": state.group.round,
         "g": state.group.group_id,
@@ -128,8 +139,71 @@ async def fetch(
     shapes = {k: payload_shape(contribution.payloads[k]) for k in keys}
     error = shape_error(dict(zip(keys, body, strict=True)), shapes)
     if error is not None:
-        raise RoundFailed(f"owner {owner[-8:]} answered a part of another shape: {error}")
-    return _parse_answer(response, body, owner=owner, keys=keys, with_metadata=with_metadata)
+        raise _fault(owner, f"answered a part of another shape: {error}")
+    answer = _parse_answer(response, body, owner=owner, keys=keys, with_metadata=with_metadata)
+    return _with_statement(answer, response, body, state=state, owner=owner, keys=keys)
+
+
+def _with_statement(
+    answer: Answer,
+    response: dict[str, Any],
+    body: list[bytes],
+    *,
+    state: RoundState,
+    owner: str,
+    keys: list[str],
+) -> Answer:
+    """`answer` with the owner's signed statement of it and the contributors' commitments, each
+    checked against the answer as it came: Caught (on this member's word: the stream, not a
+    signature, says who sent the bytes) when they do not describe it."""
+    group = state.group
+
+    def caught(why: str) -> Caught:
+        return Caught(f"owner {owner[-8:]} {why}", {owner: why}, proven=False)
+
+    try:
+        signed = Signed.from_wire(response.get("st"), max_body=state.statement_bytes)
+        statement = AnswerStatement.parse(
+            signed,
+            state.ring,
+            round=group.round,
+            group_id=group.group_id,
+            members=len(group.members),
+            parts=len(state.layout),
+        )
+        listed = response.get("cm")
+        if not isinstance(listed, list) or len(listed) != len(answer.contributors):
+            raise BadStatement("one commitment per contributor")
+        commitments = tuple(
+            Commitment.parse(
+                Signed.from_wire(c, max_body=state.statement_bytes),
+                state.ring,
+                round=group.round,
+                group_id=group.group_id,
+                parts=len(state.layout),
+            )
+            for c in listed
+        )
+    except BadStatement as e:
+        raise caught(f"answered with a malformed statement: {e}") from e
+    if statement.owner != owner:
+        raise caught("answered with another peer's statement")
+    if (
+        statement.keys != keys
+        or statement.digests != [digest(part) for part in body]
+        or statement.contributors != list(answer.contributors)
+        or [c.signed.digest for c in commitments] != statement.commitments
+        or [c.peer for c in commitments] != statement.contributors
+        or statement.reports != reports_digest(answer.metadata)
+    ):
+        raise caught("answered otherwise than its signed statement says")
+    counts: dict[str, int] = {}
+    for codes in statement.codes:
+        for i in codes:
+            counts[statement.contributors[i]] = counts.get(statement.contributors[i], 0) + 1
+    if counts != answer.rejected:
+        raise caught("counted other rejections than its statement")
+    return dataclasses.replace(answer, statement=statement, commitments=commitments)
 
 
 async def _write_chunks_staged(
@@ -156,10 +230,10 @@ def _answer_sizes(
     try:
         sizes = size_list(response.get("s"), len(keys))
     except ValueError as e:
-        raise RoundFailed(f"owner {owner[-8:]} answered with a malformed header: {e}") from e
+        raise _fault(owner, f"answered with a malformed header: {e}") from e
     over = [k for k, size in zip(keys, sizes, strict=True) if size > bounds[k]]
     if over:
-        raise RoundFailed(f"owner {owner[-8:]} announced oversized parts {over[:3]}")
+        raise _fault(owner, f"announced oversized parts {over[:3]}")
     return sizes
 
 
@@ -171,13 +245,13 @@ def _parse_answer(
         answered_keys = str_list(response.get("k"))
         contributors = tuple(str_list(response.get("c")))
     except ValueError as e:
-        raise RoundFailed(f"owner {owner[-8:]} answered with a malformed header: {e}") from e
+        raise _fault(owner, f"answered with a malformed header: {e}") from e
     metadata_ok = isinstance(gathered, list) and all(isinstance(m, bytes) for m in gathered)
     if answered_keys != keys or len(body) != len(keys) or (with_metadata and not metadata_ok):
-        raise RoundFailed(f"owner {owner[-8:]} answered with the wrong parts")
+        raise _fault(owner, "answered with the wrong parts")
     rejected = parse_rejected(response.get("x"), contributors, len(keys))
     if rejected is None:
-        raise RoundFailed(f"owner {owner[-8:]} answered with a malformed list of rejected parts")
+        raise _fault(owner, "answered with a malformed list of rejected parts")
     metadata = tuple(gathered) if with_metadata and gathered is not None else None
     return Answer(contributors, dict(zip(keys, body, strict=True)), metadata, rejected)
 
@@ -212,9 +286,21 @@ async def assemble(
     """
     contributor_sets = [set(answer.contributors) for answer in answers.values()]
     if peer_id not in set.intersection(*contributor_sets):
-        raise RoundFailed("our contribution was not included")
-    if not set.union(*contributor_sets) <= set(state.group.members):
-        raise RoundFailed("an owner included peers outside the group")
+        # It answered on the stream our parts came in on, so it had taken them.
+        left_out = {owner: "left out our contribution it had taken" for owner, a in answers.items()}
+        raise Caught(
+            "our contribution was not included",
+            {o: why for o, why in left_out.items() if peer_id not in answers[o].contributors},
+            proven=False,
+        )
+    outsiders = {o for o, a in answers.items() if not set(a.contributors) <= set(state.group.members)}
+    if outsiders:
+        # Its signed statement lists them.
+        raise Caught(
+            "an owner included peers outside the group",
+            dict.fromkeys(outsiders, "included peers outside the group"),
+            proven=True,
+        )
     stand_ins = stand_ins or {}
     anyone: set[str] = set().union(*contributor_sets)
     if stand_ins and (len(set(map(frozenset, contributor_sets))) > 1 or anyone & set(stand_ins)):

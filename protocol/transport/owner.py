@@ -38,11 +38,14 @@ and reads at most one chunk per stream at a time.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
+
+from hivemind.utils.serializer import MSGPackSerializer
 
 from ..algorithms.claims import UNBOUNDED, ClaimBounds
 from ..algorithms.codecs import Codec, payload_shape
@@ -51,6 +54,17 @@ from ..algorithms.report import MAX_REPORT_BYTES
 from ..algorithms.scoring import Scorer
 from .admission import NOT_ADMITTED, Admission
 from .matchmaking import Group
+from .statements import (
+    AnswerStatement,
+    BadStatement,
+    Commitment,
+    KeyRing,
+    Mailbox,
+    Signed,
+    Signer,
+    digest,
+    statement_bound,
+)
 from .turns import TURN_FLOOR_S, SendTurn, chain, send_order
 from .wire import PROTOCOL_VERSION, Meter, read_chunks, read_frame, write_chunks, write_frame
 
@@ -75,6 +89,9 @@ def size_list(value: Any, count: int) -> list[int]:
     return value
 
 
+REQUEST_HEADER_BYTES = 1 << 20
+"""The most a request header may take (read before its round is known): a commitment lists ~45
+bytes per part, so this holds ~20,000 parts."""
 BAN_S = 600.0
 """How long an owner refuses a member that broke a rule on a stream authenticated as its own (wrong
 parts or sizes, a claim the round does not allow, more bytes than announced, a malformed payload)."""
@@ -92,9 +109,10 @@ class Request:
     keys: list[str]
     sizes: list[int]
     metadata: bytes | None
+    commitment: Signed
 
     @classmethod
-    def parse(cls, header: dict[str, Any]) -> Request:
+    def parse(cls, header: dict[str, Any], *, max_statement: int) -> Request:
         keys = str_list(header.get("k"))
         sizes = size_list(header.get("s"), len(keys))
         round, group_id, peer = header.get("r"), header.get("g"), header.get("p")
@@ -109,18 +127,22 @@ class Request:
         ):
             raise ValueError("malformed request header")
         if metadata is not None and len(metadata) > MAX_REPORT_BYTES:
-            metadata = b""  # relayed as an empty, hence malformed, report: every member drops it alike
-        return cls(round, group_id, peer, float(weight), float(tokens), keys, sizes, metadata)
+            # Relayed as an empty, hence malformed, report: every member drops it alike. The only
+            # report a relay may change (`verification` holds every other one to its commitment).
+            metadata = b""
+        commitment = Signed.from_wire(header.get("c"), max_body=max_statement)
+        return cls(round, group_id, peer, float(weight), float(tokens), keys, sizes, metadata, commitment)
 
 
 @dataclass(frozen=True)
 class Incoming:
-    """One member's contribution to the parts of one owner."""
+    """One member's contribution to the parts of one owner, and its signed commitment."""
 
     weight: float
     tokens: float
     payloads: dict[str, bytes]
     metadata: bytes | None
+    commitment: Commitment | None = None
 
 
 @dataclass(frozen=True)
@@ -128,15 +150,24 @@ class Answer:
     """An owner's answer: the contributors it included, its averaged parts, their reports.
 
     `rejected`: contributor -> how many of its parts this owner screened out (none: absent).
+    `statement`: the owner's signed statement of it, `commitments` the contributors' (in their
+    order), what a member checks it with (`verification`); None only in process.
     """
 
     contributors: tuple[str, ...]
     payloads: dict[str, bytes]
     metadata: tuple[bytes, ...] | None
     rejected: dict[str, int] = field(default_factory=dict)
+    statement: AnswerStatement | None = None
+    commitments: tuple[Commitment, ...] = ()
 
 
 _DROPPED = Incoming(0.0, 0.0, {}, None)
+
+
+def reports_digest(metadata: tuple[bytes, ...] | None) -> bytes:
+    """What an answer statement names the relayed reports by (empty when it relays none)."""
+    return b"" if metadata is None else digest(MSGPackSerializer.dumps(list(metadata)))
 
 
 def reduce_owned(
@@ -147,12 +178,25 @@ def reduce_owned(
     aggregate: Aggregate = MEAN,
     scorer: Scorer | None = None,
     work_cap: float | None = None,
+    *,
+    layout: Mapping[str, int] | None = None,
+    signed_by: Callable[..., AnswerStatement] | None = None,
 ) -> tuple[Answer, list[tuple[str, str, str]]]:
     """The owner's reduction over the contributors that arrived, and (part, peer, reason) rejections;
     with a `scorer`, the contributors it excludes are rejected in every part (`parts.reduce_parts`);
-    `work_cap`: the round's reference work, the most the screening credits a claim with."""
+    `work_cap`: the round's reference work, the most the screening credits a claim with. When every
+    contribution carries its commitment, the screening runs on the committed norms (`layout`: each
+    part's place in them) and `signed_by(...)` makes the answer's signed statement."""
     contributors = tuple(sorted(contributions))
     entries = [contributions[peer] for peer in contributors]
+    commitments = [e.commitment for e in entries]
+    committed = layout is not None and all(c is not None for c in commitments)
+
+    def claimed_norm(i: int, key: str) -> float:
+        commitment = commitments[i]
+        assert commitment is not None and layout is not None
+        return commitment.norms[layout[key]]
+
     reduced = reduce_parts(
         keys,
         contributors,
@@ -164,9 +208,23 @@ def reduce_owned(
         aggregate=aggregate,
         scorer=scorer,
         work_cap=work_cap,
+        claimed_norms=claimed_norm if committed else None,
     )
     metadata = tuple(e.metadata or b"" for e in entries)
-    return Answer(contributors, reduced.averaged, metadata, reduced.rejected), reduced.rejections
+    statement = None
+    kept: tuple[Commitment, ...] = ()
+    if committed and signed_by is not None:
+        kept = tuple(c for c in commitments if c is not None)
+        statement = signed_by(
+            keys=keys,
+            payloads=[reduced.averaged[k] for k in keys],
+            contributors=contributors,
+            commitments=[c.signed.digest for c in kept],
+            codes=[reduced.codes[k] for k in keys],
+            metadata=metadata,
+        )
+    answer = Answer(contributors, reduced.averaged, metadata, reduced.rejected, statement, kept)
+    return answer, reduced.rejections
 
 
 def shape_error(payloads: Mapping[str, bytes], shapes: Mapping[str, tuple[int, ...]]) -> str | None:
@@ -205,8 +263,12 @@ class OwnerSession:
         scorer: Scorer | None = None,
         owner: str = "",
         turn_budget_s: float = TURN_FLOOR_S,
+        signer: Signer | None = None,
+        layout: Mapping[str, int] | None = None,
     ) -> None:
         self.group = group
+        # Signs the answer's statement (`statements`), the parts' places in the members' commitments.
+        self.signer, self.layout = signer, layout
         # The members are answered one at a time, after the owner's place in the group (`turns`).
         self.owner, self.turn_budget_s = owner, turn_budget_s
         self._turns: dict[str, SendTurn] | None = None
@@ -293,14 +355,18 @@ class OwnerSession:
             contributions = dict(self.contributions)
             self.result, rejections = await loop.run_in_executor(
                 executor,
-                reduce_owned,
-                self.keys,
-                contributions,
-                self.codec,
-                self.outlier_factor,
-                self.aggregate,
-                self.scorer,
-                self.bounds.reference_tokens,
+                functools.partial(
+                    reduce_owned,
+                    self.keys,
+                    contributions,
+                    self.codec,
+                    self.outlier_factor,
+                    self.aggregate,
+                    self.scorer,
+                    self.bounds.reference_tokens,
+                    layout=self.layout,
+                    signed_by=None if self.signer is None else self._sign,
+                ),
             )
             for key, peer, reason in rejections:
                 logger.warning(
@@ -313,6 +379,33 @@ class OwnerSession:
             self.done_at = loop.time()
             self.done.set()
             self._update_idle()
+
+    def _sign(
+        self,
+        *,
+        keys: list[str],
+        payloads: list[bytes],
+        contributors: tuple[str, ...],
+        commitments: list[bytes],
+        codes: list[dict[int, str]],
+        metadata: tuple[bytes, ...],
+    ) -> AnswerStatement:
+        """This reduction's signed statement (on the reduction's thread)."""
+        assert self.signer is not None
+        return AnswerStatement.make(
+            self.signer,
+            round=self.group.round,
+            group_id=self.group.group_id,
+            keys=keys,
+            payloads=payloads,
+            contributors=contributors,
+            commitments=commitments,
+            codes=codes,
+            rule=str(self.aggregate),
+            outlier_factor=self.outlier_factor,
+            work_cap=self.bounds.reference_tokens,
+            reports=reports_digest(metadata if self.with_metadata else None),
+        )
 
     def owed_until(self) -> float | None:
         """Until when (loop time) members may still be reading the answers of this reduction: each
@@ -334,17 +427,29 @@ def _no_take_over(keys: list[str]) -> OwnerSession | None:
 
 @dataclass
 class RoundState:
-    """This peer's part in one round, shared by its own `average` call and the stream handler.
+    """This peer's part in one round, shared by its own `average` call and the stream handlers.
 
     `take_over(keys)`: the session in which this peer reduces `keys` in place of their owner, when
     they are exactly the parts of another member (a member that could not reach that owner asks
-    the next members in order; see hivemind_averager.py); None for any other keys.
+    the next members in order; see hivemind_averager.py); None for any other keys. `layout`: every
+    part's place in the contributions (the members' commitments list theirs in this order); `ring`
+    checks the statements of the round's peers; `own`: this peer's commitment; `mail`: the reveals
+    and projections the other members sent it (`verification`).
     """
 
     group: Group
     session: OwnerSession | None
     meter: Meter = field(default_factory=Meter)
     take_over: Callable[[list[str]], OwnerSession | None] = _no_take_over
+    layout: dict[str, int] = field(default_factory=dict)
+    ring: KeyRing = field(default_factory=KeyRing)
+    own: Commitment | None = None
+    mail: Mailbox = field(default_factory=Mailbox)
+
+    @property
+    def statement_bytes(self) -> int:
+        """The most bytes a commitment or answer statement of this round may take."""
+        return statement_bound(len(self.layout), len(self.group.members))
 
 
 def _session_for(state: RoundState, request: Request) -> OwnerSession | None:
@@ -356,17 +461,42 @@ def _session_for(state: RoundState, request: Request) -> OwnerSession | None:
     return state.take_over(request.keys) or own
 
 
-def _violation(session: OwnerSession, request: Request) -> str | None:
-    """How a member of the group announced other parts than the ones it must send, or claimed a
-    weight or tokens the round does not allow (None: neither); the group id covers every payload
-    size, so honest members announce exactly ours."""
+def _violation(session: OwnerSession, request: Request, state: RoundState) -> str | None:
+    """How a member of the group announced other parts than the ones it must send, claimed a weight
+    or tokens the round does not allow, or sent a commitment that is not its own for this round or
+    not what it announces (None: none of these); the group id covers every payload size, so honest
+    members announce exactly ours."""
     if request.keys != session.keys:
         return "these are not the parts this peer owns"
     if session.with_metadata and request.metadata is None:
         return "metadata missing"
     if request.sizes != session.sizes:
         return f"part sizes {request.sizes} announced, {session.sizes} expected"
-    return session.bounds.violation(request.weight, request.tokens)
+    violation = session.bounds.violation(request.weight, request.tokens)
+    if violation is not None:
+        return violation
+    try:
+        commitment = _commitment_of(request, state)
+    except BadStatement as e:
+        return f"commitment: {e}"
+    if commitment.weight != request.weight or commitment.tokens != request.tokens:
+        return "the commitment claims another weight or tokens than the request"
+    if request.metadata and digest(request.metadata) != commitment.report:
+        return "the report is not the one committed to"
+    return None
+
+
+def _commitment_of(request: Request, state: RoundState) -> Commitment:
+    commitment = Commitment.parse(
+        request.commitment,
+        state.ring,
+        round=state.group.round,
+        group_id=state.group.group_id,
+        parts=len(state.layout),
+    )
+    if commitment.peer != request.peer:
+        raise BadStatement("the commitment of another member")
+    return commitment
 
 
 class OwnerHandler:
@@ -429,14 +559,15 @@ class OwnerHandler:
         admitted: OwnerSession | None = None
         try:
             remote = str(info.peer_id.to_base58())
-            header, _ = await asyncio.wait_for(
-                read_frame(reader, meter, max_body=0), timeout=self._header_timeout_s
-            )
             if not await self._admission.select_async([remote]):
-                # A private run's outsider: refused on its (bounded) header, no part of it read.
+                # A private run's outsider: refused before a byte of its request is read.
                 await write_frame(writer, {"v": PROTOCOL_VERSION, "ok": False, "e": NOT_ADMITTED}, [], meter)
                 return
-            request = Request.parse(header)
+            header, _ = await asyncio.wait_for(
+                read_frame(reader, meter, max_header=REQUEST_HEADER_BYTES, max_body=0),
+                timeout=self._header_timeout_s,
+            )
+            request = Request.parse(header, max_statement=REQUEST_HEADER_BYTES)
             state = await asyncio.wait_for(self._round_state(request.round), timeout=self._wait_s)
             refusal = self._refusal(state, request, remote)
             session = _session_for(state, request) if refusal is None and state is not None else None
@@ -444,7 +575,7 @@ class OwnerHandler:
                 refusal = "this peer owns no parts in the group"
             if refusal is None and session is not None:
                 banned_s = self._ban_left(request.peer)
-                violation = _violation(session, request)
+                violation = _violation(session, request, state)
                 if banned_s > 0:
                     session.drop(request.peer)
                     refusal = f"refused for {banned_s:.0f} s more: this member broke the protocol"
@@ -462,7 +593,7 @@ class OwnerHandler:
                 await self._refuse(writer, request, refusal, meter)
                 return
             await write_frame(writer, {"v": PROTOCOL_VERSION, "ok": True}, [], meter)
-            admitted = await self._receive(reader, writer, receiving, request, meter)
+            admitted = await self._receive(reader, writer, receiving, request, meter, state)
             if admitted is None:
                 return
             await admitted.done.wait()
@@ -497,8 +628,10 @@ class OwnerHandler:
         session: OwnerSession,
         request: Request,
         meter: Meter,
+        state: RoundState,
     ) -> OwnerSession | None:
-        """Read the announced payloads by the session's deadline and admit them (None: refused)."""
+        """Read the announced payloads by the session's deadline, check them against the member's
+        commitment and admit them (None: refused)."""
         remaining = session.deadline - asyncio.get_running_loop().time()
         body = await asyncio.wait_for(read_chunks(reader, request.sizes, meter), timeout=max(0.0, remaining))
         payloads = dict(zip(request.keys, body, strict=True))
@@ -507,7 +640,11 @@ class OwnerHandler:
         error = shape_error(payloads, session.shapes)
         if error is not None:
             raise ValueError(f"{request.peer[-8:]}: {error}")
-        incoming = Incoming(request.weight, request.tokens, payloads, request.metadata)
+        commitment = _commitment_of(request, state)  # parsed at the header already: cannot fail
+        for key, payload in payloads.items():
+            if digest(payload) != commitment.digests[state.layout[key]]:
+                raise ValueError(f"{request.peer[-8:]}: payload {key!r} is not the one committed to")
+        incoming = Incoming(request.weight, request.tokens, payloads, request.metadata, commitment)
         if session.admit(request.peer, incoming):
             return session
         await self._refuse(writer, request, "the owner has already reduced (too late)", meter)
@@ -567,6 +704,9 @@ class OwnerHandler:
             "gm": list(result.metadata) if session.with_metadata and result.metadata else None,
             "x": result.rejected,
         }
+        if result.statement is not None:
+            header["st"] = result.statement.signed.to_wire()
+            header["cm"] = [c.signed.to_wire() for c in result.commitments]
         await write_frame(writer, header, [], meter)
         try:
             await turn.begin()

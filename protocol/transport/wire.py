@@ -26,7 +26,9 @@ from hivemind.utils.serializer import MSGPackSerializer
 
 from .averager import Traffic
 
-PROTOCOL_VERSION = 2  # v1 sent an averaging request or answer as one frame of up to 4 GiB
+PROTOCOL_VERSION = 3
+"""v1 sent an averaging request or answer as one frame of up to 4 GiB; v2 had no signed commitments
+and answers (`statements`), nor the checks of them (`verification`)."""
 MAX_HEADER_BYTES = 16 << 20
 MAX_CHUNK_BYTES = 16 << 20
 """The largest chunk frame body any receiver reads: senders chunk at their own size up to this."""

@@ -1,0 +1,430 @@
+"""A member's check of a round's answers before it applies them (protocol/algorithms/verify.py).
+
+Once every owner has answered (`member.assemble`), `verify_round`:
+
+1. checks each owner's signed statement against the commitments it names: the same commitment of
+   each contributor in every answer (else that contributor equivocated), the rules the round runs
+   under, the screening recomputed from the committed norms, a rejection of this member's own
+   payload as not matching its commitment (it does), the relayed reports against their
+   commitments;
+2. sends its reveal (every answer statement it holds, its secret) to every other member of the
+   round and waits for theirs: an owner that sent another member a different answer is caught by
+   its two signed statements, a secret must match its commitment, and a member that reveals
+   nothing fails the round for everyone (the seed needs every secret);
+3. derives the round's seed, projects its own payloads on it and sends the projections to every
+   other member; checks every part it did not reduce itself: exactly where the answer needs no
+   projection, against the norm its contributions allow, and by projection for the mean
+   (`verify.check_mean`, a missing projection widening the check by what it could have been).
+
+Any failure raises `Caught` naming the peers at fault: with `proven` when this member holds their
+signed statements that show it (an equivocation, a screening its own commitments contradict), else
+on its own observation (a silence, a mean that failed its projection: a contributor colluding with
+the owner could have sent a false projection to frame it, which its committed norm bounds). The
+statements of both later phases travel on their own stream handler (`VerifyHandler`): one frame,
+acknowledged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Any
+
+from hivemind.p2p import P2P, PeerID
+
+from ..algorithms import verify
+from ..algorithms.codecs import decode, payload_codec, sum_count
+from ..algorithms.parts import MISMATCH, Aggregate
+from ..algorithms.verify import Claim, Misanswer, Misprojection
+from .admission import Admission
+from .matchmaking import Caught, RoundFailed
+from .owner import Answer, RoundState
+from .statements import (
+    ANSWER,
+    PROJECT,
+    REVEAL,
+    AnswerStatement,
+    BadStatement,
+    Commitment,
+    Mailbox,
+    Projections,
+    Reveal,
+    Signed,
+    Signer,
+    digest,
+)
+from .wire import PROTOCOL_VERSION, Meter, read_frame, write_frame
+
+logger = logging.getLogger(__name__)
+
+ACK_HEADER_BYTES = 256
+
+
+def handler_name(prefix: str) -> str:
+    """The stream handler a run's reveals and projections travel on."""
+    return f"adloco.verify.v{PROTOCOL_VERSION}.{hashlib.sha256(prefix.encode()).hexdigest()[:24]}"
+
+
+class VerifyHandler:
+    """The stream handler for reveals and projections: one signed statement per stream, from a
+    member of the round's group, parsed and bounded before it is kept (`RoundState.mail`)."""
+
+    def __init__(
+        self,
+        *,
+        round_state: Callable[[int], Awaitable[RoundState | None]],
+        wait_s: float,
+        admission: Admission | None = None,
+    ) -> None:
+        self._round_state = round_state
+        self._wait_s = wait_s
+        self._admission = admission or Admission()
+
+    async def serve(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        meter = Meter()
+        try:
+            remote = str(info.peer_id.to_base58())
+            if not await self._admission.select_async([remote]):
+                return
+            header, _ = await asyncio.wait_for(
+                read_frame(reader, meter, max_header=MAX_FRAME_BYTES, max_body=0), timeout=self._wait_s
+            )
+            round, kind = header.get("r"), header.get("k")
+            if type(round) is not int or kind not in (REVEAL, PROJECT):
+                raise ValueError("malformed verification frame")
+            state = await asyncio.wait_for(self._round_state(round), timeout=self._wait_s)
+            if state is None or remote not in state.group.members:
+                raise ValueError("not a member of this peer's group for that round")
+            members = len(state.group.members)
+            bound = members * state.statement_bytes + 4096
+            signed = Signed.from_wire(header.get("s"), max_body=bound)
+            group = state.group
+            statement: Reveal | Projections
+            if kind == REVEAL:
+                statement = Reveal.parse(
+                    signed,
+                    state.ring,
+                    round=group.round,
+                    group_id=group.group_id,
+                    owners=members,
+                    max_answer=state.statement_bytes,
+                )
+            else:
+                statement = Projections.parse(
+                    signed, state.ring, round=group.round, group_id=group.group_id, parts=len(state.layout)
+                )
+            if statement.peer != remote:
+                raise ValueError("a statement of another peer than the stream's")
+            state.mail.put(kind, statement)
+            await write_frame(writer, {"v": PROTOCOL_VERSION, "ok": True}, [], meter)
+            state.meter.add(meter)
+        except (ValueError, OSError, EOFError, asyncio.IncompleteReadError, asyncio.TimeoutError) as e:
+            logger.debug("verification stream refused: %r", e)
+        finally:
+            writer.close()
+
+
+MAX_FRAME_BYTES = 64 << 20
+"""The most a reveal or projection frame may take before its round is known (a reveal carries every
+owner's answer statement); each is then bounded by its round's layout and group."""
+
+
+async def send_statement(
+    p2p: P2P,
+    handler: str,
+    peer: str,
+    *,
+    round: int,
+    kind: str,
+    signed: Signed,
+    timeout_s: float,
+    meter: Meter,
+) -> bool:
+    """Send one statement to `peer`; whether it acknowledged it within `timeout_s`. Its bytes count
+    in `meter`."""
+
+    async def send() -> bool:
+        _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(peer), handler)
+        try:
+            await write_frame(
+                writer, {"v": PROTOCOL_VERSION, "r": round, "k": kind, "s": signed.to_wire()}, [], meter
+            )
+            ack, _ = await read_frame(reader, meter, max_header=ACK_HEADER_BYTES, max_body=0)
+            return bool(ack.get("ok"))
+        finally:
+            writer.close()
+
+    try:
+        return await asyncio.wait_for(send(), timeout=timeout_s)
+    except Exception as e:
+        logger.debug("sending a %s to %s failed: %r", kind, peer[-8:], e)
+        return False
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The rules a member expects every owner of its round to have reduced under."""
+
+    aggregate: Aggregate
+    outlier_factor: float | None
+    work_cap: float | None
+
+
+@dataclass
+class Part:
+    """One part to check: its owner's answer and what the commitments say of its contributions."""
+
+    key: str
+    owner: str
+    payload: bytes
+    claims: list[Claim]
+    contributors: list[str]
+    factors: list[tuple[int, float]] | None
+
+
+def _fail(culprit: str, why: str, *, proven: bool) -> Caught:
+    return Caught(f"{culprit[-8:]}: {why}", {culprit: why}, proven=proven)
+
+
+def check_statements(
+    answers: Mapping[str, Answer],
+    *,
+    layout: Mapping[str, int],
+    own: Commitment,
+    settings: Settings,
+) -> dict[str, Commitment]:
+    """Step 1 of the module doc for every answer (keyed by the owner whose parts it holds); the
+    round's commitments by contributor. Caught (proven) for a contradiction, RoundFailed for an
+    answer reduced under other rules (a configuration, not a lie)."""
+    commitments: dict[str, Commitment] = {}
+    for slot, answer in answers.items():
+        statement = answer.statement
+        if statement is None:
+            raise _fail(slot, "answered without a signed statement", proven=False)
+        reducer = statement.owner
+        if (statement.rule, statement.outlier_factor, statement.work_cap) != (
+            str(settings.aggregate),
+            settings.outlier_factor,
+            settings.work_cap,
+        ):
+            raise RoundFailed(
+                f"{reducer[-8:]} reduced under {statement.rule}, outlier factor {statement.outlier_factor},"
+                f" work cap {statement.work_cap}: this peer runs {settings}"
+            )
+        for commitment in answer.commitments:
+            held = commitments.setdefault(commitment.peer, commitment)
+            if held.signed.body != commitment.signed.body:
+                raise _fail(
+                    commitment.peer, "committed to different contributions with different owners", proven=True
+                )
+        if statement.reports and answer.metadata is not None:  # the reducer relays the reports
+            for commitment, report in zip(answer.commitments, answer.metadata, strict=True):
+                # An empty report is one elided for its size (`owner.Request`): dropped alike.
+                if report and digest(report) != commitment.report:
+                    raise _fail(reducer, f"relayed another report of {commitment.peer[-8:]}", proven=True)
+        if own.peer in answer.contributors:
+            mine = answer.contributors.index(own.peer)
+            for key, codes in zip(statement.keys, statement.codes, strict=True):
+                if codes.get(mine) == MISMATCH:
+                    raise _fail(reducer, f"rejected our {key!r} as unlike our commitment", proven=True)
+    return commitments
+
+
+def parts_to_check(
+    answers: Mapping[str, Answer],
+    *,
+    layout: Mapping[str, int],
+    settings: Settings,
+    skip: set[str],
+) -> list[Part]:
+    """The parts of the answers not reduced by a peer in `skip` (this one), with the factors their
+    statements imply; Caught (proven) when a screening contradicts the committed norms."""
+    parts = []
+    for answer in answers.values():
+        statement = answer.statement
+        assert statement is not None
+        reducer = statement.owner
+        if reducer in skip:
+            continue
+        for key, codes in zip(statement.keys, statement.codes, strict=True):
+            at = layout[key]
+            claims = [Claim(c.weight, c.tokens, c.norms[at], c.digests[at]) for c in answer.commitments]
+            try:
+                factors = verify.expected_factors(
+                    claims, codes, outlier_factor=settings.outlier_factor, work_cap=settings.work_cap
+                )
+            except Misanswer as e:
+                raise _fail(reducer, f"{key!r}: {e}", proven=True) from e
+            parts.append(Part(key, reducer, answer.payloads[key], claims, list(answer.contributors), factors))
+    return parts
+
+
+@dataclass
+class Checked:
+    """What checking one part's answer left to do once the projections are in: nothing (`tolerance`
+    None), or `verify.check_mean` with the answer's projection."""
+
+    part: Part
+    tolerance: float | None = None
+    projection: float = 0.0
+
+
+def check_part(part: Part, seed: bytes, settings: Settings) -> Checked:
+    """Everything about one part's answer that needs no other member's projection (on an executor:
+    it decodes the answer); Caught (proven) when the answer is wrong on its face."""
+    try:
+        codec = payload_codec(part.payload)
+        if codec == "sum" and len(part.contributors) < sum_count(part.payload):
+            raise Misanswer("a sum of more payloads than contributors")
+        decoded = decode(part.payload)
+        if verify.check_exact(part.payload, decoded, part.claims, part.factors):
+            return Checked(part)
+        assert part.factors is not None
+        verify.check_bound(decoded, part.payload, part.claims, part.factors, settings.aggregate)
+        if settings.aggregate.rule != "mean":
+            return Checked(part)
+        tolerance = verify.mean_tolerance(part.payload, decoded, part.claims, part.factors)
+        if tolerance is None:
+            return Checked(part)
+        return Checked(part, tolerance, verify.project(decoded, seed, part.key))
+    except ValueError as e:  # Misanswer, or an answer no honest encoder makes
+        raise _fail(part.owner, f"{part.key!r}: {e}", proven=True) from e
+
+
+def own_projections(payloads: Mapping[str, bytes], layout: Sequence[str], seed: bytes) -> list[float]:
+    """This member's projections of its payloads, in the layout's order (on an executor)."""
+    return [verify.project_payload(payloads[key], seed, key) for key in layout]
+
+
+def finish_mean(checked: Checked, projections: Mapping[str, Projections], layout: Mapping[str, int]) -> None:
+    """`verify.check_mean` of one part with the projections in hand; Caught when it fails (on this
+    member's word: the owner, or a contributor that framed it)."""
+    part = checked.part
+    if checked.tolerance is None or part.factors is None:
+        return
+    at = layout[part.key]
+    values: dict[int, float | None] = {}
+    for i, _ in part.factors:  # the accepted payloads: a rejected one's projection plays no part
+        peer = part.contributors[i]
+        held = projections.get(peer)
+        values[i] = None if held is None else held.values[at]
+        if values[i] is not None:
+            try:
+                verify.check_projection(values[i] or 0.0, part.claims[i])
+            except Misprojection as e:
+                raise _fail(peer, f"{part.key!r}: {e}", proven=True) from e
+    try:
+        verify.check_mean(checked.projection, values, part.claims, part.factors, checked.tolerance)
+    except Misanswer as e:
+        raise _fail(part.owner, f"{part.key!r}: {e}", proven=False) from e
+
+
+async def verify_round(
+    *,
+    state: RoundState,
+    answers: Mapping[str, Answer],
+    members: Sequence[str],
+    peer_id: str,
+    own: Commitment,
+    secret: bytes,
+    payloads: Mapping[str, bytes],
+    settings: Settings,
+    signer: Signer,
+    send: Callable[[str, str, Signed], None],
+    executor: Executor,
+    budget_s: float,
+) -> None:
+    """The module doc's three steps for one round; returns when every answer checked out.
+
+    `answers`: each answer keyed by the owner whose parts it holds (reduced by it, by a stand-in,
+    or by this peer);
+    `members`: the round's members (those every owner admitted), who reveal and project;
+    `payloads`: this member's own; `send(peer, kind, signed)` starts delivering a statement.
+    """
+    loop = asyncio.get_running_loop()
+    layout = state.layout
+    group = state.group
+    commitments = check_statements(answers, layout=layout, own=own, settings=settings)
+    statements = {slot: a.statement for slot, a in answers.items() if a.statement is not None}
+    reducers = sorted(statements)  # the owners' slots, in the order every member sees them
+    reveal = Reveal.make(
+        signer,
+        round=group.round,
+        group_id=group.group_id,
+        answers=[statements[r].signed for r in reducers],
+        secret=secret,
+    )
+    others = [m for m in members if m != peer_id]
+    for peer in others:
+        send(peer, REVEAL, reveal.signed)
+    mail = state.mail
+    deadline = loop.time() + budget_s
+    await mail.wait(lambda: all(p in mail.reveals for p in others), deadline)
+    _check_equivocations(mail)
+    silent = [p for p in others if p not in mail.reveals]
+    if silent:
+        raise Caught(
+            f"no reveal from {[p[-8:] for p in silent]}",
+            dict.fromkeys(silent, "withheld its reveal"),
+            proven=False,
+        )
+    secrets = {peer_id: secret}
+    for peer in others:
+        held = mail.reveals[peer]
+        commitment = commitments.get(peer)
+        if commitment is None or digest(held.secret) != commitment.secret:
+            raise _fail(peer, "revealed a secret it had not committed to", proven=True)
+        _compare_answers(held, statements, state)
+        secrets[peer] = held.secret
+    seed = verify.round_seed(
+        group.group_id,
+        [secrets[m] for m in members],
+        [statements[r].signed.digest for r in reducers],
+    )
+    mine = await loop.run_in_executor(executor, own_projections, payloads, list(layout), seed)
+    projected = Projections.make(signer, round=group.round, group_id=group.group_id, seed=seed, values=mine)
+    for peer in others:
+        send(peer, PROJECT, projected.signed)
+    parts = parts_to_check(answers, layout=layout, settings=settings, skip={peer_id})
+    checked = [await loop.run_in_executor(executor, check_part, part, seed, settings) for part in parts]
+    wanted = {
+        c.part.contributors[i] for c in checked if c.tolerance is not None for i, _ in c.part.factors or []
+    } - {peer_id}
+    deadline = loop.time() + budget_s
+    await mail.wait(lambda: wanted <= set(mail.projections), deadline)
+    _check_equivocations(mail)
+    held = {p: s for p, s in mail.projections.items() if s.seed == seed}
+    held[peer_id] = projected
+    for c in checked:
+        finish_mean(c, held, layout)
+
+
+def _check_equivocations(mail: Mailbox) -> None:
+    for peer in mail.equivocations:
+        raise _fail(peer, "sent this peer two different statements of one round", proven=True)
+
+
+def _compare_answers(reveal: Reveal, statements: Mapping[str, AnswerStatement], state: RoundState) -> None:
+    """Caught unless `reveal` holds every answer statement this member holds: a different one,
+    signed by its owner, proves that owner equivocated; one not signed by it, that the revealer lied."""
+    group = state.group
+    theirs: dict[tuple[str, tuple[str, ...]], Signed] = {}
+    for signed in reveal.answers:
+        try:
+            fields = state.ring.open(signed, ANSWER)
+        except BadStatement as e:
+            raise _fail(reveal.peer, f"revealed a forged answer: {e}", proven=True) from e
+        if fields[1] != group.round or fields[2] != group.group_id or not isinstance(fields[4], list):
+            raise _fail(reveal.peer, "revealed an answer of another round", proven=True)
+        theirs[(fields[3], tuple(map(str, fields[4])))] = signed
+    for statement in statements.values():
+        reducer = statement.owner
+        other = theirs.get((reducer, tuple(statement.keys)))
+        if other is None:
+            raise _fail(reveal.peer, f"revealed no answer of {reducer[-8:]}", proven=True)
+        if other.body != statement.signed.body:
+            raise _fail(reducer, f"answered {reveal.peer[-8:]} otherwise than this peer", proven=True)
