@@ -923,6 +923,175 @@ def test_an_owner_answering_a_part_of_another_shape_fails_the_round_before_decod
         assert round.logs.count("answered a part of another shape") == 2
 
 
+def test_the_next_try_leaves_a_caught_liar_out_and_completes(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """After the round the liar spoiled, the next try (the loop's next round id) opens at once and
+    leaves it out: both honest members ask the others to in their registrations, a majority of its
+    peers, so it is in no group (it lies again given the chance). The two complete with
+    `reduce_group` over themselves, within a round's bound."""
+    with _round_with_a_lying_owner(monkeypatch, caplog, "int8", 9, lie=_scaled(-50.0, "int8")) as round:
+        _assert_caught_by_the_honest(round, "norm")
+        retry = _average_together(round.averagers, round.contributions, round=1, spec="int8")
+        assert retry[0].result is None  # the liar: left out
+        _assert_matches_reduce_group(retry[1:], round.contributions[1:], "int8")
+        assert all(o.elapsed_s < WINDOW_S + GRACE_S + 2 * SLACK_S for o in retry[1:])
+        assert "left out: most of the others caught this peer" in caplog.text
+
+
+def test_an_owner_that_takes_the_parts_and_never_answers_costs_one_try(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The issue's staller: it takes every member's parts and never answers. The members give up
+    after the exchange budget the bytes give (not the caller's timeout), name it, and the next try
+    completes without it."""
+    swarm = Swarm("hivemind")
+    try:
+        swarm.add_nodes(3)
+        averagers = sorted((swarm.averager(i) for i in range(3)), key=lambda a: a.peer_id)
+        staller: Any = averagers[0]
+
+        async def never(*args: Any) -> None:
+            await asyncio.sleep(3600)
+
+        staller._handler._answer = never
+        contributions = _contributions(averagers, "int8", seed=19)
+        with caplog.at_level("WARNING"):
+            first = _average_together(averagers, contributions, round=0, spec="int8")
+            assert [o.result for o in first[1:]] == [None, None]
+            budget = staller._exchange_budget_s(0)
+            assert all(o.elapsed_s < WINDOW_S + GRACE_S + budget + SLACK_S for o in first[1:])
+            for honest in averagers[1:]:
+                assert "gave no answer" in honest.verdicts()[staller.peer_id].why  # type: ignore[attr-defined]
+            retry = _average_together(averagers, contributions, round=1, spec="int8")
+        assert retry[0].result is None
+        _assert_matches_reduce_group(retry[1:], contributions[1:], "int8")
+    finally:
+        swarm.close()
+
+
+def test_a_member_that_withholds_its_reveal_costs_one_try(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A member that sends its parts and takes the answers, then reveals nothing, fails the round for
+    everyone (the direction needs every secret); each honest member names it, and the next try
+    completes without it."""
+    from adloco.protocol.transport import hivemind_averager
+
+    swarm = Swarm("hivemind")
+    try:
+        swarm.add_nodes(3)
+        averagers = sorted((swarm.averager(i) for i in range(3)), key=lambda a: a.peer_id)
+        mute: Any = averagers[2]
+        real = hivemind_averager.verify_round
+
+        async def withheld(**kw: Any) -> None:
+            if kw["peer_id"] == mute.peer_id:
+                kw = {**kw, "send": lambda *args: None}
+            await real(**kw)
+
+        monkeypatch.setattr(hivemind_averager, "verify_round", withheld)
+        contributions = _contributions(averagers, "int8", seed=20)
+        with caplog.at_level("WARNING"):
+            first = _average_together(averagers, contributions, round=0, spec="int8")
+            assert [o.result for o in first[:2]] == [None, None]
+            for honest in averagers[:2]:
+                assert "withheld its reveal" in honest.verdicts()[mute.peer_id].why  # type: ignore[attr-defined]
+            retry = _average_together(averagers, contributions, round=1, spec="int8")
+        assert retry[2].result is None
+        _assert_matches_reduce_group(retry[:2], contributions[:2], "int8")
+    finally:
+        swarm.close()
+
+
+def test_a_member_projecting_falsely_to_frame_an_owner_is_shown_up_and_the_round_completes(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A member sends everyone doubled projections of its payloads (within its committed norm): the
+    honest owners' parts then fail their checks, as if the owners had lied. Each member asks the
+    owner, which shows the framer's payloads (they hash to its commitment and project otherwise):
+    the round completes with `reduce_group`'s bytes, and every other member convicts the framer."""
+    from adloco.protocol.transport import verification
+
+    swarm = Swarm("hivemind")
+    try:
+        swarm.add_nodes(3)
+        averagers = sorted((swarm.averager(i) for i in range(3)), key=lambda a: a.peer_id)
+        contributions = _contributions(averagers, "none", seed=22)
+        framer = contributions[2]
+        real = verification.own_projections
+
+        def doubled(payloads: Any, layout: Any, seed: bytes) -> list[float]:
+            values = real(payloads, layout, seed)
+            return [2 * v for v in values] if payloads is framer.payloads else values
+
+        monkeypatch.setattr(verification, "own_projections", doubled)
+        with caplog.at_level("INFO"):
+            outcomes = _average_together(averagers, contributions, round=0, spec="none")
+        expected = reduce_group(contributions, codec=make_codec("none"))
+        for o in outcomes:
+            assert o.result is not None  # the owners' shown payloads moved bytes: no exact traffic
+            assert o.result.averaged == expected.averaged and o.result.members == expected.members
+        for honest in averagers[:2]:
+            verdict = honest.verdicts()[framer.peer_id]  # type: ignore[attr-defined]
+            assert verdict.proven and "its payload gives" in verdict.why
+        assert "owners showed false projections" in caplog.text
+    finally:
+        swarm.close()
+
+
+def _sum_bomb(size: int, shape: tuple[int, ...]) -> bytes:
+    """A valid sum payload of exactly `size` bytes and this shape, of as many tiny sparse parts as
+    fit (each decodes to a whole tensor of the shape)."""
+    numel = math.prod(shape)
+    lengths = {}
+    for k in range(1, 200):
+        part = make_codec(f"sparse:{k}/{numel}:1").encode("x", torch.ones(*shape))
+        lengths.setdefault(len(part), part)
+    tiny = min(lengths.items())[1]
+    empty = len(codecs.sum_payload([tiny], [1.0])) - len(tiny) - 8  # header and count
+    for count in range((size - empty) // (len(tiny) + 8), 0, -1):
+        left = size - empty - count * (len(tiny) + 8) - 8
+        if left in lengths:
+            parts = [tiny] * count + [lengths[left]]
+            return codecs.sum_payload(parts, [1.0] * len(parts))
+    raise AssertionError("no sum payload of that size")
+
+
+def test_a_member_sending_a_sum_payload_is_dropped_before_it_is_decoded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sum payload of the announced size whose parts each decode to the whole tensor (the issue's
+    sum bomb: here 39 of them in the bytes of one int8 part) is not the round's codec: its owner
+    drops the member from its header, before decoding anything, and the honest complete (with its
+    honest part, which its owner took, as when a member lies to one owner only)."""
+    shapes = {"embed": (48, 32), "proj": (48, 32)}
+    swarm = Swarm("hivemind")
+    try:
+        swarm.add_nodes(3, identities=_identities(tmp_path, 3))
+        averagers = sorted((swarm.averager(i) for i in range(3)), key=lambda a: a.peer_id)
+        contributions = _contributions(averagers, "int8", seed=21, shapes=shapes)
+        liar = contributions[2]
+        forged = dict(liar.payloads)
+        forged["embed"] = _sum_bomb(len(liar.payloads["embed"]), shapes["embed"])
+        assert codecs.sum_count(forged["embed"]) >= 30 and codecs.payload_shape(forged["embed"]) == (48, 32)
+        contributions[2] = dataclasses.replace(liar, payloads=forged)
+        decodes = _count_decodes(monkeypatch)
+        outcomes = _average_together(averagers, contributions, round=0, spec="int8")
+        assert outcomes[2].result is None
+        # Refused from its header: decoded only by the liar itself (the norm it commits to).
+        assert decodes[forged["embed"]] == 1
+        # Its honest "proj" counts (as for a member that lies to one owner only).
+        honest = reduce_group(contributions[:2], codec=make_codec("int8"))
+        everyone = reduce_group(contributions, codec=make_codec("int8"))
+        for o in outcomes[:2]:
+            assert o.result is not None and o.result.members == honest.members
+            assert o.result.averaged == {"embed": honest.averaged["embed"], "proj": everyone.averaged["proj"]}
+        assert any(liar.peer_id in a._handler.banned for a in averagers[:2])  # type: ignore[attr-defined]
+    finally:
+        swarm.close()
+
+
 @pytest.mark.parametrize(
     "field, ok",
     [

@@ -15,6 +15,7 @@ import logging
 import signal
 import sys
 import threading
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -369,6 +370,11 @@ def run(args: argparse.Namespace) -> None:
     if args.host_allocator == "lean":
         lean_allocator()
     cfg = train_config_from_args(args)
+    if not args.offline:
+        try:
+            cfg = replace(cfg, checked_answers=True)  # as the swarm node runs it
+        except ValueError as e:
+            raise UserError(f"--downlink: {e}") from None
     stop = threading.Event()
     if args.offline:
         signal.signal(signal.SIGTERM, lambda *_: stop.set())

@@ -23,7 +23,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ...errors import NetworkLost, UserError
@@ -102,6 +102,8 @@ class SwarmNode:
     def __init__(
         self, cfg: TrainConfig, net: NetworkConfig, swarm: SwarmConfig, metrics: NodeMetrics | None = None
     ) -> None:
+        # Every member checks its owners' answers here (ValueError for a downlink it cannot check).
+        cfg = replace(cfg, checked_answers=True)
         self.cfg, self.net, self.swarm = cfg, net, swarm
         self.metrics = metrics or NodeMetrics()
         self.status = StatusLog(swarm.status_file)

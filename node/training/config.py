@@ -14,7 +14,7 @@ from typing import Literal
 import torch
 
 from ...protocol.algorithms.codecs import make_codec
-from ...protocol.algorithms.downlink import downlink_for
+from ...protocol.algorithms.downlink import Downlink, downlink_for
 from ...protocol.algorithms.feedback import RESIDUAL_DTYPES
 from ...protocol.algorithms.heloco import HelocoConfig
 from ...protocol.algorithms.outer import OuterConfig
@@ -85,7 +85,11 @@ class TrainConfig:
         "gather" sends the contributions themselves (nothing lost, about n times the downlink bytes
         in a group of n; needs aggregate "mean"). "auto": feedback for a sparse codec, whose
         re-sparsified average drops most of the mass, encode for the others. If a sparse run's loss
-        lags its uncompressed run by more than its uplink error explains, try gather.
+        lags its uncompressed run by more than its uplink error explains, try gather. In a swarm
+        (`checked_answers`) feedback is refused and auto gathers a sparse codec under the mean.
+    checked_answers: every member checks its owners' answers (protocol/transport/verification.py):
+        set by the swarm node, not a flag. An answer must then be checkable from the commitments,
+        which an owner's private residual ("feedback") is not.
     ef_decay: β of the sender's error feedback (SparseLoCo, arXiv 2508.15706): each round the residual
         is scaled by β before Δ is added (1: plain error feedback). SparseLoCo runs β = 0.95 with
         the outer momentum off, the decaying residual standing in for it (`--ef-momentum`).
@@ -157,6 +161,7 @@ class TrainConfig:
     replay_mb: float = 256.0
     residual_dtype: Literal["auto", "float32", "bfloat16", "int8"] = "auto"
     downlink: Literal["auto", "encode", "feedback", "gather"] = "auto"
+    checked_answers: bool = False
     ef_decay: float = 1.0
     aggregate: str = "mean"
     score: str = "off"
@@ -173,6 +178,11 @@ class TrainConfig:
     activation_checkpointing: bool = False
     overlap: Literal["off", "auto", "rebase", "overwrite", "mix"] = "off"
     overlap_mix: float = 0.5
+
+    def downlink_of(self, spec: str, aggregate: Aggregate | None = None) -> Downlink:
+        """The downlink the rounds of codec `spec` use (`downlink.downlink_for`)."""
+        rule = (aggregate or Aggregate.parse(self.aggregate)).rule
+        return downlink_for(self.downlink, spec, checked=self.checked_answers, mean=rule == "mean")
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "batch_size", "instances", "inner_steps", "val_sequences"):
@@ -198,7 +208,8 @@ class TrainConfig:
             check_outlier_factor(self.outlier_factor)
             aggregate = Aggregate.parse(self.aggregate)
             Score.parse(self.score)
-            downlink_for(self.downlink, self.codec)
+            for spec in (self.codec,) if self.codec != "adaptive" else self.codec_candidates:
+                self.downlink_of(spec, aggregate)
         except ValueError as e:
             raise ValueError(str(e)) from None
         if self.downlink == "gather" and aggregate.rule != "mean":

@@ -37,7 +37,7 @@ from ...protocol.algorithms.allreduce import Contribution, GroupResult
 from ...protocol.algorithms.batchtest import pool_stats
 from ...protocol.algorithms.claims import ClaimBounds, reference_tokens
 from ...protocol.algorithms.codecs import Codec, decode, make_codec
-from ...protocol.algorithms.downlink import OwnerFeedback, downlink_for, make_downlink
+from ...protocol.algorithms.downlink import OwnerFeedback, make_downlink
 from ...protocol.algorithms.feedback import RESIDUAL_DTYPES, ErrorFeedback
 from ...protocol.algorithms.heloco import correct, dylu_inner_steps, staleness_weight
 from ...protocol.algorithms.outer import outer_step
@@ -305,7 +305,7 @@ class Peer:
         uplink codec so the two low-rank warm starts (own Δ, group average) never mix."""
         key = f"{spec}/avg"
         if key not in self._codecs:
-            self._codecs[key] = make_downlink(make_codec(spec), downlink_for(self.cfg.downlink, spec))
+            self._codecs[key] = make_downlink(make_codec(spec), self.cfg.downlink_of(spec))
         codec = self._codecs[key]
         if isinstance(codec, OwnerFeedback):
             codec.start_round(self.state.round)
@@ -678,7 +678,7 @@ class Peer:
         spec = key.removesuffix("/avg")
         codec = make_codec(spec)
         if key.endswith("/avg"):
-            codec = make_downlink(codec, downlink_for(self.cfg.downlink, spec))
+            codec = make_downlink(codec, self.cfg.downlink_of(spec))
         codec.load_state_dict(state)
         return codec
 

@@ -155,10 +155,26 @@ class Gather(Codec):
         return sum_payload(payloads, factors)
 
 
-def downlink_for(setting: str, spec: str) -> Downlink:
-    """The downlink a setting ("auto" or one of `DOWNLINKS`) means for the round's codec `spec`."""
+def downlink_for(setting: str, spec: str, *, checked: bool = False, mean: bool = True) -> Downlink:
+    """The downlink a setting ("auto" or one of `DOWNLINKS`) means for the round's codec `spec`.
+
+    `checked`: the members check every owner's answer (`verify`, as every swarm node does), which
+    an answer carrying the owner's private residual ("feedback") would fail: auto then gathers a
+    sparse codec's contributions under the mean (checked exactly) and re-encodes them under a robust
+    rule, and "feedback" is refused. `mean`: the round's aggregate is the mean.
+    """
     if setting == "auto":
-        return SPARSE_DEFAULT if spec.startswith("sparse") else "encode"
+        if not spec.startswith("sparse"):
+            return "encode"
+        if not checked:
+            return SPARSE_DEFAULT
+        return "gather" if mean else "encode"
+    if setting == "feedback" and checked:
+        raise ValueError(
+            "downlink feedback: an owner's answer would carry a residual only it holds, which the"
+            " members that check its answers (every swarm node does) cannot tell from a lie;"
+            " use gather or encode"
+        )
     for downlink in DOWNLINKS:
         if setting == downlink:
             return downlink

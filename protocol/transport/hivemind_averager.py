@@ -65,7 +65,7 @@ from hivemind.p2p import P2P, PeerID
 
 from ..algorithms.allreduce import Contribution
 from ..algorithms.claims import UNBOUNDED, ClaimBounds
-from ..algorithms.codecs import Codec, decode, payload_shape
+from ..algorithms.codecs import Codec, decode, payload_codec, payload_shape
 from ..algorithms.parts import (
     DEFAULT_OUTLIER_FACTOR,
     MEAN,
@@ -85,7 +85,7 @@ from .member import OwnerUnreachable, assemble, fetch
 from .owner import BAN_S, Answer, Incoming, OwnerHandler, OwnerSession, RoundState
 from .statements import Commitment, Signed, Signer
 from .turns import SendTurn, chain, send_order, turn_budget_s
-from .verification import Settings, VerifyHandler, send_statement, verify_round
+from .verification import Settings, VerifyHandler, ask_defense, send_statement, verify_round
 from .verification import handler_name as verification_handler
 from .wire import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, PROTOCOL_VERSION, bytes_timeout, daemon_listen_maddr
 
@@ -253,6 +253,8 @@ class HivemindAverager:
         checks = VerifyHandler(
             round_state=lambda r: asyncio.shield(self._round_future(r)),
             wait_s=matchmaking_bound_s(self.window_s, self.grace_s) + self._exchange_budget_s(0),
+            chunk_bytes=self.chunk_bytes,
+            executor=self._verify_executor,
             admission=self.admission,
         )
         self._call(self._p2p.add_binary_stream_handler(self._verify_name, checks.serve), timeout=30)
@@ -618,51 +620,24 @@ class HivemindAverager:
             if owner not in stand_in_for:
                 stand_in_for[owner] = new_session(owner)
                 stand_in_for[owner].drop(owner)  # an owner never sends its own parts
+                state.reductions.append(stand_in_for[owner])
             return stand_in_for[owner]
 
         state = RoundState(group, session, take_over=take_over, layout=layout, own=commitment)
+        state.reductions = [session] if session is not None else []
         ready.set_result(state)
         owned = len(state.session.keys) if state.session else 0
         self._log(round, "group of %d, owning %d of %d parts", len(group.members), owned, len(keys))
-        stand_ins: dict[str, str] = {}
         try:
-            answers = await self._collect(
-                state, contribution, by_owner, metadata_owner, codec, moved, stand_ins
+            result = await self._exchange(
+                state, contribution, keys, owners, by_owner, metadata_owner, codec, moved, grouped_at
             )
+            await self._check(state, result, contribution, secret, bounds, moved)
         finally:
-            if state.session is not None:
-                state.session.answered()
-        if stand_ins:
-            self._log(
-                round, "stood in for unreachable owners: %s", {o[-8:]: f[-8:] for o, f in stand_ins.items()}
-            )
-        result = await assemble(
-            state,
-            peer_id=self._peer_id,
-            keys=keys,
-            owners=owners,
-            answers=answers,
-            idle_timeout_s=self.phase_s(moved, floor_s=self.reduce_timeout_s),
-            exchange_s=asyncio.get_running_loop().time() - grouped_at,
-            stand_ins=stand_ins,
-        )
-        exchange_s = loop.time() - grouped_at
-        await verify_round(
-            state=state,
-            answers=answers,
-            members=result.members,
-            peer_id=self._peer_id,
-            own=commitment,
-            secret=secret,
-            payloads=contribution.payloads,
-            settings=Settings(self.aggregate, self.outlier_factor, bounds.reference_tokens),
-            signer=self._signer,
-            send=lambda peer, kind, signed: self._send_statement(state, peer, kind, signed, moved),
-            executor=self._verify_executor,
-            budget_s=self.phase_s(moved, floor_s=self.reduce_timeout_s),
-        )
+            # Members slower with their checks may still ask us to show the payloads we reduced.
+            loop.call_later(self.phase_s(moved, floor_s=self.reduce_timeout_s), state.release)
         # What the checks moved counts too (their frames carry no payload).
-        traffic = state.meter.traffic(exchange_s)
+        traffic = state.meter.traffic(result.traffic.exchange_s)
         result = dataclasses.replace(
             result,
             traffic=traffic,
@@ -682,7 +657,96 @@ class HivemindAverager:
         )
         return result
 
-    def _send_statement(self, state: RoundState, peer: str, kind: str, signed: Signed, moved: int) -> None:
+    async def _exchange(
+        self,
+        state: RoundState,
+        contribution: Contribution,
+        keys: list[str],
+        owners: dict[str, str],
+        by_owner: dict[str, list[str]],
+        metadata_owner: str,
+        codec: Codec,
+        moved: int,
+        grouped_at: float,
+    ) -> MemberResult:
+        """Send our parts, gather every owner's answer and assemble them (`member.assemble`)."""
+        stand_ins: dict[str, str] = {}
+        try:
+            answers = await self._collect(
+                state, contribution, by_owner, metadata_owner, codec, moved, stand_ins
+            )
+        finally:
+            if state.session is not None:
+                state.session.answered()
+        if stand_ins:
+            self._log(
+                state.group.round,
+                "stood in for unreachable owners: %s",
+                {o[-8:]: f[-8:] for o, f in stand_ins.items()},
+            )
+        state.answers = answers
+        return await assemble(
+            state,
+            peer_id=self._peer_id,
+            keys=keys,
+            owners=owners,
+            answers=answers,
+            idle_timeout_s=self.phase_s(moved, floor_s=self.reduce_timeout_s),
+            exchange_s=asyncio.get_running_loop().time() - grouped_at,
+            stand_ins=stand_ins,
+        )
+
+    async def _check(
+        self,
+        state: RoundState,
+        result: MemberResult,
+        contribution: Contribution,
+        secret: bytes,
+        bounds: ClaimBounds,
+        moved: int,
+    ) -> None:
+        """`verification.verify_round` of the answers (Caught when they do not check out); an owner
+        that shows some contributor's projections false convicts it."""
+        assert state.own is not None
+        budget = self.phase_s(moved, floor_s=self.reduce_timeout_s)
+
+        def defend(owner: str, key: str, listed: list[Signed]) -> Awaitable[dict[str, bytes]]:
+            return ask_defense(
+                self._p2p,
+                self._verify_name,
+                owner,
+                round=state.group.round,
+                key=key,
+                projections=listed,
+                size=len(contribution.payloads[key]),
+                timeout_s=budget,
+                meter=state.meter,
+            )
+
+        liars = await verify_round(
+            state=state,
+            answers=state.answers,
+            members=result.members,
+            peer_id=self._peer_id,
+            own=state.own,
+            secret=secret,
+            payloads=contribution.payloads,
+            settings=Settings(self.aggregate, self.outlier_factor, bounds.reference_tokens),
+            signer=self._signer,
+            send=lambda peer, kind, signed: self._send_statement(state, peer, kind, signed, budget),
+            defend=defend,
+            executor=self._verify_executor,
+            budget_s=budget,
+        )
+        if liars:
+            self._convict(Caught("false projections", liars, proven=True))
+            self._log(
+                state.group.round, "owners showed false projections of %s", sorted(p[-8:] for p in liars)
+            )
+
+    def _send_statement(
+        self, state: RoundState, peer: str, kind: str, signed: Signed, timeout_s: float
+    ) -> None:
         """Start sending one verification statement to `peer` (not waited for)."""
         self._spawn(
             send_statement(
@@ -692,7 +756,7 @@ class HivemindAverager:
                 round=state.group.round,
                 kind=kind,
                 signed=signed,
-                timeout_s=self.phase_s(moved, floor_s=self.reduce_timeout_s),
+                timeout_s=timeout_s,
                 meter=state.meter,
             )
         )
@@ -752,6 +816,7 @@ class HivemindAverager:
             turn_budget_s=turn_budget_s(sum(len(contribution.payloads[k]) for k in keys), self._best_bps()),
             signer=self._signer,
             layout=layout,
+            codecs={k: payload_codec(contribution.payloads[k]) for k in keys},
         )
         self._spawn(session.run(self._executor))
         return session
@@ -837,7 +902,11 @@ class HivemindAverager:
             # dead): the others need not wait for it to say that its try failed.
             silent = {owner for owner, task in fetches.items() if task in pending}
             self._lost_owners[state.group.round] = lost | silent
-            raise RoundFailed(f"no answer from {len(pending)} owner(s) within {budget:.1f} s")
+            raise Caught(
+                f"no answer from {len(pending)} owner(s) within {budget:.1f} s",
+                dict.fromkeys(silent, f"took our parts and gave no answer within {budget:.1f} s"),
+                proven=False,
+            )
         answers: dict[str, Answer] = {owner: task.result() for owner, task in fetches.items()}
         if state.session is not None:
             if state.session.result is None:

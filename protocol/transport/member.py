@@ -25,7 +25,7 @@ from typing import Any
 from hivemind.p2p import P2P, PeerID
 
 from ..algorithms.allreduce import Contribution, gather_reports
-from ..algorithms.codecs import payload_shape
+from ..algorithms.codecs import payload_codec, payload_shape
 from ..algorithms.parts import merge_rejected
 from .averager import MemberResult
 from .matchmaking import Caught, RoundFailed
@@ -137,7 +137,9 @@ async def fetch(
     # Each averaged part must decode to our own part's shape: a payload's header states its shape,
     # so a few bytes could otherwise decode to any size (a low-rank factor pair, say).
     shapes = {k: payload_shape(contribution.payloads[k]) for k in keys}
-    error = shape_error(dict(zip(keys, body, strict=True)), shapes)
+    # The round's codec (ours), or the accepted contributions gathered in a sum payload.
+    families = {k: {payload_codec(contribution.payloads[k]), "sum"} for k in keys}
+    error = shape_error(dict(zip(keys, body, strict=True)), shapes, families)
     if error is not None:
         raise _fault(owner, f"answered a part of another shape: {error}")
     answer = _parse_answer(response, body, owner=owner, keys=keys, with_metadata=with_metadata)

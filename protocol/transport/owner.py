@@ -40,7 +40,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,7 +48,7 @@ from typing import Any
 from hivemind.utils.serializer import MSGPackSerializer
 
 from ..algorithms.claims import UNBOUNDED, ClaimBounds
-from ..algorithms.codecs import Codec, payload_shape
+from ..algorithms.codecs import Codec, payload_codec, payload_shape
 from ..algorithms.parts import MEAN, Aggregate, reduce_parts
 from ..algorithms.report import MAX_REPORT_BYTES
 from ..algorithms.scoring import Scorer
@@ -227,18 +227,28 @@ def reduce_owned(
     return answer, reduced.rejections
 
 
-def shape_error(payloads: Mapping[str, bytes], shapes: Mapping[str, tuple[int, ...]]) -> str | None:
-    """Why these payloads cannot be averaged with the owner's (None if they can).
+def shape_error(
+    payloads: Mapping[str, bytes],
+    shapes: Mapping[str, tuple[int, ...]],
+    codecs: Mapping[str, Collection[str]] | None = None,
+) -> str | None:
+    """Why these payloads cannot be averaged with the owner's (None if they can): a payload that
+    does not parse, of another shape, or (given `codecs`, key -> the codec families allowed) made
+    by another codec than the round's. A contribution in the round's codec cannot be a `sum`
+    payload, whose parts each decode to a whole tensor.
 
     Reads headers and lengths only (`codecs.payload_shape`): cheap, and no value is decoded.
     """
     for key, payload in payloads.items():
         try:
             shape = payload_shape(payload)
+            family = payload_codec(payload)
         except ValueError as e:
             return f"{key}: {e}"
         if shape != shapes[key]:
             return f"{key}: shape {shape} instead of {shapes[key]}"
+        if codecs is not None and family not in codecs[key]:
+            return f"{key}: a {family} payload where the round's codec makes {sorted(codecs[key])}"
     return None
 
 
@@ -265,8 +275,11 @@ class OwnerSession:
         turn_budget_s: float = TURN_FLOOR_S,
         signer: Signer | None = None,
         layout: Mapping[str, int] | None = None,
+        codecs: Mapping[str, str] | None = None,
     ) -> None:
         self.group = group
+        # Each part's codec family, as the owner's own payload has it: every contribution's must be.
+        self.codecs = {k: {family} for k, family in (codecs or {}).items()} or None
         # Signs the answer's statement (`statements`), the parts' places in the members' commitments.
         self.signer, self.layout = signer, layout
         # The members are answered one at a time, after the owner's place in the group (`turns`).
@@ -284,6 +297,7 @@ class OwnerSession:
         self.deadline = deadline  # loop time
         self.answer_timeout_s = answer_timeout_s
         self.contributions: dict[str, Incoming] = {}
+        self.kept: dict[str, dict[str, bytes]] = {}  # each contributor's payloads, after the reduction
         self.receiving: set[str] = set()
         self.dropped: set[str] = set()
         self.closed = False
@@ -375,7 +389,10 @@ class OwnerSession:
         except ValueError as e:
             logger.warning("round %d: reduction failed: %s", self.group.round, e)
         finally:
-            self.contributions = {peer: _DROPPED for peer in self.contributions}  # free the payloads
+            # The payloads stay until the round's checks are over (`release`): a member whose check
+            # of these parts fails asks this owner to show which contributor's projection was false.
+            self.kept = {peer: c.payloads for peer, c in self.contributions.items()}
+            self.contributions = {peer: _DROPPED for peer in self.contributions}
             self.done_at = loop.time()
             self.done.set()
             self._update_idle()
@@ -406,6 +423,10 @@ class OwnerSession:
             work_cap=self.bounds.reference_tokens,
             reports=reports_digest(metadata if self.with_metadata else None),
         )
+
+    def release(self) -> None:
+        """Free the contributions' payloads (the round's checks are over)."""
+        self.kept = {}
 
     def owed_until(self) -> float | None:
         """Until when (loop time) members may still be reading the answers of this reduction: each
@@ -445,6 +466,18 @@ class RoundState:
     ring: KeyRing = field(default_factory=KeyRing)
     own: Commitment | None = None
     mail: Mailbox = field(default_factory=Mailbox)
+    reductions: list[OwnerSession] = field(default_factory=list)  # ours and those we stand in for
+    answers: dict[str, Answer] = field(default_factory=dict)  # every owner's, once gathered
+    seed: bytes | None = None  # the round's direction seed, once every secret is in
+
+    def reduction_of(self, key: str) -> OwnerSession | None:
+        """Our reduction of part `key`, if we made one."""
+        return next((s for s in self.reductions if key in s.keys), None)
+
+    def release(self) -> None:
+        """Free what our reductions kept for the checks."""
+        for session in self.reductions:
+            session.release()
 
     @property
     def statement_bytes(self) -> int:
@@ -637,7 +670,7 @@ class OwnerHandler:
         payloads = dict(zip(request.keys, body, strict=True))
         # On the event loop: the check is cheap, and on the reduction's executor it would queue
         # behind a running reduction.
-        error = shape_error(payloads, session.shapes)
+        error = shape_error(payloads, session.shapes, session.codecs)
         if error is not None:
             raise ValueError(f"{request.peer[-8:]}: {error}")
         commitment = _commitment_of(request, state)  # parsed at the header already: cannot fail

@@ -57,7 +57,7 @@ from .statements import (
     Signer,
     digest,
 )
-from .wire import PROTOCOL_VERSION, Meter, read_frame, write_frame
+from .wire import PROTOCOL_VERSION, Meter, read_chunks, read_frame, write_chunks, write_frame
 
 logger = logging.getLogger(__name__)
 
@@ -69,19 +69,29 @@ def handler_name(prefix: str) -> str:
     return f"adloco.verify.v{PROTOCOL_VERSION}.{hashlib.sha256(prefix.encode()).hexdigest()[:24]}"
 
 
+DEFEND = "defend"
+"""A member whose projection check of an owner's part failed asks the owner which contributors'
+projections were false; the owner answers with their payloads, which prove it (`defend`)."""
+
+
 class VerifyHandler:
-    """The stream handler for reveals and projections: one signed statement per stream, from a
-    member of the round's group, parsed and bounded before it is kept (`RoundState.mail`)."""
+    """The stream handler for reveals, projections and defenses: one request per stream, from a
+    member of the round's group, parsed and bounded before it is kept (`RoundState.mail`) or
+    answered (`_defend`)."""
 
     def __init__(
         self,
         *,
         round_state: Callable[[int], Awaitable[RoundState | None]],
         wait_s: float,
+        chunk_bytes: int,
+        executor: Executor,
         admission: Admission | None = None,
     ) -> None:
         self._round_state = round_state
         self._wait_s = wait_s
+        self._chunk_bytes = chunk_bytes
+        self._executor = executor
         self._admission = admission or Admission()
 
     async def serve(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -94,38 +104,130 @@ class VerifyHandler:
                 read_frame(reader, meter, max_header=MAX_FRAME_BYTES, max_body=0), timeout=self._wait_s
             )
             round, kind = header.get("r"), header.get("k")
-            if type(round) is not int or kind not in (REVEAL, PROJECT):
+            if type(round) is not int or kind not in (REVEAL, PROJECT, DEFEND):
                 raise ValueError("malformed verification frame")
             state = await asyncio.wait_for(self._round_state(round), timeout=self._wait_s)
             if state is None or remote not in state.group.members:
                 raise ValueError("not a member of this peer's group for that round")
-            members = len(state.group.members)
-            bound = members * state.statement_bytes + 4096
-            signed = Signed.from_wire(header.get("s"), max_body=bound)
-            group = state.group
-            statement: Reveal | Projections
-            if kind == REVEAL:
-                statement = Reveal.parse(
-                    signed,
-                    state.ring,
-                    round=group.round,
-                    group_id=group.group_id,
-                    owners=members,
-                    max_answer=state.statement_bytes,
-                )
+            if kind == DEFEND:
+                await self._defend(header, state, writer, meter)
             else:
-                statement = Projections.parse(
-                    signed, state.ring, round=group.round, group_id=group.group_id, parts=len(state.layout)
-                )
-            if statement.peer != remote:
-                raise ValueError("a statement of another peer than the stream's")
-            state.mail.put(kind, statement)
-            await write_frame(writer, {"v": PROTOCOL_VERSION, "ok": True}, [], meter)
+                statement = self._statement(header, kind, state)
+                if statement.peer != remote:
+                    raise ValueError("a statement of another peer than the stream's")
+                state.mail.put(kind, statement)
+                await write_frame(writer, {"v": PROTOCOL_VERSION, "ok": True}, [], meter)
             state.meter.add(meter)
         except (ValueError, OSError, EOFError, asyncio.IncompleteReadError, asyncio.TimeoutError) as e:
             logger.debug("verification stream refused: %r", e)
         finally:
             writer.close()
+
+    def _statement(self, header: dict[str, Any], kind: str, state: RoundState) -> Reveal | Projections:
+        group = state.group
+        members = len(group.members)
+        signed = Signed.from_wire(header.get("s"), max_body=members * state.statement_bytes + 4096)
+        if kind == REVEAL:
+            return Reveal.parse(
+                signed,
+                state.ring,
+                round=group.round,
+                group_id=group.group_id,
+                owners=members,
+                max_answer=state.statement_bytes,
+            )
+        return Projections.parse(
+            signed, state.ring, round=group.round, group_id=group.group_id, parts=len(state.layout)
+        )
+
+    async def _defend(
+        self, header: dict[str, Any], state: RoundState, writer: asyncio.StreamWriter, meter: Meter
+    ) -> None:
+        """Answer a member whose check of our part failed: the payloads of the contributors whose
+        projections (as the member holds them, signed) are not those of the payloads they committed
+        to. Refused when we hold no such reduction any more (the checks are over) or no seed."""
+        key = header.get("key")
+        listed = header.get("s")
+        session = state.reduction_of(key) if isinstance(key, str) else None
+        if session is None or not session.kept or state.seed is None or not isinstance(listed, list):
+            await write_frame(writer, {"v": PROTOCOL_VERSION, "ok": False}, [], meter)
+            return
+        if len(listed) > len(state.group.members):
+            raise ValueError("more projections than members")
+        group, seed, at = state.group, state.seed, state.layout[key]
+        claimed: dict[str, float] = {}
+        for wire in listed:
+            held = Projections.parse(
+                Signed.from_wire(wire, max_body=state.statement_bytes),
+                state.ring,
+                round=group.round,
+                group_id=group.group_id,
+                parts=len(state.layout),
+            )
+            if held.seed == seed and held.peer in session.kept:
+                claimed[held.peer] = held.values[at]
+        loop = asyncio.get_running_loop()
+        payloads = {peer: session.kept[peer][key] for peer in claimed}
+        true = await loop.run_in_executor(self._executor, _projections_of, payloads, seed, key)
+        false = sorted(p for p in claimed if not _agree(true[p], claimed[p]))
+        body = [payloads[p] for p in false]
+        await write_frame(
+            writer, {"v": PROTOCOL_VERSION, "ok": True, "p": false, "s": [len(b) for b in body]}, [], meter
+        )
+        await write_chunks(writer, body, self._chunk_bytes, meter)
+
+
+def _projections_of(payloads: Mapping[str, bytes], seed: bytes, key: str) -> dict[str, float]:
+    return {peer: verify.project_payload(p, seed, key) for peer, p in payloads.items()}
+
+
+def _agree(a: float, b: float) -> bool:
+    """Two float64 projections of the same payload on the same direction (another machine's
+    summation order moves them by ~1e-16 relative)."""
+    return abs(a - b) <= 1e-9 * (abs(a) + abs(b)) + 1e-300
+
+
+async def ask_defense(
+    p2p: P2P,
+    handler: str,
+    owner: str,
+    *,
+    round: int,
+    key: str,
+    projections: Sequence[Signed],
+    size: int,
+    timeout_s: float,
+    meter: Meter,
+) -> dict[str, bytes]:
+    """Ask `owner` which of `projections` (of part `key`) are false; the payloads it shows, each at
+    most `size` bytes (every contribution of a part is that size), by contributor. Empty when it
+    shows none, refuses or does not answer within `timeout_s`."""
+
+    async def ask() -> dict[str, bytes]:
+        _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(owner), handler)
+        try:
+            request = {"v": PROTOCOL_VERSION, "r": round, "k": DEFEND, "key": key}
+            await write_frame(writer, {**request, "s": [p.to_wire() for p in projections]}, [], meter)
+            reply, _ = await read_frame(reader, meter, max_header=MAX_FRAME_BYTES, max_body=0)
+            peers, sizes = reply.get("p"), reply.get("s")
+            if not reply.get("ok") or not isinstance(peers, list) or not isinstance(sizes, list):
+                return {}
+            if len(peers) != len(sizes) or len(peers) > len(projections):
+                return {}
+            if not all(isinstance(p, str) for p in peers) or not all(
+                type(n) is int and 0 <= n <= size for n in sizes
+            ):
+                return {}
+            body = await read_chunks(reader, sizes, meter)
+            return dict(zip(peers, body, strict=True))
+        finally:
+            writer.close()
+
+    try:
+        return await asyncio.wait_for(ask(), timeout=timeout_s)
+    except Exception as e:
+        logger.debug("asking %s to show the false projections failed: %r", owner[-8:], e)
+        return {}
 
 
 MAX_FRAME_BYTES = 64 << 20
@@ -300,9 +402,15 @@ def own_projections(payloads: Mapping[str, bytes], layout: Sequence[str], seed: 
     return [verify.project_payload(payloads[key], seed, key) for key in layout]
 
 
-def finish_mean(checked: Checked, projections: Mapping[str, Projections], layout: Mapping[str, int]) -> None:
-    """`verify.check_mean` of one part with the projections in hand; Caught when it fails (on this
-    member's word: the owner, or a contributor that framed it)."""
+def finish_mean(
+    checked: Checked,
+    projections: Mapping[str, Projections],
+    layout: Mapping[str, int],
+    shown: Mapping[str, float] | None = None,
+) -> None:
+    """`verify.check_mean` of one part with the projections in hand (`shown`: true projections of
+    payloads the owner showed, in place of their contributors' false ones); Caught when it fails (on
+    this member's word: the owner, or a contributor that framed it, until the owner shows which)."""
     part = checked.part
     if checked.tolerance is None or part.factors is None:
         return
@@ -312,6 +420,8 @@ def finish_mean(checked: Checked, projections: Mapping[str, Projections], layout
         peer = part.contributors[i]
         held = projections.get(peer)
         values[i] = None if held is None else held.values[at]
+        if shown and peer in shown:
+            values[i] = shown[peer]
         if values[i] is not None:
             try:
                 verify.check_projection(values[i] or 0.0, part.claims[i])
@@ -335,15 +445,20 @@ async def verify_round(
     settings: Settings,
     signer: Signer,
     send: Callable[[str, str, Signed], None],
+    defend: Callable[[str, str, list[Signed]], Awaitable[dict[str, bytes]]],
     executor: Executor,
     budget_s: float,
-) -> None:
-    """The module doc's three steps for one round; returns when every answer checked out.
+) -> dict[str, str]:
+    """The module doc's three steps for one round; returns when every answer checked out, with the
+    contributors an owner showed to have sent false projections (the round still checks out with
+    their true ones), and why.
 
     `answers`: each answer keyed by the owner whose parts it holds (reduced by it, by a stand-in,
     or by this peer);
     `members`: the round's members (those every owner admitted), who reveal and project;
-    `payloads`: this member's own; `send(peer, kind, signed)` starts delivering a statement.
+    `payloads`: this member's own; `send(peer, kind, signed)` starts delivering a statement;
+    `defend(owner, key, projections)` asks an owner whose part failed its check which of those
+    projections were false (`ask_defense`).
     """
     loop = asyncio.get_running_loop()
     layout = state.layout
@@ -385,6 +500,7 @@ async def verify_round(
         [secrets[m] for m in members],
         [statements[r].signed.digest for r in reducers],
     )
+    state.seed = seed  # for the owners' defense of their parts (`VerifyHandler._defend`)
     mine = await loop.run_in_executor(executor, own_projections, payloads, list(layout), seed)
     projected = Projections.make(signer, round=group.round, group_id=group.group_id, seed=seed, values=mine)
     for peer in others:
@@ -399,8 +515,50 @@ async def verify_round(
     _check_equivocations(mail)
     held = {p: s for p, s in mail.projections.items() if s.seed == seed}
     held[peer_id] = projected
+    failed: list[Checked] = []
     for c in checked:
-        finish_mean(c, held, layout)
+        try:
+            finish_mean(c, held, layout)
+        except Caught as e:
+            if e.proven:
+                raise
+            failed.append(c)
+    liars: dict[str, str] = {}
+    for c in failed:
+        # A contributor may have sent a false projection to frame the owner: the owner holds the
+        # payloads, and shows the false ones (`VerifyHandler._defend`); failing that, it is blamed.
+        part = c.part
+        accepted = [part.contributors[i] for i, _ in part.factors or []]
+        listed = [held[p].signed for p in accepted if p in held]
+        shown = await defend(part.owner, part.key, listed)
+        true = await loop.run_in_executor(executor, _shown, shown, part, held, seed, layout)
+        for peer, (value, claimed) in true.items():
+            liars[peer] = f"{part.key!r}: projected {claimed:.9g}, its payload gives {value:.9g}"
+        finish_mean(c, held, layout, {p: v for p, (v, _) in true.items()})
+    return liars
+
+
+def _shown(
+    shown: Mapping[str, bytes],
+    part: Part,
+    held: Mapping[str, Projections],
+    seed: bytes,
+    layout: Mapping[str, int],
+) -> dict[str, tuple[float, float]]:
+    """The payloads an owner showed that prove their contributors' projections false: (true, claimed)
+    by contributor. One that is not the committed payload, or whose projection is what its
+    contributor said, proves nothing and is ignored."""
+    proven = {}
+    at = layout[part.key]
+    for peer, payload in shown.items():
+        if peer not in part.contributors or peer not in held:
+            continue
+        if verify.payload_digest(payload) != part.claims[part.contributors.index(peer)].digest:
+            continue
+        value, claimed = verify.project_payload(payload, seed, part.key), held[peer].values[at]
+        if not _agree(value, claimed):
+            proven[peer] = (value, claimed)
+    return proven
 
 
 def _check_equivocations(mail: Mailbox) -> None:
