@@ -61,8 +61,9 @@ def star(procs: Procs) -> Iterator[netns.Star]:
         yield lan
 
 
-def _expected_sent() -> tuple[list[int], int]:
-    """Payload bytes member i (in peer-id order) sends in a round of NODES, and one Δ's int8 size."""
+def _expected_sent() -> tuple[list[int], int, int]:
+    """Payload bytes member i (in peer-id order) sends in a round of NODES, one Δ's int8 size, and
+    its number of parts."""
     from adloco.node.training.model import build_model
     from adloco.protocol.algorithms.codecs import make_codec
     from adloco.protocol.algorithms.parts import assign_parts, round_traffic
@@ -72,7 +73,17 @@ def _expected_sent() -> tuple[list[int], int]:
     sizes = [codec.wire_bytes(tuple(p.shape)) for p in model.parameters() if p.requires_grad]
     owners = assign_parts(sizes, NODES)
     sent, _ = round_traffic(owners, [sizes] * NODES, sizes, NODES)
-    return sent, sum(sizes)
+    return sent, sum(sizes), len(sizes)
+
+
+def _checks_bound(parts: int, n: int) -> int:
+    """The most bytes of the answers' checks a member sends in a round of n (statements.py): its
+    commitment to each other owner; as an owner, its statement and the n commitments to each other
+    member; its reveal (every owner's statement) and its projections to each other member. Each
+    statement lists at most 80 bytes per part (a name, a digest, a norm or projection) and 1.5 kB of
+    signature, key and ids. They grow with parts and members, not with the payload."""
+    statement = 80 * parts + 1500
+    return (n - 1) * (1 + (1 + n) + n + 1) * statement
 
 
 def _check_link_is_shaped(star: netns.Star, procs: Procs) -> None:
@@ -160,7 +171,7 @@ def test_nodes_behind_shaped_links_agree_and_send_the_codec_payload(
         hashes = {records[r]["theta_hash"] for records in rounds.values()}
         assert len(hashes) == 1, f"round {r + 1}: nodes hold different θ"
 
-    expected, delta_bytes = _expected_sent()
+    expected, delta_bytes, parts = _expected_sent()
     order = sorted(peer_ids.values())
     print(
         f"\nint8 Δ {delta_bytes} B; expected payload sent per round by member: {expected} "
@@ -169,21 +180,25 @@ def test_nodes_behind_shaped_links_agree_and_send_the_codec_payload(
     for host, records in rounds.items():
         member = order.index(peer_ids[host])
         want = expected[member]
-        previous = previous_payload = 0
+        previous = previous_payload = previous_checks = 0
         for record in records:
             sent = record["bytes_sent"] - previous
             previous = record["bytes_sent"]
             # The node's own split: encoded tensor bytes are exactly what part ownership predicts.
             assert record["payload_sent"] - previous_payload == want
             previous_payload = record["payload_sent"]
-            overhead = sent - want
+            checks = record["checks_sent"] - previous_checks
+            previous_checks = record["checks_sent"]
+            overhead = sent - want - checks
             floor_s = sent * 8 / (RATE_MBIT * 1e6)
             print(
                 f"node{host} (member {member}) round {record['round']}: sent {sent} B, payload {want} B, "
-                f"overhead {overhead} B ({100 * overhead / want:.2f}%), round {record['round_s']:.2f} s "
+                f"checks {checks} B ({100 * checks / want:.2f}%), framing {overhead} B "
+                f"({100 * overhead / want:.2f}%), round {record['round_s']:.2f} s "
                 f"(link floor {floor_s:.2f} s)"
             )
-            assert 0 <= overhead <= 0.02 * want, (sent, want)
+            assert 0 <= overhead <= 0.02 * want, (sent, want, checks)
+            assert 0 < checks <= _checks_bound(parts, NODES), (checks, parts)
             # The exchange cannot beat the shaped uplink.
             assert record["round_s"] >= floor_s
     # Round 1 includes start-up; the steady state is rounds 2 and later.

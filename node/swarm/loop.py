@@ -422,6 +422,8 @@ class RoundLoop:
         counters.bytes_received += traffic.wire_received
         counters.payload_sent += traffic.payload_sent
         counters.payload_received += traffic.payload_received
+        counters.checks_sent += traffic.checks_sent
+        counters.checks_received += traffic.checks_received
         self.metrics.sent.inc(traffic.wire_sent)
         self.metrics.received.inc(traffic.wire_received)
         self._last = (info, result)
@@ -489,6 +491,8 @@ class RoundLoop:
             contribution_bytes=info.wire_bytes,
             payload_sent=counters.payload_sent,
             payload_received=counters.payload_received,
+            checks_sent=counters.checks_sent,
+            checks_received=counters.checks_received,
             heloco=None
             if c is None
             else {"keep": c.keep, "shrink": c.shrink, "rotate": c.rotate, "skip": c.skip},

@@ -60,6 +60,8 @@ class Counters:
     bytes_received: int = 0
     payload_sent: int = 0
     payload_received: int = 0
+    checks_sent: int = 0
+    checks_received: int = 0
     dropped: int = 0
     rejected_parts: int = 0
     malformed_reports: int = 0

@@ -62,7 +62,8 @@ class RoundRecord:
     round: the round reached (θ_round). tokens: trained in this round; tokens_total: so far.
     staleness: τ of this node's contribution (simulator: the largest in the group). bytes_sent /
     bytes_received: every byte on the wire so far (framing included), round_bytes: sent in this
-    round; payload_*: the encoded tensors alone so far. round_s: time since the previous applied
+    round; payload_*: the encoded tensors alone so far; checks_*: of the wire bytes, the answers'
+    checks so far (signed statements, reveals, projections). round_s: time since the previous applied
     round (simulator: simulated seconds), wait_s: the part of it spent idle waiting for the group
     and its transfer, compute_s: local training. heloco: how HeLoCo treated a late Δ's tensors.
     The simulator also fills sim_time_s (its clock), staleness_mean, the late_* counts, comm_s (the
@@ -92,6 +93,8 @@ class RoundRecord:
     contribution_bytes: int = 0
     payload_sent: int = 0
     payload_received: int = 0
+    checks_sent: int = 0
+    checks_received: int = 0
     heloco: dict[str, int] | None = None
     dropped: int = 0
     rejected_parts: int = 0

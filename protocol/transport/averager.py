@@ -41,7 +41,9 @@ class Traffic:
     not counted. `exchange_s`: seconds from the group's formation to the last answer (the transfer
     and the reductions, without matchmaking; 0 in process): the bytes over it bound this member's
     link from below. `largest_frame_body`: the most bytes this member read off a stream in one frame,
-    what a stream's reader held at once (0 in process).
+    what a stream's reader held at once (0 in process). `checks_*`: of the wire bytes, the signed
+    statements and the frames of the answers' checks (`verification`; 0 in process): they grow with
+    the parts and members, not with the payload.
     """
 
     payload_sent: int
@@ -50,6 +52,8 @@ class Traffic:
     wire_received: int
     exchange_s: float = 0.0
     largest_frame_body: int = 0
+    checks_sent: int = 0
+    checks_received: int = 0
 
     @property
     def overhead(self) -> int:

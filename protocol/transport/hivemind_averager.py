@@ -37,6 +37,17 @@ bytes, identical `members` and `reports`. Consequences, all accepted for now:
 - two disjoint groups can both complete if the DHT views partition (each is internally
   consistent); the θ hash every peer publishes for r+1 reveals it.
 
+**Checks.** No member returns a result it has not checked (`verification.verify_round`, after
+`member.assemble`): every request carries the member's signed commitment, every answer the owner's
+signed statement; the members exchange the statements they got and a secret, then projections of
+their payloads on a direction drawn from all of them, and check every part they did not reduce. A
+failed check raises `Caught`, naming the peers at fault: this peer leaves them out of its next
+rounds, and its readiness records say so (`excluded`; `matchmaking.outvoted`). So:
+- an owner that answers a lie, or different bytes to different members, fails the round for every
+  honest member and is in no later group (decisions.md, "Verified reducers");
+- every member of the round must reveal its secret: one that does not fails the round everywhere,
+  once, and is named.
+
 `MemberResult.traffic` counts payload bytes and every byte written to / read from the streams
 (framing: wire.py); libp2p's own framing and encryption below the stream are not counted.
 
@@ -632,7 +643,13 @@ class HivemindAverager:
             result = await self._exchange(
                 state, contribution, keys, owners, by_owner, metadata_owner, codec, moved, grouped_at
             )
-            await self._check(state, result, contribution, secret, bounds, moved)
+            # A member within its exchange budget may reveal as late as that budget allows.
+            reveal_by = (
+                grouped_at
+                + self._exchange_budget_s(moved)
+                + self.phase_s(moved, floor_s=self.reduce_timeout_s)
+            )
+            await self._check(state, result, contribution, secret, bounds, moved, reveal_by)
         finally:
             # Members slower with their checks may still ask us to show the payloads we reduced.
             loop.call_later(self.phase_s(moved, floor_s=self.reduce_timeout_s), state.release)
@@ -704,6 +721,7 @@ class HivemindAverager:
         secret: bytes,
         bounds: ClaimBounds,
         moved: int,
+        reveal_by: float,
     ) -> None:
         """`verification.verify_round` of the answers (Caught when they do not check out); an owner
         that shows some contributor's projections false convicts it."""
@@ -737,6 +755,7 @@ class HivemindAverager:
             defend=defend,
             executor=self._verify_executor,
             budget_s=budget,
+            reveal_by=reveal_by,
         )
         if liars:
             self._convict(Caught("false projections", liars, proven=True))

@@ -116,6 +116,8 @@ async def fetch(
         raise OwnerUnreachable(f"cannot reach owner {owner[-8:]}: {e}") from e
     try:
         await write_frame(writer, header, [], state.meter)
+        if state.own is not None:
+            state.meter.checks_sent += state.own.signed.size
         go, _ = await read_frame(reader, state.meter, max_header=GO_HEADER_BYTES, max_body=0)
         if not go.get("ok"):
             raise RoundFailed(f"owner {owner[-8:]} refused: {go.get('e')}")
@@ -188,6 +190,7 @@ def _with_statement(
         )
     except BadStatement as e:
         raise caught(f"answered with a malformed statement: {e}") from e
+    state.meter.checks_received += signed.size + sum(c.signed.size for c in commitments)
     if statement.owner != owner:
         raise caught("answered with another peer's statement")
     if (
@@ -289,10 +292,10 @@ async def assemble(
     contributor_sets = [set(answer.contributors) for answer in answers.values()]
     if peer_id not in set.intersection(*contributor_sets):
         # It answered on the stream our parts came in on, so it had taken them.
-        left_out = {owner: "left out our contribution it had taken" for owner, a in answers.items()}
+        why = "left out our contribution it had taken"
         raise Caught(
             "our contribution was not included",
-            {o: why for o, why in left_out.items() if peer_id not in answers[o].contributors},
+            {o: why for o, a in answers.items() if peer_id not in a.contributors},
             proven=False,
         )
     outsiders = {o for o, a in answers.items() if not set(a.contributors) <= set(state.group.members)}

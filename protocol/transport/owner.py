@@ -606,7 +606,7 @@ class OwnerHandler:
             session = _session_for(state, request) if refusal is None and state is not None else None
             if refusal is None and session is None:
                 refusal = "this peer owns no parts in the group"
-            if refusal is None and session is not None:
+            if refusal is None and session is not None and state is not None:
                 banned_s = self._ban_left(request.peer)
                 violation = _violation(session, request, state)
                 if banned_s > 0:
@@ -622,10 +622,11 @@ class OwnerHandler:
                     receiving = session
                 else:
                     refusal = "the owner has already reduced (too late), or got or dropped this member"
-            if receiving is None:
+            if receiving is None or state is None:
                 await self._refuse(writer, request, refusal, meter)
                 return
             await write_frame(writer, {"v": PROTOCOL_VERSION, "ok": True}, [], meter)
+            meter.checks_received += request.commitment.size
             admitted = await self._receive(reader, writer, receiving, request, meter, state)
             if admitted is None:
                 return
@@ -740,6 +741,7 @@ class OwnerHandler:
         if result.statement is not None:
             header["st"] = result.statement.signed.to_wire()
             header["cm"] = [c.signed.to_wire() for c in result.commitments]
+            meter.checks_sent += result.statement.signed.size + sum(c.signed.size for c in result.commitments)
         await write_frame(writer, header, [], meter)
         try:
             await turn.begin()

@@ -12,7 +12,7 @@ counts in another round:
               work cap, digest of the relayed reports (empty: none)       (owner -> each member)
     reveal  = kind, round, group, member, every owner's signed answer, secret
                                                                  (member -> every member)
-    project = kind, round, group, member, seed, one projection per part
+    project = kind, round, group, member, seed, one projection per part, the members' secrets
                                                                  (member -> every member)
 
 Digests and norms are listed in the layout's order of the parts (every member's, `layout_of`).
@@ -25,6 +25,7 @@ contents from the same author prove that it told different peers different thing
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import hashlib
 import math
@@ -89,6 +90,11 @@ class Signed:
         """What other statements name this one by: the digest of its body."""
         return digest(self.body)
 
+    @property
+    def size(self) -> int:
+        """Its bytes on the wire (the framing's few bytes aside)."""
+        return len(self.body) + len(self.signature) + len(self.public_key)
+
 
 class Signer:
     """Signs statements with this peer's key."""
@@ -100,7 +106,8 @@ class Signer:
 
     def sign(self, fields: Sequence[Any]) -> Signed:
         body = MSGPackSerializer.dumps(list(fields))
-        return Signed(body, self._key.sign(body), self._public)
+        # hivemind's keys sign in base64; the wire carries the raw 256 bytes.
+        return Signed(body, base64.b64decode(self._key.sign(body)), self._public)
 
 
 class KeyRing:
@@ -122,7 +129,7 @@ class KeyRing:
             if len(self._peers) < 4096:
                 self._peers[signed.public_key] = entry
         peer, key = entry
-        if not key.verify(signed.body, signed.signature):
+        if not key.verify(signed.body, base64.b64encode(signed.signature)):
             raise BadStatement("bad signature")
         try:
             fields = MSGPackSerializer.loads(signed.body)
@@ -377,30 +384,57 @@ class Reveal:
 
 @dataclass(frozen=True)
 class Projections:
-    """A member's projections of its own payloads on the round's directions."""
+    """A member's projections of its own payloads on the round's directions, and the secrets the
+    seed was drawn from (passed on: a member that missed a reveal takes the secret from here, its
+    hash being in the revealer's commitment)."""
 
     signed: Signed
     peer: str
     seed: bytes
     values: list[float]
+    secrets: list[tuple[str, bytes]] = field(default_factory=list)
 
     @classmethod
     def make(
-        cls, signer: Signer, *, round: int, group_id: bytes, seed: bytes, values: Sequence[float]
+        cls,
+        signer: Signer,
+        *,
+        round: int,
+        group_id: bytes,
+        seed: bytes,
+        values: Sequence[float],
+        secrets: Sequence[Sequence[Any]] = (),
     ) -> Projections:
-        fields = [PROJECT, round, group_id, signer.peer_id, seed, list(values)]
-        return cls(signer.sign(fields), signer.peer_id, seed, list(values))
+        fields = [PROJECT, round, group_id, signer.peer_id, seed, list(values), [list(s) for s in secrets]]
+        pairs = [(str(peer), bytes(value)) for peer, value in secrets]
+        return cls(signer.sign(fields), signer.peer_id, seed, list(values), pairs)
 
     @classmethod
-    def parse(cls, signed: Signed, keys: KeyRing, *, round: int, group_id: bytes, parts: int) -> Projections:
+    def parse(
+        cls, signed: Signed, keys: KeyRing, *, round: int, group_id: bytes, parts: int, members: int
+    ) -> Projections:
         fields = keys.open(signed, PROJECT)
-        if len(fields) != 6:
-            raise BadStatement("a projection statement has 6 fields")
+        if len(fields) != 7:
+            raise BadStatement("a projection statement has 7 fields")
         _bound(round, group_id, fields)
-        values = fields[5]
+        values, secrets = fields[5], fields[6]
         if not isinstance(values, list) or len(values) != parts:
             raise BadStatement(f"expected {parts} projections")
-        return cls(signed, fields[3], _digests([fields[4]], 1)[0], [_float(v) for v in values])
+        if not isinstance(secrets, list) or len(secrets) > members:
+            raise BadStatement(f"at most {members} secrets")
+        pairs = []
+        for pair in secrets:
+            if (
+                not isinstance(pair, list)
+                or len(pair) != 2
+                or not isinstance(pair[0], str)
+                or len(pair[0]) > MAX_PEER_CHARS
+                or not isinstance(pair[1], bytes)
+                or len(pair[1]) != DIGEST_BYTES
+            ):
+                raise BadStatement("a malformed secret")
+            pairs.append((pair[0], pair[1]))
+        return cls(signed, fields[3], _digests([fields[4]], 1)[0], [_float(v) for v in values], pairs)
 
 
 @dataclass(frozen=True)

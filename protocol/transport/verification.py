@@ -117,6 +117,8 @@ class VerifyHandler:
                     raise ValueError("a statement of another peer than the stream's")
                 state.mail.put(kind, statement)
                 await write_frame(writer, {"v": PROTOCOL_VERSION, "ok": True}, [], meter)
+            # Every byte of these streams is the checks' (the payloads an owner shows included).
+            meter.checks_sent, meter.checks_received = meter.wire_sent, meter.wire_received
             state.meter.add(meter)
         except (ValueError, OSError, EOFError, asyncio.IncompleteReadError, asyncio.TimeoutError) as e:
             logger.debug("verification stream refused: %r", e)
@@ -137,7 +139,12 @@ class VerifyHandler:
                 max_answer=state.statement_bytes,
             )
         return Projections.parse(
-            signed, state.ring, round=group.round, group_id=group.group_id, parts=len(state.layout)
+            signed,
+            state.ring,
+            round=group.round,
+            group_id=group.group_id,
+            parts=len(state.layout),
+            members=members,
         )
 
     async def _defend(
@@ -149,7 +156,13 @@ class VerifyHandler:
         key = header.get("key")
         listed = header.get("s")
         session = state.reduction_of(key) if isinstance(key, str) else None
-        if session is None or not session.kept or state.seed is None or not isinstance(listed, list):
+        if (
+            not isinstance(key, str)
+            or session is None
+            or not session.kept
+            or state.seed is None
+            or not isinstance(listed, list)
+        ):
             await write_frame(writer, {"v": PROTOCOL_VERSION, "ok": False}, [], meter)
             return
         if len(listed) > len(state.group.members):
@@ -163,6 +176,7 @@ class VerifyHandler:
                 round=group.round,
                 group_id=group.group_id,
                 parts=len(state.layout),
+                members=len(group.members),
             )
             if held.seed == seed and held.peer in session.kept:
                 claimed[held.peer] = held.values[at]
@@ -205,23 +219,31 @@ async def ask_defense(
 
     async def ask() -> dict[str, bytes]:
         _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(owner), handler)
+        mine = Meter()
         try:
-            request = {"v": PROTOCOL_VERSION, "r": round, "k": DEFEND, "key": key}
-            await write_frame(writer, {**request, "s": [p.to_wire() for p in projections]}, [], meter)
-            reply, _ = await read_frame(reader, meter, max_header=MAX_FRAME_BYTES, max_body=0)
-            peers, sizes = reply.get("p"), reply.get("s")
-            if not reply.get("ok") or not isinstance(peers, list) or not isinstance(sizes, list):
-                return {}
-            if len(peers) != len(sizes) or len(peers) > len(projections):
-                return {}
-            if not all(isinstance(p, str) for p in peers) or not all(
-                type(n) is int and 0 <= n <= size for n in sizes
-            ):
-                return {}
-            body = await read_chunks(reader, sizes, meter)
-            return dict(zip(peers, body, strict=True))
+            return await exchange(reader, writer, mine)
         finally:
             writer.close()
+            mine.checks_sent, mine.checks_received = mine.wire_sent, mine.wire_received
+            meter.add(mine)
+
+    async def exchange(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, mine: Meter
+    ) -> dict[str, bytes]:
+        request = {"v": PROTOCOL_VERSION, "r": round, "k": DEFEND, "key": key}
+        await write_frame(writer, {**request, "s": [p.to_wire() for p in projections]}, [], mine)
+        reply, _ = await read_frame(reader, mine, max_header=MAX_FRAME_BYTES, max_body=0)
+        peers, sizes = reply.get("p"), reply.get("s")
+        if not reply.get("ok") or not isinstance(peers, list) or not isinstance(sizes, list):
+            return {}
+        if len(peers) != len(sizes) or len(peers) > len(projections):
+            return {}
+        if not all(isinstance(p, str) for p in peers) or not all(
+            type(n) is int and 0 <= n <= size for n in sizes
+        ):
+            return {}
+        body = await read_chunks(reader, sizes, mine)
+        return dict(zip(peers, body, strict=True))
 
     try:
         return await asyncio.wait_for(ask(), timeout=timeout_s)
@@ -251,14 +273,17 @@ async def send_statement(
 
     async def send() -> bool:
         _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(peer), handler)
+        mine = Meter()
         try:
             await write_frame(
-                writer, {"v": PROTOCOL_VERSION, "r": round, "k": kind, "s": signed.to_wire()}, [], meter
+                writer, {"v": PROTOCOL_VERSION, "r": round, "k": kind, "s": signed.to_wire()}, [], mine
             )
-            ack, _ = await read_frame(reader, meter, max_header=ACK_HEADER_BYTES, max_body=0)
+            ack, _ = await read_frame(reader, mine, max_header=ACK_HEADER_BYTES, max_body=0)
             return bool(ack.get("ok"))
         finally:
             writer.close()
+            mine.checks_sent, mine.checks_received = mine.wire_sent, mine.wire_received
+            meter.add(mine)
 
     try:
         return await asyncio.wait_for(send(), timeout=timeout_s)
@@ -448,10 +473,13 @@ async def verify_round(
     defend: Callable[[str, str, list[Signed]], Awaitable[dict[str, bytes]]],
     executor: Executor,
     budget_s: float,
+    reveal_by: float,
 ) -> dict[str, str]:
     """The module doc's three steps for one round; returns when every answer checked out, with the
     contributors an owner showed to have sent false projections (the round still checks out with
-    their true ones), and why.
+    their true ones), and why. `reveal_by`: the loop time by which every member that is still
+    within its exchange budget has sent its reveal (the group's formation plus that budget, plus
+    `budget_s`); the wait for the reveals ends there, for secrets relayed by others `budget_s` later.
 
     `answers`: each answer keyed by the owner whose parts it holds (reduced by it, by a stand-in,
     or by this peer);
@@ -477,24 +505,9 @@ async def verify_round(
     for peer in others:
         send(peer, REVEAL, reveal.signed)
     mail = state.mail
-    deadline = loop.time() + budget_s
-    await mail.wait(lambda: all(p in mail.reveals for p in others), deadline)
-    _check_equivocations(mail)
-    silent = [p for p in others if p not in mail.reveals]
-    if silent:
-        raise Caught(
-            f"no reveal from {[p[-8:] for p in silent]}",
-            dict.fromkeys(silent, "withheld its reveal"),
-            proven=False,
-        )
-    secrets = {peer_id: secret}
-    for peer in others:
-        held = mail.reveals[peer]
-        commitment = commitments.get(peer)
-        if commitment is None or digest(held.secret) != commitment.secret:
-            raise _fail(peer, "revealed a secret it had not committed to", proven=True)
-        _compare_answers(held, statements, state)
-        secrets[peer] = held.secret
+    secrets = await _gather_secrets(
+        mail, commitments, statements, state, others, peer_id, secret, reveal_by, budget_s
+    )
     seed = verify.round_seed(
         group.group_id,
         [secrets[m] for m in members],
@@ -502,7 +515,14 @@ async def verify_round(
     )
     state.seed = seed  # for the owners' defense of their parts (`VerifyHandler._defend`)
     mine = await loop.run_in_executor(executor, own_projections, payloads, list(layout), seed)
-    projected = Projections.make(signer, round=group.round, group_id=group.group_id, seed=seed, values=mine)
+    projected = Projections.make(
+        signer,
+        round=group.round,
+        group_id=group.group_id,
+        seed=seed,
+        values=mine,
+        secrets=[[m, secrets[m]] for m in members],
+    )
     for peer in others:
         send(peer, PROJECT, projected.signed)
     parts = parts_to_check(answers, layout=layout, settings=settings, skip={peer_id})
@@ -510,7 +530,7 @@ async def verify_round(
     wanted = {
         c.part.contributors[i] for c in checked if c.tolerance is not None for i, _ in c.part.factors or []
     } - {peer_id}
-    deadline = loop.time() + budget_s
+    deadline = max(loop.time(), reveal_by) + budget_s
     await mail.wait(lambda: wanted <= set(mail.projections), deadline)
     _check_equivocations(mail)
     held = {p: s for p, s in mail.projections.items() if s.seed == seed}
@@ -559,6 +579,55 @@ def _shown(
         if not _agree(value, claimed):
             proven[peer] = (value, claimed)
     return proven
+
+
+async def _gather_secrets(
+    mail: Mailbox,
+    commitments: Mapping[str, Commitment],
+    statements: Mapping[str, AnswerStatement],
+    state: RoundState,
+    others: Sequence[str],
+    peer_id: str,
+    secret: bytes,
+    reveal_by: float,
+    budget_s: float,
+) -> dict[str, bytes]:
+    """Every member's secret, each matching its commitment: from its reveal (whose answers must be
+    ours), or relayed in another member's projections (a member may reveal to some members only:
+    what one honest member holds, all then hold). Caught when one is missing `budget_s` after
+    `reveal_by`: nobody revealed it, or nobody passed it on in time."""
+
+    def known() -> dict[str, bytes]:
+        found = {peer_id: secret}
+        for peer, revealed in mail.reveals.items():
+            commitment = commitments.get(peer)
+            if commitment is not None and digest(revealed.secret) == commitment.secret:
+                found[peer] = revealed.secret
+        for relayed in mail.projections.values():
+            for peer, value in relayed.secrets:
+                commitment = commitments.get(peer)
+                if peer not in found and commitment is not None and digest(value) == commitment.secret:
+                    found[peer] = value
+        return found
+
+    await mail.wait(lambda: all(p in mail.reveals for p in others), reveal_by)
+    if not all(p in known() for p in others):
+        await mail.wait(lambda: all(p in known() for p in others), reveal_by + budget_s)
+    _check_equivocations(mail)
+    for peer, revealed in mail.reveals.items():
+        commitment = commitments.get(peer)
+        if commitment is None or digest(revealed.secret) != commitment.secret:
+            raise _fail(peer, "revealed a secret it had not committed to", proven=True)
+        _compare_answers(revealed, statements, state)
+    secrets = known()
+    silent = [p for p in others if p not in secrets]
+    if silent:
+        raise Caught(
+            f"no reveal from {[p[-8:] for p in silent]}",
+            dict.fromkeys(silent, "withheld its reveal"),
+            proven=False,
+        )
+    return secrets
 
 
 def _check_equivocations(mail: Mailbox) -> None:

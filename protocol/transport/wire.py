@@ -52,6 +52,8 @@ class Meter:
     wire_sent: int = 0
     wire_received: int = 0
     largest_body: int = 0
+    checks_sent: int = 0  # of the wire bytes, those of the answers' checks (`verification`)
+    checks_received: int = 0
 
     def add(self, other: Meter) -> None:
         self.payload_sent += other.payload_sent
@@ -59,6 +61,8 @@ class Meter:
         self.wire_sent += other.wire_sent
         self.wire_received += other.wire_received
         self.largest_body = max(self.largest_body, other.largest_body)
+        self.checks_sent += other.checks_sent
+        self.checks_received += other.checks_received
 
     def traffic(self, exchange_s: float = 0.0) -> Traffic:
         return Traffic(
@@ -68,6 +72,8 @@ class Meter:
             self.wire_received,
             exchange_s,
             largest_frame_body=self.largest_body,
+            checks_sent=self.checks_sent,
+            checks_received=self.checks_received,
         )
 
 
