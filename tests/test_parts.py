@@ -156,15 +156,17 @@ def test_a_claim_beyond_the_rounds_reference_work_buys_no_room() -> None:
     assert reduce_part(payloads, weights, NONE, "t", tokens=tokens).rejected == {}
 
 
-def test_screening_work_is_the_capped_claims_or_none_when_a_claim_says_nothing() -> None:
+def test_screening_work_is_the_capped_claims_or_none_when_no_claim_says_anything() -> None:
     assert screening_work([1.0, 5.0, 3.0], 4.0) == [1.0, 4.0, 3.0]
     assert screening_work([1.0, 5.0], None) == [1.0, 5.0]
-    assert screening_work([1.0, 0.0], 4.0) is None  # a claim of 0 tokens: raw norms for all
+    assert screening_work([1.0, 0.0], 4.0) == [1.0, 0.0]  # a claim of 0 is judged alone
+    assert screening_work([0.0, 0.0], 4.0) is None  # no claim says anything: raw norms for all
     assert screening_work(None, 4.0) is None
     with pytest.raises(ValueError, match="work_cap"):
         screening_work([1.0], 0.0)
     with pytest.raises(ValueError, match="work"):
-        screen_part([torch.ones(2)] * 3, 10.0, [1.0, 0.0, 1.0])
+        screen_part([torch.ones(2)] * 3, 10.0, [1.0, -1.0, 1.0])
+    assert screen_part([torch.ones(2)] * 3, 10.0, [1.0, 0.0, 1.0]) == {1: "claims no work"}
 
 
 def test_outlier_threshold_is_factor_times_median() -> None:
@@ -273,3 +275,16 @@ def test_most_bytes_moved_is_the_busiest_link_of_the_round() -> None:
     owners = [0, 1, 1]
     assert most_bytes_moved([100, 30, 30], owners, 3) == 260
     assert most_bytes_moved([100, 30, 30], [0, 0, 0], 1) == 0  # alone: nothing on the wire
+
+
+def test_a_zero_token_claim_is_left_out_and_does_not_change_how_the_others_are_screened() -> None:
+    """One claim of 0 tokens used to switch the owner's screening to raw norms for everyone. It is
+    now left out (it weighs nothing) and the others are judged per token as before."""
+    from adloco.protocol.algorithms.parts import screen_norms, screening_work
+
+    norms, tokens = [1.0, 1.0, 13.5, 0.0], [2.0, 2.0, 30.0, 0.0]  # a DyLU fast peer, and a zero claim
+    work = screening_work(tokens, None)
+    assert work == [2.0, 2.0, 30.0, 0.0]
+    assert screen_norms(norms, 10.0, work) == {3: "claims no work"}
+    assert screen_norms(norms[:3], 10.0, work[:3]) == {}  # the same verdicts on the others
+    assert screening_work([0.0, 0.0], None) is None  # nobody says what any work was: raw norms

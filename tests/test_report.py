@@ -108,6 +108,35 @@ def test_dylu_ratio_is_own_speed_against_the_fastest() -> None:
     assert dylu_ratio([silent], "q") is None
 
 
+def test_one_forged_step_time_moves_dylu_by_a_bounded_factor() -> None:
+    """The issue's attack: one report of a microsecond step set every member's H to 1. The
+    reference is now at most DYLU_MAX_SPEEDUP times faster than the median."""
+    from adloco.protocol.algorithms.report import DYLU_MAX_SPEEDUP
+
+    honest = [PeerReport(peer_id=p, slot_stats=(), b_max=1, tokens=1, step_time_s=0.4) for p in "abc"]
+    forged = PeerReport(peer_id="x", slot_stats=(), b_max=1, tokens=1, step_time_s=1e-6)
+    assert dylu_ratio(honest, "a") == 1.0
+    assert dylu_ratio([*honest, forged], "a") == pytest.approx(1 / DYLU_MAX_SPEEDUP)
+    # A real fast peer within that range is still the reference (speeds 1 and 1/15).
+    fast = PeerReport(peer_id="f", slot_stats=(), b_max=1, tokens=1, step_time_s=0.4 / 15)
+    assert dylu_ratio([*honest, fast], "a") == pytest.approx(1 / 15)
+
+
+def test_one_forged_link_moves_the_byte_budget_by_a_bounded_factor() -> None:
+    from adloco.protocol.algorithms.report import BUDGET_MAX_SHORTFALL
+
+    def report(peer: str, bps: float) -> PeerReport:
+        return PeerReport(
+            peer_id=peer, slot_stats=(), b_max=1, tokens=1, bandwidth_bps=bps, round_compute_s=2.0
+        )
+
+    honest = [report(p, 8e6) for p in "abc"]
+    clean = overlap_byte_budget(honest, group_size=4)
+    assert clean is not None
+    forged = overlap_byte_budget([*honest, report("x", 1.0)], group_size=4)
+    assert forged == pytest.approx(clean / BUDGET_MAX_SHORTFALL)
+
+
 def test_byte_budget_is_the_slowest_link_over_the_round_time() -> None:
     def report(peer: str, bps: float, seconds: float) -> PeerReport:
         return PeerReport(

@@ -207,16 +207,22 @@ def screen_norms(
     A payload whose norm is not finite (it holds a NaN or inf) is rejected. Among the finite ones,
     when there are at least `MIN_OUTLIER_GROUP` of them and `outlier_factor` is neither None nor 0,
     one whose norm exceeds `outlier_factor` × their median norm is rejected too (with a median of 0,
-    any payload that is not all zeros). With `work` (the work behind each payload, every one > 0), the
-    norms compared are norm / work: a payload may be as much larger than the others as its work is.
-    A function of these numbers alone, so anyone holding them (a member checking its owner's
-    answer, `verify`) reaches the same decisions.
+    any payload that is not all zeros). With `work` (the work behind each payload, each ≥ 0), the
+    norms compared are norm / work: a payload may be as much larger than the others as its work is;
+    one that claims no work is left out (it weighs nothing) before the median. A function of these
+    numbers alone, so anyone holding them (a member checking its owner's answer, `verify`) reaches
+    the same decisions.
     """
-    if work is not None and (len(work) != len(norms) or not all(w > 0 for w in work)):
-        raise ValueError(f"work must be one number > 0 per tensor, got {list(work)}")
+    if work is not None and (len(work) != len(norms) or not all(w >= 0 for w in work)):
+        raise ValueError(f"work must be one number >= 0 per tensor, got {list(work)}")
     rejected = {i: "non-finite values" for i, norm in enumerate(norms) if not math.isfinite(norm)}
     scale = list(work) if work is not None else [1.0] * len(norms)
-    finite = {i: norm / scale[i] for i, norm in enumerate(norms) if i not in rejected}
+    # A payload that claims no work counts for nothing (its weight is 0 too), and is left out before
+    # the median: one such claim cannot change how the others are judged, nor the mean's scale.
+    for i in range(len(norms)):
+        if i not in rejected and scale[i] == 0:
+            rejected[i] = "claims no work"
+    finite = {i: norm / scale[i] for i, norm in enumerate(norms) if i not in rejected and scale[i] > 0}
     if not outlier_factor or len(finite) < MIN_OUTLIER_GROUP:
         return rejected
     median = statistics.median(finite.values())
@@ -233,9 +239,10 @@ def screen_norms(
 
 def screening_work(tokens: Sequence[float] | None, work_cap: float | None) -> list[float] | None:
     """The work `screen_part` divides each norm by: the claimed tokens, each at most `work_cap`
-    (the round's reference work; None: no cap). None, so raw norms, without tokens or when some
-    claim is 0 (nothing says what that payload's work was)."""
-    if tokens is None or not all(t > 0 for t in tokens):
+    (the round's reference work; None: no cap). None, so raw norms, without tokens or when no
+    claim is above 0 (nothing says what any payload's work was). A claim of 0 is judged alone
+    (`screen_norms`): it no longer switches everyone to raw norms, as one zero-token claim did."""
+    if tokens is None or not any(t > 0 for t in tokens):
         return None
     if work_cap is not None and not work_cap > 0:
         raise ValueError(f"work_cap must be > 0, got {work_cap!r}")

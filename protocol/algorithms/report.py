@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -178,13 +179,25 @@ def _require_float(name: str, value: object, bound: float) -> float:
     return float(value)
 
 
+DYLU_MAX_SPEEDUP = 20.0
+"""How much faster than the group's median step time DyLU's reference may be: a report is one
+member's word, and one forged step time of a microsecond set every member's H to 1. The widest
+heterogeneity the simulator runs (speeds 1 and 1/15) stays within it."""
+BUDGET_MAX_SHORTFALL = 10.0
+"""How far below the group's median budget the byte budget may go: one report claiming a near-zero
+link forced the harshest codec on everyone."""
+
+
 def dylu_ratio(reports: Sequence[PeerReport], peer_id: str) -> float | None:
     """DyLU (Async DiLoCo): `peer_id`'s speed relative to the fastest member that reported a step
-    time, in (0, 1]; None when its own report or every step time is missing."""
+    time, in (0, 1]; None when its own report or every step time is missing. The fastest counts
+    at most `DYLU_MAX_SPEEDUP` times faster than the median: one report moves every member's H by a
+    bounded factor."""
     own = next((r.step_time_s for r in reports if r.peer_id == peer_id), 0.0)
-    fastest = min((r.step_time_s for r in reports if r.step_time_s > 0), default=0.0)
-    if fastest <= 0 or own <= 0:
+    times = [r.step_time_s for r in reports if r.step_time_s > 0]
+    if not times or own <= 0:
         return None
+    fastest = max(min(times), statistics.median(times) / DYLU_MAX_SPEEDUP)
     return min(1.0, fastest / own)
 
 
@@ -193,12 +206,14 @@ def overlap_byte_budget(reports: Sequence[PeerReport], *, group_size: int) -> fl
 
     DiLoCoX: T_comm ≤ H·t_step. Each member sends about 2(n−1)/n of its payload (its parts to their
     owners, then the averaged parts it owns), so the payload budget is the slowest member's
-    bandwidth × its round compute time divided by that factor. None when no member reported both
-    figures, or alone (nothing to send).
+    bandwidth × its round compute time divided by that factor, the slowest counted at most
+    `BUDGET_MAX_SHORTFALL` below the median (one report moves the choice by a bounded amount). None
+    when no member reported both figures, or alone (nothing to send).
     """
     budgets = [
         r.bandwidth_bps / 8 * r.round_compute_s for r in reports if r.bandwidth_bps and r.round_compute_s
     ]
     if not budgets or group_size < 2:
         return None
-    return min(budgets) / (2 * (group_size - 1) / group_size)
+    slowest = max(min(budgets), statistics.median(budgets) / BUDGET_MAX_SHORTFALL)
+    return slowest / (2 * (group_size - 1) / group_size)

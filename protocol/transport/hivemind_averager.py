@@ -223,7 +223,7 @@ class HivemindAverager:
         self._closed = False
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adloco-reduce")
         # A member's own work on the checks (digests, norms, projections): off the reductions' thread.
-        self._verify_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adloco-verify")
+        self._verify_executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="adloco-verify")
         self._signer = Signer(dht.identity)
         self._verify_name = verification_handler(prefix)
         self._loop = asyncio.new_event_loop()

@@ -514,7 +514,11 @@ async def verify_round(
         [statements[r].signed.digest for r in reducers],
     )
     state.seed = seed  # for the owners' defense of their parts (`VerifyHandler._defend`)
-    mine = await loop.run_in_executor(executor, own_projections, payloads, list(layout), seed)
+    # Our projections and the checks of the answers run side by side (the executor has two threads).
+    ours = loop.run_in_executor(executor, own_projections, payloads, list(layout), seed)
+    parts = parts_to_check(answers, layout=layout, settings=settings, skip={peer_id})
+    checks = [loop.run_in_executor(executor, check_part, part, seed, settings) for part in parts]
+    mine = await ours
     projected = Projections.make(
         signer,
         round=group.round,
@@ -525,8 +529,11 @@ async def verify_round(
     )
     for peer in others:
         send(peer, PROJECT, projected.signed)
-    parts = parts_to_check(answers, layout=layout, settings=settings, skip={peer_id})
-    checked = [await loop.run_in_executor(executor, check_part, part, seed, settings) for part in parts]
+    checked = []
+    for outcome in await asyncio.gather(*checks, return_exceptions=True):
+        if isinstance(outcome, BaseException):
+            raise outcome
+        checked.append(outcome)
     wanted = {
         c.part.contributors[i] for c in checked if c.tolerance is not None for i, _ in c.part.factors or []
     } - {peer_id}
