@@ -37,14 +37,15 @@ from typing import Any
 
 import torch
 
-from ..protocol.algorithms import verify
-from ..protocol.algorithms.allreduce import Contribution
-from ..protocol.algorithms.codecs import decode, encode_tensors, make_codec
-from ..protocol.algorithms.parts import Aggregate, assign_parts, reduce_part
-from ..protocol.algorithms.report import PeerReport
-from ..protocol.transport import hivemind_averager, verification
-from ..protocol.transport.identity import create_identity
-from ..protocol.transport.statements import AnswerStatement, Commitment, Projections, Reveal, Signer
+from adloco.protocol.algorithms import verify
+from adloco.protocol.algorithms.allreduce import Contribution
+from adloco.protocol.algorithms.codecs import decode, encode_tensors, make_codec
+from adloco.protocol.algorithms.parts import Aggregate, assign_parts, reduce_part
+from adloco.protocol.algorithms.report import PeerReport
+from adloco.protocol.transport import hivemind_averager, verification
+from adloco.protocol.transport.identity import create_identity
+from adloco.protocol.transport.statements import AnswerStatement, Commitment, Projections, Reveal, Signer
+
 from .allreduce import DHT_KWARGS, llama_shapes, num_params
 
 
@@ -217,8 +218,8 @@ def statement_bytes(
 
 def rounds(shapes: dict[str, tuple[int, ...]], count: int) -> dict[str, Any]:
     """Part 2 of the module doc."""
-    from ..protocol.transport.hivemind_averager import HivemindAverager
-    from ..protocol.transport.identity import NodeDHT
+    from adloco.protocol.transport.hivemind_averager import HivemindAverager
+    from adloco.protocol.transport.identity import NodeDHT
 
     local = ["/ip4/127.0.0.1/tcp/0"]
     dhts = [NodeDHT(start=True, host_maddrs=local, **DHT_KWARGS)]

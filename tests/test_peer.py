@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -172,6 +173,68 @@ def test_all_members_hold_identical_theta_and_a_late_peer_replays_to_it(corpus: 
     assert c.state.theta_hash() == a.state.theta_hash()
     assert all(torch.equal(x, y) for x, y in zip(c.state.momentum, a.state.momentum, strict=True))
     assert c.state.schedule == a.state.schedule
+
+
+def test_catch_up_checks_the_replayed_theta_before_it_applies_a_single_update(corpus: Corpus) -> None:
+    """A holder serving poisoned updates (one scaled, the θ hash of the swarm's head trusted): the
+    replay is worked out on copies and refused, nothing changes, and the full state is taken; honest
+    updates lead to the hash and are applied. `Peer.replayed_hash` is the hash `catch_up` reaches."""
+    from adloco.node.training.catchup import catch_up
+    from adloco.protocol.algorithms.codecs import decode, make_codec
+
+    a, b, late = _peer(corpus, "a", 0), _peer(corpus, "b", 1), _peer(corpus, "late", 1)
+    for _ in range(2):
+        _round([a, b])
+    head = a.state.theta_hash()
+    assert late.replayed_hash(a.state.history) == head
+    name = a.names[0]
+    none = make_codec("none")
+    poisoned = [
+        replace(u, averaged={**u.averaged, name: none.encode(name, decode(u.averaged[name]) * -50)})
+        for u in a.state.history
+    ]
+    assert late.replayed_hash(poisoned) != head
+
+    class Holder:
+        def __init__(self, updates: list[Any]) -> None:
+            self.kept, self.downloaded = updates, False
+
+        def updates(self, from_round: int) -> list[Any]:
+            return self.kept
+
+        def state(self) -> PeerState:
+            self.downloaded = True
+            return a.state
+
+    before = [t.clone() for t in late.state.theta]
+    holder = Holder(poisoned)
+    done = catch_up(late, holder, expected_hash=head)
+    assert done.how == "download" and holder.downloaded and late.state.theta_hash() == head
+    # Had the replay been applied first, θ would have moved before the download replaced it; the
+    # download would then be all that saved it. Without a state to download, nothing moves at all:
+    stuck = _peer(corpus, "late", 1)
+
+    class Liar(Holder):
+        def state(self) -> PeerState:
+            raise ConnectionError("gone")
+
+    with pytest.raises(ConnectionError):
+        catch_up(stuck, Liar(poisoned), expected_hash=head)
+    assert stuck.state.round == 0
+    assert all(torch.equal(x, y) for x, y in zip(stuck.state.theta, before, strict=True))
+    honest = catch_up(_peer(corpus, "late", 1), Holder(a.state.history), expected_hash=head)
+    assert honest.how == "replay" and honest.rounds == 2
+
+
+def test_an_update_whose_merge_names_no_slot_changes_nothing(corpus: Corpus) -> None:
+    a, c = _peer(corpus, "a", 0), _peer(corpus, "c", 1)
+    _round([a])
+    update = a.state.history[0]
+    for merge in ((5, 0), (0, 0), (-1, 0)):
+        bad = replace(update, merge=merge, schedule=replace(update.schedule, batch=update.schedule.batch[:1]))
+        with pytest.raises(ValueError, match="merge"):
+            c.catch_up([bad])
+        assert c.state.round == 0 and len(c.instances) == 2
 
 
 def test_kept_updates_are_bounded_by_their_bytes(corpus: Corpus) -> None:

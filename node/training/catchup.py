@@ -50,7 +50,8 @@ def catch_up(
     lock: AbstractContextManager[object] | None = None,
 ) -> CatchUp:
     """Bring `peer` to the source's state: replay the kept updates if they start at the peer's round
-    and end at `expected_hash`, otherwise (or with `replay` False: a fork) download the full state.
+    and end at `expected_hash` (worked out before any is applied: `Peer.replayed_hash`), otherwise
+    (or with `replay` False: a fork) download the full state.
 
     Fetching runs outside `lock`, changing the peer inside it (the swarm's state server reads the
     peer from another thread). Raises ValueError when the downloaded θ does not match
@@ -61,9 +62,16 @@ def catch_up(
     if replay:
         updates = [u for u in source.updates(start) if u.round >= start]
         if updates and updates[0].round == start:
+            # Checked before it is committed: updates that do not lead to `expected_hash` (a holder
+            # serving poisoned ones, say) are worked out on copies, one tensor at a time, and never
+            # applied; the peer then downloads the state instead.
             with guard:
-                peer.catch_up(updates)
-                matches = peer.state.theta_hash() == expected_hash
+                try:
+                    matches = peer.replayed_hash(updates) == expected_hash
+                except ValueError:
+                    matches = False
+                if matches:
+                    peer.catch_up(updates)
             if matches:
                 moved = sum(len(p) for u in updates for p in u.averaged.values())
                 return CatchUp("replay", peer.state.round - start, moved)

@@ -41,7 +41,7 @@ from ...protocol.algorithms.downlink import OwnerFeedback, make_downlink
 from ...protocol.algorithms.feedback import RESIDUAL_DTYPES, ErrorFeedback
 from ...protocol.algorithms.heloco import correct, dylu_inner_steps, staleness_weight
 from ...protocol.algorithms.outer import outer_step
-from ...protocol.algorithms.pseudograd import PseudoGradient, tensors_hash, weighted_mean
+from ...protocol.algorithms.pseudograd import PseudoGradient, TensorsHash, tensors_hash, weighted_mean
 from ...protocol.algorithms.report import PeerReport, dylu_ratio, overlap_byte_budget
 from ...protocol.algorithms.schedule import accumulation_for, next_schedule
 from ...protocol.algorithms.switch import BatchPlan
@@ -455,12 +455,20 @@ class Peer:
         self.state.history = history
 
     def _check_update(self, update: Update) -> None:
-        """ValueError unless the update decodes to one finite tensor of θ's shape per name: checked
+        """ValueError unless the update decodes to one finite tensor of θ's shape per name and any MIT
+        merge it carries names two of the current slots, the next schedule having one fewer: checked
         whole before any is applied (one tensor decoded at a time), so a bad update changes nothing."""
         if update.round != self.state.round:
             raise ValueError(f"update for round {update.round} applied at round {self.state.round}")
         if update.averaged.keys() != set(self.names):
             raise ValueError(f"update for round {update.round} does not carry exactly this model's tensors")
+        if update.merge is not None:
+            slots = self.state.schedule.instances
+            victim, survivor = update.merge
+            if not (0 <= victim < slots and 0 <= survivor < slots and victim != survivor):
+                raise ValueError(f"update for round {update.round}: merge {update.merge} of {slots} slots")
+            if update.schedule.instances != slots - 1:
+                raise ValueError(f"update for round {update.round}: a merge must leave {slots - 1} slots")
         for name, theta in zip(self.names, self.state.theta, strict=True):
             delta = decode(update.averaged[name])
             if delta.shape != theta.shape or not bool(torch.isfinite(delta).all()):
@@ -473,6 +481,28 @@ class Peer:
             mode = "mix" if self.cfg.overlap == "auto" else self.cfg.overlap
             inst.shift(self.state.theta, mode=mode, mix=self.cfg.overlap_mix)
         self.phase_round = self.state.round
+
+    def replayed_hash(self, updates: Sequence[Update]) -> str:
+        """θ's hash after replaying `updates` (those from the current round on, in order), worked out
+        one tensor at a time on copies of it and of its momentum: nothing of this peer changes, so a
+        caller can refuse updates that do not lead where it trusts before applying any
+        (`catchup.catch_up`). ValueError for updates that do not follow each other from here."""
+        pending = [u for u in updates if u.round >= self.state.round]
+        if [u.round for u in pending] != list(range(self.state.round, self.state.round + len(pending))):
+            raise ValueError("the updates do not follow each other from this peer's round")
+        digest = TensorsHash()
+        for name, theta, momentum in zip(self.names, self.state.theta, self.state.momentum, strict=True):
+            t, m = theta.detach().clone(), momentum.detach().clone()
+            for update in pending:
+                payload = update.averaged.get(name)
+                if payload is None:
+                    raise ValueError(f"update for round {update.round} has no {name}")
+                delta = decode(payload).to(self.placement.state)
+                if delta.shape != t.shape:
+                    raise ValueError(f"update for round {update.round}: {name} is misshapen")
+                outer_step([t], [m], [delta], self.cfg.outer, index=update.round)
+            digest.update(t)
+        return digest.hexdigest()
 
     def catch_up(self, updates: Sequence[Update]) -> int:
         """Replay the averaged updates this peer missed, in order; returns how many were applied.

@@ -134,12 +134,25 @@ def tensors_hash(tensors: Iterable[Tensor]) -> str:
     Values are converted to float32 (little-endian on every platform we run) so peers that hold θ
     in different dtypes of equal value still agree; -0.0 and 0.0, or two NaN payloads, differ.
     """
-    digest = hashlib.sha256()
+    digest = TensorsHash()
     for t in tensors:
-        values = t.detach().to(device="cpu", dtype=torch.float32).contiguous()
-        digest.update(repr(tuple(values.shape)).encode())
-        digest.update(memoryview(values.numpy()).cast("B"))  # type: ignore[arg-type]  # the buffer itself, no copy
+        digest.update(t)
     return digest.hexdigest()
+
+
+class TensorsHash:
+    """`tensors_hash` fed one tensor at a time (a θ worked out tensor by tensor is never whole)."""
+
+    def __init__(self) -> None:
+        self._digest = hashlib.sha256()
+
+    def update(self, tensor: Tensor) -> None:
+        values = tensor.detach().to(device="cpu", dtype=torch.float32).contiguous()
+        self._digest.update(repr(tuple(values.shape)).encode())
+        self._digest.update(memoryview(values.numpy()).cast("B"))  # type: ignore[arg-type]  # the buffer itself, no copy
+
+    def hexdigest(self) -> str:
+        return self._digest.hexdigest()
 
 
 def _mix(parts: Sequence[Tensor], coefs: Sequence[float]) -> Tensor:
