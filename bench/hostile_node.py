@@ -1,15 +1,26 @@
 """A hostile node for bench/robust_swarm.py: it joins a run exactly as `adloco-node` does (the same
-flags, its own identity, real p2pd), trains, and then sends a forged pseudo-gradient instead of its
-own in every round (`--attack`: flip1000, flip, random, constant; `node.sim.engine.forge`, the
-simulator's attacks). It applies whatever the group's owners return, as an honest node does.
+flags, its own identity, real p2pd) and trains, then attacks every round (`--attack`):
 
-    python bench/hostile_node.py --attack flip --peers ... --run-id r [node flags]
+- as a member, it sends a forged pseudo-gradient instead of its own (flip1000, flip, random,
+  constant: `node.sim.engine.forge`, the simulator's attacks) and applies whatever the group's
+  owners return, as an honest node does;
+- as an owner (issue 25), signing every lie with its own key: owner-scaled answers its parts with
+  the true average × −50, owner-noise with noise of the average's norm, owner-split each member
+  with an answer of its own (the true one to the first, 1.001 × it to the others), owner-stall takes
+  the parts and never answers;
+- mute: it sends its parts and takes the answers, then never reveals what it got.
+
+    python bench/hostile_node.py --attack owner-scaled --peers ... --run-id r [node flags]
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import sys
 from typing import Any
+
+import torch
 
 from adloco.node.cli.node import (
     build_parser,
@@ -20,6 +31,91 @@ from adloco.node.cli.node import (
 )
 from adloco.node.sim.engine import ATTACKS, forge
 from adloco.node.swarm.node import SwarmNode
+from adloco.protocol.algorithms.codecs import decode, make_codec, payload_codec
+from adloco.protocol.transport import hivemind_averager, owner
+from adloco.protocol.transport.owner import Answer, OwnerHandler, OwnerSession
+
+OWNER_ATTACKS = ("owner-scaled", "owner-noise", "owner-split", "owner-stall", "mute")
+
+
+def _signed(answer: Answer, session: OwnerSession) -> Answer:
+    """`answer` with its statement signed by the liar (as a liar signs its lie)."""
+    assert answer.statement is not None
+    statement = session._sign(
+        keys=session.keys,
+        payloads=[answer.payloads[k] for k in session.keys],
+        contributors=answer.contributors,
+        commitments=[c.signed.digest for c in answer.commitments],
+        codes=answer.statement.codes,
+        metadata=answer.metadata or (),
+    )
+    return dataclasses.replace(answer, statement=statement)
+
+
+def _reencoded(answer: Answer, change: Any) -> Answer:
+    told = {}
+    for key, payload in answer.payloads.items():
+        family = payload_codec(payload)
+        codec = make_codec(family if family in ("none", "fp16", "int8", "int4") else "int8")
+        told[key] = codec.encode(key, change(decode(payload)))
+    return dataclasses.replace(answer, payloads=told)
+
+
+def _noise(values: torch.Tensor) -> torch.Tensor:
+    noise = torch.randn_like(values)
+    return noise * (float(values.norm()) / max(float(noise.norm()), 1e-30))
+
+
+def attack_as_owner(attack: str) -> None:
+    """Install `attack` into this process's owner side (only the hostile node runs this)."""
+    if attack in ("owner-scaled", "owner-noise"):
+        real = owner.reduce_owned
+        change = (lambda v: v * -50.0) if attack == "owner-scaled" else _noise
+
+        def lying(*args: Any, **kwargs: Any) -> Any:
+            answer, rejections = real(*args, **kwargs)
+            signed_by = kwargs.get("signed_by")
+            if signed_by is not None and answer.statement is not None:
+                answer = _signed(_reencoded(answer, change), signed_by.__self__)
+            return answer, rejections
+
+        owner.reduce_owned = lying
+    elif attack == "owner-split":
+        real_answer = OwnerHandler._answer
+        told: dict[int, str] = {}
+
+        async def split(
+            self: OwnerHandler, writer: Any, session: OwnerSession, meter: Any, peer: str
+        ) -> None:
+            result = session.result
+            first = told.setdefault(session.group.round, peer)
+            if result is not None and result.statement is not None and peer != first:
+                session = _session_with(session, result)
+            await real_answer(self, writer, session, meter, peer)
+
+        OwnerHandler._answer = split  # type: ignore[method-assign]
+    elif attack == "owner-stall":
+
+        async def never(self: OwnerHandler, *args: Any) -> None:
+            await asyncio.sleep(3600)
+
+        OwnerHandler._answer = never  # type: ignore[method-assign]
+    elif attack == "mute":
+        real_verify = hivemind_averager.verify_round
+
+        async def withheld(**kw: Any) -> Any:
+            return await real_verify(**{**kw, "send": lambda *args: None})
+
+        hivemind_averager.verify_round = withheld
+
+
+def _session_with(session: OwnerSession, result: Answer) -> OwnerSession:
+    """A copy of `session` answering 1.001 × its true result (re-signed)."""
+    import copy
+
+    other = copy.copy(session)
+    other.result = _signed(_reencoded(result, lambda v: v * 1.001), session)
+    return other
 
 
 def main(argv: list[str]) -> int:
@@ -27,28 +123,31 @@ def main(argv: list[str]) -> int:
     if "--attack" in argv:
         at = argv.index("--attack")
         attack, argv = argv[at + 1], argv[:at] + argv[at + 2 :]
-    if attack not in ATTACKS[1:]:
-        raise SystemExit(f"--attack: one of {', '.join(ATTACKS[1:])}")
+    if attack not in (*ATTACKS[1:], *OWNER_ATTACKS):
+        raise SystemExit(f"--attack: one of {', '.join((*ATTACKS[1:], *OWNER_ATTACKS))}")
     args = parse_settings(build_parser(), argv)
     node = SwarmNode(train_config_from_args(args), network_from_args(args), swarm_from_args(args))
-    honest = node.peer.contribute
     calls = 0
+    if attack in OWNER_ATTACKS:
+        attack_as_owner(attack)
+    else:
+        honest = node.peer.contribute
 
-    def hostile(local: Any, **kwargs: Any) -> Any:
-        nonlocal calls
-        contribution, info = honest(local, **kwargs)
-        if contribution is None:
-            return contribution, info
-        calls += 1
-        forged = forge(contribution, attack, seed=calls << 20, bounds=node.peer.claim_bounds())
-        return forged, info
+        def hostile(local: Any, **kwargs: Any) -> Any:
+            nonlocal calls
+            contribution, info = honest(local, **kwargs)
+            if contribution is None:
+                return contribution, info
+            calls += 1
+            forged = forge(contribution, attack, seed=calls << 20, bounds=node.peer.claim_bounds())
+            return forged, info
 
-    node.peer.contribute = hostile
+        node.peer.contribute = hostile  # type: ignore[method-assign]
     try:
         node.run()
     finally:
         node.shutdown()
-    print(f"hostile node: sent {calls} forged contributions ({attack})", flush=True)
+    print(f"hostile node: {attack}, {calls} forged contributions", flush=True)
     return 0
 
 

@@ -2,7 +2,8 @@
 and a fourth node (real p2pd, loopback, tiny-llama) train `--rounds` rounds; in the clean runs the
 fourth is honest too, in the others it is bench/hostile_node.py sending a forged pseudo-gradient
 every round (the simulator's attacks: flip1000 = −1000 Δ, flip = −Δ claiming the most weight the
-round allows, random = noise at Δ's norm, constant = one noise direction every round). Every
+round allows, random = noise at Δ's norm, constant = one noise direction every round), or lying as
+an owner (owner-scaled, owner-noise, owner-split, owner-stall) or withholding its reveal (mute). Every
 combination of `--rules` (the owners' `--aggregate`), `--scores` (every node's `--score`: owners
 judge each member's Δ over their parts by the loss on their own data) and `--attacks` runs once per
 seed. Printed and written to bench/results/robust_swarm.json: the honest nodes' final val loss
@@ -36,6 +37,7 @@ HOSTILE = str(Path(__file__).resolve().parent / "hostile_node.py")
 
 
 def one_run(work: Path, *, rule: str, score: str, attack: str, rounds: int, seed: int) -> dict[str, Any]:
+    t0 = time.monotonic()
     maddrs = work / "bootstrap.json"
     boot = ["adloco-bootstrap", "--identity-path", str(work / "b.key"), *NET[:3]]
     boot += ["--maddrs-file", str(maddrs)]
@@ -61,9 +63,12 @@ def one_run(work: Path, *, rule: str, score: str, attack: str, rounds: int, seed
     finally:
         for node in [*nodes, bootstrap]:
             node.kill()
+    wall_s = time.monotonic() - t0
     finals = [n.rounds()[-1] for n in nodes[:3]]
     groups = [e["group_size"] for e in nodes[0].rounds()]
     return {
+        "wall_s": round(wall_s, 1),
+        "dropped": statistics.median(f.get("dropped", 0) for f in finals),  # Δs of honest nodes never applied
         "rule": rule if score == "off" else f"{rule}+{score}",
         "attack": attack,
         "seed": seed,

@@ -119,15 +119,28 @@ def mypy_installed() -> bool:
 
 
 def strict_mypy(folder: Path) -> NicedRun:
-    """mypy --strict over the package (test_types.py)."""
+    """mypy --strict over the package and the tests (test_types.py), its cache in `folder`.
+
+    mypy names the package after the folder it sits in, and the tests import it as `adloco`, so the
+    run starts in an alias named `adloco` (the checkout itself when it is so named); the alias's
+    parent and tests/ (whose helpers, such as procs.py, the tests import by their bare names) are
+    its search path."""
     root = ROOT
-    if not ROOT.name.isidentifier():
-        # mypy names the package after the checkout's folder: give it an alias named `adloco`.
+    if ROOT.name != "adloco":
         root = folder / "adloco"
         root.symlink_to(ROOT, target_is_directory=True)
-    argv = [sys.executable, "-m", "mypy", "--strict", "--no-incremental"]
-    argv += ["--config-file", str(ROOT / "pyproject.toml"), *PACKAGE_PARTS]
-    return start_background(argv, folder, cwd=root, env={"MYPY_FORCE_COLOR": "0"})
+    argv = [
+        sys.executable,
+        "-m",
+        "mypy",
+        "--strict",
+        "--no-incremental",
+        "--cache-dir",
+        str(folder / "cache"),
+    ]
+    argv += ["--config-file", str(ROOT / "pyproject.toml"), *PACKAGE_PARTS, "tests"]
+    env = {"MYPY_FORCE_COLOR": "0", "MYPYPATH": f"{root.parent}:{root / 'tests'}"}
+    return start_background(argv, folder, cwd=root, env=env)
 
 
 def kernel_paths(folder: Path) -> NicedRun:
@@ -178,7 +191,7 @@ def container_image(folder: Path) -> NicedRun:
 # What conftest.py starts as the session starts: a test's node id, or the name of a fixture that
 # some selected test uses, -> its run.
 AT_SESSION_START: dict[str, Callable[[Path], NicedRun]] = {
-    "tests/test_types.py::test_package_is_strictly_typed": strict_mypy,
+    "tests/test_types.py::test_package_and_tests_are_strictly_typed": strict_mypy,
     "tests/test_kernel_paths.py::test_decode_outer_step_and_codec_choice_agree_across_kernel_paths": (
         kernel_paths
     ),

@@ -10,14 +10,10 @@ import threading
 
 import torch
 
-from adloco.node.cli.node import (
-    build_parser,
-    network_from_args,
-    parse_settings,
-    swarm_from_args,
-    train_config_from_args,
-)
+from adloco.node.cli.node import build_parser, network_from_args, swarm_from_args
+from adloco.node.cli.options import train_config_from_args
 from adloco.node.swarm.node import SwarmNode
+from adloco.settings import parse_settings
 
 HIJACK_ROUND = 10**6
 

@@ -13,8 +13,9 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from adloco.node.cli.processes import group_members
 from adloco.node.cli.progress import parse_status_lines
@@ -77,7 +78,7 @@ class Procs:
         return leftover
 
 
-def read_events(path: Path) -> list[dict]:
+def read_events(path: Path) -> list[dict[str, Any]]:
     """A status file's events so far: whole lines only, as the node may be writing the last one."""
     if not path.exists():
         return []
@@ -86,7 +87,9 @@ def read_events(path: Path) -> list[dict]:
     return records
 
 
-def wait_for(predicate, *, timeout: float, interval: float = 0.1, what: str = "condition") -> None:  # type: ignore[no-untyped-def]
+def wait_for(
+    predicate: Callable[[], object], *, timeout: float, interval: float = 0.1, what: str = "condition"
+) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():

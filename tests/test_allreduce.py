@@ -98,7 +98,10 @@ def test_poisoned_parts_are_rejected_per_part_and_reported(caplog: pytest.LogCap
     honest = decode_tensors(dict(contributions[1].payloads))
     poisoned = {"w": torch.full_like(honest["w"], math.nan), "b": 1000 * honest["b"]}
     contributions[1] = Contribution(
-        peer_id="p1", payloads=encode_tensors(make_codec("none"), poisoned), weight=2.0, metadata={"i": 1}
+        peer_id="p1",
+        payloads=encode_tensors(make_codec("none"), poisoned),
+        weight=2.0,
+        metadata=contributions[1].metadata,
     )
     with caplog.at_level(logging.WARNING, logger="adloco.protocol.allreduce"):
         result = reduce_group(contributions, codec=make_codec("none"))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from typing import Any
 
 import pytest
 
@@ -18,7 +19,7 @@ def test_the_full_payload_is_a_llama_of_16_8m_parameters_and_the_bound_is_4_3_of
     assert allreduce.FULL_SHAPES["embed"] == (8192, 512) and allreduce.FULL_SHAPES["l1.down"] == (512, 2048)
 
 
-def _record(side: str, round: int, *, seconds: float, sent: list[int], err: float = 1e-3) -> dict:
+def _record(side: str, round: int, *, seconds: float, sent: list[int], err: float = 1e-3) -> dict[str, Any]:
     answers = [
         {"ok": True, "members": 3, "called": 0.0, "start": 1.0, "done": 1.0 + seconds, "max_err": err}
         for _ in range(3)
@@ -31,7 +32,7 @@ def _record(side: str, round: int, *, seconds: float, sent: list[int], err: floa
     return {"side": side, "round": round, "ok": True, "answers": answers}
 
 
-def _finished(record: dict, link: list[int], warmup: bool = False) -> dict:
+def _finished(record: dict[str, Any], link: list[int], warmup: bool = False) -> dict[str, Any]:
     """What `_round` makes of the answers, with `link` as the tx counts of the round."""
     before = [netlan.LinkCount(0, 0, 0, 0)] * len(link)
     after = [netlan.LinkCount(b, 0, b, 0) for b in link]
@@ -43,23 +44,23 @@ def _finished(record: dict, link: list[int], warmup: bool = False) -> dict:
 
 
 class _FakePeers:
-    def __init__(self, answers: list[dict]) -> None:
+    def __init__(self, answers: list[dict[str, Any]]) -> None:
         self.workers = [_FakeWorker() for _ in answers]
         self._answers = answers
 
-    def answer(self, index: int, timeout: float) -> dict:
+    def answer(self, index: int, timeout: float) -> dict[str, Any]:
         return self._answers[index]
 
 
 class _FakeWorker:
-    def send(self, message: dict) -> None:
+    def send(self, message: dict[str, Any]) -> None:
         pass
 
 
 def test_bytes_per_member_are_the_mean_and_max_of_the_hosts_and_loopback_divides_by_n(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(allreduce.time, "sleep", lambda s: None)
+    monkeypatch.setattr("adloco.bench.allreduce.time.sleep", lambda s: None)
     bound = 400.0
     star = [_finished(_record(allreduce.OURS, 1, seconds=2.0, sent=[400]), [390, 400, 410])]
     summary = allreduce._summary(star, allreduce.OURS, bound)
@@ -75,7 +76,7 @@ def test_bytes_per_member_are_the_mean_and_max_of_the_hosts_and_loopback_divides
 def test_a_result_off_the_mean_fails_its_round_and_warmups_are_not_counted(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(allreduce.time, "sleep", lambda s: None)
+    monkeypatch.setattr("adloco.bench.allreduce.time.sleep", lambda s: None)
     records = [
         _finished(_record(allreduce.HIVEMIND, 1, seconds=9.0, sent=[0]), [1, 1, 1], warmup=True),
         _finished(_record(allreduce.HIVEMIND, 2, seconds=1.0, sent=[0], err=3.0), [1, 1, 1]),
@@ -87,7 +88,7 @@ def test_a_result_off_the_mean_fails_its_round_and_warmups_are_not_counted(
 
 
 def test_the_headline_is_the_shaped_setting_when_measured() -> None:
-    def setting(name: str, rate: float | None, ours_s: float, hm_s: float) -> dict:
+    def setting(name: str, rate: float | None, ours_s: float, hm_s: float) -> dict[str, Any]:
         side = {"rounds_ok": 5, "rounds": 5, "codec": "", "bytes_per_member": 101.0, "step_s_median": 1.0}
         return {
             "setting": name,

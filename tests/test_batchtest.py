@@ -3,6 +3,7 @@
 import itertools
 import json
 import random
+from typing import Any
 
 import pytest
 import torch
@@ -27,7 +28,7 @@ HAND = GradStats(
 )
 
 
-def test_grad_stats_hand_example():
+def test_grad_stats_hand_example() -> None:
     s = grad_stats([torch.tensor([2.0, 0.0]), torch.tensor([0.0, 1.0])], samples_per_grad=4)
     assert (s.num_grads, s.samples_per_grad, s.num_groups, s.dof) == (2, 4, 1, 1)
     assert s.sq_dev_sum == 2.5
@@ -36,7 +37,7 @@ def test_grad_stats_hand_example():
     assert s.ortho_dev_sum == pytest.approx(1.6, rel=1e-12)
 
 
-def test_grad_stats_accepts_per_tensor_lists():
+def test_grad_stats_accepts_per_tensor_lists() -> None:
     flat = grad_stats([torch.tensor([2.0, 0.0, 3.0]), torch.tensor([0.0, 1.0, 1.0])], samples_per_grad=4)
     split = grad_stats(
         [
@@ -48,7 +49,7 @@ def test_grad_stats_accepts_per_tensor_lists():
     assert flat.to_dict() == pytest.approx(split.to_dict())
 
 
-def test_grad_stats_ortho_matches_definition():
+def test_grad_stats_ortho_matches_definition() -> None:
     torch.manual_seed(1)
     grads = [torch.randn(7, dtype=torch.float64) for _ in range(5)]
     s = grad_stats(grads, samples_per_grad=3)
@@ -60,7 +61,7 @@ def test_grad_stats_ortho_matches_definition():
     assert s.ortho_dev_sum == pytest.approx(expected, rel=1e-9)
 
 
-def test_grad_stats_rejects_bad_input():
+def test_grad_stats_rejects_bad_input() -> None:
     with pytest.raises(ValueError):
         grad_stats([], samples_per_grad=1)
     with pytest.raises(ValueError):
@@ -71,7 +72,7 @@ def test_grad_stats_rejects_bad_input():
         grad_stats([torch.zeros(2)], samples_per_grad=0)
 
 
-def test_norm_test_hand_example():
+def test_norm_test_hand_example() -> None:
     # V = n·S/dof = 4·2.5/1 = 10; η = 0.5: η²·||ḡ||² = 0.25·1.25 = 0.3125; T = ⌈10/0.3125⌉ = 32
     assert norm_test(HAND, 3, eta=0.5, cap=1000) == 32
     assert norm_test(HAND, 40, eta=0.5, cap=1000) == 40  # never decreases
@@ -80,7 +81,7 @@ def test_norm_test_hand_example():
     assert norm_test(HAND, 3, eta=0.5, cap=1000, global_factor=2) == 16
 
 
-def test_augmented_test_hand_example():
+def test_augmented_test_hand_example() -> None:
     # T_ip = n·ip_dev/dof/(ϑ²·||ḡ||⁴) = 4·1.125/(0.25·1.5625) = 11.52 → 12 (ϑ = 0.5)
     # T_orth = n·ortho_dev/dof/(ν²·||ḡ||²) = 4·1.6/(1·1.25) = 5.12 → 6 (ν = 1)
     assert augmented_ip_test(HAND, 1, theta=0.5, nu=1.0, cap=1000) == 12
@@ -92,7 +93,7 @@ def test_augmented_test_hand_example():
     assert augmented_ip_test(HAND, 1, theta=0.5, nu=1.0, cap=10) == 10
 
 
-def test_next_batch_dispatch():
+def test_next_batch_dispatch() -> None:
     assert next_batch(HAND, 3, test="norm", eta=0.5, theta=0.5, nu=1.0, cap=1000) == 32
     assert next_batch(HAND, 3, test="augmented", eta=0.5, theta=0.5, nu=1.0, cap=1000) == 12
     assert next_batch(HAND, 3, test="none", eta=0.5, theta=0.5, nu=1.0, cap=1000) == 3
@@ -100,7 +101,7 @@ def test_next_batch_dispatch():
         next_batch(HAND, 3, test="bogus", eta=0.5, theta=0.5, nu=1.0, cap=1000)  # type: ignore[arg-type]
 
 
-def test_degenerate_statistics_keep_batch():
+def test_degenerate_statistics_keep_batch() -> None:
     single = grad_stats([torch.tensor([1.0, 2.0])], samples_per_grad=4)  # dof 0
     zero_mean = grad_stats([torch.tensor([1.0, 0.0]), torch.tensor([-1.0, 0.0])], samples_per_grad=4)
     assert zero_mean.mean_sq_norm == 0.0
@@ -109,7 +110,7 @@ def test_degenerate_statistics_keep_batch():
         assert augmented_ip_test(stats, 7, theta=0.5, nu=1.0, cap=100) == 7
 
 
-def test_tiny_mean_norm_hits_cap_without_overflow():
+def test_tiny_mean_norm_hits_cap_without_overflow() -> None:
     s = GradStats(
         num_grads=2,
         samples_per_grad=1,
@@ -122,7 +123,7 @@ def test_tiny_mean_norm_hits_cap_without_overflow():
     assert augmented_ip_test(s, 1, theta=0.1, nu=0.1, cap=64) == 64
 
 
-def test_tests_are_monotone_and_capped():
+def test_tests_are_monotone_and_capped() -> None:
     rng = random.Random(0)
     for _ in range(300):
         s = GradStats(
@@ -143,7 +144,7 @@ def test_tests_are_monotone_and_capped():
 
 
 @pytest.mark.parametrize("kwargs", [{"eta": 0.0}, {"eta": float("nan")}, {"cap": 0}, {"global_factor": 0}])
-def test_norm_test_validation(kwargs):
+def test_norm_test_validation(kwargs: dict[str, Any]) -> None:
     args = {"eta": 0.5, "cap": 10, **kwargs}
     with pytest.raises(ValueError):
         norm_test(HAND, 1, **args)
@@ -151,7 +152,7 @@ def test_norm_test_validation(kwargs):
         norm_test(HAND, 0, eta=0.5, cap=10)
 
 
-def test_pool_of_one_is_itself():
+def test_pool_of_one_is_itself() -> None:
     assert pool_stats([HAND]) == HAND
     s = grad_stats([torch.tensor([0.3, 0.7]), torch.tensor([0.1, -0.2]), torch.tensor([1.0, 0.5])], 3)
     assert pool_stats([s]) == s
@@ -160,7 +161,7 @@ def test_pool_of_one_is_itself():
     assert pool_stats([None, HAND]) == HAND
 
 
-def test_pool_hand_example():
+def test_pool_hand_example() -> None:
     other = GradStats(
         num_grads=3, samples_per_grad=4, sq_dev_sum=1.0, mean_sq_norm=0.5, ip_dev_sum=0.25, ortho_dev_sum=0.5
     )
@@ -176,7 +177,7 @@ def test_pool_hand_example():
     assert norm_test(p, 1, eta=1.0, cap=100) == 6
 
 
-def test_pool_rescales_unequal_samples_per_grad():
+def test_pool_rescales_unequal_samples_per_grad() -> None:
     a = GradStats(
         num_grads=2, samples_per_grad=4, sq_dev_sum=3.0, mean_sq_norm=1.0, ip_dev_sum=0.0, ortho_dev_sum=3.0
     )
@@ -199,7 +200,7 @@ def test_pool_rescales_unequal_samples_per_grad():
     assert pooled is not None and pooled.samples_per_grad == 2
 
 
-def test_pool_is_permutation_invariant():
+def test_pool_is_permutation_invariant() -> None:
     rng = random.Random(3)
     stats = [
         GradStats(
@@ -217,7 +218,7 @@ def test_pool_is_permutation_invariant():
         assert pool_stats(list(perm)) == reference
 
 
-def test_grad_stats_round_trip_json_and_msgpack():
+def test_grad_stats_round_trip_json_and_msgpack() -> None:
     s = pool_stats([HAND, HAND])
     assert s is not None and s.num_groups == 2
     assert GradStats.from_dict(json.loads(json.dumps(s.to_dict()))) == s
@@ -238,7 +239,7 @@ def test_grad_stats_round_trip_json_and_msgpack():
         {"extra": 1},
     ],
 )
-def test_grad_stats_from_dict_rejects_bad_metadata(change):
+def test_grad_stats_from_dict_rejects_bad_metadata(change: dict[str, object]) -> None:
     with pytest.raises(ValueError):
         GradStats.from_dict({**HAND.to_dict(), **change})
     with pytest.raises(ValueError):

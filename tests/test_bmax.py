@@ -56,7 +56,7 @@ def test_cuda_search_finds_the_largest_fitting_batch(fits_up_to: int) -> None:
             raise torch.cuda.OutOfMemoryError("simulated")
 
     if not torch.cuda.is_available():
-        torch.cuda.empty_cache = lambda: None  # type: ignore[assignment]  # no-op without CUDA anyway
+        torch.cuda.empty_cache = lambda: None  # no-op without CUDA anyway
     b = cuda_b_max(try_step)
     assert b == max(1, int(fits_up_to * 0.9) if fits_up_to > 1 else fits_up_to)
     assert len(tried) <= 13  # log2(4096) + 1 probes

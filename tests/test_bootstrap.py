@@ -5,18 +5,21 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
 from pathlib import Path
 
 import hivemind
 import pytest
 from hivemind.utils import get_dht_time
 
-from procs import Procs, group_members, wait_for
+from adloco.node.cli.processes import group_members
+
+from procs import Procs, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
 
-def _start(procs: Procs, tmp_path: Path, name: str, *extra: str):  # type: ignore[no-untyped-def]
+def _start(procs: Procs, tmp_path: Path, name: str, *extra: str) -> tuple[subprocess.Popen[bytes], list[str]]:
     maddrs_file = tmp_path / f"{name}.json"
     proc = procs.start(
         name,

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 import torch
@@ -71,6 +72,7 @@ def _load(directory: Path, peer: Peer) -> dict[str, Any] | None:
 
 def _round(peer: Peer) -> None:
     contribution = peer.contribute(peer.train_round())[0]
+    assert contribution is not None  # fresh: never too stale
     peer.apply_round(reduce_group([contribution], codec=peer.downlink_codec(peer.state.schedule.codec)))
 
 
@@ -196,7 +198,7 @@ def test_crash_during_save_leaves_a_loadable_checkpoint(
             checkpoint, "_write_json", lambda p, o: crash() if p.name == checkpoint.MANIFEST else real(p, o)
         )
     else:
-        module = checkpoint if stage == "tensors" else checkpoint.os
+        module = checkpoint if stage == "tensors" else os
         name = {"tensors": "_write_safetensors", "rename": "rename", "latest": "replace"}[stage]
         monkeypatch.setattr(module, name, crash)
     with pytest.raises(OSError, match="No space"):
@@ -455,7 +457,11 @@ def test_an_incompatible_state_is_refused_and_the_peer_left_unchanged(corpus: Co
     ("codec", "saved", "resumed"), [("sparse", "feedback", "encode"), ("lowrank:2", "encode", "feedback")]
 )
 def test_a_checkpoint_resumes_under_another_downlink(
-    corpus: Corpus, tmp_path: Path, codec: str, saved: str, resumed: str
+    corpus: Corpus,
+    tmp_path: Path,
+    codec: str,
+    saved: Literal["encode", "feedback"],
+    resumed: Literal["encode", "feedback"],
 ) -> None:
     """--downlink is a setting of the run, not of the state: a node restarted with another one
     resumes from its checkpoint at its round and trains on."""

@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,7 @@ from adloco.node.cli import sim as sim_cli
 from adloco.node.training.tokenizer import train_bpe
 
 BIN = Path(sys.executable).parent
-MAINS = {
+MAINS: dict[str, Callable[[list[str]], int]] = {
     "adloco-node": node_cli.main,
     "adloco-sim": sim_cli.main,
     "adloco-node tokenizer": lambda argv: node_entry.main(["tokenizer", *argv]),
@@ -117,9 +118,9 @@ def assert_argparse_error(prog: str, err: str, option: str) -> None:
     assert sum(f"{prog}: error:" in line for line in lines) == 1, err
 
 
-def run_main(prog: str, argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+def run_main(prog: str, argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int | str | None, str]:
     try:
-        rc = MAINS[prog](argv)
+        rc: int | str | None = MAINS[prog](argv)
     except SystemExit as e:  # argparse's own errors
         rc = e.code
     return rc, capsys.readouterr().err
@@ -270,7 +271,9 @@ def argv_of(flags: list[str], data: Path) -> list[str]:
 
 
 @pytest.mark.parametrize("case", DATA_CASES + TRAIN_CASES + SIM_CASES, ids=case_id)
-def test_sim_bad_input(case, data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_sim_bad_input(
+    case: tuple[str, list[str]], data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     option, flags = case
     rc, err = run_main("adloco-sim", [*base_argv("adloco-sim", tmp_path), *argv_of(flags, data)], capsys)
     assert rc == 2, err
@@ -278,7 +281,9 @@ def test_sim_bad_input(case, data: Path, tmp_path: Path, capsys: pytest.CaptureF
 
 
 @pytest.mark.parametrize("case", DATA_CASES + TRAIN_CASES + NODE_CASES, ids=case_id)
-def test_node_bad_input(case, data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_node_bad_input(
+    case: tuple[str, list[str]], data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     option, flags = case
     rc, err = run_main("adloco-node", [*base_argv("adloco-node", tmp_path), *argv_of(flags, data)], capsys)
     assert rc == 2, err
@@ -286,7 +291,9 @@ def test_node_bad_input(case, data: Path, tmp_path: Path, capsys: pytest.Capture
 
 
 @pytest.mark.parametrize("case", TOOL_CASES, ids=lambda case: f"{case[0]} {case_id(case[1:])}")
-def test_tool_bad_input(case, data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_tool_bad_input(
+    case: tuple[str, str, list[str]], data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     prog, option, flags = case
     argv = [f.replace("{t}", str(tmp_path)) for f in argv_of(flags, data)]
     rc, err = run_main(prog, argv, capsys)
@@ -305,7 +312,9 @@ def test_tool_argparse_errors(capsys: pytest.CaptureFixture[str]) -> None:
 
 @pytest.mark.parametrize("case", ARGPARSE_CASES, ids=case_id)
 @pytest.mark.parametrize("prog", ["adloco-sim", "adloco-node"])
-def test_argparse_errors(prog: str, case, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_argparse_errors(
+    prog: str, case: tuple[str, list[str]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     option, flags = case
     rc, err = run_main(prog, [*base_argv(prog, tmp_path), *flags], capsys)
     assert rc == 2, err

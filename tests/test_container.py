@@ -278,7 +278,8 @@ def stack() -> Iterator[Stack]:
 
 
 def load_compose() -> dict[str, Any]:
-    return yaml.safe_load(COMPOSE.read_text())  # safe_load resolves the <<: merge keys
+    compose: dict[str, Any] = yaml.safe_load(COMPOSE.read_text())  # safe_load resolves the <<: merge keys
+    return compose
 
 
 def seconds(value: str | int | float) -> float:

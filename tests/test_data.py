@@ -342,7 +342,7 @@ def test_data_files_load_through_datasets(tmp_path: Path, suffix: str) -> None:
     if suffix == "jsonl":
         path.write_text("\n".join(json.dumps(r) for r in ROWS))
     else:
-        import pandas as pd
+        import pandas as pd  # type: ignore[import-untyped]  # no pandas-stubs installed
 
         frame = pd.DataFrame(ROWS)
         frame.to_parquet(path) if suffix == "parquet" else frame.to_csv(path, index=False)

@@ -60,11 +60,11 @@ def test_a_gpu_peer_keeps_its_state_on_the_host() -> None:
     assert (on_gpu.state, on_gpu.staged, on_gpu.pin) == (CPU, True, True)
 
 
-class _Copies(TorchDispatchMode):
+class _Copies(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch leaves the mode untyped
     """Records the size of every tensor a copy op writes (the real ops, as torch dispatches them)."""
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self.sizes: list[int] = []
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:

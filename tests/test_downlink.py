@@ -256,7 +256,7 @@ def test_the_simulated_peers_agree_under_every_downlink(corpus_and_vocab: tuple[
     corpus, vocab = corpus_and_vocab
     round_bytes = {}
     for downlink in ("feedback", "gather"):
-        cfg = SimConfig(peers=2, rounds=2, train=replace(TINY, downlink=downlink))  # type: ignore[arg-type]
+        cfg = SimConfig(peers=2, rounds=2, train=replace(TINY, downlink=downlink))
         sim = Simulator(cfg, corpus, vocab_size=vocab)
         records = sim.run()
         round_bytes[downlink] = records[-1].round_bytes
@@ -298,7 +298,11 @@ def test_gathered_parts_cross_the_network_transport() -> None:
     from adloco.protocol.transport.identity import NodeDHT
 
     spec = "sparse:8/256:2"
-    local = {"host_maddrs": ["/ip4/127.0.0.1/tcp/0"], "nat_port_map": False, "auto_nat": False}
+    local: dict[str, Any] = {
+        "host_maddrs": ["/ip4/127.0.0.1/tcp/0"],
+        "nat_port_map": False,
+        "auto_nat": False,
+    }
     local |= {"use_relay": False, "use_auto_relay": False}
     first = NodeDHT(start=True, **local)
     dhts = [first] + [

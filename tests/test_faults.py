@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -24,7 +25,7 @@ from procs import FAST_NODE_ARGS, Procs, read_events, wait_for
 LOOPBACK = ["--host-maddrs", "/ip4/127.0.0.1/tcp/0"]
 
 
-def _rounds(path: Path) -> dict[int, dict]:
+def _rounds(path: Path) -> dict[int, dict[str, Any]]:
     return {e["round"]: e for e in read_events(path) if e["event"] == "round"}
 
 
@@ -36,7 +37,8 @@ def _bootstrap(procs: Procs, tmp_path: Path, host_maddrs: list[str]) -> list[str
          "--maddrs-file", str(maddrs)],
     )  # fmt: skip
     wait_for(maddrs.exists, timeout=60, what="bootstrap")
-    return json.loads(maddrs.read_text())
+    peers: list[str] = json.loads(maddrs.read_text())
+    return peers
 
 
 def _wait_exit(proc: subprocess.Popen[bytes], timeout: float) -> tuple[int, float]:
@@ -77,10 +79,10 @@ def test_an_owner_leaving_after_its_last_round_delivers_the_answers_a_slow_membe
     t0 = time.monotonic()
     peers = _bootstrap(procs, tmp_path, LOOPBACK)
     slow_env = {"ADLOCO_FAULT_SLOW_ANSWERS": f"2:{SLOW_READ_S}"}
-    nodes = {}
-    for name, rounds, env in [("leaver", 2, None), ("slow", 3, slow_env), ("other", 3, None)]:
+    nodes: dict[str, tuple[subprocess.Popen[bytes], Path]] = {}
+    for name, last_round, env in [("leaver", 2, None), ("slow", 3, slow_env), ("other", 3, None)]:
         status = tmp_path / f"{name}.jsonl"
-        argv = ["adloco-node", "--peers", *peers, "--rounds", str(rounds), "--status-file", str(status),
+        argv = ["adloco-node", "--peers", *peers, "--rounds", str(last_round), "--status-file", str(status),
                 "--data-shard", str(len(nodes)), "--log-level", "INFO", *LEAVER_ARGS]  # fmt: skip
         nodes[name] = (procs.start(name, argv, env=env), status)
     code, left_at = _wait_exit(nodes["leaver"][0], timeout=150)
@@ -150,7 +152,7 @@ def _cut_off(procs: Procs, star: netns.Star, folder: Path) -> dict[str, object]:
     )  # fmt: skip
     wait_for(boot_maddrs.exists, timeout=60, what="bootstrap")
     peers = [m for m in json.loads(boot_maddrs.read_text()) if f"/ip4/{star.addrs[0]}/" in m]
-    nodes = {}
+    nodes: dict[int, subprocess.Popen[bytes]] = {}
     for host in (1, 2, 3):
         argv = ["adloco-node", "--peers", *peers, "--run-id", "cut", "--rounds", "0", "--status-file",
                 str(folder / f"node{host}.jsonl"), "--data-shard", str(host), "--host-maddrs",
@@ -207,7 +209,9 @@ def _common(statuses: dict[int, Path], at_restore: int) -> int | None:
 
 
 @pytest.fixture(scope="module")
-def cut_off(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+def cut_off(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, dict[str, Any]]:
     """The cut-off scenario's folder and outcome (run by the session from its start, or now)."""
     return collect_outcome(
         request, "cut_off", lambda: tmp_path_factory.mktemp("cut_off"), cut_off_run, timeout=400
@@ -217,7 +221,7 @@ def cut_off(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
 @pytest.mark.netns
 @pytest.mark.timeout(500)
 def test_a_node_cut_off_for_60_s_reconverges_with_the_others_within_5_rounds(
-    cut_off: tuple[Path, dict],
+    cut_off: tuple[Path, dict[str, Any]],
 ) -> None:
     """A bootstrap and three nodes on their own hosts (`netns.Star`); once all three are past
     round 2, one node's link goes down at the hub for 60 s (a pulled cable: silence, no resets),

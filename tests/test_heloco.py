@@ -18,7 +18,7 @@ F64 = torch.float64
 CFG = HelocoConfig()  # c_ok 0.2, k_s 1, beta_max 0.5, k_d 0.5, kappa 1, eps 1e-12
 
 
-def test_rotate_branch_hand_values():
+def test_rotate_branch_hand_values() -> None:
     # Δ = [1, 0], m = [0, 1]: c = 0 ∈ [0, c_ok) → rotate; conf = 1/(1 + 1·1) = 0.5
     # λ = min(0.5·(1 − 0)·0.5, 1) = 0.25; ũ = 0.75·[1, 0] + 0.25·[0, 1] = [0.75, 0.25]
     # ||ũ|| = √0.625; Δ̂ = 1·ũ/||ũ|| = [3, 1]/√10 = [0.9486832980505138, 0.31622776601683794]
@@ -29,7 +29,7 @@ def test_rotate_branch_hand_values():
     assert out.tolist() == pytest.approx([0.9486832980505138, 0.31622776601683794], abs=1e-9)
 
 
-def test_shrink_branch_hand_values():
+def test_shrink_branch_hand_values() -> None:
     # Δ = [−1, 0.5], m = [1, 0]: ||Δ|| = √5/2, c = −1/(√5/2) = −2/√5 < 0 → shrink
     # conf = (√5/2)/(√5/2 + 1) = √5/(√5 + 2) = 5 − 2√5
     # β = min(1·(2/√5)·(5 − 2√5), 0.5) = 2√5 − 4 ≈ 0.4721
@@ -41,7 +41,7 @@ def test_shrink_branch_hand_values():
     assert out.tolist() == pytest.approx([-0.5278640450004206, 0.5], abs=1e-9)
 
 
-def test_shrink_capped_at_beta_max():
+def test_shrink_capped_at_beta_max() -> None:
     # Δ = [−1, 0], m = [1, 0]: c = −1, conf = 1/2, k_s = 2 → β = min(2·1·0.5, 0.5) = 0.5
     # Δ̂ = [−1, 0] − 0.5·(−1)·1·[1, 0] = [−0.5, 0]
     cfg = HelocoConfig(k_s=2.0)
@@ -50,7 +50,7 @@ def test_shrink_capped_at_beta_max():
     assert out.tolist() == [-0.5, 0.0]
 
 
-def test_keep_and_skip_return_input():
+def test_keep_and_skip_return_input() -> None:
     delta = torch.tensor([1.0, 1.0])
     # c = ⟨[1, 1], [1, 0]⟩/√2 = 0.707 ≥ 0.2 → keep
     out, action = correct_tensor(delta, torch.tensor([2.0, 0.0]), CFG)
@@ -62,14 +62,14 @@ def test_keep_and_skip_return_input():
 
 
 @pytest.mark.parametrize("cfg", [HelocoConfig(c_ok=-1.0), HelocoConfig(k_s=0.0, k_d=0.0)])
-def test_correction_can_be_turned_off(cfg):
+def test_correction_can_be_turned_off(cfg: HelocoConfig) -> None:
     for delta, mom in [([-1.0, 0.5], [1.0, 0.0]), ([1.0, 0.0], [0.0, 1.0]), ([-1.0, 0.0], [1.0, 0.0])]:
         d = torch.tensor(delta)
         out, action = correct_tensor(d, torch.tensor(mom), cfg)
         assert action == "keep" and out is d
 
 
-def test_rotate_preserves_norm_and_shrink_touches_only_momentum_component():
+def test_rotate_preserves_norm_and_shrink_touches_only_momentum_component() -> None:
     gen = torch.Generator().manual_seed(0)
     seen = set()
     for _ in range(200):
@@ -89,7 +89,7 @@ def test_rotate_preserves_norm_and_shrink_touches_only_momentum_component():
     assert seen == {"keep", "shrink", "rotate"}
 
 
-def test_keeps_dtype_and_shape():
+def test_keeps_dtype_and_shape() -> None:
     d = torch.tensor([[-1.0, 0.5]], dtype=torch.bfloat16)
     out, action = correct_tensor(d, torch.tensor([[1.0, 0.0]], dtype=torch.bfloat16), CFG)
     assert action == "shrink" and out.dtype == torch.bfloat16 and out.shape == (1, 2)
@@ -97,7 +97,7 @@ def test_keeps_dtype_and_shape():
         correct_tensor(torch.zeros(2), torch.zeros(3), CFG)
 
 
-def test_correct_report():
+def test_correct_report() -> None:
     deltas = [
         torch.tensor([1.0, 1.0]),
         torch.tensor([1.0, 0.0]),
@@ -131,12 +131,12 @@ def test_correct_report():
     "kwargs",
     [{"c_ok": 1.5}, {"k_s": -1.0}, {"beta_max": 2.0}, {"kappa": -0.1}, {"eps": 0.0}, {"k_d": math.inf}],
 )
-def test_config_validation(kwargs):
+def test_config_validation(kwargs: dict[str, float]) -> None:
     with pytest.raises(ValueError):
         HelocoConfig(**kwargs)
 
 
-def test_staleness_weight():
+def test_staleness_weight() -> None:
     assert staleness_weight(5, kind="constant") == 1.0
     # 1/√(1 + 3) = 0.5; 1/√1 = 1
     assert staleness_weight(3, kind="inv_sqrt") == 0.5
@@ -151,7 +151,7 @@ def test_staleness_weight():
         staleness_weight(1, kind="bogus")  # type: ignore[arg-type]
 
 
-def test_dylu_inner_steps():
+def test_dylu_inner_steps() -> None:
     # ⌊0.5/1·10⌋ = 5; ⌊0.05/1·10⌋ = 0 → min_steps 1; faster than the reference → H
     assert dylu_inner_steps(10, 0.5, 1.0) == 5
     assert dylu_inner_steps(10, 0.05, 1.0) == 1

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import pytest
 import torch
@@ -11,6 +13,9 @@ from adloco.node.training import loss as loss_module
 from adloco.node.training.loss import TiedEmbedding, causal_lm_loss, fused_head
 from adloco.node.training.model import build_model
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 VOCAB = 300
 TINY_GPT2 = (
     '{"model_type": "gpt2", "n_embd": 32, "n_layer": 2, "n_head": 2, "n_positions": 64, "vocab_size": 300}'
@@ -18,23 +23,31 @@ TINY_GPT2 = (
 
 
 @pytest.fixture
-def gpt2_config(tmp_path: pytest.TempPathFactory) -> str:
-    path = tmp_path / "gpt2.json"  # type: ignore[operator]
+def gpt2_config(tmp_path: Path) -> str:
+    path = tmp_path / "gpt2.json"
     path.write_text(TINY_GPT2)
     return str(path)
 
 
-def _model(spec: str) -> torch.nn.Module:
+_LossFn = Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]
+
+
+def _model(spec: str) -> PreTrainedModel:
     model = build_model(spec, vocab_size=VOCAB, max_seq_len=64)
     model.eval()  # no dropout: both losses see the same forward pass
     return model
 
 
-def _loss_and_grads(model: torch.nn.Module, fn: object, x: torch.Tensor) -> tuple[float, list[torch.Tensor]]:
+def _lookup(model: PreTrainedModel) -> TiedEmbedding:
+    """The input embedding of a model whose head is tied to it (build_model makes it a TiedEmbedding)."""
+    return cast(TiedEmbedding, model.get_input_embeddings())
+
+
+def _loss_and_grads(model: torch.nn.Module, fn: _LossFn, x: torch.Tensor) -> tuple[float, list[torch.Tensor]]:
     model.zero_grad(set_to_none=True)
-    loss = fn(model, x)  # type: ignore[operator]
-    loss.backward()
-    return float(loss.detach()), [p.grad.clone() for p in model.parameters()]
+    loss = fn(model, x)
+    torch.autograd.backward(loss)  # loss.backward(), which torch leaves unannotated
+    return float(loss.detach()), [cast(torch.Tensor, p.grad).clone() for p in model.parameters()]
 
 
 def _reference(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -99,7 +112,7 @@ def test_a_tied_weight_gets_the_head_gradient_itself_with_the_lookup_rows_added_
     """The tied weight's gradient is the tensor the fused head formed in the forward pass (no second
     V x D tensor), it is the sum of both uses, and gradient accumulation still adds up."""
     model = _model(gpt2_config)
-    weight = model.get_input_embeddings().weight
+    weight = _lookup(model).weight
     formed: list[int] = []
     zeros_like = torch.zeros_like
 
@@ -116,10 +129,10 @@ def test_a_tied_weight_gets_the_head_gradient_itself_with_the_lookup_rows_added_
     try:
         torch.autograd.backward(causal_lm_loss(model, x))
     finally:
-        torch.zeros_like = zeros_like  # type: ignore[assignment]
+        torch.zeros_like = zeros_like
     assert weight.grad is not None and formed == [weight.grad.data_ptr()]
     torch.testing.assert_close(weight.grad, ref_grads[0], rtol=1e-4, atol=1e-6)
-    assert model.get_input_embeddings().pending is None
+    assert _lookup(model).pending is None
     torch.autograd.backward(causal_lm_loss(model, x))  # accumulates onto the first
     torch.testing.assert_close(weight.grad, 2 * ref_grads[0], rtol=1e-4, atol=1e-6)
 
@@ -132,7 +145,7 @@ def test_accumulating_adds_the_head_gradient_into_the_held_one_with_no_vocab_siz
     and the incoming gradient (loss / accum) scales it."""
     monkeypatch.setattr(loss_module, "CHUNK_BYTES", 4 * VOCAB * 5)  # several chunks of logits again
     model = _model(gpt2_config)
-    weight = model.get_input_embeddings().weight
+    weight = _lookup(model).weight
     x = torch.randint(0, VOCAB, (4, 16), generator=torch.Generator().manual_seed(7))
     _, ref_grads = _loss_and_grads(model, _reference, x)
     model.zero_grad(set_to_none=True)
@@ -143,7 +156,7 @@ def test_accumulating_adds_the_head_gradient_into_the_held_one_with_no_vocab_siz
     zeros, zeros_like = torch.zeros, torch.zeros_like
 
     def spy_zeros(*size: object, **kwargs: object) -> torch.Tensor:
-        out = zeros(*size, **kwargs)  # type: ignore[call-overload]
+        out: torch.Tensor = zeros(*size, **kwargs)  # type: ignore[call-overload]
         shapes.append(tuple(out.shape))
         return out
 
@@ -157,7 +170,7 @@ def test_accumulating_adds_the_head_gradient_into_the_held_one_with_no_vocab_siz
     torch.autograd.backward(causal_lm_loss(model, x[2:]) / 2)
     monkeypatch.undo()
     assert tuple(weight.shape) not in shapes and weight.grad.data_ptr() == held
-    assert model.get_input_embeddings().pending_head is None
+    assert _lookup(model).pending_head is None
     for p, r in zip(model.parameters(), ref_grads, strict=True):
         torch.testing.assert_close(p.grad, r, rtol=1e-4, atol=1e-6)
 
@@ -170,12 +183,15 @@ def test_a_deferred_head_gradient_is_the_one_formed_in_the_forward_pass(
     backward pass and handed to autograd, so post-accumulate hooks see it; it equals the one the
     forward pass forms (bf16 autocast included, where both form the logits the same way)."""
     model = _model(gpt2_config)
-    lookup = model.get_input_embeddings()
+    lookup = _lookup(model)
     x = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(8))
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         _, direct = _loss_and_grads(model, causal_lm_loss, x)
         seen: list[torch.Tensor] = []
-        handle = lookup.weight.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.clone()))
+        # torch leaves the hook registration unannotated
+        handle = lookup.weight.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
+            lambda p: seen.append(p.grad.clone())
+        )
         lookup.defer_head = True
         try:
             _, deferred = _loss_and_grads(model, causal_lm_loss, x)
@@ -227,7 +243,7 @@ def test_no_logits_sized_tensor_is_kept_for_the_backward_pass(gpt2_config: str) 
     """What autograd keeps after the forward pass (its saved tensors, by storage) shrinks by at least
     the logits-sized log-softmax transformers' loss keeps (B·T·V·4 bytes)."""
 
-    def saved_bytes(fn: object, x: torch.Tensor) -> int:
+    def saved_bytes(fn: _LossFn, x: torch.Tensor) -> int:
         seen: dict[int, int] = {}
 
         def pack(t: torch.Tensor) -> torch.Tensor:
@@ -235,7 +251,7 @@ def test_no_logits_sized_tensor_is_kept_for_the_backward_pass(gpt2_config: str) 
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss = fn(model, x)  # type: ignore[operator]
+            loss = fn(model, x)
         del loss
         return sum(seen.values())
 
@@ -245,9 +261,9 @@ def test_no_logits_sized_tensor_is_kept_for_the_backward_pass(gpt2_config: str) 
     assert saved_bytes(causal_lm_loss, x) <= saved_bytes(_reference, x) - logits_bytes
 
 
-def test_other_architectures_get_transformers_own_loss(tmp_path: pytest.TempPathFactory) -> None:
+def test_other_architectures_get_transformers_own_loss(tmp_path: Path) -> None:
     """OPT is not in FUSED_TYPES: its loss is transformers' own, to the bit."""
-    path = tmp_path / "opt.json"  # type: ignore[operator]
+    path = tmp_path / "opt.json"
     path.write_text(
         '{"model_type": "opt", "hidden_size": 32, "num_hidden_layers": 2, "ffn_dim": 64,'
         ' "num_attention_heads": 2, "max_position_embeddings": 64, "word_embed_proj_dim": 32,'

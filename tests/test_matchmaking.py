@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from hivemind.utils import get_dht_time
@@ -41,6 +41,11 @@ from adloco.protocol.transport.matchmaking import (
 from adloco.protocol.transport.wire import PROTOCOL_VERSION, Meter, read_frame, write_frame
 
 pytestmark = pytest.mark.timeout(60)
+
+
+def _approx(expected: float) -> float:
+    """`pytest.approx(expected)` typed as the float it stands for inside a tuple compared with ==."""
+    return cast(float, pytest.approx(expected))
 
 
 def test_the_round_opens_at_the_second_registration_and_closes_a_window_later() -> None:
@@ -81,7 +86,7 @@ def test_a_round_closes_once_the_group_its_registrants_expect_is_complete() -> N
     assert close_and_members({"a": 0.0, "b": 0.1}, 1.0, 0.3, expects=expects) == (1.1, ("a", "b"))
     # A joiner (no expectation) before the group was complete: the window, and the joiner is in.
     joined = close_and_members({**times, "d": 0.15}, 1.0, 0.3, expects={**expects, "d": ""})
-    assert joined == (pytest.approx(1.1), ("a", "b", "c", "d"))
+    assert joined == (_approx(1.1), ("a", "b", "c", "d"))
     # One after it: the round had closed, it is late.
     assert close_and_members({**times, "d": 0.3}, 1.0, 0.3, expects={**expects, "d": ""}) == (0.2, group)
     # Registrants that expect different groups (one left since): the window.
@@ -100,7 +105,7 @@ def test_a_join_only_registration_opens_nothing_and_keeps_the_window_while_it_wa
     expects = dict.fromkeys(group, expectation(group))
     assert close_and_members({"j": 0.0}, 1.0, 0.3, expects={"j": joining(10.0)}) == (float("-inf"), ())
     waiting = close_and_members({**fresh, "j": 0.0}, 1.0, 0.3, expects={**expects, "j": joining(10.0)})
-    assert waiting == (pytest.approx(6.1), ("f1", "f2", "j"))
+    assert waiting == (_approx(6.1), ("f1", "f2", "j"))
     gave_up = close_and_members({**fresh, "j": 0.0}, 1.0, 0.3, expects={**expects, "j": joining(4.0)})
     assert gave_up == (5.1, group)
     after = close_and_members({**fresh, "j": 5.2}, 1.0, 0.3, expects={**expects, "j": joining(20.0)})
@@ -146,7 +151,7 @@ def test_a_patient_registration_keeps_its_round_open_for_the_group_it_expects() 
     assert close_and_members({**times, "c": 10.1}, 1.0, 0.3, patience=patient) == (10.0, ("a", "b"))
     # The second in 9.8 s: the quorum's window runs past the patience.
     assert close_and_members({"a": 0.0, "b": 9.8}, 1.0, 0.3, patience=patient) == (
-        pytest.approx(10.8),
+        _approx(10.8),
         ("a", "b"),
     )
     # The group a expects is complete at c's registration: the round closes there.
@@ -160,7 +165,7 @@ def test_a_patient_registration_keeps_its_round_open_for_the_group_it_expects() 
     assert close_and_members({"a": 5.0}, 1.0, 0.3, patience={"a": 10.0}) == (15.0, ("a",))
     # Nobody followed within patience and grace: a round of its own, as with the window.
     late = close_and_members({"a": 0.0, "b": 10.4, "c": 10.5}, 1.0, 0.3, patience={"a": 10.0})
-    assert late == (pytest.approx(11.5), ("b", "c"))
+    assert late == (_approx(11.5), ("b", "c"))
 
 
 def test_registrants_that_drifted_apart_meet_in_one_round_when_the_first_is_patient(
@@ -205,7 +210,7 @@ def test_a_member_dating_its_registration_in_the_past_cannot_make_the_others_lat
         key: str, round: int, expect: str, patience: float, excluded: tuple[str, ...]
     ) -> float:
         # The record a peer that chooses its own time would store: signed, bound, dated 100 s back.
-        now = get_dht_time()
+        now: float = get_dht_time()
         await matchmaker.dht.store(
             key,
             (now - 100.0, matchmaker.peer_id, expect, patience, list(excluded)),

@@ -6,7 +6,7 @@ import torch
 from adloco.protocol.algorithms.merge import MergePolicy, choose_merge, merge_weighted
 
 
-def test_merge_weighted_hand_values():
+def test_merge_weighted_hand_values() -> None:
     a = {"w": torch.tensor([1.0, 2.0]), "step": torch.tensor(7)}
     b = {"w": torch.tensor([5.0, -2.0]), "step": torch.tensor(3)}
     out = merge_weighted(a, b, weight_a=3.0, weight_b=1.0)
@@ -16,14 +16,14 @@ def test_merge_weighted_hand_values():
     assert out["w"] is not a["w"] and out["step"] is not a["step"]
 
 
-def test_merge_zero_weights_keep_a():
+def test_merge_zero_weights_keep_a() -> None:
     a = {"w": torch.tensor([1.0, 2.0])}
     b = {"w": torch.tensor([float("inf"), 0.0])}
     assert torch.equal(merge_weighted(a, b, weight_a=0.0, weight_b=0.0)["w"], a["w"])
     assert torch.equal(merge_weighted(b, a, weight_a=0.0, weight_b=2.0)["w"], a["w"])
 
 
-def test_merge_low_precision_keeps_dtype():
+def test_merge_low_precision_keeps_dtype() -> None:
     a = {"w": torch.tensor([1.0], dtype=torch.bfloat16)}
     b = {"w": torch.tensor([3.0], dtype=torch.bfloat16)}
     out = merge_weighted(a, b, weight_a=1.0, weight_b=1.0)
@@ -31,7 +31,7 @@ def test_merge_low_precision_keeps_dtype():
     assert out["w"].dtype == torch.bfloat16 and out["w"].item() == 2.0
 
 
-def test_merge_rejects_mismatch():
+def test_merge_rejects_mismatch() -> None:
     with pytest.raises(ValueError):
         merge_weighted({"w": torch.zeros(1)}, {"v": torch.zeros(1)}, weight_a=1, weight_b=1)
     with pytest.raises(ValueError):
@@ -40,7 +40,7 @@ def test_merge_rejects_mismatch():
         merge_weighted({"w": torch.zeros(1)}, {"w": torch.zeros(1)}, weight_a=-1, weight_b=1)
 
 
-def test_choose_merge_worst_with_worst():
+def test_choose_merge_worst_with_worst() -> None:
     policy = MergePolicy(merge_every=2)
     # sorted by (demand, index): (4, 1), (4, 3), (8, 0), (9, 2) → victim 1, survivor 3
     assert choose_merge([8, 4, 9, 4], round=2, policy=policy) == (1, 3)
@@ -49,7 +49,7 @@ def test_choose_merge_worst_with_worst():
     assert choose_merge([5], round=2, policy=policy) is None
 
 
-def test_four_instances_reach_one_after_round_six():
+def test_four_instances_reach_one_after_round_six() -> None:
     policy = MergePolicy(merge_every=2, min_instances=1)
     demands = [4.0, 1.0, 3.0, 2.0]
     merged_at = []
@@ -65,7 +65,7 @@ def test_four_instances_reach_one_after_round_six():
     assert demands == [10.0]
 
 
-def test_merging_stops_at_min_instances():
+def test_merging_stops_at_min_instances() -> None:
     policy = MergePolicy(merge_every=2, min_instances=2)
     demands = [4.0, 1.0, 3.0, 2.0]
     for r in range(1, 11):
@@ -77,12 +77,12 @@ def test_merging_stops_at_min_instances():
 
 
 @pytest.mark.parametrize("kwargs", [{"merge_every": 0}, {"min_instances": 0}])
-def test_policy_validation(kwargs):
+def test_policy_validation(kwargs: dict[str, int]) -> None:
     with pytest.raises(ValueError):
         MergePolicy(**kwargs)
 
 
-def test_choose_merge_validation():
+def test_choose_merge_validation() -> None:
     with pytest.raises(ValueError):
         choose_merge([1.0, 2.0], round=-1, policy=MergePolicy())
     with pytest.raises(ValueError):

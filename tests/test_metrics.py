@@ -13,6 +13,7 @@ import socket
 import urllib.parse
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -36,7 +37,7 @@ def _get(url: str) -> str:
         return str(response.read().decode())
 
 
-def _query(prom: str, expr: str) -> list[dict]:
+def _query(prom: str, expr: str) -> list[dict[str, Any]]:
     body = json.loads(_get(f"{prom}/api/v1/query?" + urllib.parse.urlencode({"query": expr})))
     assert body["status"] == "success", body
     return list(body["data"]["result"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import cast
 
 import pytest
 import torch
@@ -107,7 +108,7 @@ def test_bad_config_paths(tmp_path: Path) -> None:
 def test_bare_model_type_takes_the_library_default_with_our_vocab() -> None:
     model = build_model("bloom")  # transformers' default bloom config is tiny (hidden 64, 2 layers)
     assert model.config.model_type == "bloom" and model.config.vocab_size == 256
-    assert model.get_input_embeddings().weight.shape[0] == 256
+    assert cast(torch.nn.Embedding, model.get_input_embeddings()).weight.shape[0] == 256
 
 
 def test_unknown_and_oversized_models_are_user_errors(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -27,7 +28,7 @@ pytestmark = pytest.mark.timeout(300)
 SOLO_NODE_ARGS = [*FAST_NODE_ARGS, "--window-s", "0.5"]
 
 
-def _rounds(path: Path) -> list[dict]:
+def _rounds(path: Path) -> list[dict[str, Any]]:
     return [e for e in read_events(path) if e["event"] == "round"]
 
 
@@ -166,7 +167,10 @@ def test_a_full_disk_keeps_the_previous_checkpoint_and_the_node_says_why(
             *SOLO_NODE_ARGS,
         ]
         proc = procs.start("full", argv)
-        checkpoints = lambda: [e for e in read_events(status) if e["event"] == "checkpoint"]  # noqa: E731
+
+        def checkpoints() -> list[dict[str, Any]]:
+            return [e for e in read_events(status) if e["event"] == "checkpoint"]
+
         wait_for(lambda: len(checkpoints()) >= 1, timeout=180, what="the first checkpoint")
         with (ckpt / "filler").open("wb", buffering=0) as f:  # the disk is full from here on
             try:
@@ -174,7 +178,10 @@ def test_a_full_disk_keeps_the_previous_checkpoint_and_the_node_says_why(
                     pass
             except OSError:
                 pass
-        failures = lambda: [e for e in read_events(status) if e["event"] == "checkpoint_failed"]  # noqa: E731
+
+        def failures() -> list[dict[str, Any]]:
+            return [e for e in read_events(status) if e["event"] == "checkpoint_failed"]
+
         wait_for(lambda: bool(failures()), timeout=120, what="a failed checkpoint")
         failed = failures()
         kept = checkpoints()  # (the same thread wrote them, before the failure)
@@ -189,7 +196,7 @@ def test_a_full_disk_keeps_the_previous_checkpoint_and_the_node_says_why(
         assert not [n for n in names if n.startswith(".tmp")], names
         saved = sorted(p.name for p in list_checkpoints(ckpt))
         assert saved and saved == sorted(Path(e["path"]).name for e in kept[-len(saved) :])
-        loaded: list[dict] = []
+        loaded: list[dict[str, Any]] = []
         assert load_checkpoint(ckpt, loaded.append) is not None  # every file verified against its hash
         assert loaded[0]["round"] == kept[-1]["round"]
     finally:

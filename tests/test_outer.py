@@ -1,12 +1,16 @@
 """Outer Nesterov in both conventions against torch.optim.SGD and hand-computed values."""
 
+from collections.abc import Sequence
+from typing import Any, Literal
+
 import pytest
 import torch
+from torch import Tensor
 
 from adloco.protocol.algorithms.outer import OuterConfig, outer_step
 
 
-def test_n1_matches_torch_sgd_nesterov():
+def test_n1_matches_torch_sgd_nesterov() -> None:
     torch.manual_seed(0)
     theta0 = torch.randn(5, 3)
     deltas = [torch.randn(5, 3) for _ in range(3)]
@@ -23,7 +27,9 @@ def test_n1_matches_torch_sgd_nesterov():
     assert torch.equal(mom, opt.state[ref]["momentum_buffer"])  # μ m + Δ: nothing to fuse
 
 
-def _two_steps(convention):
+def _two_steps(
+    convention: Literal["n1", "n2"],
+) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
     theta, mom = torch.tensor([1.0, 2.0]), torch.zeros(2)
     cfg = OuterConfig(lr=0.5, momentum=0.5, convention=convention)
     outer_step([theta], [mom], [torch.tensor([1.0, -2.0])], cfg)
@@ -32,7 +38,7 @@ def _two_steps(convention):
     return first, (theta, mom)
 
 
-def test_n1_hand_values():
+def test_n1_hand_values() -> None:
     # η = μ = 0.5, θ0 = [1, 2], Δ1 = [1, −2], Δ2 = [0.5, 1]
     # m1 = Δ1 = [1, −2];  θ1 = θ0 − 0.5(Δ1 + 0.5 m1) = [1, 2] − 0.5[1.5, −3] = [0.25, 3.5]
     # m2 = 0.5 m1 + Δ2 = [1, 0];  θ2 = θ1 − 0.5(Δ2 + 0.5 m2) = [0.25, 3.5] − 0.5[1, 1] = [−0.25, 3]
@@ -43,7 +49,7 @@ def test_n1_hand_values():
     assert torch.equal(theta2, torch.tensor([-0.25, 3.0]))
 
 
-def test_n2_hand_values():
+def test_n2_hand_values() -> None:
     # m1 = 0.5·0 + 0.5 Δ1 = [0.5, −1];  θ1 = [1, 2] − 0.5([1, −2] + [0.25, −0.5]) = [0.375, 3.25]
     # m2 = 0.5 m1 + 0.5 Δ2 = [0.25, −0.5] + [0.25, 0.5] = [0.5, 0]
     # θ2 = θ1 − 0.5([0.5, 1] + [0.25, 0]) = [0.375 − 0.375, 3.25 − 0.5] = [0, 2.75]
@@ -54,7 +60,7 @@ def test_n2_hand_values():
     assert torch.equal(theta2, torch.tensor([0.0, 2.75]))
 
 
-def test_outer_step_does_not_track_grad():
+def test_outer_step_does_not_track_grad() -> None:
     theta = torch.zeros(2, requires_grad=True)
     outer_step([theta], [torch.zeros(2)], [torch.ones(2)], OuterConfig())
     assert theta.grad_fn is None
@@ -63,19 +69,21 @@ def test_outer_step_does_not_track_grad():
 @pytest.mark.parametrize(
     "kwargs", [{"lr": 0.0}, {"lr": float("inf")}, {"momentum": 1.0}, {"momentum": -0.1}, {"convention": "n3"}]
 )
-def test_config_validation(kwargs):
+def test_config_validation(kwargs: dict[str, Any]) -> None:  # bad values on purpose
     with pytest.raises(ValueError):
         OuterConfig(**kwargs)
 
 
-def test_shape_mismatch():
+def test_shape_mismatch() -> None:
     with pytest.raises(ValueError):
         outer_step([torch.zeros(2)], [torch.zeros(3)], [torch.zeros(2)], OuterConfig())
     with pytest.raises(ValueError):
         outer_step([torch.zeros(2)], [], [torch.zeros(2)], OuterConfig())
 
 
-def _dn_reference(theta, deltas, *, lr, mu, n, dampened):
+def _dn_reference(
+    theta: Tensor, deltas: Sequence[Tensor], *, lr: float, mu: float, n: int, dampened: bool
+) -> tuple[Tensor, Tensor]:
     """Delayed Nesterov as research/algorithms.md §6.2 writes it (forgather's form): a separate
     buffer of the cycle's Δ, m updated from it only at the cycle's last push."""
     theta, m, buffer = theta.clone(), torch.zeros_like(theta), torch.zeros_like(theta)
@@ -91,7 +99,9 @@ def _dn_reference(theta, deltas, *, lr, mu, n, dampened):
 
 
 @pytest.mark.parametrize("convention", ["n1", "n2"])
-def test_delayed_nesterov_matches_the_buffered_form_without_its_buffer(convention):
+def test_delayed_nesterov_matches_the_buffered_form_without_its_buffer(
+    convention: Literal["n1", "n2"],
+) -> None:
     """Over 3 cycles of 3 and a partial one, θ matches the two-buffer form of Async DiLoCo's DN;
     at each cycle's end our m (which doubles as the buffer) equals its momentum."""
     torch.manual_seed(1)
@@ -108,7 +118,7 @@ def test_delayed_nesterov_matches_the_buffered_form_without_its_buffer(conventio
             torch.testing.assert_close(mom, ref_m, rtol=1e-5, atol=1e-6)
 
 
-def test_a_cycle_of_delayed_nesterov_is_one_nesterov_step_on_the_mean():
+def test_a_cycle_of_delayed_nesterov_is_one_nesterov_step_on_the_mean() -> None:
     torch.manual_seed(2)
     theta0, deltas = torch.randn(5), [torch.randn(5) for _ in range(4)]
     delayed, m_delayed = theta0.clone(), torch.zeros(5)
@@ -120,7 +130,7 @@ def test_a_cycle_of_delayed_nesterov_is_one_nesterov_step_on_the_mean():
     torch.testing.assert_close(m_delayed, m_plain, rtol=1e-6, atol=1e-6)
 
 
-def test_delayed_nesterov_hand_values():
+def test_delayed_nesterov_hand_values() -> None:
     # η = μ = 0.5, N = 2, θ0 = [1, 2], Δ1 = [1, −2], Δ2 = [0.5, 1] (the N1 example above)
     # round 0: m = 0.5·0 + Δ1/2 = [0.5, −1];  θ = θ0 − 0.5 Δ1/2 = [0.75, 2.5]
     # round 1: m = [0.5, −1] + Δ2/2 = [0.75, −0.5];  θ = [0.75, 2.5] − 0.5([0.25, 0.5] + 0.5 m)
@@ -136,11 +146,11 @@ def test_delayed_nesterov_hand_values():
 
 
 @pytest.mark.parametrize("delay", [0, -1, 1.5, True])
-def test_delay_must_be_whole_rounds(delay):
+def test_delay_must_be_whole_rounds(delay: Any) -> None:  # not always an int, on purpose
     with pytest.raises(ValueError, match="outer delay"):
         OuterConfig(delay=delay)
 
 
-def test_a_negative_index_is_refused():
+def test_a_negative_index_is_refused() -> None:
     with pytest.raises(ValueError, match="count from 0"):
         outer_step([torch.zeros(2)], [torch.zeros(2)], [torch.zeros(2)], OuterConfig(), index=-1)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, cast
 
 import pytest
 import torch
@@ -17,8 +17,8 @@ from adloco.node.training.peer import Peer
 from adloco.node.training.replica import PeerState
 from adloco.node.training.runtime import load_data
 from adloco.node.training.tokenizer import ByteTokenizer
-from adloco.protocol.algorithms.allreduce import reduce_group
-from adloco.protocol.algorithms.batchtest import grad_stats
+from adloco.protocol.algorithms.allreduce import Contribution, reduce_group
+from adloco.protocol.algorithms.batchtest import BatchTest, grad_stats
 from adloco.protocol.algorithms.switch import BatchPlan
 
 CFG = TrainConfig(seq_len=32, batch_size=4, instances=2, inner_steps=2, b_max=4, max_corpus_mb=1)
@@ -33,9 +33,14 @@ def _peer(corpus: Corpus, peer_id: str = "a", index: int = 0, cfg: TrainConfig =
     return Peer(peer_id=peer_id, index=index, num_peers=2, cfg=cfg, corpus=corpus, vocab_size=256)
 
 
+def _contribution(peer: Peer) -> Contribution:
+    """The peer trains a round and contributes it (on time: never dropped, so never None)."""
+    return cast(Contribution, peer.contribute(peer.train_round())[0])
+
+
 def _round(peers: list[Peer]) -> None:
     """One synchronous round of the given peers over the in-memory reduction."""
-    contributions = [p.contribute(p.train_round())[0] for p in peers]
+    contributions = [_contribution(p) for p in peers]
     result = reduce_group(contributions, codec=peers[0].downlink_codec(peers[0].state.schedule.codec))
     for p in peers:
         p.apply_round(result)
@@ -64,7 +69,11 @@ def test_first_step_statistics_and_tokens(corpus: Corpus) -> None:
 @pytest.mark.parametrize("plan", [BatchPlan(micro=4, accum=1), BatchPlan(micro=2, accum=3)])
 @pytest.mark.parametrize("test", ["norm", "augmented"])
 def test_first_step_statistics_are_those_of_its_micro_batch_gradients(
-    corpus: Corpus, plan: BatchPlan, slice_elements: int | None, test: str, monkeypatch: pytest.MonkeyPatch
+    corpus: Corpus,
+    plan: BatchPlan,
+    slice_elements: int | None,
+    test: BatchTest,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # The instance gathers them tensor by tensor (each tensor a slice at a time: 7 elements cuts
     # every tensor into many, the last one shorter): for the norm test in the step's own backward
@@ -78,7 +87,7 @@ def test_first_step_statistics_are_those_of_its_micro_batch_gradients(
 
 @pytest.mark.parametrize("test", ["norm", "augmented"])
 def test_first_step_statistics_of_a_model_whose_head_is_its_embedding(
-    corpus: Corpus, test: str, tmp_path: Path
+    corpus: Corpus, test: BatchTest, tmp_path: Path
 ) -> None:
     # GPT-2 ties its head to its input embedding, whose gradient the lookup assembles itself
     # (`TiedEmbedding`): the hooks must see it whole, once per micro-batch.
@@ -253,7 +262,7 @@ def test_kept_updates_are_bounded_by_their_bytes(corpus: Corpus) -> None:
 
 def test_an_update_that_does_not_fit_changes_nothing(corpus: Corpus) -> None:
     a = _peer(corpus, "a", 0)
-    contribution = a.contribute(a.train_round())[0]
+    contribution = _contribution(a)
     result = reduce_group([contribution], codec=a.downlink_codec("int8"))
     before = a.state_dict()
     theta = [t.clone() for t in a.state.theta]
@@ -371,7 +380,9 @@ def test_shift_moves_progress_onto_the_new_theta(corpus: Corpus, mode: str) -> N
 
 
 @pytest.mark.parametrize("mode", ["rebase", "overwrite", "mix"])
-def test_a_joiner_that_never_trained_takes_theta_when_it_catches_up(corpus: Corpus, mode: str) -> None:
+def test_a_joiner_that_never_trained_takes_theta_when_it_catches_up(
+    corpus: Corpus, mode: Literal["rebase", "overwrite", "mix"]
+) -> None:
     """Overlap on, no round begun yet: catching up (replay or download) puts the instances on the
     swarm's θ, with no progress of their own to carry over."""
     cfg = replace(OVERLAP, overlap=mode)
@@ -406,13 +417,13 @@ def test_a_peer_that_merged_sooner_adopts_a_state_of_more_slots(corpus: Corpus, 
 
 def test_overlap_update_lands_mid_round_and_progress_is_rebased(corpus: Corpus) -> None:
     peers = [_peer(corpus, "a", 0, OVERLAP), _peer(corpus, "b", 1, OVERLAP)]
-    contributions = [p.contribute(p.train_round())[0] for p in peers]
+    contributions = [_contribution(p) for p in peers]
     result = reduce_group(contributions, codec=peers[0].downlink_codec(peers[0].state.schedule.codec))
     locals_ = []
     for p in peers:
         seen: dict[str, list[torch.Tensor]] = {}
 
-        def land(samples: int, p: Peer = p, seen: dict = seen) -> None:
+        def land(samples: int, p: Peer = p, seen: dict[str, list[torch.Tensor]] = seen) -> None:
             if p.state.round == 0:  # after the first inner step of round 1
                 inst = p.instances[0]
                 seen["progress"] = [w.detach() - s for w, s in zip(inst.params, inst.start, strict=True)]
@@ -435,7 +446,7 @@ def test_overlap_update_lands_mid_round_and_progress_is_rebased(corpus: Corpus) 
 
 def test_overlap_rebase_keeps_the_progress_made_before_landing(corpus: Corpus) -> None:
     peer = _peer(corpus, cfg=OVERLAP)
-    result = reduce_group([peer.contribute(peer.train_round())[0]], codec=peer.downlink_codec("int8"))
+    result = reduce_group([_contribution(peer)], codec=peer.downlink_codec("int8"))
     before: list[torch.Tensor] = []
 
     def land(samples: int) -> None:
@@ -454,7 +465,7 @@ def test_overlap_rebase_keeps_the_progress_made_before_landing(corpus: Corpus) -
 def test_overlap_defers_a_merge_to_the_end_of_the_local_round(corpus: Corpus) -> None:
     cfg = replace(OVERLAP, schedule=replace(CFG.schedule, merge=replace(CFG.schedule.merge, merge_every=1)))
     peer = _peer(corpus, cfg=cfg)
-    result = reduce_group([peer.contribute(peer.train_round())[0]], codec=peer.downlink_codec("int8"))
+    result = reduce_group([_contribution(peer)], codec=peer.downlink_codec("int8"))
     counts: list[int] = []
 
     def land(samples: int) -> None:

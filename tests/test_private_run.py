@@ -10,12 +10,14 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import cast
 
 import pytest
 import torch
 
 from adloco.node.cli.credential import credential_main
-from adloco.node.cli.node import build_parser, parse_settings, swarm_from_args
+from adloco.node.cli.node import build_parser, swarm_from_args
+from adloco.node.swarm.node import SwarmConfig
 from adloco.protocol.algorithms.allreduce import Contribution, reduce_group
 from adloco.protocol.algorithms.codecs import encode_tensors, make_codec
 from adloco.protocol.transport.admission import (
@@ -26,11 +28,13 @@ from adloco.protocol.transport.admission import (
     read_allowlist,
     read_credential,
 )
+from adloco.protocol.transport.averager import MemberResult
 from adloco.protocol.transport.hivemind_averager import HivemindAverager
 from adloco.protocol.transport.identity import Identity, NodeDHT, create_identity, load_identity
 from adloco.protocol.transport.manifest import build_manifest
 from adloco.protocol.transport.records import RunRecords, StateRecord
 from adloco.protocol.transport.state_transfer import ServedState, StateServer, TransferSettings
+from adloco.settings import parse_settings
 
 pytestmark = pytest.mark.timeout(180)
 RUN = "private-run"
@@ -138,7 +142,7 @@ def test_credential_command_and_node_flags(
     assert credential_main(["issue", "--key", str(owner_key), "--run-id", RUN, "--peer-id", "x!"]) == 2
     assert "--peer-id" in capsys.readouterr().err
 
-    def swarm(*flags: str) -> object:
+    def swarm(*flags: str) -> SwarmConfig:
         return swarm_from_args(parse_settings(build_parser(), ["--run-id", RUN, *flags]))
 
     good = swarm("--identity-path", str(node_key), "--run-owner", owner, "--credential", str(cred))
@@ -250,7 +254,7 @@ def test_an_outsider_neither_averages_nor_downloads_nor_writes_records_insiders_
             )
             for name, averager in averagers.items()
         }
-        results: dict[str, object] = {}
+        results: dict[str, MemberResult | Exception | None] = {}
         barrier = threading.Barrier(3)
 
         def member(name: str) -> None:
@@ -271,11 +275,11 @@ def test_an_outsider_neither_averages_nor_downloads_nor_writes_records_insiders_
         for name in ("a", "b"):
             result = results[name]
             assert getattr(result, "members", None) == expected.members, result
-            assert result.averaged == expected.averaged
+            assert cast(MemberResult, result).averaged == expected.averaged  # it has members, above
         assert x_id not in expected.members
         # The outsider got nothing of theirs: no result, or its own Δ alone after the others refused.
-        got = results["x"]
-        assert got is None or isinstance(got, Exception) or got.members == (x_id,), got
+        outsider = results["x"]
+        assert outsider is None or isinstance(outsider, Exception) or outsider.members == (x_id,), outsider
     finally:
         for averager in averagers.values():
             averager.shutdown()

@@ -14,7 +14,7 @@ from adloco.protocol.algorithms.pseudograd import (
 )
 
 
-def test_pseudo_gradient_has_gradient_sign():
+def test_pseudo_gradient_has_gradient_sign() -> None:
     start = [torch.tensor([1.0, 2.0]), torch.tensor([[0.5]])]
     end = [torch.tensor([0.25, 3.0]), torch.tensor([[1.5]])]
     delta = pseudo_gradient(start, end)
@@ -23,14 +23,14 @@ def test_pseudo_gradient_has_gradient_sign():
     assert torch.equal(delta[1], torch.tensor([[-1.0]]))
 
 
-def test_pseudo_gradient_rejects_mismatch():
+def test_pseudo_gradient_rejects_mismatch() -> None:
     with pytest.raises(ValueError):
         pseudo_gradient([torch.zeros(2)], [torch.zeros(3)])
     with pytest.raises(ValueError):
         pseudo_gradient([torch.zeros(2)], [])
 
 
-def test_lazy_pseudo_gradient_reads_what_the_eager_one_computes():
+def test_lazy_pseudo_gradient_reads_what_the_eager_one_computes() -> None:
     gen = torch.Generator().manual_seed(0)
     start = [torch.randn(5, 3, generator=gen), torch.randn(7, generator=gen)]
     end = [torch.randn(5, 3, generator=gen), torch.randn(7, generator=gen)]
@@ -45,7 +45,7 @@ def test_lazy_pseudo_gradient_reads_what_the_eager_one_computes():
         PseudoGradient([torch.zeros(2)], [torch.zeros(3)])
 
 
-def test_lazy_pseudo_gradient_refuses_a_side_that_moved_and_keeps_a_materialized_one():
+def test_lazy_pseudo_gradient_refuses_a_side_that_moved_and_keeps_a_materialized_one() -> None:
     start, end = [torch.ones(4)], [torch.zeros(4)]
     moved = PseudoGradient(start, end)
     kept = PseudoGradient(start, end)
@@ -61,7 +61,7 @@ def test_lazy_pseudo_gradient_refuses_a_side_that_moved_and_keeps_a_materialized
         kept[0]
 
 
-def test_weighted_mean_normalizes_weights():
+def test_weighted_mean_normalizes_weights() -> None:
     a = [torch.tensor([1.0, 0.0]), torch.tensor([4.0])]
     b = [torch.tensor([0.0, 1.0]), torch.tensor([8.0])]
     out = weighted_mean([a, b], [3.0, 1.0])
@@ -70,7 +70,7 @@ def test_weighted_mean_normalizes_weights():
     assert torch.equal(out[1], torch.tensor([5.0]))
 
 
-def test_weighted_mean_keeps_dtype():
+def test_weighted_mean_keeps_dtype() -> None:
     a = [torch.tensor([1.0, 2.0], dtype=torch.bfloat16)]
     b = [torch.tensor([3.0, 4.0], dtype=torch.bfloat16)]
     out = weighted_mean([a, b], [1.0, 1.0])
@@ -80,26 +80,26 @@ def test_weighted_mean_keeps_dtype():
 
 
 @pytest.mark.parametrize("weights", [[], [1.0, -1.0], [0.0, 0.0], [math.nan, 1.0]])
-def test_weighted_mean_rejects_bad_weights(weights):
+def test_weighted_mean_rejects_bad_weights(weights: list[float]) -> None:
     vectors = [[torch.zeros(1)] for _ in weights] or []
     with pytest.raises(ValueError):
         weighted_mean(vectors, weights)
 
 
-def test_weighted_mean_rejects_length_mismatch():
+def test_weighted_mean_rejects_length_mismatch() -> None:
     with pytest.raises(ValueError):
         weighted_mean([[torch.zeros(1)]], [1.0, 2.0])
     with pytest.raises(ValueError):
         weighted_mean([[torch.zeros(1)], [torch.zeros(2)]], [1.0, 1.0])
 
 
-def test_flat_norm():
+def test_flat_norm() -> None:
     # sqrt(3² + 4² + 12²) = sqrt(9 + 16 + 144) = sqrt(169) = 13
     assert flat_norm([torch.tensor([3.0, 4.0]), torch.tensor([[12.0]])]) == 13.0
     assert flat_norm([]) == 0.0
 
 
-def test_tensors_hash_known_digest_and_sensitivity():
+def test_tensors_hash_known_digest_and_sensitivity() -> None:
     import hashlib
 
     t = torch.tensor([1.0, -2.0])

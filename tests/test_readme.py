@@ -29,10 +29,10 @@ def test_ci_runs_exactly_the_readme_test_command() -> None:
 
 
 def test_constraints_pin_the_fragile_packages() -> None:
-    pins = dict(
-        m.groups()
+    pins = {
+        m[1]: m[2]
         for m in re.finditer(r"^([A-Za-z0-9_.-]+)==(\S+)$", (ROOT / "constraints.txt").read_text(), re.M)
-    )
+    }
     assert pins["torch"] == "2.13.0"
     assert pins["hivemind"] == "1.1.12"
     assert "protobuf" in pins and "numpy" in pins

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hivemind.utils import get_dht_time
@@ -27,7 +28,7 @@ from adloco.protocol.transport.records import (
 )
 
 pytestmark = pytest.mark.timeout(120)
-KW = {"host_maddrs": ["/ip4/127.0.0.1/tcp/0"], "nat_port_map": False, "start": True}
+KW: dict[str, Any] = {"host_maddrs": ["/ip4/127.0.0.1/tcp/0"], "nat_port_map": False, "start": True}
 
 
 @pytest.fixture
@@ -134,7 +135,7 @@ def test_a_record_in_another_peers_name_is_dropped_where_it_is_read(dhts: list[N
     )
     # In its own name the attacker registers as any peer does (its one entry, replaced).
     expect = expectation([victim, mine])
-    record = (now + 1.0, mine, expect, 5.0, [victim])
+    record: tuple[object, ...] = (now + 1.0, mine, expect, 5.0, [victim])  # malformed ones below
     assert attacker.store(ready, record, now + 61, subkey=attacker.identity.subkey)
     found = reader.get(ready, latest=True)
     assert found is not None

@@ -3,6 +3,7 @@
 import json
 import random
 from dataclasses import replace
+from typing import Any
 
 import pytest
 import torch
@@ -34,7 +35,7 @@ REPORTS = [
 CURRENT = Schedule(round=1, batch=(4, 8), inner_steps=10)
 
 
-def test_hand_example_local_scope():
+def test_hand_example_local_scope() -> None:
     cfg = ScheduleConfig(test="norm", eta=0.5, batch_cap=512, merge=MergePolicy(merge_every=2))
     nxt, merge = next_schedule(CURRENT, REPORTS, cfg)
     # slot 0: pool of HAND, HAND: n = 4, S = 5, dof = 2, ||ḡ||² = 1.25
@@ -45,7 +46,7 @@ def test_hand_example_local_scope():
     assert nxt == Schedule(round=2, batch=(48,), inner_steps=10, codec="none")
 
 
-def test_hand_example_swarm_scope_and_constant_tokens():
+def test_hand_example_swarm_scope_and_constant_tokens() -> None:
     cfg = ScheduleConfig(
         test="norm", eta=0.5, batch_scope="swarm", inner_steps_policy="constant_tokens", merge=MergePolicy()
     )
@@ -57,7 +58,7 @@ def test_hand_example_swarm_scope_and_constant_tokens():
     assert nxt == Schedule(round=2, batch=(32,), inner_steps=4, codec="int8", base_samples=120)
 
 
-def test_constant_tokens_rounds_half_up_and_floors():
+def test_constant_tokens_rounds_half_up_and_floors() -> None:
     cfg = ScheduleConfig(eta=0.5, inner_steps_policy="constant_tokens", merge=MergePolicy(merge_every=1))
     nxt, _ = next_schedule(CURRENT, REPORTS, cfg)
     # b = [32, 16] → merged 48; H = 120/48 = 2.5 → 3 (half up)
@@ -69,7 +70,7 @@ def test_constant_tokens_rounds_half_up_and_floors():
     assert later.base_samples == 120 and later.inner_steps == 3
 
 
-def test_no_merge_off_schedule_and_cap_on_merge():
+def test_no_merge_off_schedule_and_cap_on_merge() -> None:
     cfg = ScheduleConfig(eta=0.5, batch_cap=40, merge=MergePolicy(merge_every=2))
     odd, merge = next_schedule(replace(CURRENT, round=2), REPORTS, cfg)
     assert merge is None and odd.batch == (32, 16) and odd.round == 3
@@ -77,19 +78,19 @@ def test_no_merge_off_schedule_and_cap_on_merge():
     assert merge == (1, 0) and even.batch == (40,)  # 32 + 16 capped at 40
 
 
-def test_reports_from_another_schedule_are_ignored():
+def test_reports_from_another_schedule_are_ignored() -> None:
     cfg = ScheduleConfig(eta=0.5, merge=MergePolicy(min_instances=2))
     stray = PeerReport(peer_id="c", slot_stats=(QUIET,), b_max=8, tokens=1)
     assert next_schedule(CURRENT, [*REPORTS, stray], cfg) == next_schedule(CURRENT, REPORTS, cfg)
 
 
-def test_no_reports_keeps_batches():
+def test_no_reports_keeps_batches() -> None:
     nxt, merge = next_schedule(CURRENT, [], ScheduleConfig(merge=MergePolicy(min_instances=2)))
     assert merge is None and nxt == Schedule(round=2, batch=(4, 8), inner_steps=10)
 
 
 def _random_report(rng: random.Random, peer: int, slots: int) -> PeerReport:
-    stats = []
+    stats: list[GradStats | None] = []
     for _ in range(slots):
         if rng.random() < 0.2:
             stats.append(None)
@@ -104,7 +105,7 @@ def _random_report(rng: random.Random, peer: int, slots: int) -> PeerReport:
     )
 
 
-def test_order_independence():
+def test_order_independence() -> None:
     rng = random.Random(5)
     reports = [_random_report(rng, i, 3) for i in range(7)]
     current = Schedule(round=4, batch=(2, 3, 5), inner_steps=20)
@@ -119,7 +120,7 @@ def test_order_independence():
             assert next_schedule(current, shuffled, cfg) == reference
 
 
-def test_batch_grows_with_noisy_stats():
+def test_batch_grows_with_noisy_stats() -> None:
     gen = torch.Generator().manual_seed(0)
     cfg = ScheduleConfig(test="norm", eta=0.8, batch_cap=256, merge=MergePolicy(min_instances=2))
     schedule = Schedule(round=0, batch=(1, 1), inner_steps=5)
@@ -138,7 +139,7 @@ def test_batch_grows_with_noisy_stats():
     assert history[-1] > 1
 
 
-def test_accumulation():
+def test_accumulation() -> None:
     schedule = Schedule(round=0, batch=(10, 17), inner_steps=1)
     # b_max 8: 10 → 2 × 5; 17 → 3 × 6
     assert accumulation_for(schedule, 8) == (BatchPlan(micro=5, accum=2), BatchPlan(micro=6, accum=3))
@@ -148,7 +149,7 @@ def test_accumulation():
     assert swarm_accumulation(schedule, []) == 1
 
 
-def test_round_trips():
+def test_round_trips() -> None:
     for report in REPORTS:
         assert PeerReport.from_dict(json.loads(json.dumps(report.to_dict()))) == report
     assert Schedule.from_dict(json.loads(json.dumps(CURRENT.to_dict()))) == CURRENT
@@ -171,7 +172,7 @@ def test_round_trips():
         {"round": 0, "batch": [1], "inner_steps": 1, "extra": 0},
     ],
 )
-def test_schedule_rejects_bad_records(data):
+def test_schedule_rejects_bad_records(data: dict[str, object]) -> None:
     with pytest.raises(ValueError):
         Schedule.from_dict(data)
 
@@ -188,6 +189,6 @@ def test_schedule_rejects_bad_records(data):
         {"min_inner_steps": 0},
     ],
 )
-def test_config_validation(kwargs):
+def test_config_validation(kwargs: dict[str, Any]) -> None:  # bad values on purpose
     with pytest.raises(ValueError):
         ScheduleConfig(**kwargs)

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, cast
 
 import pytest
 import torch
@@ -50,6 +50,11 @@ def _collect(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     return pickle.loads((started.folder / "records.pkl").read_bytes())
 
 
+def _sim_time(record: RoundRecord) -> float:
+    """The simulator's clock at `record` (the simulator always sets it)."""
+    return cast(float, record.sim_time_s)
+
+
 def _sync_run(out: Path) -> tuple[Path, list[RoundRecord]]:
     return out, run(SimConfig(peers=4, rounds=10, train=SMALL), out, quiet=True)
 
@@ -58,7 +63,8 @@ def _sync_run(out: Path) -> tuple[Path, list[RoundRecord]]:
 def sync_run(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> tuple[Path, list[RoundRecord]]:
-    return _collect(request, tmp_path_factory, "sync_run")
+    collected: tuple[Path, list[RoundRecord]] = _collect(request, tmp_path_factory, "sync_run")
+    return collected
 
 
 def test_writes_results_and_plots(sync_run: tuple[Path, list[RoundRecord]]) -> None:
@@ -103,10 +109,11 @@ def test_adaptive_batch_grows(sync_run: tuple[Path, list[RoundRecord]]) -> None:
 
 def test_switch_mode_engages_above_b_max(sync_run: tuple[Path, list[RoundRecord]]) -> None:
     _, records = sync_run
+    b_max = cast(int, SMALL.b_max)  # SMALL sets it
     for r in records:
-        expected = max(-(-b // SMALL.b_max) for b in r.batch_sizes)
+        expected = max(-(-b // b_max) for b in r.batch_sizes)
         assert r.accum_steps == expected
-    assert any(max(r.batch_sizes) > SMALL.b_max and r.accum_steps > 1 for r in records)
+    assert any(max(r.batch_sizes) > b_max and r.accum_steps > 1 for r in records)
 
 
 def test_mit_merges_down_to_the_minimum(sync_run: tuple[Path, list[RoundRecord]]) -> None:
@@ -122,7 +129,8 @@ def test_mit_merges_down_to_the_minimum(sync_run: tuple[Path, list[RoundRecord]]
 def async_runs(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, list[RoundRecord]]:
-    return _collect(request, tmp_path_factory, "async_runs")
+    collected: dict[str, list[RoundRecord]] = _collect(request, tmp_path_factory, "async_runs")
+    return collected
 
 
 def _async_runs(out: Path) -> dict[str, list[RoundRecord]]:
@@ -178,17 +186,20 @@ def test_async_without_correction_applies_late_contributions_as_they_are(
 def overlap_runs(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, list[RoundRecord]]:
-    return _collect(request, tmp_path_factory, "overlap_runs")
+    collected: dict[str, list[RoundRecord]] = _collect(request, tmp_path_factory, "overlap_runs")
+    return collected
 
 
 def _overlap_runs(out: Path) -> dict[str, list[RoundRecord]]:
     train = replace(SMALL, instances=2, inner_steps=4)
     runs = {}
-    for name, mode, overlap, slowdown in (
+    Scenario = tuple[str, Literal["sync", "async"], Literal["off", "rebase"], tuple[float, ...]]
+    scenarios: tuple[Scenario, ...] = (
         ("off", "sync", "off", (1.0,)),
         ("rebase", "sync", "rebase", (1.0,)),
         ("async", "async", "rebase", (1.0, 1.0, 4.0)),
-    ):
+    )
+    for name, mode, overlap, slowdown in scenarios:
         cfg = SimConfig(
             peers=3, rounds=6, mode=mode, slowdown=slowdown, train=replace(train, overlap=overlap)
         )
@@ -203,7 +214,7 @@ def test_overlap_hides_communication_behind_the_next_local_round(
     # Without overlap members idle through the whole transfer; with it, only where it outlasts a round.
     assert all(r.wait_s >= r.comm_s - 1e-9 and r.comm_s > 0 for r in off)
     assert all(r.wait_s < r.comm_s for r in on)
-    assert on[-1].sim_time_s < off[-1].sim_time_s
+    assert _sim_time(on[-1]) < _sim_time(off[-1])
     assert on[-1].val_loss < on[0].val_loss
     # MIT merges decided while the instances trained on still happen (at the end of their round).
     assert on[-1].instances < on[0].instances

@@ -16,6 +16,7 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -77,7 +78,7 @@ class Node:
             "--checkpoint-dir", str(tmp_path / f"{self.name}-ckpt"), "--checkpoint-every", "1",
             "--host-maddrs", "/ip4/127.0.0.1/tcp/0", *FAST_NODE_ARGS,
         ]  # fmt: skip
-        self.lives: list[dict] = []
+        self.lives: list[dict[str, Any]] = []
         self.proc: subprocess.Popen[bytes] | None = None
         self.longest_stall_s = 0.0
 
@@ -107,7 +108,7 @@ class Node:
         if life["rss_start_mb"] is None and current > 0 and self.applied_in_life():
             life["rss_start_mb"], life["group_rss_start_mb"] = _rss_mb(self.proc.pid)
 
-    def applied_in_life(self) -> list[dict]:
+    def applied_in_life(self) -> list[dict[str, Any]]:
         started = self.lives[-1]["started"]
         return [e for e in read_events(self.status) if e["event"] == "round" and e["time"] >= started]
 
@@ -157,7 +158,7 @@ def test_soak_kill_9_and_restart_from_checkpoints(procs: Procs, tmp_path: Path) 
     t0 = time.monotonic()
     end = t0 + MINUTES * 60
     next_kill = t0 + rng.uniform(*KILL_EVERY_S)
-    kills: list[dict] = []
+    kills: list[dict[str, Any]] = []
     while time.monotonic() < end:
         time.sleep(1.0)
         for node in nodes:

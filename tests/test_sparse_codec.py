@@ -7,6 +7,7 @@ import itertools
 import math
 import random
 import struct
+from typing import cast
 
 import numpy as np
 import pytest
@@ -55,11 +56,13 @@ def reference_sparse(x: torch.Tensor, k: int, chunk: int, bits: int) -> bytes:
         picked = [flat[start + i] for i in rows]
         indices += rows
         if not all(math.isfinite(v) for v in picked):
-            los.append(math.nan), his.append(math.nan)
+            los.append(math.nan)
+            his.append(math.nan)
             codes += [0] * len(rows)
             continue
         lo, hi = min(abs(v) for v in picked), max(abs(v) for v in picked)
-        los.append(lo), his.append(hi)
+        los.append(lo)
+        his.append(hi)
         span = f32(f32(hi) - f32(lo))
         for v in picked:
             level = (
@@ -310,7 +313,7 @@ def test_the_owner_re_sparsifies_the_average_with_the_rounds_codec() -> None:
     payloads = [codec.encode("w", m) for m in members]
     part = reduce_part(payloads, [1.0, 1.0, 1.0], codec, "w", outlier_factor=None)
     assert len(part.payload) == codec.wire_bytes((2, 4096)) and not part.rejected
-    average = sum(decode(p) for p in payloads) / 3
+    average = cast(torch.Tensor, sum(decode(p) for p in payloads) / 3)
     answer = decode(part.payload)
     assert int(average.count_nonzero()) > 2 * 64 * 2 and int(answer.count_nonzero()) == 2 * 64
     kept = answer.reshape(-1).nonzero().reshape(-1).tolist()

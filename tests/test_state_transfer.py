@@ -23,6 +23,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -262,7 +263,12 @@ def test_a_donor_that_dies_mid_download_is_replaced_by_the_other(swarm: Swarm, d
     dying = _start_donor(swarm.dhts, swarm.offers, swarm.holder)
     try:
         dying.reset("die", after=8)
-        killer = threading.Thread(target=lambda: dying.hit.wait(60) and _stop_donor(dying))
+
+        def kill_once_hit() -> None:
+            if dying.hit.wait(60):
+                _stop_donor(dying)
+
+        killer = threading.Thread(target=kill_once_hit)
         killer.start()
         joiner = _peer("joiner")
         downloads = Downloads(swarm.client, joiner)
@@ -528,7 +534,11 @@ def test_a_manifest_advertising_absurd_sizes_is_refused_before_any_chunk_is_read
         reads += 1
         return honest.read_chunk(index)
 
-    swarm.offers.offered = lambda d: replace(lie, read_chunk=read) if d == digest else offered(d)
+    def lying_offered(d: str) -> ServedState | None:
+        return replace(lie, read_chunk=read) if d == digest else offered(d)
+
+    # Fault injection: this one Offers lies about `digest` (restored below).
+    swarm.offers.offered = lying_offered  # type: ignore[method-assign, assignment]
     try:
         joiner = _peer("joiner")
         downloads = Downloads(swarm.client, joiner)
@@ -542,7 +552,7 @@ def test_a_manifest_advertising_absurd_sizes_is_refused_before_any_chunk_is_read
             downloads.fetch(replace(target, size=1000))
         assert reads == 0 and sum(d.reads for d in donors) == 0 and downloads.partial is None
     finally:
-        swarm.offers.offered = offered
+        swarm.offers.offered = offered  # type: ignore[method-assign]
     # And no signed record can advertise a manifest beyond the bound in the first place.
     with pytest.raises(ValueError):
         StateRecord(
@@ -614,7 +624,7 @@ def test_a_manifest_is_refused_unless_it_is_the_published_one_and_well_formed() 
     with pytest.raises(ValueError, match="published manifest hash"):
         StateManifest.decode(raw, digest="0" * 64)
 
-    def refused(**changes: object) -> str:
+    def refused(**changes: Any) -> str:  # fields made invalid on purpose
         bad = replace(manifest, **changes).encode()
         with pytest.raises(ValueError) as e:
             StateManifest.decode(bad, digest=hashlib.sha256(bad).hexdigest())

@@ -182,7 +182,7 @@ def test_two_builds_give_identical_caches_shards_and_validation(tmp_path: Path) 
 
 def test_rows_are_split_and_sharded_alike_whatever_files_hold_them(tmp_path: Path) -> None:
     """The same rows as 2 jsonl files, or shuffled into 3 parquet files named otherwise."""
-    import pandas as pd
+    import pandas as pd  # type: ignore[import-untyped]  # no stubs (a dependency of datasets)
 
     rows = _rows(400)
     (tmp_path / "a").mkdir()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +36,8 @@ def _bootstrap(procs: Procs, tmp_path: Path) -> list[str]:
         ],
     )
     wait_for(maddrs.exists, timeout=60, what="bootstrap")
-    return json.loads(maddrs.read_text())
+    maddr_list: list[str] = json.loads(maddrs.read_text())
+    return maddr_list
 
 
 def test_three_nodes_of_a_private_run_agree_every_round_and_an_outsider_stays_apart(
@@ -103,7 +105,7 @@ def test_three_nodes_of_a_private_run_agree_every_round_and_an_outsider_stays_ap
 
 def _start_node(
     procs: Procs, tmp_path: Path, name: str, peers: list[str], *args: str, env: dict[str, str] | None = None
-) -> tuple[object, Path]:
+) -> tuple[subprocess.Popen[bytes], Path]:
     status = tmp_path / f"{name}.jsonl"
     proc = procs.start(
         name,
@@ -122,7 +124,7 @@ class JoinedSwarm:
     """What the `joined` fixture's swarm left: its logs, status files and exit codes."""
 
     procs: Procs
-    first: list[tuple[object, Path]]  # the three nodes of the swarm
+    first: list[tuple[subprocess.Popen[bytes], Path]]  # the three nodes of the swarm
     chunked: Path  # the joiner too far behind to replay (its status file)
     late: Path  # the late, slow joiner
     exits: dict[str, int]

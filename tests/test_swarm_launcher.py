@@ -20,14 +20,16 @@ import sys
 import threading
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from adloco.node.cli import launcher as sl
 from adloco.node.cli import processes, progress
+from adloco.node.cli.processes import group_members
 from adloco.node.training.rounds import RoundRecord
 
-from procs import Procs, group_members, wait_for
+from procs import Procs, wait_for
 
 BIN = Path(sys.executable).parent
 MARKER = "SWARM_TEST_MARKER"  # not ADLOCO_*: the node rejects unknown ADLOCO_ variables
@@ -350,8 +352,8 @@ def reap_marked(token: str) -> list[int]:
     return survivors
 
 
-def assert_groups_gone(summary: dict[str, object]) -> None:
-    pids = [n["pid"] for n in summary["nodes"]] + [summary["bootstrap"]["pid"]]  # type: ignore[index, union-attr]
+def assert_groups_gone(summary: dict[str, Any]) -> None:  # summary.json, as read back
+    pids = [n["pid"] for n in summary["nodes"]] + [summary["bootstrap"]["pid"]]
     assert all(isinstance(pid, int) for pid in pids)
     assert summary["survivors"] == []
     assert [group_members(pid) for pid in pids] == [[] for _ in pids]

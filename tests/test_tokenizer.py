@@ -252,7 +252,11 @@ def test_the_swarm_prefix_includes_the_tokenizer(
     def no_join(node: swarm_node.SwarmNode) -> None:
         raise Stop
 
-    monkeypatch.setattr(swarm_node, "run_prefix", lambda run_id, fingerprint: seen.append(fingerprint) or "p")
+    def recorded_prefix(run_id: str, fingerprint: str) -> str:
+        seen.append(fingerprint)
+        return "p"
+
+    monkeypatch.setattr(swarm_node, "run_prefix", recorded_prefix)
     monkeypatch.setattr(swarm_node, "start_dht", lambda net: NoDHT())
     monkeypatch.setattr(swarm_node.SwarmNode, "_join", no_join)
     for spec in (bpe, other_bpe):

@@ -672,7 +672,8 @@ def _split_tail(table: DocTable, val_percent: float) -> tuple[DocTable, DocTable
 
 def key_bucket(keys: npt.NDArray[np.uint64]) -> IntArray:
     """A bucket in [0, 100) per key: the first 4 bytes of the name's sha256, mod 100."""
-    return ((keys >> np.uint64(32)) % np.uint64(100)).astype(np.int64)
+    buckets: IntArray = ((keys >> np.uint64(32)) % np.uint64(100)).astype(np.int64)
+    return buckets
 
 
 def name_key(name: str) -> int:

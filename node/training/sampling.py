@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from ...errors import UserError
@@ -267,7 +268,8 @@ def _mix(keys: np.ndarray[Any, np.dtype[np.uint64]], seed: int) -> np.ndarray[An
         z = z + np.uint64(0x9E3779B97F4A7C15)
         z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
         z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return z ^ (z >> np.uint64(31))
+    mixed: npt.NDArray[np.uint64] = z ^ (z >> np.uint64(31))
+    return mixed
 
 
 def _splitmix64(value: int) -> int:
