@@ -346,3 +346,15 @@ def test_a_try_failed_for_every_live_member_is_known_over_at_once(hivemind_swarm
     assert not averagers[0]._call(matchmaker.all_failed(round, members), timeout=10)  # type: ignore[attr-defined]
     # A round no group formed for is never over by this rule (the caller waits out the bound).
     assert not averagers[0].failed_everywhere(round + 1)  # type: ignore[attr-defined]
+
+
+def test_one_patient_registration_does_not_hold_the_round_open_for_everyone() -> None:
+    """The issue's staller: a key that registers first with the most patience allowed held every
+    round it opened open 60 s. The round now waits the lower median of the patience its
+    registrations claim: with two honest registrations of 2 s, 2 s."""
+    times = {"x": 0.0, "a": 0.5, "b": 0.7}
+    patience = {"x": MAX_PATIENCE_S, "a": 2.0, "b": 2.0}
+    close, members = close_and_members(times, 1.0, 0.3, patience=patience)
+    assert close == pytest.approx(2.0) and members == ("a", "b", "x")
+    # Alone (nobody to outvote it) a registration keeps its own patience, as before.
+    assert close_and_members({"x": 0.0}, 1.0, 0.3, patience={"x": 5.0})[0] == pytest.approx(5.0)

@@ -29,7 +29,11 @@ with a patience (its own last local round, at most `MAX_PATIENCE_S`): a round it
 that long for them, unless the group it expects is complete sooner (the early close below). Peers
 whose local rounds drift apart (under overlap nothing pulls them back into step; the fastest one
 finishes up to a local round before the slowest) then still meet, where a window of a few seconds
-let the fastest open a round alone and the others another: a fork.
+let the fastest open a round alone and the others another: a fork. The round waits the lower median
+of the patience of the registrations dated within its first one's wait: one key claiming the most
+patience (60 s) held every round it opened open that long; now the honest registrations outvote it
+(a key claiming none can still cut an honest first registrant's wait short, at worst a fork the
+majority heals).
 
 A late contribution matchmakes with `join_only`: it registers at once, marked join-only, and waits
 (at most `join_wait_s`) for another peer to open the round; it never opens one itself.
@@ -52,6 +56,7 @@ import asyncio
 import hashlib
 import logging
 import math
+import statistics
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -150,7 +155,8 @@ def close_and_members(
     another followed in time.
 
     `patience` (per registrant, seconds, default 0): how long a round that registration opens stays
-    open at least (see the module docstring).
+    open at least (see the module docstring); the round takes the lower median of the patience of
+    the registrations dated within its first one's wait, so that no single registrant sets it.
 
     `expects` (per registrant: "", an `expectation`, or `joining(until)`):
     - join-only registrations (late contributions) never open a round, take no part in the rules
@@ -186,9 +192,12 @@ def close_and_members(
         first += 1
     ordered = ordered[first:]
     start = ordered[0][1]
-    close = max(
-        ordered[min(quorum, len(ordered)) - 1][1] + window_s, start + patience.get(ordered[0][0], 0.0)
-    )
+    # How long the round waits: the lower median of the patience of the registrations that can be in
+    # it (dated within its first registration's wait), not the first one's alone: one key that claims
+    # the most patience held every round it opened open that long.
+    horizon = start + waits(ordered[0][0])
+    held = statistics.median_low(patience.get(p, 0.0) for p, t in ordered if t <= horizon)
+    close = max(ordered[min(quorum, len(ordered)) - 1][1] + window_s, start + held)
     waiting = {p for p, until in deadlines.items() if until is not None and start <= until}
     expected = expects.get(ordered[0][0], "")
     for k, (peer, t) in enumerate(ordered):
