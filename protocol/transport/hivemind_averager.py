@@ -96,7 +96,7 @@ from .member import OwnerUnreachable, assemble, fetch
 from .owner import BAN_S, Answer, Incoming, OwnerHandler, OwnerSession, RoundState
 from .statements import Commitment, Signed, Signer
 from .turns import SendTurn, chain, send_order, turn_budget_s
-from .verification import Settings, VerifyHandler, ask_defense, send_statement, verify_round
+from .verification import ACCUSE, Settings, VerifyHandler, ask_defense, send_statement, verify_round
 from .verification import handler_name as verification_handler
 from .wire import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, PROTOCOL_VERSION, bytes_timeout, daemon_listen_maddr
 
@@ -259,6 +259,7 @@ class HivemindAverager:
             wait_s=matchmaking_bound_s(self.window_s, self.grace_s) + self.part_timeout_s,
             chunk_bytes=self.chunk_bytes,
             admission=self.admission,
+            signer=self._signer,
         )
         self._call(self._p2p.add_binary_stream_handler(self._handler_name, handler.serve), timeout=30)
         checks = VerifyHandler(
@@ -267,6 +268,7 @@ class HivemindAverager:
             chunk_bytes=self.chunk_bytes,
             executor=self._verify_executor,
             admission=self.admission,
+            on_evidence=lambda peer, why: self._convict(Caught(why, {peer: why}, proven=True)),
         )
         self._call(self._p2p.add_binary_stream_handler(self._verify_name, checks.serve), timeout=30)
 
@@ -473,6 +475,7 @@ class HivemindAverager:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(_settled)
         return task
 
     def _stage(self, stage: str, round: int) -> None:
@@ -537,6 +540,7 @@ class HivemindAverager:
             self._convict(e)
             how = "shown by their signed statements" if e.proven else "seen by this peer"
             self._log(round, "no result: %s (%s)", e, how, level=logging.WARNING)
+            self._pass_on(ready, e)
         except RoundFailed as e:
             self._log(round, "no result: %s", e, level=logging.WARNING)
         finally:
@@ -763,6 +767,29 @@ class HivemindAverager:
                 state.group.round, "owners showed false projections of %s", sorted(p[-8:] for p in liars)
             )
 
+    def _pass_on(self, ready: asyncio.Future[RoundState | None], caught: Caught) -> None:
+        """Send the evidence `caught` holds to every other member of the round's group: they convict
+        the culprit on its own signatures, without having seen what we saw."""
+        state = _formed(ready)
+        if state is None or not caught.evidence:
+            return
+        for receipt, statement in caught.evidence:
+            body = [receipt.to_wire(), statement.to_wire()]
+            for peer in state.group.members:
+                if peer != self._peer_id and peer not in caught.culprits:
+                    self._spawn(
+                        send_statement(
+                            self._p2p,
+                            self._verify_name,
+                            peer,
+                            round=state.group.round,
+                            kind=ACCUSE,
+                            signed=body,
+                            timeout_s=self.reduce_timeout_s,
+                            meter=state.meter,
+                        )
+                    )
+
     def _send_statement(
         self, state: RoundState, peer: str, kind: str, signed: Signed, timeout_s: float
     ) -> None:
@@ -971,6 +998,14 @@ class HivemindAverager:
             stand_ins[owner] = member
             return answer
         raise unreachable
+
+
+def _settled(task: asyncio.Task[Any]) -> None:
+    """A spawned task is over. Its failure was the round's (whoever awaited it has it), or comes from a
+    fetch the round had stopped waiting for (its first failure ended it): taken here, so that asyncio
+    does not report it as never retrieved."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _formed(future: asyncio.Future[RoundState | None]) -> RoundState | None:

@@ -93,6 +93,9 @@ class Caught(RoundFailed):
         super().__init__(message)
         self.culprits = culprits
         self.proven = proven
+        # Pairs of the culprits' own signed statements that prove it to any other peer (an owner's
+        # receipt and its answer leaving the member out): passed on to the group (`verification`).
+        self.evidence: list[tuple[Any, Any]] = []
 
 
 OPEN_QUORUM = 2  # registrations that open a round (see the module docstring)

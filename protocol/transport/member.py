@@ -30,13 +30,22 @@ from ..algorithms.parts import merge_rejected
 from .averager import MemberResult
 from .matchmaking import Caught, RoundFailed
 from .owner import Answer, RoundState, reports_digest, shape_error, size_list, str_list
-from .statements import AnswerStatement, BadStatement, Commitment, Signed, digest
+from .statements import (
+    AnswerStatement,
+    BadStatement,
+    Commitment,
+    Receipt,
+    Signed,
+    digest,
+    dropped_after_receipt,
+)
 from .turns import SendTurn
 from .wire import PROTOCOL_VERSION, read_chunks, read_frame, write_chunks, write_frame
 
 logger = logging.getLogger(__name__)
 
 GO_HEADER_BYTES = 1 << 12  # the owner's go or refusal after a request header
+RECEIPT_HEADER_BYTES = 1 << 12  # an owner's signed receipt of our parts
 
 
 class OwnerUnreachable(RoundFailed):
@@ -128,6 +137,7 @@ async def fetch(
         else:
             await _write_chunks_staged(writer, payloads, chunk_bytes, state, on_stage)
         turn.end()  # the next owner's payloads may go while we wait for this one's answer
+        state.receipts[owner] = await _read_receipt(reader, state, owner)
         response, _ = await read_frame(reader, state.meter, max_body=0)
         sizes = _answer_sizes(response, owner=owner, keys=keys, bounds=answer_bounds)
         body = await read_chunks(reader, sizes, state.meter)
@@ -211,6 +221,22 @@ def _with_statement(
     return dataclasses.replace(answer, statement=statement, commitments=commitments)
 
 
+async def _read_receipt(reader: asyncio.StreamReader, state: RoundState, owner: str) -> Receipt:
+    """The owner's signed receipt of our parts; Caught (on our word) for anything else."""
+    frame, _ = await read_frame(reader, state.meter, max_header=RECEIPT_HEADER_BYTES, max_body=0)
+    try:
+        signed = Signed.from_wire(frame.get("rc"), max_body=RECEIPT_HEADER_BYTES)
+        receipt = Receipt.parse(signed, state.ring, round=state.group.round, group_id=state.group.group_id)
+    except BadStatement as e:
+        raise _fault(owner, f"gave no valid receipt of our parts: {e}") from e
+    if state.own is None or receipt.owner != owner or receipt.member != state.own.peer:
+        raise _fault(owner, "gave a receipt of someone else's parts")
+    if receipt.commitment != state.own.signed.digest:
+        raise _fault(owner, "gave a receipt of another commitment than ours")
+    state.meter.checks_received += signed.size
+    return receipt
+
+
 async def _write_chunks_staged(
     writer: asyncio.StreamWriter,
     payloads: list[bytes],
@@ -291,13 +317,23 @@ async def assemble(
     """
     contributor_sets = [set(answer.contributors) for answer in answers.values()]
     if peer_id not in set.intersection(*contributor_sets):
-        # It answered on the stream our parts came in on, so it had taken them.
-        why = "left out our contribution it had taken"
-        raise Caught(
+        # It answered on the stream our parts came in on, so it had taken them; its receipt of them
+        # and its answer statement, both signed, prove it to anyone (`statements.Receipt`).
+        dropping = [o for o, a in answers.items() if peer_id not in a.contributors]
+        evidence = [
+            (state.receipts[o], answers[o].statement)
+            for o in dropping
+            if o in state.receipts
+            and answers[o].statement is not None
+            and dropped_after_receipt(state.receipts[o], answers[o].statement)  # type: ignore[arg-type]
+        ]
+        caught = Caught(
             "our contribution was not included",
-            {o: why for o, a in answers.items() if peer_id not in a.contributors},
-            proven=False,
+            dict.fromkeys(dropping, "left out our contribution it had taken"),
+            proven=len(evidence) == len(dropping),
         )
+        caught.evidence = [(r.signed, st.signed) for r, st in evidence if st is not None]
+        raise caught
     outsiders = {o for o, a in answers.items() if not set(a.contributors) <= set(state.group.members)}
     if outsiders:
         # Its signed statement lists them.

@@ -30,6 +30,7 @@ and reads at most one chunk per stream at a time.
                m encoded report (only to the owner of the first tensor, else nil)
     go       = v, ok, e error text (when not ok)
     payloads = chunk frames, part after part, each at most a chunk and what is left of its part
+    receipt  = v, rc the owner's signed receipt of the member's parts (`statements.Receipt`)
     response = v, ok, e error text (when not ok), c contributors (sorted), k, s part sizes,
                gm contributors' reports (only from the owner of the first tensor),
                x {contributor: number of its parts rejected}; then the parts as chunk frames
@@ -60,6 +61,7 @@ from .statements import (
     Commitment,
     KeyRing,
     Mailbox,
+    Receipt,
     Signed,
     Signer,
     digest,
@@ -468,6 +470,7 @@ class RoundState:
     mail: Mailbox = field(default_factory=Mailbox)
     reductions: list[OwnerSession] = field(default_factory=list)  # ours and those we stand in for
     answers: dict[str, Answer] = field(default_factory=dict)  # every owner's, once gathered
+    receipts: dict[str, Receipt] = field(default_factory=dict)  # each owner's, for our parts
     seed: bytes | None = None  # the round's direction seed, once every secret is in
 
     def reduction_of(self, key: str) -> OwnerSession | None:
@@ -551,8 +554,10 @@ class OwnerHandler:
         chunk_bytes: int,
         ban_s: float = BAN_S,
         admission: Admission | None = None,
+        signer: Signer | None = None,
     ) -> None:
         self.peer_id = peer_id
+        self._signer = signer  # signs the receipts of the parts we take
         self._admission = admission or Admission()
         self._round_state = round_state
         self._header_timeout_s = header_timeout_s
@@ -630,6 +635,7 @@ class OwnerHandler:
             admitted = await self._receive(reader, writer, receiving, request, meter, state)
             if admitted is None:
                 return
+            await self._receipt(writer, state, request, meter)
             await admitted.done.wait()
             await asyncio.wait_for(
                 self._answer_until_received(reader, writer, admitted, meter, request.peer),
@@ -701,6 +707,23 @@ class OwnerHandler:
         if request.peer not in state.group.members or request.peer == self.peer_id:
             return "not a member of the group"
         return None
+
+    async def _receipt(
+        self, writer: asyncio.StreamWriter, state: RoundState, request: Request, meter: Meter
+    ) -> None:
+        """Our signed word that we took the member's parts: should our answer leave it out, it holds
+        the proof (`statements.Receipt`)."""
+        if self._signer is None:
+            return
+        receipt = Receipt.make(
+            self._signer,
+            round=state.group.round,
+            group_id=state.group.group_id,
+            member=request.peer,
+            commitment=request.commitment.digest,
+        )
+        await write_frame(writer, {"v": PROTOCOL_VERSION, "rc": receipt.signed.to_wire()}, [], meter)
+        meter.checks_sent += receipt.signed.size
 
     async def _answer_until_received(
         self,

@@ -14,6 +14,8 @@ counts in another round:
                                                                  (member -> every member)
     project = kind, round, group, member, seed, one projection per part, the members' secrets
                                                                  (member -> every member)
+    receipt = kind, round, group, owner, member, the digest of the member's commitment
+                                                  (owner -> member, once its parts are in)
 
 Digests and norms are listed in the layout's order of the parts (every member's, `layout_of`).
 Every field is type-checked and bounded where a statement is parsed (`parse`): nothing a peer signs
@@ -39,11 +41,12 @@ from hivemind.utils.serializer import MSGPackSerializer
 from ..algorithms.parts import MISMATCH, SCORED, SCREENED
 from .identity import Identity, peer_id_of
 
-COMMIT, ANSWER, REVEAL, PROJECT = (
+COMMIT, ANSWER, REVEAL, PROJECT, RECEIPT = (
     "adloco.commit.v1",
     "adloco.answer.v1",
     "adloco.reveal.v1",
     "adloco.project.v1",
+    "adloco.receipt.v1",
 )
 DIGEST_BYTES = 32
 MAX_KEY_BYTES = 1024  # an SSH-encoded RSA public key; larger keys are refused (as for DHT subkeys)
@@ -435,6 +438,41 @@ class Projections:
                 raise BadStatement("a malformed secret")
             pairs.append((pair[0], pair[1]))
         return cls(signed, fields[3], _digests([fields[4]], 1)[0], [_float(v) for v in values], pairs)
+
+
+@dataclass(frozen=True)
+class Receipt:
+    """An owner's word that it took a member's parts (its commitment named by digest): with the
+    owner's answer statement that leaves the member out, proof that the owner dropped them."""
+
+    signed: Signed
+    owner: str
+    member: str
+    commitment: bytes
+
+    @classmethod
+    def make(cls, signer: Signer, *, round: int, group_id: bytes, member: str, commitment: bytes) -> Receipt:
+        fields = [RECEIPT, round, group_id, signer.peer_id, member, commitment]
+        return cls(signer.sign(fields), signer.peer_id, member, commitment)
+
+    @classmethod
+    def parse(cls, signed: Signed, keys: KeyRing, *, round: int, group_id: bytes) -> Receipt:
+        fields = keys.open(signed, RECEIPT)
+        if len(fields) != 6 or not isinstance(fields[4], str) or len(fields[4]) > MAX_PEER_CHARS:
+            raise BadStatement("a malformed receipt")
+        _bound(round, group_id, fields)
+        return cls(signed, fields[3], fields[4], _digests([fields[5]], 1)[0])
+
+
+def dropped_after_receipt(receipt: Receipt, statement: AnswerStatement) -> bool:
+    """Whether `statement` (the same owner's answer, same round) leaves out, or names another
+    commitment of, the member whose parts `receipt` says the owner took: the owner's own two
+    signatures prove that it dropped them."""
+    if receipt.owner != statement.owner:
+        return False
+    if receipt.member not in statement.contributors:
+        return True
+    return statement.commitments[statement.contributors.index(receipt.member)] != receipt.commitment
 
 
 @dataclass(frozen=True)

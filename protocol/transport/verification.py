@@ -52,10 +52,12 @@ from .statements import (
     Commitment,
     Mailbox,
     Projections,
+    Receipt,
     Reveal,
     Signed,
     Signer,
     digest,
+    dropped_after_receipt,
 )
 from .wire import PROTOCOL_VERSION, Meter, read_chunks, read_frame, write_chunks, write_frame
 
@@ -69,6 +71,9 @@ def handler_name(prefix: str) -> str:
     return f"adloco.verify.v{PROTOCOL_VERSION}.{hashlib.sha256(prefix.encode()).hexdigest()[:24]}"
 
 
+ACCUSE = "accuse"
+"""A member an owner dropped after signing the receipt of its parts passes on the receipt and the
+owner's answer statement: two signatures of the owner that prove it (`statements.Receipt`)."""
 DEFEND = "defend"
 """A member whose projection check of an owner's part failed asks the owner which contributors'
 projections were false; the owner answers with their payloads, which prove it (`defend`)."""
@@ -87,7 +92,9 @@ class VerifyHandler:
         chunk_bytes: int,
         executor: Executor,
         admission: Admission | None = None,
+        on_evidence: Callable[[str, str], None] = lambda peer, why: None,
     ) -> None:
+        self._on_evidence = on_evidence  # a peer proven to have lied, and why
         self._round_state = round_state
         self._wait_s = wait_s
         self._chunk_bytes = chunk_bytes
@@ -104,13 +111,16 @@ class VerifyHandler:
                 read_frame(reader, meter, max_header=MAX_FRAME_BYTES, max_body=0), timeout=self._wait_s
             )
             round, kind = header.get("r"), header.get("k")
-            if type(round) is not int or kind not in (REVEAL, PROJECT, DEFEND):
+            if type(round) is not int or kind not in (REVEAL, PROJECT, DEFEND, ACCUSE):
                 raise ValueError("malformed verification frame")
             state = await asyncio.wait_for(self._round_state(round), timeout=self._wait_s)
             if state is None or remote not in state.group.members:
                 raise ValueError("not a member of this peer's group for that round")
             if kind == DEFEND:
                 await self._defend(header, state, writer, meter)
+            elif kind == ACCUSE:
+                self._accusation(header, state)
+                await write_frame(writer, {"v": PROTOCOL_VERSION, "ok": True}, [], meter)
             else:
                 statement = self._statement(header, kind, state)
                 if statement.peer != remote:
@@ -124,6 +134,31 @@ class VerifyHandler:
             logger.debug("verification stream refused: %r", e)
         finally:
             writer.close()
+
+    def _accusation(self, header: dict[str, Any], state: RoundState) -> None:
+        """An owner's receipt and its answer statement that leaves the member out: convict the owner
+        if its two signatures say so (ValueError for anything else)."""
+        pair = header.get("s")
+        if not isinstance(pair, list) or len(pair) != 2:
+            raise ValueError("an accusation is a receipt and an answer statement")
+        group = state.group
+        receipt = Receipt.parse(
+            Signed.from_wire(pair[0], max_body=state.statement_bytes),
+            state.ring,
+            round=group.round,
+            group_id=group.group_id,
+        )
+        statement = AnswerStatement.parse(
+            Signed.from_wire(pair[1], max_body=state.statement_bytes),
+            state.ring,
+            round=group.round,
+            group_id=group.group_id,
+            members=len(group.members),
+            parts=len(state.layout),
+        )
+        if not dropped_after_receipt(receipt, statement):
+            raise ValueError("the statements do not show the owner dropping the member")
+        self._on_evidence(receipt.owner, f"dropped {receipt.member[-8:]}'s parts after signing their receipt")
 
     def _statement(self, header: dict[str, Any], kind: str, state: RoundState) -> Reveal | Projections:
         group = state.group
@@ -264,20 +299,19 @@ async def send_statement(
     *,
     round: int,
     kind: str,
-    signed: Signed,
+    signed: Signed | list[list[bytes]],
     timeout_s: float,
     meter: Meter,
 ) -> bool:
-    """Send one statement to `peer`; whether it acknowledged it within `timeout_s`. Its bytes count
-    in `meter`."""
+    """Send one statement (or, for an accusation, the wire forms of two) to `peer`; whether it
+    acknowledged it within `timeout_s`. Its bytes count in `meter`."""
+    wire = signed.to_wire() if isinstance(signed, Signed) else signed
 
     async def send() -> bool:
         _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(peer), handler)
         mine = Meter()
         try:
-            await write_frame(
-                writer, {"v": PROTOCOL_VERSION, "r": round, "k": kind, "s": signed.to_wire()}, [], mine
-            )
+            await write_frame(writer, {"v": PROTOCOL_VERSION, "r": round, "k": kind, "s": wire}, [], mine)
             ack, _ = await read_frame(reader, mine, max_header=ACK_HEADER_BYTES, max_body=0)
             return bool(ack.get("ok"))
         finally:
