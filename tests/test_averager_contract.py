@@ -30,7 +30,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -236,13 +236,26 @@ def _average_together(
     return [o for o in outcomes if o is not None]
 
 
+def dealing_order(owners: Mapping[str, str], payloads: Mapping[str, bytes]) -> list[str]:
+    """The order in which `parts.assign_parts` dealt the parts to the owners a result names: with
+    the tensors largest first, the first owner of each new name. `reduce_group` dealing in this
+    order must give every part the same owner (`_assert_matches_reduce_group` checks it), so a
+    result whose owners no dealing yields fails there."""
+    keys = list(payloads)
+    ranked = sorted(range(len(keys)), key=lambda i: (-len(payloads[keys[i]]), i))
+    return list(dict.fromkeys(owners[keys[i]] for i in ranked))
+
+
 def _assert_matches_reduce_group(
     outcomes: Sequence[Outcome],
     contributions: Sequence[Contribution],
     spec: str,
     work_cap: float | None = None,
 ) -> None:
-    expected = reduce_group(contributions, codec=make_codec(spec), work_cap=work_cap)
+    first = next((o.result for o in outcomes if o.result is not None), None)
+    assert first is not None
+    order = dealing_order(first.owners, contributions[0].payloads)
+    expected = reduce_group(contributions, codec=make_codec(spec), work_cap=work_cap, owners=order)
     for o in outcomes:
         r = o.result
         assert r is not None
@@ -251,6 +264,7 @@ def _assert_matches_reduce_group(
         assert r.reports == expected.reports and r.malformed == expected.malformed == {}
         assert r.owners == expected.owners
         assert r.rejected == expected.rejected
+        assert r.work == expected.work
         # Exact traffic: the payload bytes are reduce_group's count for this member; what went on the
         # wire is at least that, and the result carries it as this member's sent/received bytes.
         t = r.traffic
@@ -407,10 +421,10 @@ def test_a_malformed_report_is_dropped_by_every_member_and_the_round_completes(
     swarm: Swarm, metadata: bytes, bad_index: int
 ) -> None:
     """One member of three sends a report that does not parse: every member drops that entry with
-    the same decision and completes the round with all three Δs (the first member in peer-id order
-    also owns the first tensor, so it relays everyone's reports; both positions are tried)."""
+    the same decision and completes the round with all three Δs (the first member in dealing order
+    owns the first tensor, so it relays everyone's reports; both positions are tried)."""
     swarm.add_nodes(3)
-    averagers = sorted((swarm.averager(i) for i in range(3)), key=lambda a: a.peer_id)
+    averagers = _by_dealing([swarm.averager(i) for i in range(3)], SHAPES)
     contributions = _contributions(averagers, "int8", seed=10)
     bad = contributions[bad_index]
     contributions[bad_index] = dataclasses.replace(bad, metadata=metadata)
@@ -421,9 +435,9 @@ def test_a_malformed_report_is_dropped_by_every_member_and_the_round_completes(
         assert r is not None, "a malformed report must not fail the round for anyone"
         assert r.averaged == expected.averaged
         assert r.members == expected.members and bad.peer_id in r.members
-        assert [rep.peer_id for rep in r.reports] == [
+        assert [rep.peer_id for rep in r.reports] == sorted(  # the members' order
             c.peer_id for c in contributions if c is not contributions[bad_index]
-        ]
+        )
         assert list(r.malformed) == [bad.peer_id]
     assert len({tuple(o.result.malformed.items()) for o in outcomes if o.result is not None}) == 1
 
@@ -545,14 +559,22 @@ def _read_line(proc: subprocess.Popen[str], expected: str, timeout: float, log: 
     return said
 
 
-def _identities(folder: Path, n: int) -> list[Path]:
-    """n identity files sorted by the peer id they give, so a test can choose who owns what."""
+def _identities(
+    folder: Path, n: int, *, dealing: tuple[Mapping[str, tuple[int, ...]], int] | None = None
+) -> list[Path]:
+    """n identity files sorted by the peer id they give, or with `dealing` (shapes, round) in the
+    order their first round deals those parts (`_dealing_order`), so a test can choose who owns what."""
     from hivemind.p2p import P2P, PeerID
 
     paths = [folder / f"peer{i}.key" for i in range(n)]
     for path in paths:
         P2P.generate_identity(str(path))
-    return sorted(paths, key=lambda p: PeerID.from_identity(p.read_bytes()).to_base58())
+    ids = {p: PeerID.from_identity(p.read_bytes()).to_base58() for p in paths}
+    ranked = sorted(paths, key=lambda p: ids[p])
+    if dealing is not None:
+        order = _dealing_order(list(ids.values()), dealing[0], round=dealing[1])
+        ranked.sort(key=lambda p: order.index(ids[p]))
+    return ranked
 
 
 @dataclass
@@ -584,13 +606,13 @@ def _a_round_with_a_member_killed(
     """SIGKILL a member (its whole process group: python, DHT process, p2pd) when it reaches `stage`
     of `round` (its `on_stage` hook holds it there until the kill).
 
-    Two tensors of equal size among three members sorted by peer id: the first two members own one
+    Two tensors of equal size among three members in dealing order: the first two members own one
     each, the third owns nothing. The victim is the third (`victim_owns` "nothing") or the first
     ("a_part"). Yields once the survivors' calls returned; the swarm is closed and the victim's
     group killed on the way out, pass or fail.
     """
     shapes = {"embed": (48, 32), "proj": (48, 32)}
-    identities = _identities(tmp_path, 3)
+    identities = _identities(tmp_path, 3, dealing=(shapes, round))
     victim_identity = identities.pop(2 if victim_owns == "nothing" else 0)
     swarm = Swarm("hivemind")
     proc: subprocess.Popen[str] | None = None
@@ -719,8 +741,8 @@ Lie = Callable[[Any, Any], Any]  # (the owner's true Answer, its OwnerSession) -
 
 @dataclass
 class LyingRound:
-    """A round of three in which the owner of the largest part (the lowest peer id: it also relays
-    the reports) answers with a lie of its own making, signed with its own key."""
+    """A round of three in which the owner of the largest part (the first part: it also relays the
+    reports) answers with a lie of its own making, signed with its own key."""
 
     averagers: list[Averager]
     liar: Averager
@@ -754,7 +776,7 @@ def _round_with_a_lying_owner(
     swarm = Swarm("hivemind")
     try:
         swarm.add_nodes(3)
-        averagers = sorted((swarm.averager(i) for i in range(3)), key=lambda a: a.peer_id)
+        averagers = _by_dealing([swarm.averager(i) for i in range(3)], SHAPES, spec=spec)
         liar = averagers[0]
         real_reduce = owner_module.reduce_owned
 
@@ -783,6 +805,29 @@ def _round_with_a_lying_owner(
         yield LyingRound(averagers, liar, contributions, outcomes, caplog.text)
     finally:
         swarm.close()
+
+
+def _dealing_order(
+    ids: Sequence[str], shapes: Mapping[str, tuple[int, ...]], *, spec: str = "int8", round: int = 0
+) -> list[str]:
+    """`ids` in the order a first group of them (no work lists yet) at `round` under prefix "run-a"
+    deals parts (`matchmaking.form_group`): with k parts of equal size, the first k own one each
+    and the rest none; the first owns the first part (the one the reports travel with)."""
+    from adloco.protocol.transport.matchmaking import form_group, layout_of
+
+    payloads = encode_tensors(make_codec(spec), {k: torch.zeros(*shape) for k, shape in shapes.items()})
+    return list(form_group("run-a", round, sorted(ids), layout_of(payloads), {}).owners)
+
+
+def _by_dealing(
+    averagers: Sequence[Averager], shapes: Mapping[str, tuple[int, ...]], *, spec: str = "int8"
+) -> list[Averager]:
+    """`averagers` in the order their first round deals parts (`_dealing_order`; in process: by id)."""
+    ranked = sorted(averagers, key=lambda a: a.peer_id)
+    if not isinstance(ranked[0], MemoryAverager):
+        order = _dealing_order([a.peer_id for a in ranked], shapes, spec=spec)
+        ranked.sort(key=lambda a: order.index(a.peer_id))
+    return ranked
 
 
 def _signed(answer: Any, session: Any) -> Any:
@@ -983,6 +1028,40 @@ def test_an_owner_that_drops_a_member_it_signed_a_receipt_for_is_convicted_by_ev
         swarm.close()
 
 
+def test_a_fresh_key_owns_no_part_until_its_work_counted_and_a_weightless_key_never() -> None:
+    """Three peers average (a fresh swarm: all own parts), then two fresh keys join them: one with
+    real work, one at weight 0. In the round they join, only the three own parts; afterwards the
+    three list the first newcomer (its work counted) and not the weightless one, so the next round
+    deals parts to four owners, never to the key that did no work. Each round holds exactly the
+    bytes `reduce_group` gives, dealt to those owners."""
+    swarm = Swarm("hivemind")
+    try:
+        swarm.add_nodes(5)
+        averagers = [swarm.averager(i) for i in range(5)]
+        old, new, idle = averagers[:3], averagers[3], averagers[4]
+        shapes = {f"t{i}": (4 * (i + 1), 16) for i in range(10)}
+        contributions = _contributions(old, "int8", seed=31, shapes=shapes)
+        first = _average_together(old, contributions, round=0, spec="int8")
+        _assert_matches_reduce_group(first, contributions, "int8")
+        assert first[0].result is not None
+        assert set(first[0].result.owners.values()) == {a.peer_id for a in old}
+        for a in old:  # let the round wait its window for the newcomers (no early close)
+            cast(Any, a)._matchmaker.expected = None
+        contributions = _contributions(averagers, "int8", seed=32, shapes=shapes)
+        contributions[4] = dataclasses.replace(contributions[4], weight=0.0, tokens=0.0)
+        for round, owners in ((1, old), (2, [*old, new])):
+            outcomes = _average_together(averagers, contributions, round=round, spec="int8")
+            _assert_matches_reduce_group(outcomes, contributions, "int8")
+            result = outcomes[0].result
+            assert result is not None
+            assert set(result.owners.values()) == {a.peer_id for a in owners}, round
+            for a in old:
+                listed = cast(Any, a).workers()
+                assert new.peer_id in listed and idle.peer_id not in listed
+    finally:
+        swarm.close()
+
+
 def test_an_owner_that_takes_the_parts_and_never_answers_costs_one_try(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -1108,13 +1187,13 @@ def test_a_member_sending_a_sum_payload_is_dropped_before_it_is_decoded(
     """A sum payload of the announced size whose parts each decode to the whole tensor (the issue's
     sum bomb: here 39 of them in the bytes of one int8 part) is not the round's codec: its owner
     drops the member once its bytes are in, from the payload's header, before decoding anything, and
-    the honest complete. (One part,
-    owned by the lowest peer id: the liar has nothing else in the round.)"""
+    the honest complete. (One part, owned by the first in dealing order: the liar, third, has nothing
+    else in the round.)"""
     shapes = {"embed": (48, 32)}
     swarm = Swarm("hivemind")
     try:
         swarm.add_nodes(3, identities=_identities(tmp_path, 3))
-        averagers = sorted((swarm.averager(i) for i in range(3)), key=lambda a: a.peer_id)
+        averagers = _by_dealing([swarm.averager(i) for i in range(3)], shapes)
         contributions = _contributions(averagers, "int8", seed=21, shapes=shapes)
         liar = contributions[2]
         forged = dict(liar.payloads)
@@ -1196,14 +1275,14 @@ def test_a_member_claiming_more_than_the_round_allows_is_left_out_and_the_others
     swarm: Swarm, tmp_path: Path, weight: float, tokens: float, why: str
 ) -> None:
     """Three members of two equal parts, bounds of 1000 tokens and a weight of at most 1 per token;
-    the third (highest peer id: it owns no part) claims more. Every owner refuses and drops it at its
+    the third (in dealing order: it owns no part) claims more. Every owner refuses and drops it at its
     header, the two honest members complete with `reduce_group` over themselves, and the liar gets
     no result."""
     from adloco.protocol.algorithms.claims import ClaimBounds
 
     shapes = {"embed": (48, 32), "proj": (48, 32)}
     swarm.add_nodes(3, identities=_identities(tmp_path, 3) if swarm.kind == "hivemind" else ())
-    averagers = sorted((swarm.averager(i) for i in range(3)), key=lambda a: a.peer_id)
+    averagers = _by_dealing([swarm.averager(i) for i in range(3)], shapes)
     contributions = [
         dataclasses.replace(c, weight=100.0 * (i + 1), tokens=100.0 * (i + 1))
         for i, c in enumerate(_contributions(averagers, "int8", seed=14, shapes=shapes))
@@ -1264,7 +1343,7 @@ def test_a_member_that_broke_a_rule_is_refused_by_its_owners_in_the_next_rounds_
     swarm = Swarm("hivemind")
     try:
         swarm.add_nodes(3, identities=_identities(tmp_path, 3))
-        averagers = sorted((swarm.averager(i) for i in range(3)), key=lambda a: a.peer_id)
+        averagers = _by_dealing([swarm.averager(i) for i in range(3)], shapes)
         bounds = ClaimBounds(max_tokens=1000.0, max_weight_per_token=1.0)
         for round, liar_weight in ((0, 1e12), (1, 300.0)):
             contributions = [
@@ -1300,7 +1379,7 @@ def test_a_member_lying_to_one_owner_only_does_not_fail_the_round_for_the_others
     swarm = Swarm("hivemind")
     try:
         swarm.add_nodes(3, identities=_identities(tmp_path, 3))
-        averagers = sorted((swarm.averager(i) for i in range(3)), key=lambda a: a.peer_id)
+        averagers = _by_dealing([swarm.averager(i) for i in range(3)], shapes)
         liar = averagers[2].peer_id
         contributions = _contributions(averagers, "int8", seed=31, shapes=shapes)
         real_fetch = member.fetch  # what hivemind_averager calls, patched there below
@@ -1331,7 +1410,7 @@ def test_a_member_lying_to_one_owner_only_does_not_fail_the_round_for_the_others
 def test_a_member_announcing_or_sending_more_than_its_parts_is_dropped_and_the_others_complete(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lie: str
 ) -> None:
-    """The member that owns nothing (highest peer id, two equal parts) lies to every owner: it
+    """The member that owns nothing (two equal parts, three members) lies to every owner: it
     announces one byte more per part, or announces the right sizes and sends its first part plus one
     byte in one frame. The owners refuse it before reading a byte of that payload (their payload
     counts are exactly those of the honest round) and drop it; the honest members complete the
@@ -1347,7 +1426,7 @@ def test_a_member_announcing_or_sending_more_than_its_parts_is_dropped_and_the_o
     swarm = Swarm("hivemind")
     try:
         swarm.add_nodes(3, identities=_identities(tmp_path, 3))
-        averagers = sorted((swarm.averager(i) for i in range(3)), key=lambda a: a.peer_id)
+        averagers = _by_dealing([swarm.averager(i) for i in range(3)], shapes)
         liar = averagers[2]
         contributions = _contributions(averagers, "int8", seed=13, shapes=shapes)
         replies: list[tuple[dict[str, Any], bytes]] = []

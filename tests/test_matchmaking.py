@@ -207,13 +207,18 @@ def test_a_member_dating_its_registration_in_the_past_cannot_make_the_others_lat
     matchmaker = backdater._matchmaker
 
     async def register_100_s_ago(
-        key: str, round: int, expect: str, patience: float, excluded: tuple[str, ...]
+        key: str,
+        round: int,
+        expect: str,
+        patience: float,
+        excluded: tuple[str, ...],
+        workers: tuple[str, ...],
     ) -> float:
         # The record a peer that chooses its own time would store: signed, bound, dated 100 s back.
         now: float = get_dht_time()
         await matchmaker.dht.store(
             key,
-            (now - 100.0, matchmaker.peer_id, expect, patience, list(excluded)),
+            (now - 100.0, matchmaker.peer_id, expect, patience, list(excluded), list(workers)),
             expiration_time=now + matchmaker.record_ttl_s,
             subkey=matchmaker.dht.identity.subkey,
             return_future=True,
@@ -281,7 +286,7 @@ def _phantom(swarm: Swarm, round: int, refuse_with: str | None) -> str:
     now = get_dht_time()
     assert phantom.store(
         f"run-a.round{round}",
-        (now, phantom.identity.peer_id, "", 0.0, []),
+        (now, phantom.identity.peer_id, "", 0.0, [], []),
         expiration_time=now + 60,
         subkey=phantom.identity.subkey,
     )

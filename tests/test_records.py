@@ -15,6 +15,7 @@ from adloco.protocol.transport.identity import NodeDHT, load_identity, peer_of_s
 from adloco.protocol.transport.matchmaking import (
     MAX_EXCLUDED,
     MAX_PATIENCE_S,
+    MAX_WORKERS,
     Registrations,
     expectation,
     parse_registrations,
@@ -125,17 +126,19 @@ def test_a_record_in_another_peers_name_is_dropped_where_it_is_read(dhts: list[N
     assert [(r.peer_id, r.round) for r in parse_states(found.value)] == [(victim, 3)]
 
     ready = f"{prefix}.round5"
-    assert attacker.store(ready, (now - 30.0, victim, "", 0.0, []), now + 60, subkey=attacker.identity.subkey)
-    assert attacker.store(ready, (now - 29.0, "QmPhantom", "", 0.0, []), now + 60, subkey=b"QmPhantom")
-    assert honest.store(ready, (now, victim, "", 0.0, []), now + 60, subkey=honest.identity.subkey)
+    assert attacker.store(
+        ready, (now - 30.0, victim, "", 0.0, [], []), now + 60, subkey=attacker.identity.subkey
+    )
+    assert attacker.store(ready, (now - 29.0, "QmPhantom", "", 0.0, [], []), now + 60, subkey=b"QmPhantom")
+    assert honest.store(ready, (now, victim, "", 0.0, [], []), now + 60, subkey=honest.identity.subkey)
     found = reader.get(ready, latest=True)
     assert found is not None and len(found.value) == 3
     assert parse_registrations(found.value) == Registrations(
-        {victim: now}, {victim: ""}, {victim: 0.0}, {victim: ()}
+        {victim: now}, {victim: ""}, {victim: 0.0}, {victim: ()}, {victim: ()}
     )
     # In its own name the attacker registers as any peer does (its one entry, replaced).
     expect = expectation([victim, mine])
-    record: tuple[object, ...] = (now + 1.0, mine, expect, 5.0, [victim])  # malformed ones below
+    record: tuple[object, ...] = (now + 1.0, mine, expect, 5.0, [victim], [victim])  # malformed ones below
     assert attacker.store(ready, record, now + 61, subkey=attacker.identity.subkey)
     found = reader.get(ready, latest=True)
     assert found is not None
@@ -144,17 +147,25 @@ def test_a_record_in_another_peers_name_is_dropped_where_it_is_read(dhts: list[N
         {victim: "", mine: expect},
         {victim: 0.0, mine: 5.0},
         {victim: (), mine: (victim,)},
+        {victim: (), mine: (victim,)},
     )
     # A patience beyond the cap (or not a number) would hold every round open: the entry is ignored.
     for i, patience in enumerate((MAX_PATIENCE_S + 1, -1.0, float("nan"), "5", True)):
-        record = (now + 1.0, mine, expect, patience, [])
+        record = (now + 1.0, mine, expect, patience, [], [])
         assert attacker.store(ready, record, now + 62 + i, subkey=attacker.identity.subkey)
         found = reader.get(ready, latest=True)
         assert found is not None and mine not in parse_registrations(found.value).times
     # So would exclusions beyond the cap (or not peer ids): one record may not empty a round.
     too_many = [f"Qm{i:044d}" for i in range(MAX_EXCLUDED + 1)]
     for i, excluded in enumerate((too_many, "Qm", [5], ["x" * 65])):
-        record = (now + 1.0, mine, expect, 5.0, excluded)
+        record = (now + 1.0, mine, expect, 5.0, excluded, [])
         assert attacker.store(ready, record, now + 70 + i, subkey=attacker.identity.subkey)
+        found = reader.get(ready, latest=True)
+        assert found is not None and mine not in parse_registrations(found.value).times
+    # And work lists beyond theirs (or not peer ids): one record may not make a crowd of owners.
+    too_many = [f"Qm{i:044d}" for i in range(MAX_WORKERS + 1)]
+    for i, listed in enumerate((too_many, "Qm", [5], ["x" * 65])):
+        record = (now + 1.0, mine, expect, 5.0, [], listed)
+        assert attacker.store(ready, record, now + 80 + i, subkey=attacker.identity.subkey)
         found = reader.get(ready, latest=True)
         assert found is not None and mine not in parse_registrations(found.value).times

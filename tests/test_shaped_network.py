@@ -10,6 +10,7 @@ Topology (`tests/netns.py`, `Star`): a 'hub' namespace bridging five host namesp
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
@@ -61,9 +62,11 @@ def star(procs: Procs) -> Iterator[netns.Star]:
         yield lan
 
 
-def _expected_sent() -> tuple[list[int], int, int]:
-    """Payload bytes member i (in peer-id order) sends in a round of NODES, one Δ's int8 size, and
-    its number of parts."""
+def _expected_sent() -> tuple[list[list[int]], int, int]:
+    """Payload bytes member i (in peer-id order) sends in a round of NODES, for each order in which
+    the group may deal its parts (`matchmaking.form_group` draws one per round, which this test
+    cannot recompute: the run's prefix and round ids are the node's), one Δ's int8 size, and its
+    number of parts."""
     from adloco.node.training.model import build_model
     from adloco.protocol.algorithms.codecs import make_codec
     from adloco.protocol.algorithms.parts import assign_parts, round_traffic
@@ -71,9 +74,12 @@ def _expected_sent() -> tuple[list[int], int, int]:
     codec = make_codec("int8")
     model = build_model(None)
     sizes = [codec.wire_bytes(tuple(p.shape)) for p in model.parameters() if p.requires_grad]
-    owners = assign_parts(sizes, NODES)
-    sent, _ = round_traffic(owners, [sizes] * NODES, sizes, NODES)
-    return sent, sum(sizes), len(sizes)
+    plans = []
+    for order in itertools.permutations(range(NODES)):
+        owners = [order[i] for i in assign_parts(sizes, NODES)]
+        sent, _ = round_traffic(owners, [sizes] * NODES, sizes, NODES)
+        plans.append(sent)
+    return plans, sum(sizes), len(sizes)
 
 
 def _checks_bound(parts: int, n: int) -> int:
@@ -171,21 +177,28 @@ def test_nodes_behind_shaped_links_agree_and_send_the_codec_payload(
         hashes = {records[r]["theta_hash"] for records in rounds.values()}
         assert len(hashes) == 1, f"round {r + 1}: nodes hold different θ"
 
-    expected, delta_bytes, parts = _expected_sent()
+    plans, delta_bytes, parts = _expected_sent()
     order = sorted(peer_ids.values())
     print(
-        f"\nint8 Δ {delta_bytes} B; expected payload sent per round by member: {expected} "
+        f"\nint8 Δ {delta_bytes} B; payload sent per round by member, per dealing order: {plans} "
         f"(~2(n-1)/n x Δ = {2 * (NODES - 1) * delta_bytes // NODES} B)"
     )
+    # The node's own split: every round, the encoded tensor bytes the members sent are exactly what
+    # part ownership predicts for one dealing order, the same for all of them.
+    hosts = sorted(rounds, key=lambda h: order.index(peer_ids[h]))
+    payloads = [
+        [r["payload_sent"] - (rounds[h][i - 1]["payload_sent"] if i else 0) for i, r in enumerate(rounds[h])]
+        for h in hosts
+    ]
+    for i in range(ROUNDS):
+        assert [payloads[m][i] for m in range(NODES)] in plans, (i + 1, [p[i] for p in payloads])
     for host, records in rounds.items():
         member = order.index(peer_ids[host])
-        want = expected[member]
         previous = previous_payload = previous_checks = 0
         for record in records:
             sent = record["bytes_sent"] - previous
             previous = record["bytes_sent"]
-            # The node's own split: encoded tensor bytes are exactly what part ownership predicts.
-            assert record["payload_sent"] - previous_payload == want
+            want = record["payload_sent"] - previous_payload
             previous_payload = record["payload_sent"]
             checks = record["checks_sent"] - previous_checks
             previous_checks = record["checks_sent"]

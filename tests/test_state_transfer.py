@@ -48,11 +48,13 @@ from adloco.protocol.transport.manifest import (
 from adloco.protocol.transport.procfs import live_processes
 from adloco.protocol.transport.records import StateRecord
 from adloco.protocol.transport.state_transfer import (
+    BUSY,
     MAX_DONOR_FAILURES,
     IncompleteDownload,
     ServedState,
     StateServer,
     TransferSettings,
+    UpdateRecord,
 )
 
 from procs import wait_for
@@ -586,6 +588,63 @@ def test_kept_updates_arrive_in_pieces_and_replay_to_the_holders_state(
     done = catch_up(laggard, source, expected_hash=holder.state.theta_hash())
     assert (done.how, done.rounds) == ("replay", 2)
     assert laggard.state.theta_hash() == holder.state.theta_hash()
+
+
+def test_a_server_limits_each_peer_updates_included_and_serves_the_others(swarm: Swarm) -> None:
+    """A peer that asks one server for its kept updates six times at once gets one stream; the
+    other five are refused at once, before any update is read. Another peer is served meanwhile
+    (the updates streams are few, not one). Then the greedy peer is served again."""
+    gate = threading.Event()
+    reads: list[int] = []
+
+    def slow_updates(start: int) -> list[UpdateRecord]:
+        reads.append(start)
+        gate.wait(timeout=30)  # in flight until the test lets it go
+        return updates_of(swarm.holder, threading.Lock(), start)
+
+    dht = start_dht(replace(NET, peers=tuple(visible_maddrs(swarm.dhts[0]))))
+    other_dht = start_dht(replace(NET, peers=tuple(visible_maddrs(swarm.dhts[0]))))
+    server = other = None
+    try:
+        server = StateServer(
+            dht, prefix=PREFIX, offered=lambda _: None, updates=slow_updates, settings=SETTINGS
+        )
+        other = StateServer(
+            other_dht, prefix=PREFIX, offered=lambda _: None, updates=lambda _: [], settings=SETTINGS
+        )
+        donor = dht.peer_id.to_base58()
+        outcomes: list[Any] = []
+
+        def ask(client: StateServer) -> None:
+            try:
+                outcomes.append((client, client.fetch_updates(donor, from_round=1, max_bytes=1 << 20)))
+            except Exception as e:  # a refusal is a ValueError; anything else fails the asserts
+                outcomes.append((client, e))
+
+        greedy = [threading.Thread(target=ask, args=(swarm.client,)) for _ in range(6)]
+        for t in greedy:
+            t.start()
+        wait_for(lambda: len(outcomes) == 5, timeout=30, what="the refusals")
+        assert all(isinstance(o, ValueError) and BUSY in str(o) for _, o in outcomes), outcomes
+        assert len(reads) == 1  # the refused were refused before any update was read
+        honest = threading.Thread(target=ask, args=(other,))
+        honest.start()
+        wait_for(lambda: len(reads) == 2, timeout=30, what="the other peer's request")
+        gate.set()
+        for t in [*greedy, honest]:
+            t.join(timeout=30)
+        served = [(c, o) for c, o in outcomes if not isinstance(o, ValueError)]
+        assert {c for c, _ in served} == {swarm.client, other} and len(served) == 2
+        assert all([r.round for r in o] == [1] for _, o in served)
+        ask(swarm.client)  # its stream is over: served again
+        assert [r.round for r in outcomes[-1][1]] == [1]
+    finally:
+        gate.set()
+        for s in (server, other):
+            if s is not None:
+                s.shutdown()
+        dht.shutdown()
+        other_dht.shutdown()
 
 
 def test_a_round_being_downloaded_is_frozen_when_the_donor_moves_on() -> None:

@@ -427,7 +427,7 @@ class RoundLoop:
         self.metrics.sent.inc(traffic.wire_sent)
         self.metrics.received.inc(traffic.wire_received)
         self._last = (info, result)
-        self.sync.vouch(result.members)
+        self.sync.vouch(result.members, result.work)
         # Not waited for: under overlap this runs between two inner steps, and a store toward peers
         # that went silent (a cut link) waits out their RPC timeouts.
         self.sync.publish(wait=False)

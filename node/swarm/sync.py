@@ -3,9 +3,10 @@
 After every applied round a node offers its state (`offers.py`: a manifest of per-chunk hashes) and
 publishes a signed state record (round, θ hash, schedule, the manifest's hash and size) and a beacon
 (progress, for the bootstrap's metrics). Before contributing it reads everyone's records. A node
-that has averaged lately believes only the peers it averaged with (`vouch`, the last `VOUCH_ROUNDS`
-rounds): the head is the latest round whose θ hash more than half of them hold (of those at this
-node's round or later), and before acting on it that many of its donors must serve its manifest
+that has averaged lately believes only the peers whose work it took (`vouch`: they averaged with it
+and their contribution counted, `trust.earners`; the last `VOUCH_ROUNDS` rounds): the head is the
+latest round whose θ hash more than half of them hold (of those at this node's round or later), and
+before acting on it that many of its donors must serve its manifest
 themselves. A node that has averaged with nobody (a fresh joiner), or whose vouched peers have all
 gone, weighs only the peers that are live: it asks each record's writer (at most `PROBE_PEERS`,
 drawn at random), over the writer's own libp2p identity, whether it stands by the state its record
@@ -39,11 +40,12 @@ import random
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from ...protocol.algorithms.codecs import make_codec
 from ...protocol.algorithms.schedule import Schedule
+from ...protocol.algorithms.trust import earners
 from ...protocol.transport.manifest import ChunkedState
 from ...protocol.transport.records import BeaconRecord, RunRecords, StateRecord, dht_time
 from ...protocol.transport.state_transfer import (
@@ -325,14 +327,18 @@ class SwarmSync:
         self.behind = False
         self._head: SwarmHead | None = None  # the last head `sync` read
 
-    def vouch(self, members: Sequence[str]) -> None:
+    def vouch(self, members: Sequence[str], work: Mapping[str, float]) -> None:
         """The members of the group whose round this node just applied (authenticated: each sent or
-        answered parts over its own libp2p identity) vouch for the swarm's head from now on."""
+        answered parts over its own libp2p identity) whose work counted (`trust.earners`: a key that
+        averaged at weight 0, or all of whose parts were left out, earns nothing) vouch for the
+        swarm's head from now on. `work` empty (a transport that does not know it): every member."""
         current = self.peer.state.round
         company = [m for m in members if m != self.peer.peer_id]
         self.solo_rounds = 0 if company else self.solo_rounds + 1
+        counted = set(earners(work)) if work else set(company)
         for member in company:
-            self.vouched[member] = current
+            if member in counted:
+                self.vouched[member] = current
         for member, last in list(self.vouched.items()):
             if current - last > VOUCH_ROUNDS:
                 del self.vouched[member]

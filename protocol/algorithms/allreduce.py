@@ -23,6 +23,7 @@ from typing import Any
 from .codecs import Codec, decode_tensors
 from .parts import DEFAULT_OUTLIER_FACTOR, MEAN, Aggregate, assign_parts, reduce_parts, round_traffic
 from .report import PeerReport, parse_reports
+from .trust import accepted_work
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +52,9 @@ class GroupResult:
     `reports`: the members' reports that parsed (member order); `malformed`: member -> why its
     report was dropped (it still contributed its Δ). `rejected`: peer id -> number of its parts the
     owners left out of the average this round (non-finite or outlier, see `parts.screen_part`);
-    empty when none. A peer with rejected parts stays in `members`: rejection is per part.
+    empty when none. A peer with rejected parts stays in `members`: rejection is per part. `work`:
+    member -> the weight it committed to, 0 where all its parts were left out (`trust`); empty
+    where a transport does not know the weights.
     """
 
     averaged: dict[str, bytes]
@@ -63,6 +66,7 @@ class GroupResult:
     # Keyword-only: a positional field with a default would forbid MemberResult's fields without one.
     rejected: dict[str, int] = field(default_factory=dict, kw_only=True)
     malformed: dict[str, str] = field(default_factory=dict, kw_only=True)
+    work: dict[str, float] = field(default_factory=dict, kw_only=True)
 
     def decoded(self) -> dict[str, Any]:
         """The averaged tensors, decoded."""
@@ -87,11 +91,14 @@ def reduce_group(
     outlier_factor: float | None = DEFAULT_OUTLIER_FACTOR,
     aggregate: Aggregate = MEAN,
     work_cap: float | None = None,
+    owners: Sequence[str] | None = None,
 ) -> GroupResult:
     """Average the group's contributions part by part; deterministic in the members' order.
 
-    Members are ordered by peer id, so every member computes the same part ownership and the same
-    reduction whatever order the contributions arrived in. Each part is screened by its owner
+    Members are ordered by peer id, so every member computes the same reduction whatever order the
+    contributions arrived in; parts are dealt (`parts.assign_parts`) to `owners` in that order
+    (default: every member, by peer id; the network's groups deal them to the members their work
+    lists make eligible, `trust`). Each part is screened by its owner
     (`parts.reduce_parts`; `outlier_factor` 0 or None turns the norm test off, never the non-finite
     one; norms are compared per claimed token, each claim capped at `work_cap`, the round's reference
     work); every rejection is logged and counted in `GroupResult.rejected`. Raises ValueError on an
@@ -105,9 +112,13 @@ def reduce_group(
         if list(c.payloads) != keys:
             raise ValueError(f"peer {c.peer_id} sent tensors {sorted(c.payloads)} instead of {sorted(keys)}")
     sizes = [max(len(c.payloads[k]) for c in members) for k in keys]
-    owner_index = assign_parts(sizes, len(members))
     ids = [c.peer_id for c in members]
-    owners = {k: ids[i] for k, i in zip(keys, owner_index, strict=True)}
+    dealt = ids if owners is None else list(owners)
+    if not dealt or not set(dealt) <= set(ids) or len(set(dealt)) != len(dealt):
+        raise ValueError("owners must be distinct members of the group")
+    at = {p: i for i, p in enumerate(ids)}
+    owner_index = [at[dealt[i]] for i in assign_parts(sizes, len(dealt))]
+    owned = {k: ids[i] for k, i in zip(keys, owner_index, strict=True)}
     reduced = reduce_parts(
         keys,
         ids,
@@ -120,7 +131,7 @@ def reduce_group(
         work_cap=work_cap,
     )
     for k, peer, reason in reduced.rejections:
-        logger.warning("owner %s rejected part %r of %s: %s", owners[k][-8:], k, peer[-8:], reason)
+        logger.warning("owner %s rejected part %r of %s: %s", owned[k][-8:], k, peer[-8:], reason)
     up_sizes = [[len(c.payloads[k]) for k in keys] for c in members]
     down_sizes = [len(reduced.averaged[k]) for k in keys]
     sent, received = round_traffic(owner_index, up_sizes, down_sizes, len(members))
@@ -129,9 +140,10 @@ def reduce_group(
         averaged=reduced.averaged,
         reports=reports,
         members=tuple(ids),
-        owners=owners,
+        owners=owned,
         sent_bytes=dict(zip(ids, sent, strict=True)),
         received_bytes=dict(zip(ids, received, strict=True)),
         rejected=reduced.rejected,
         malformed=malformed,
+        work=accepted_work({c.peer_id: c.weight for c in members}, reduced.rejected, len(keys)),
     )

@@ -87,6 +87,7 @@ from ..algorithms.parts import (
     tensor_norm,
 )
 from ..algorithms.scoring import Scorer
+from ..algorithms.trust import WORK_ROUNDS, accepted_work, earners
 from ..algorithms.verify import payload_digest
 from .admission import Admission
 from .averager import MemberResult, Misconduct
@@ -218,6 +219,7 @@ class HivemindAverager:
         self._alone: set[int] = set()
         self._lost_owners: dict[int, set[str]] = {}  # round -> owners whose exchange broke here
         self._verdicts: dict[str, Verdict] = {}  # peers caught lying or silent, left out for a while
+        self._worked: dict[str, int] = {}  # peer -> the last round its work counted (`trust`)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._calls: set[asyncio.Task[Any]] = set()  # our `average` calls running on the loop
         self._closed = False
@@ -251,6 +253,7 @@ class HivemindAverager:
             log=self._log,
             admission=self.admission,
             excluded=self.excluded,
+            workers=self.workers,
         )
         self._handler = handler = OwnerHandler(
             peer_id=self._peer_id,
@@ -283,6 +286,24 @@ class HivemindAverager:
         for peer, why in caught.culprits.items():
             if peer != self._peer_id:
                 self._verdicts[peer] = Verdict(why, caught.proven, until)
+                self._worked.pop(peer, None)  # its trust is earned again, by work after its exclusion
+
+    def _count_work(self, round: int, work: dict[str, float]) -> None:
+        """Remember whose work counted in `round` (`trust.earners`), for the next registrations."""
+        for peer in earners(work):
+            if peer != self._peer_id:
+                self._worked[peer] = max(round, self._worked.get(peer, 0))
+        latest = max(self._worked.values(), default=0)
+        for peer, last in list(self._worked.items()):
+            if latest - last > WORK_ROUNDS:
+                del self._worked[peer]
+
+    def workers(self) -> list[str]:
+        """The peers whose work this peer took in its last `WORK_ROUNDS` rounds, most recent first,
+        less those it leaves out now: its readiness records list them (`trust.eligible_owners`)."""
+        out = set(self.excluded())
+        ranked = sorted(self._worked.items(), key=lambda item: (-item[1], item[0]))
+        return [peer for peer, _ in ranked if peer not in out]
 
     def excluded(self) -> list[str]:
         """The peers this peer asks the others to leave out of its rounds' groups (its readiness
@@ -596,7 +617,9 @@ class HivemindAverager:
         )
         layout = {k: i for i, k in enumerate(keys)}
         sizes = [len(contribution.payloads[k]) for k in keys]
-        owner_index = assign_parts(sizes, len(group.members))
+        # Parts go to the members the others' work lists make eligible (`trust`), in the group's order.
+        at = {m: i for i, m in enumerate(group.members)}
+        owner_index = [at[group.owners[i]] for i in assign_parts(sizes, len(group.owners))]
         owners = {k: group.members[i] for k, i in zip(keys, owner_index, strict=True)}
         members = len(group.members)
         answer_sizes = [
@@ -659,8 +682,12 @@ class HivemindAverager:
             loop.call_later(self.phase_s(moved, floor_s=self.reduce_timeout_s), state.release)
         # What the checks moved counts too (their frames carry no payload).
         traffic = state.meter.traffic(result.traffic.exchange_s)
+        weights = {m: state.commitments[m].weight for m in result.members if m in state.commitments}
+        work = accepted_work(weights, result.rejected, len(keys))
+        self._count_work(round, work)
         result = dataclasses.replace(
             result,
+            work=work,
             traffic=traffic,
             sent_bytes={self._peer_id: traffic.wire_sent},
             received_bytes={self._peer_id: traffic.wire_received},
@@ -975,9 +1002,9 @@ class HivemindAverager:
         first). Every member walks the same order, so all that reach nobody before agree on who
         stands in; `member.assemble` takes the answer only if it cannot differ from what any other
         member holds for those parts."""
-        members = state.group.members
-        at = members.index(owner)
-        for member in (*members[at + 1 :], *members[:at]):
+        owners = state.group.owners
+        at = owners.index(owner)
+        for member in (*owners[at + 1 :], *owners[:at]):
             if member == self._peer_id:
                 session = state.take_over(keys)
                 assert session is not None  # they are `owner`'s parts, and we are not `owner`

@@ -2,7 +2,8 @@
 
 `Matchmaker.matchmake(round)` stores a readiness record under the DHT key f"{prefix}.round{r}",
 subkey = this peer's signing key (`identity.NodeDHT`: the key its peer id derives from), value =
-(registration time, peer id, expectation, patience) in DHT time, expiring after `record_ttl_s`. A
+(registration time, peer id, expectation, patience, exclusions, workers) in DHT time, expiring after
+`record_ttl_s`. A
 record naming another peer than its key's is ignored: no one registers in another peer's name (a
 registrant is a peer that holds its key and is then expected to serve its parts, as any member).
 It reads the key back: the round opens at the `OPEN_QUORUM`-th earliest registration seen (the
@@ -11,7 +12,9 @@ registration is patient (see below), no sooner than that registration's patience
 registered after T is late and gets None at once. At T + `grace_s` the peer reads the key again
 and recomputes T from this read: a quorum reached since moves T later, and the peer waits again
 (at most once per registration short of the quorum); then the group is the peers registered at a
-time <= T, sorted by peer id; group_id = hash(prefix, r, members, tensor layout). A registration
+time <= T, sorted by peer id; its owners are the members the others' work lists make eligible
+(`trust.eligible_owners`), in an order drawn from hash(prefix, r, members, tensor layout);
+group_id = hash of that and the owners. A registration
 that no other followed within window (or its patience) + grace closed a round of its own (its
 registrant found itself alone at its read, a node cut off from the others, say) and is no member
 of a later group at that round. Peers whose reads agree compute the same group without talking;
@@ -64,11 +67,16 @@ from typing import Any
 from hivemind.utils import get_dht_time
 from hivemind.utils.serializer import MSGPackSerializer
 
+from ..algorithms.trust import eligible_owners, owner_order
 from .admission import Admission
 from .averager import NotOpened
 from .identity import NodeDHT, peer_of_subkey
 
 logger = logging.getLogger(__name__)
+
+# This peer's own registration, as `_registrations` adds it: time, expectation, patience,
+# exclusions, workers.
+Mine = tuple[float, str, float, tuple[str, ...], tuple[str, ...]]
 
 
 @dataclass(frozen=True)
@@ -78,6 +86,11 @@ class Group:
     round: int
     members: tuple[str, ...]
     group_id: bytes
+    owners: tuple[str, ...] = ()  # the members that may own parts, in the order parts are dealt
+
+    def __post_init__(self) -> None:
+        if not self.owners:
+            object.__setattr__(self, "owners", self.members)
 
 
 class RoundFailed(Exception):
@@ -225,6 +238,17 @@ def group_id_of(prefix: str, round: int, members: Sequence[str], layout: bytes) 
     return hashlib.sha256(MSGPackSerializer.dumps([prefix, round, list(members), layout])).digest()[:16]
 
 
+def form_group(
+    prefix: str, round: int, members: Sequence[str], layout: bytes, lists: Mapping[str, Collection[str]]
+) -> Group:
+    """The group of `members` with the owners their work `lists` make eligible (`trust`), dealt
+    parts in an order no key chooses; its id covers members, layout and owners."""
+    seed = group_id_of(prefix, round, members, layout)
+    owners = owner_order(seed, eligible_owners(members, lists, seed=seed))
+    group_id = hashlib.sha256(seed + MSGPackSerializer.dumps(list(owners))).digest()[:16]
+    return Group(round, tuple(members), group_id, owners)
+
+
 def parse_failures(value: Any) -> set[str]:
     """The peers that said their try failed, from a DHT dictionary value; an entry naming another
     peer than the one whose key signed it is ignored."""
@@ -239,6 +263,8 @@ def parse_failures(value: Any) -> set[str]:
 
 MAX_EXCLUDED = 16
 """The most peers one registration may ask the others to leave out (`outvoted`)."""
+MAX_WORKERS = 32
+"""The most peers one registration may list as having done accepted work with it (`trust`)."""
 
 
 def outvoted(excludes: Mapping[str, Collection[str]]) -> set[str]:
@@ -257,13 +283,14 @@ def outvoted(excludes: Mapping[str, Collection[str]]) -> set[str]:
 
 @dataclass
 class Registrations:
-    """What the registrations of one round say, per registrant: time, expectation, patience, and
-    the peers it asks the others to leave out."""
+    """What the registrations of one round say, per registrant: time, expectation, patience, the
+    peers it asks the others to leave out, and those whose work it took lately (`trust`)."""
 
     times: dict[str, float]
     expects: dict[str, str]
     patience: dict[str, float]
     excludes: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    workers: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     def close_and_members(self, window_s: float, grace_s: float) -> tuple[float, tuple[str, ...]]:
         """`close_and_members` over the registrants the others did not outvote (`outvoted`)."""
@@ -284,6 +311,7 @@ class Registrations:
             {p: self.expects[p] for p in kept},
             {p: self.patience[p] for p in kept},
             {p: self.excludes.get(p, ()) for p in kept},
+            {p: self.workers.get(p, ()) for p in kept},
         )
 
 
@@ -291,18 +319,18 @@ def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _excluded(value: Any) -> bool:
+def _peers(value: Any, most: int) -> bool:
     return (
         isinstance(value, (list, tuple))
-        and len(value) <= MAX_EXCLUDED
+        and len(value) <= most
         and all(isinstance(p, str) and len(p) <= MAX_PEER_CHARS for p in value)
     )
 
 
 def parse_registrations(value: Any) -> Registrations:
     """The registrations in a DHT dictionary value; malformed entries (a patience outside
-    [0, MAX_PATIENCE_S], more than MAX_EXCLUDED exclusions too), and entries naming another peer
-    than the one whose key signed them, are ignored."""
+    [0, MAX_PATIENCE_S], more than MAX_EXCLUDED exclusions or MAX_WORKERS workers too), and entries
+    naming another peer than the one whose key signed them, are ignored."""
     found = Registrations({}, {}, {})
     if not isinstance(value, dict):
         return found
@@ -310,7 +338,7 @@ def parse_registrations(value: Any) -> Registrations:
         record = getattr(item, "value", None)
         if (
             isinstance(record, (list, tuple))
-            and len(record) == 5
+            and len(record) == 6
             and _number(record[0])
             and isinstance(record[1], str)
             and record[1] == peer_of_subkey(subkey)
@@ -318,12 +346,14 @@ def parse_registrations(value: Any) -> Registrations:
             and len(record[2]) <= MAX_EXPECT_CHARS
             and _number(record[3])
             and 0 <= record[3] <= MAX_PATIENCE_S
-            and _excluded(record[4])
+            and _peers(record[4], MAX_EXCLUDED)
+            and _peers(record[5], MAX_WORKERS)
         ):
             found.times[record[1]] = float(record[0])
             found.expects[record[1]] = record[2]
             found.patience[record[1]] = float(record[3])
             found.excludes[record[1]] = tuple(record[4])
+            found.workers[record[1]] = tuple(record[5])
     return found
 
 
@@ -346,10 +376,12 @@ class Matchmaker:
         log: Callable[..., None],
         admission: Admission | None = None,
         excluded: Callable[[], Collection[str]] = tuple,
+        workers: Callable[[], Sequence[str]] = tuple,
     ) -> None:
         self._admission = admission or Admission()
-        # The peers this one asks the others to leave out (`outvoted`): those it caught.
-        self.excluded = excluded
+        # The peers this one asks the others to leave out (`outvoted`): those it caught; and those
+        # whose work it took lately, most recent first (`trust.eligible_owners`).
+        self.excluded, self.workers = excluded, workers
         if peer_id != dht.identity.peer_id:
             raise ValueError(f"peer id {peer_id} is not the DHT identity's {dht.identity.peer_id}")
         self.dht, self.peer_id, self.prefix = dht, peer_id, prefix
@@ -387,8 +419,9 @@ class Matchmaker:
             if self.expected is not None and len(self.expected) > 1:
                 patience = min(MAX_PATIENCE_S, max(0.0, patience_s))
         excluded = tuple(sorted(self.excluded())[:MAX_EXCLUDED])
-        mine = (await self._register(key, round, expect, patience, excluded), expect, patience, excluded)
-        registered = mine[0]
+        workers = tuple(self.workers())[:MAX_WORKERS]
+        registered = await self._register(key, round, expect, patience, excluded, workers)
+        mine = (registered, expect, patience, excluded, workers)
         while True:
             records = await self._registrations(key, mine)
             close, members = records.close_and_members(self.window_s, self.grace_s)
@@ -441,7 +474,7 @@ class Matchmaker:
         if self.peer_id not in members:
             self._log(round, "late: an earlier registration closed the round before this peer's")
             return None
-        return Group(round, members, group_id_of(self.prefix, round, members, layout))
+        return form_group(self.prefix, round, members, layout, records.workers)
 
     async def mark_failed(self, round: int) -> None:
         """Say that this peer's try at `round` failed after its group formed (see the module
@@ -472,13 +505,19 @@ class Matchmaker:
         return min(0.5, max(0.05, self.window_s / 8))
 
     async def _register(
-        self, key: str, round: int, expect: str, patience: float, excluded: tuple[str, ...]
+        self,
+        key: str,
+        round: int,
+        expect: str,
+        patience: float,
+        excluded: tuple[str, ...],
+        workers: tuple[str, ...],
     ) -> float:
         registered = float(get_dht_time())
         try:
             stored = await self.dht.store(
                 key,
-                (registered, self.peer_id, expect, patience, list(excluded)),
+                (registered, self.peer_id, expect, patience, list(excluded), list(workers)),
                 expiration_time=registered + self.record_ttl_s,
                 subkey=self.dht.identity.subkey,
                 return_future=True,
@@ -495,15 +534,14 @@ class Matchmaker:
             self._on_stage("registered", round)
         return registered
 
-    async def _registrations(
-        self, key: str, mine: tuple[float, str, float, tuple[str, ...]], *, until: float | None = None
-    ) -> Registrations:
+    async def _registrations(self, key: str, mine: Mine, *, until: float | None = None) -> Registrations:
         """The registrations dated `until` at the latest, with this peer's `mine` (time,
-        expectation, patience, exclusions) among them."""
+        expectation, patience, exclusions, workers) among them."""
         records = await self._read(key, until=until)
         # Our own record may not be visible yet; we know it exists.
         me = self.peer_id
-        records.times[me], records.expects[me], records.patience[me], records.excludes[me] = mine
+        records.times[me], records.expects[me], records.patience[me] = mine[:3]
+        records.excludes[me], records.workers[me] = mine[3:]
         return records
 
     async def _read(self, key: str, *, until: float | None = None) -> Registrations:

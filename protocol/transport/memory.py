@@ -270,6 +270,7 @@ def _member_view(result: GroupResult, peer: str) -> MemberResult:
         sent_bytes=result.sent_bytes,
         received_bytes=result.received_bytes,
         rejected=result.rejected,
+        work=result.work,
         peer_id=peer,
         # In process nothing is framed: the wire carries exactly the payloads.
         traffic=Traffic(payload_sent=sent, payload_received=received, wire_sent=sent, wire_received=received),

@@ -472,6 +472,7 @@ class RoundState:
     answers: dict[str, Answer] = field(default_factory=dict)  # every owner's, once gathered
     receipts: dict[str, Receipt] = field(default_factory=dict)  # each owner's, for our parts
     seed: bytes | None = None  # the round's direction seed, once every secret is in
+    commitments: dict[str, Commitment] = field(default_factory=dict)  # every contributor's, once checked
 
     def reduction_of(self, key: str) -> OwnerSession | None:
         """Our reduction of part `key`, if we made one."""

@@ -38,8 +38,9 @@ from .manifest import MAX_MANIFEST_BYTES
 logger = logging.getLogger(__name__)
 
 # 2: state records carry the state's manifest; 3: a round registration says which group it expects;
-# 4: and how long a round it opens stays open for that group (its patience)
-PROTOCOL_VERSION = 4
+# 4: and how long a round it opens stays open for that group (its patience); 5: and the peers it
+# asks the others to leave out, and those whose work it took lately (who may own parts, `trust`)
+PROTOCOL_VERSION = 5
 
 
 def run_prefix(run_id: str, fingerprint: str) -> str:

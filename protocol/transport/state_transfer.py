@@ -18,7 +18,10 @@ chunks verified so far stay, so a download that ran out of donors resumes later 
 `ChunkedState`.
 
 Every read is bounded before it happens (request frames, manifest, chunk, update payloads), and
-every request has a timeout derived from its bytes (`TransferSettings.timeout`). The updates the
+every request has a timeout derived from its bytes (`TransferSettings.timeout`). A server limits
+each peer: at most `per_peer` requests in flight at once, one of them "updates" (the others are
+refused at once, before any work), and at most `serve_concurrency` chunk requests and a quarter as
+many update streams for all peers together. The updates the
 receiver replays are checked by the θ hash they lead to (`node/training/catchup.py`).
 """
 
@@ -72,7 +75,10 @@ class TransferSettings:
         replace a dropped donor.
     inflight: requests in flight per donor: hides the round trip between two chunks.
     serve_concurrency: chunk requests a donor serves at once: its memory for serving is at most
-        this many chunks.
+        this many chunks; a quarter as many update streams (at least one) at once.
+    per_peer: requests one peer may have in flight at a server at once (at most one of them
+        "updates"); more are refused at once. At least `inflight`, or a downloader's own requests
+        would be refused.
     """
 
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
@@ -82,6 +88,7 @@ class TransferSettings:
     donors: int = 4
     inflight: int = 2
     serve_concurrency: int = 8
+    per_peer: int = 4
 
     def __post_init__(self) -> None:
         if not 0 < self.chunk_bytes <= MAX_CHUNK_BYTES:
@@ -90,6 +97,8 @@ class TransferSettings:
             raise ValueError("state bandwidth and timeout floor must be > 0 and slack >= 1")
         if min(self.donors, self.inflight, self.serve_concurrency) < 1:
             raise ValueError("state donors, inflight and serve_concurrency must be >= 1")
+        if self.per_peer < self.inflight:
+            raise ValueError("per_peer must be at least inflight")
 
     def timeout(self, nbytes: int, rate_bps: float) -> float:
         """Seconds a request moving `nbytes` may take at an expected `rate_bps`."""
@@ -97,6 +106,7 @@ class TransferSettings:
 
 
 MAX_DONOR_FAILURES = 3
+BUSY = "too many requests from this peer at once"
 """Requests to one donor that may break or time out in a row before it is dropped from a download (a
 bad chunk drops it at once)."""
 
@@ -177,6 +187,10 @@ class StateServer:
         self._thread.start()
         self._closed = False
         self._serving = asyncio.Semaphore(self.settings.serve_concurrency)
+        self._serving_updates = asyncio.Semaphore(max(1, self.settings.serve_concurrency // 4))
+        # Requests in flight per peer, all and "updates" (`_serve`; touched on the loop only).
+        self._requests: Counter[str] = Counter()
+        self._updating: Counter[str] = Counter()
         try:
             maddr = dht.run_coroutine(daemon_listen_maddr)
             self._p2p: P2P = self._call(P2P.replicate(maddr), timeout=30)
@@ -398,14 +412,26 @@ class StateServer:
         self, stream_info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
         s, meter = self.settings, Meter()
+        peer = str(stream_info.peer_id.to_base58())
+        self._requests[peer] += 1
+        updating = False
         try:
+            # The request is read even when it is refused (a few bounded bytes): a stream closed with
+            # its request unread is reset, and the refusal with it.
             request, _ = await asyncio.wait_for(
                 read_frame(reader, meter, max_header=REQUEST_BYTES, max_body=0), s.timeout_floor_s
             )
-            if not await self._admission.select_async([str(stream_info.peer_id.to_base58())]):
+            if self._requests[peer] > s.per_peer:
+                raise ValueError(BUSY)
+            if not await self._admission.select_async([peer]):
                 raise ValueError(NOT_ADMITTED)  # nothing served, and nothing read past the request
             if request.get("op") == "updates":
-                await self._serve_updates(request, writer, meter)
+                if self._updating[peer]:
+                    raise ValueError(BUSY)
+                updating = True
+                self._updating[peer] += 1
+                async with self._serving_updates:
+                    await self._serve_updates(request, writer, meter)
                 return
             async with self._serving:
                 header, body = await asyncio.get_running_loop().run_in_executor(None, self._answer, request)
@@ -421,6 +447,9 @@ class StateServer:
                 await asyncio.wait_for(write_frame(writer, refusal, [], meter), s.timeout_floor_s)
         finally:
             writer.close()
+            _release(self._requests, peer)
+            if updating:
+                _release(self._updating, peer)
 
     def _answer(self, request: dict[str, Any]) -> tuple[dict[str, Any], list[bytes]]:
         op, digest = request.get("op"), request.get("m")
@@ -537,3 +566,10 @@ def _update_items(
             raise ValueError(f"updates of more than {max_bytes} bytes")
         items.append((round_, schedule, None if merge is None else (merge[0], merge[1]), sizes))
     return items
+
+
+def _release(counts: Counter[str], peer: str) -> None:
+    """One request of `peer` fewer in flight (its entry dropped at zero: the map holds live peers)."""
+    counts[peer] -= 1
+    if counts[peer] <= 0:
+        del counts[peer]

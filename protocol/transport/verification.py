@@ -526,6 +526,7 @@ async def verify_round(
     layout = state.layout
     group = state.group
     commitments = check_statements(answers, layout=layout, own=own, settings=settings)
+    state.commitments = commitments  # the weights the members' work is counted by (`trust`)
     statements = {slot: a.statement for slot, a in answers.items() if a.statement is not None}
     reducers = sorted(statements)  # the owners' slots, in the order every member sees them
     reveal = Reveal.make(

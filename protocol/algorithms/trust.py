@@ -1,0 +1,81 @@
+"""Trust earned by work: whose contribution counted, and who may own parts.
+
+A member's *work* in a round is the weight it committed to (`statements.Commitment`: tokens × its
+staleness weight) when the owners averaged at least one of its parts, 0 when they left all of them
+out (screening, scoring) or it committed to no weight. Work, not a key, is what earns a peer a say:
+
+- `earners`: the members of a round whose work counts: positive, and at least 1/`WORK_FLOOR` of
+  the group's median work, so a key that averages at weight 0 (or 10^-9 of everyone else's) earns
+  nothing from its company. A node vouches for the swarm's head only with the peers whose work it
+  took lately (`node/swarm/sync.py`), and lists them in its readiness records.
+- `eligible_owners`: the members of a group that may own parts, from those lists: a set of
+  *voters* (members whose list names a fellow member) each listed by more than half of the others
+  in it, found by setting aside the least listed one at a time. Nobody lists a fresh key: it
+  contributes (screened, checked like any other) and owns nothing, so a key made to stall or lie
+  as an owner must first do accepted work, and loses it when caught. A group in which nobody is
+  eligible (a fresh swarm, or peers that never averaged together) is owned by every member, as
+  before. Known limit: keys that list one another and outnumber the peers that worked together in
+  a group are eligible there; they are verified like any owner (`verify`), so what they can do is
+  cost tries.
+
+Every member of a group computes the same owners from the same registrations; the group id covers
+them (`matchmaking.form_group`), so a member that read other lists is in another group, never one
+where two members disagree on who owns what.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import statistics
+from collections.abc import Collection, Mapping, Sequence
+
+WORK_FLOOR = 20
+"""A member earns trust from a round only with at least 1/WORK_FLOOR of the group's median work."""
+WORK_ROUNDS = 8
+"""A peer's work keeps it in another's work list for this many rounds after the last that counted."""
+
+
+def accepted_work(weights: Mapping[str, float], rejected: Mapping[str, int], parts: int) -> dict[str, float]:
+    """Each member's work (see the module doc): its weight, or 0 when all its `parts` were left out."""
+    return {m: (w if rejected.get(m, 0) < parts and w > 0 else 0.0) for m, w in weights.items()}
+
+
+def earners(work: Mapping[str, float]) -> list[str]:
+    """The members whose work counts (see the module doc), in `work`'s order."""
+    positive = [w for w in work.values() if w > 0]
+    if not positive:
+        return []
+    floor = statistics.median([*work.values()]) / WORK_FLOOR
+    return [m for m, w in work.items() if w > 0 and w >= floor]
+
+
+def eligible_owners(
+    members: Sequence[str], lists: Mapping[str, Collection[str]], *, seed: bytes = b""
+) -> tuple[str, ...]:
+    """The members that may own parts (see the module doc), in `members`' order: every member when
+    none is eligible.
+
+    The voters are the members whose list names a fellow member. While some voter is listed by no
+    more than half of the other voters, the one listed least is set aside (ties: the last in
+    `owner_order(seed)`, which no key chooses) and the rest count again: what remains is listed by
+    more than half of the rest. Keys that list only one another drop out first while they are
+    fewer than the peers that worked together, however their votes would have diluted the others'
+    (a plain majority of all voters let two such keys leave three honest peers short of one)."""
+    fellows = set(members)
+    core = {m for m in members if any(w != m and w in fellows for w in lists.get(m, ()))}
+    rank = {p: i for i, p in enumerate(owner_order(seed, core))}
+    while core:
+        votes = {m: sum(1 for v in core if v != m and m in lists[v]) for m in core}
+        weakest = min(core, key=lambda m: (votes[m], -rank[m]))
+        if 2 * votes[weakest] > len(core) - 1:
+            break
+        core.discard(weakest)
+    eligible = tuple(m for m in members if m in core)
+    return eligible if eligible else tuple(members)
+
+
+def owner_order(seed: bytes, owners: Collection[str]) -> tuple[str, ...]:
+    """`owners` in the order parts are dealt to them (`parts.assign_parts`: the first gets the
+    largest): by a hash of the group's seed and the peer id, so no key can grind an id that owns the
+    largest tensor in every group (sorted ids gave the lowest id the largest tensor every round)."""
+    return tuple(sorted(owners, key=lambda p: hashlib.sha256(seed + p.encode()).digest()))

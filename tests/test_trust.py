@@ -1,0 +1,76 @@
+"""Trust earned by work (`protocol/algorithms/trust.py`): whose work counts, who may own parts, and
+in what order parts are dealt."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+
+from adloco.protocol.algorithms.trust import WORK_FLOOR, accepted_work, earners, eligible_owners, owner_order
+
+
+def test_work_is_the_weight_of_a_member_some_of_whose_parts_were_averaged() -> None:
+    weights = {"a": 100.0, "b": 50.0, "c": 80.0, "d": 0.0}
+    work = accepted_work(weights, {"b": 3, "c": 2}, parts=3)
+    assert work == {"a": 100.0, "b": 0.0, "c": 80.0, "d": 0.0}  # b: all 3 parts left out
+
+
+def test_a_key_at_weight_zero_or_a_sliver_of_the_median_earns_nothing() -> None:
+    median = 100.0
+    work = {"a": 90.0, "b": median, "c": 120.0, "zero": 0.0, "sliver": median / WORK_FLOOR / 2}
+    assert earners(work) == ["a", "b", "c"]
+    # A slow honest member with a twentieth of the median still counts.
+    assert "slow" in earners({"a": 100.0, "b": 100.0, "slow": 100.0 / WORK_FLOOR})
+    assert earners({"a": 0.0, "b": 0.0}) == []
+
+
+def test_a_fresh_swarm_is_owned_by_every_member() -> None:
+    members = ["a", "b", "c"]
+    assert eligible_owners(members, {}) == ("a", "b", "c")
+    assert eligible_owners(members, {"a": ["x"], "b": ["y"]}) == ("a", "b", "c")  # nobody lists a fellow
+
+
+def test_a_fresh_key_owns_nothing_in_a_group_that_worked_together() -> None:
+    lists = {"a": ["b", "c"], "b": ["a", "c"], "c": ["a", "b"], "new": []}
+    assert eligible_owners(["a", "b", "c", "new"], lists) == ("a", "b", "c")
+    # Listing the others makes it a voter, not an owner.
+    lists["new"] = ["a", "b", "c"]
+    assert eligible_owners(["a", "b", "c", "new"], lists) == ("a", "b", "c")
+
+
+def test_two_keys_that_list_each_other_do_not_outvote_three_that_worked_together() -> None:
+    lists = {"a": ["b", "c"], "b": ["a", "c"], "c": ["a", "b"], "s1": ["s2"], "s2": ["s1"]}
+    assert eligible_owners(["a", "b", "c", "s1", "s2"], lists) == ("a", "b", "c")
+
+
+def test_a_peer_back_after_its_company_left_owns_with_the_one_it_worked_with() -> None:
+    # a and b worked together; c's work the others have forgotten: it owns again once it has a record.
+    lists = {"a": ["b"], "b": ["a"], "c": ["a"]}
+    assert eligible_owners(["a", "b", "c"], lists) == ("a", "b")
+
+
+def test_keys_listing_each_other_beyond_half_the_voters_are_eligible_the_known_limit() -> None:
+    """The module doc's limit, pinned: five keys that list one another, against three honest peers,
+    are more than half of the voters and own the parts (their answers are then verified)."""
+    honest = ["a", "b", "c"]
+    sybils = [f"s{i}" for i in range(5)]
+    lists = {h: [o for o in honest if o != h] for h in honest}
+    lists |= {s: [o for o in sybils if o != s] for s in sybils}
+    assert eligible_owners(honest + sybils, lists) == tuple(sybils)
+
+
+def test_owner_order_is_a_draw_from_the_seed_that_no_id_can_fix() -> None:
+    owners = [f"Qm{i:044d}" for i in range(6)]
+    orders = {owner_order(hashlib.sha256(bytes([r])).digest(), owners) for r in range(40)}
+    assert all(sorted(o) == sorted(owners) for o in orders)
+    # The lowest id is not always first (sorted ids gave it the largest tensor every round).
+    firsts = [owner_order(hashlib.sha256(bytes([r])).digest(), owners)[0] for r in range(40)]
+    assert len(set(firsts)) > 3
+    assert owner_order(b"seed", owners) == owner_order(b"seed", list(reversed(owners)))
+
+
+@pytest.mark.parametrize("members", [["a"], ["a", "b"]])
+def test_small_groups_always_have_an_owner(members: list[str]) -> None:
+    assert eligible_owners(members, {m: ["zz"] for m in members}) == tuple(members)
+    assert eligible_owners(members, {m: [o for o in members if o != m] for m in members}) == tuple(members)
