@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 from hivemind.utils import get_dht_time
 
+from adloco.protocol.algorithms.trust import MAX_WORKERS
 from adloco.protocol.transport.identity import NodeDHT, load_identity, peer_of_subkey
 from adloco.protocol.transport.matchmaking import (
     MAX_EXCLUDED,
     MAX_PATIENCE_S,
-    MAX_WORKERS,
     Registrations,
     expectation,
     parse_registrations,

@@ -14,7 +14,7 @@ import dataclasses
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import pytest
@@ -119,7 +119,7 @@ class ScriptedSwarm:
             return 1
         return 0
 
-    def vouch(self, members: Sequence[str]) -> None:
+    def vouch(self, members: Sequence[str], work: Mapping[str, float]) -> None:
         pass
 
     def publish(self, *, wait: bool = True) -> None:

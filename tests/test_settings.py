@@ -102,3 +102,16 @@ def test_the_bootstrap_reads_the_same_variables_and_config(tmp_path: Path) -> No
     assert (args.run_id, args.metrics_port, args.poll_s) == ("from-env", 9401, 2.5)
     with pytest.raises(UserError, match="ADLOCO_POLL_S: invalid value"):
         parse_settings(bootstrap_parser(), [], environ={"ADLOCO_POLL_S": "soon"})
+
+
+def test_trusted_peers_default_to_the_ids_in_peers_and_a_bad_id_is_named() -> None:
+    from adloco.node.cli.node import swarm_from_args
+
+    peer, chosen = "QmTd8RcjvSfpwd6VPP3YoVuP1MCziZWeRzR2Mei2wu2SS6", "Qm" + "a" * 44
+    joined = swarm_from_args(_parse(["--peers", f"/ip4/1.2.3.4/tcp/31337/p2p/{peer}", "/ip4/5.6.7.8/tcp/1"]))
+    assert joined.trusted_peers == {peer}
+    assert swarm_from_args(_parse(["--trust-peers"])).trusted_peers == set()
+    told = swarm_from_args(_parse(["--peers", f"/ip4/1.2.3.4/tcp/1/p2p/{peer}", "--trust-peers", chosen]))
+    assert told.trusted_peers == {chosen}
+    with pytest.raises(UserError, match="--trust-peers: 'x!' is not a peer id"):
+        swarm_from_args(_parse(["--trust-peers", "x!"]))

@@ -2,16 +2,30 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import pydantic.v1
+import pytest
+
 from adloco.node.swarm.sync import live_head, swarm_head
+from adloco.protocol.algorithms.trust import MAX_WORKERS, earners
 from adloco.protocol.transport.records import StateRecord
 
 ME = "me"
 GOOD, BAD, MINE = "a" * 64, "b" * 64, "c" * 64
 
 
-def record(peer: str, round: int, theta: str, manifest: str = "d" * 64) -> StateRecord:
+def record(
+    peer: str, round: int, theta: str, manifest: str = "d" * 64, workers: Sequence[str] = ()
+) -> StateRecord:
     return StateRecord(
-        peer_id=peer, round=round, theta_hash=theta, schedule="{}", manifest_hash=manifest, manifest_bytes=100
+        peer_id=peer,
+        round=round,
+        theta_hash=theta,
+        schedule="{}",
+        manifest_hash=manifest,
+        manifest_bytes=100,
+        workers=list(workers),
     )
 
 
@@ -103,3 +117,55 @@ def test_a_fresh_joiner_follows_the_majority_of_live_peers_not_the_furthest_clai
     alone = live_head([hijack, record(ME, 6, GOOD)], ME)
     assert alone is not None and alone.round == 10**6
     assert live_head([record(ME, 6, GOOD)], ME) is None
+
+
+HONEST = ["p1", "p2", "p3"]
+SYBILS = [f"sybil{i}" for i in range(5)]
+
+
+def _swarm_and_sybils(*, sybils_list_each_other: bool) -> list[StateRecord]:
+    """Three peers that worked together at round 9 (each lists the other two), and five keys that
+    averaged with them at weight 0 (so nobody lists them) and now stand by a poisoned head at 9."""
+    honest = [record(p, 9, GOOD, workers=[o for o in HONEST if o != p]) for p in HONEST]
+
+    def listed(sybil: str) -> list[str]:
+        return [o for o in SYBILS if o != sybil] if sybils_list_each_other else HONEST
+
+    return honest + [record(s, 9, BAD, manifest="e" * 64, workers=listed(s)) for s in SYBILS]
+
+
+def test_keys_that_averaged_at_weight_zero_move_neither_a_node_that_averaged_nor_a_joiner() -> None:
+    """The issue's five keys: they averaged with the three at weight 0, then vouch for a poisoned
+    head. A node of the three vouches only for the peers whose work counted, so their records are
+    not read; a joiner weighs the live writers by the work lists, and nobody lists them (listing
+    the honest peers makes them voters of no weight). By keys alone they were the majority."""
+    records = _swarm_and_sybils(sybils_list_each_other=False)
+    work = {p: 100.0 for p in HONEST} | {s: 0.0 for s in SYBILS}
+    vouched = set(earners(work)) - {"p1"}
+    head = swarm_head(records, "p1", vouched=vouched, my_round=9)
+    assert head is not None and (head.theta_hash, head.holders) == (GOOD, ["p2", "p3"])
+    head = live_head(records, ME)
+    assert head is not None and (head.theta_hash, head.holders) == (GOOD, HONEST)
+    by_keys = live_head([r.copy(update={"workers": []}) for r in records], ME)
+    assert by_keys is not None and by_keys.theta_hash == BAD
+
+
+def test_keys_that_list_one_another_are_beaten_by_an_anchor_and_only_by_one() -> None:
+    """The limit `trust` states, pinned: five keys that list one another outnumber three peers that
+    worked together, and a joiner with no anchor follows them. With one of the three as its anchor
+    (`--trust-peers`, by default the ids in `--peers`) it counts the anchor and whom the anchor
+    lists; an anchor that is not live changes nothing."""
+    records = _swarm_and_sybils(sybils_list_each_other=True)
+    head = live_head(records, ME)
+    assert head is not None and head.theta_hash == BAD
+    head = live_head(records, ME, anchors={"p1"})
+    assert head is not None and (head.theta_hash, head.holders) == (GOOD, HONEST)
+    head = live_head(records, ME, anchors={"gone"})
+    assert head is not None and head.theta_hash == BAD
+
+
+def test_a_state_record_lists_at_most_max_workers_peer_ids() -> None:
+    record("p1", 1, GOOD, workers=[f"Qm{i:044d}" for i in range(MAX_WORKERS)])
+    for workers in ([f"Qm{i:044d}" for i in range(MAX_WORKERS + 1)], ["x" * 65]):
+        with pytest.raises(pydantic.v1.ValidationError):
+            record("p1", 1, GOOD, workers=workers)

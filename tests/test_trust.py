@@ -8,6 +8,7 @@ import hashlib
 import pytest
 
 from adloco.protocol.algorithms.trust import WORK_FLOOR, accepted_work, earners, eligible_owners, owner_order
+from adloco.protocol.transport.matchmaking import outvoted
 
 
 def test_work_is_the_weight_of_a_member_some_of_whose_parts_were_averaged() -> None:
@@ -74,3 +75,26 @@ def test_owner_order_is_a_draw_from_the_seed_that_no_id_can_fix() -> None:
 def test_small_groups_always_have_an_owner(members: list[str]) -> None:
     assert eligible_owners(members, {m: ["zz"] for m in members}) == tuple(members)
     assert eligible_owners(members, {m: [o for o in members if o != m] for m in members}) == tuple(members)
+
+
+def test_one_registrant_cannot_leave_anyone_out_and_a_majority_can() -> None:
+    excludes = {"a": ["s"], "b": ["s"], "c": [], "s": ["a"]}
+    assert outvoted(excludes) == {"s"}  # 2 of its 3 others
+    assert outvoted({"a": ["b"], "b": [], "c": []}) == set()
+
+
+def test_keys_that_did_no_work_cannot_leave_out_a_peer_that_did_however_many() -> None:
+    """Five fresh keys ask to leave out an honest peer of three that worked together: by keys they
+    are 5 of 7 of its others, by work they have no vote. The three still leave out a staller of
+    theirs (a peer in their core that two of them caught)."""
+    honest = ["a", "b", "c"]
+    sybils = [f"s{i}" for i in range(5)]
+    lists = {h: [o for o in honest if o != h] for h in honest}
+    excludes: dict[str, list[str]] = {h: [] for h in honest} | {s: ["a"] for s in sybils}
+    assert outvoted(excludes) == {"a"}  # by keys
+    assert outvoted(excludes, lists) == set()  # by work
+    lists["x"] = ["a", "b", "c"]
+    for h in honest:
+        lists[h].append("x")
+    excludes |= {"a": ["x"], "b": ["x"], "x": ["c"]}
+    assert outvoted(excludes, lists) == {"x"}

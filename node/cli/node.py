@@ -21,7 +21,7 @@ from typing import Any
 
 from ...errors import NetworkLost, UserError
 from ...protocol.transport.admission import TOKEN_PREFIX, check, read_allowlist, read_credential
-from ...protocol.transport.dht import NetworkConfig, parse_maddrs
+from ...protocol.transport.dht import NetworkConfig, parse_maddrs, peer_ids_of
 from ...protocol.transport.identity import load_identity
 from ...protocol.transport.manifest import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES
 from ...protocol.transport.state_transfer import TransferSettings
@@ -97,6 +97,13 @@ def add_network_arguments(p: argparse.ArgumentParser) -> None:
     net = p.add_argument_group("swarm networking (hivemind)")
     net.add_argument(
         "--peers", nargs="*", default=[], help="multiaddrs of peers to join; none: start a swarm"
+    )
+    net.add_argument(
+        "--trust-peers",
+        nargs="*",
+        default=None,
+        help="peer ids whose state records a joining node believes first, with the peers they list as"
+        " workers (default: the ids in --peers; none: weigh every live peer by its work)",
     )
     net.add_argument("--run-id", default="default", help="swarms with different run ids never mix")
     net.add_argument("--host-maddrs", nargs="+", default=["/ip4/0.0.0.0/tcp/0"], help="listen multiaddrs")
@@ -299,8 +306,20 @@ def swarm_from_args(args: argparse.Namespace) -> SwarmConfig:
         simulate_slowdown=args.simulate_slowdown,
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every,
+        trusted_peers=trusted_peers_from_args(args),
         **private_run_from_args(args),
     )
+
+
+def trusted_peers_from_args(args: argparse.Namespace) -> frozenset[str]:
+    """--trust-peers, checked; by default the peer ids the --peers multiaddrs name (the peers the
+    operator chose to join through)."""
+    if args.trust_peers is None:
+        return frozenset(peer_ids_of(args.peers))
+    for value in args.trust_peers:
+        if not value.isalnum() or not 30 <= len(value) <= 64:
+            raise UserError(f"--trust-peers: {value[:70]!r} is not a peer id")
+    return frozenset(args.trust_peers)
 
 
 def transfer_from_args(args: argparse.Namespace) -> TransferSettings:

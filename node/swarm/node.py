@@ -73,7 +73,9 @@ class SwarmConfig:
         machine. state_transfer: how joiners download the state (chunk size, bandwidth, timeout
         floor, donors: `TransferSettings`). run_owner / credential / allowed_peers: a private run
         (`transport.admission`): the owner id whose credentials admit peers, this node's credential,
-        and peer ids admitted outright; all empty: a public run.
+        and peer ids admitted outright; all empty: a public run. trusted_peers: the peers whose
+        state records a fresh joiner believes first, with the peers those records list as workers
+        (`sync.live_head`): what lets a joiner tell the swarm from keys that list one another.
     """
 
     run_id: str = "default"
@@ -94,6 +96,7 @@ class SwarmConfig:
     run_owner: str | None = None
     credential: str | None = None
     allowed_peers: frozenset[str] = frozenset()
+    trusted_peers: frozenset[str] = frozenset()
 
 
 class SwarmNode:
@@ -199,6 +202,8 @@ class SwarmNode:
             ops=self.ops,
             metrics=self.metrics,
             rejoin=self.dht.rejoin,
+            workers=self.averager.workers,
+            anchors=swarm.trusted_peers,
         )
         self.loop = RoundLoop(
             peer=self.peer,

@@ -9,13 +9,17 @@ latest round whose θ hash more than half of them hold (of those at this node's 
 before acting on it that many of its donors must serve its manifest
 themselves. A node that has averaged with nobody (a fresh joiner), or whose vouched peers have all
 gone, weighs only the peers that are live: it asks each record's writer (at most `PROBE_PEERS`,
-drawn at random), over the writer's own libp2p identity, whether it stands by the state its record
-names (one of its last few published rounds; nothing is frozen or read for that), and those that do
-are the voters: the head is the highest round more than half of them have reached, at the θ hash
-most of the peers at that round hold (`live_head`). Records are bound to their writer's key
-(`transport.identity`), so a record speaks for one peer, and a made-up peer that answers nothing
-does not vote: taking over a joiner needs more live peers than the honest ones (a private run admits
-only credentialed peers). The donors are the holders of the head's hash who published the most
+its anchors first and the others drawn at random), over the writer's own libp2p identity, whether
+it stands by the state its record names (one of its last few published rounds; nothing is frozen or
+read for that). Of those that do, the voters are the node's anchors (`--trust-peers`, by default the
+ids in its `--peers`) and the peers their records list as workers when an anchor is live, else the
+writers that worked together (`trust.core` of the work lists the records carry), else all of them:
+the head is the highest round more than half of the voters have reached, at the θ hash most of the
+voters at that round hold (`live_head`). Records are bound to their writer's key
+(`transport.identity`), so a record speaks for one peer, a made-up peer that answers nothing does
+not vote, and keys nobody that worked lists count for nothing: taking over a joiner with no live
+anchor needs more live keys that list one another than the peers that worked together (a private
+run admits only credentialed peers). The donors are the holders of the head's hash who published the most
 common manifest. A node behind the head catches up with the simulator's own code
 (`training.catchup`: replay the averaged updates a holder keeps, else download the state), checked
 against that published hash; the download takes chunks from several donors at once, each checked
@@ -45,7 +49,7 @@ from dataclasses import dataclass
 
 from ...protocol.algorithms.codecs import make_codec
 from ...protocol.algorithms.schedule import Schedule
-from ...protocol.algorithms.trust import earners
+from ...protocol.algorithms.trust import MAX_WORKERS, core, earners
 from ...protocol.transport.manifest import ChunkedState
 from ...protocol.transport.records import BeaconRecord, RunRecords, StateRecord, dht_time
 from ...protocol.transport.state_transfer import (
@@ -260,21 +264,37 @@ def swarm_head(
     return _head_at(records, me, top, hashes.most_common(1)[0][0])
 
 
-def live_head(live: Sequence[StateRecord], me: str) -> SwarmHead | None:
+def live_head(live: Sequence[StateRecord], me: str, *, anchors: Collection[str] = ()) -> SwarmHead | None:
     """A fresh joiner's head from the records of the peers that stand by what they published (`live`):
-    the highest round more than half of them have reached, and the θ hash held by more of the peers
-    at exactly that round than any other hash (None on a tie, or with no live peer). A claim far
-    ahead counts only as having reached the rounds below it: one peer, or a minority, cannot move
-    the joiner past where the majority is, nor tie with it and win."""
+    the highest round more than half of the voters have reached, and the θ hash held by more of the
+    voters at exactly that round than any other hash (None on a tie, or with no live voter). A claim
+    far ahead counts only as having reached the rounds below it: one peer, or a minority, cannot
+    move the joiner past where the majority is, nor tie with it and win.
+
+    The voters (`voters`): with `anchors` live (the peers the operator trusts, `--trust-peers`), the
+    anchors and the peers their records list as workers; otherwise the writers that worked together
+    (`trust.core` of the records' work lists), or all of them while none did."""
     latest = {r.peer_id: r for r in live if r.peer_id != me}
     if not latest:
         return None
-    others = list(latest.values())
+    others = [latest[p] for p in sorted(voters(latest, anchors))]
     top = sorted((r.round for r in others), reverse=True)[len(others) // 2]
     ranked = _holders(others, top).most_common(2)
     if len(ranked) == 2 and ranked[0][1] == ranked[1][1]:
         return None
     return _head_at(others, me, top, ranked[0][0])
+
+
+def voters(latest: Mapping[str, StateRecord], anchors: Collection[str] = ()) -> set[str]:
+    """Whose record a fresh joiner counts, among the live writers `latest` (see `live_head`): keys
+    that did no work the others took count for nothing once some writers worked together, and an
+    anchor's word decides whom else to count. Keys that list one another and outnumber the peers
+    that worked together are counted (the limit `trust` states): an anchor is what beats them."""
+    trusted = [a for a in anchors if a in latest]
+    if trusted:
+        named = {w for a in trusted for w in latest[a].workers}
+        return set(trusted) | (named & set(latest))
+    return core(latest, {p: r.workers for p, r in latest.items()}) or set(latest)
 
 
 def _holders(records: Sequence[StateRecord], top: int) -> Counter[str]:
@@ -311,8 +331,13 @@ class SwarmSync:
         ops: NodeOps,
         metrics: NodeMetrics,
         rejoin: Callable[[], int] | None = None,
+        workers: Callable[[], Sequence[str]] = tuple,
+        anchors: Collection[str] = (),
     ) -> None:
         self.peer, self.lock, self.records, self.server = peer, lock, records, server
+        # The peers whose work this node took lately (its state records list them), and the peers
+        # whose records a fresh joiner believes first (`live_head`).
+        self._workers, self.anchors = workers, frozenset(anchors)
         self._rejoin, self._rejoined_at = rejoin, -math.inf
         # Rounds applied alone since this node last averaged with company; its θ hash per round.
         self.solo_rounds = 0
@@ -356,6 +381,7 @@ class SwarmSync:
             schedule=json.dumps(state.schedule.to_dict(), sort_keys=True),
             manifest_hash=served.digest,
             manifest_bytes=len(served.encoded),
+            workers=list(self._workers())[:MAX_WORKERS],
         )
         self.records.publish_state(record, wait=wait)
         self._own_hashes[state.round] = record.theta_hash
@@ -383,14 +409,16 @@ class SwarmSync:
         if not self.solo_rounds and any(r.peer_id in self.vouched for r in records if r.peer_id != me):
             return swarm_head(records, me, vouched=self.vouched, my_round=my_round)
         # No company lately, or only rounds alone since: weigh the peers that are live now.
-        return live_head(self._live(records), me)
+        return live_head(self._live(records), me, anchors=self.anchors)
 
     def _live(self, records: Sequence[StateRecord]) -> list[StateRecord]:
         """The records (one per peer, at most PROBE_PEERS drawn at random) whose peer answers, now,
         that it published that state (one of its last rounds: its next record may be on its way)."""
         others = [r for r in records if r.peer_id != self.peer.peer_id]
-        if len(others) > PROBE_PEERS:
-            others = random.sample(others, PROBE_PEERS)
+        if len(others) > PROBE_PEERS:  # the anchors' records always, the others drawn at random
+            anchored = [r for r in others if r.peer_id in self.anchors][:PROBE_PEERS]
+            rest = [r for r in others if r.peer_id not in self.anchors]
+            others = anchored + random.sample(rest, PROBE_PEERS - len(anchored))
         serving = self.server.standing([(r.peer_id, r.manifest_hash) for r in others])
         if len(serving) < len(others):
             logger.info(

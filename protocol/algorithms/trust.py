@@ -18,6 +18,10 @@ out (screening, scoring) or it committed to no weight. Work, not a key, is what 
   a group are eligible there; they are verified like any owner (`verify`), so what they can do is
   cost tries.
 
+- `core` also decides whose word counts when the registrants of a round ask one another to leave
+  peers out (`matchmaking.outvoted`): once some of them worked together, only they vote, so keys
+  that did no work cannot leave out a peer that did, however many they are.
+
 Every member of a group computes the same owners from the same registrations; the group id covers
 them (`matchmaking.form_group`), so a member that read other lists is in another group, never one
 where two members disagree on who owns what.
@@ -33,6 +37,8 @@ WORK_FLOOR = 20
 """A member earns trust from a round only with at least 1/WORK_FLOOR of the group's median work."""
 WORK_ROUNDS = 8
 """A peer's work keeps it in another's work list for this many rounds after the last that counted."""
+MAX_WORKERS = 32
+"""The most peers one record (a readiness or a state record) may list as workers."""
 
 
 def accepted_work(weights: Mapping[str, float], rejected: Mapping[str, int], parts: int) -> dict[str, float]:
@@ -49,11 +55,8 @@ def earners(work: Mapping[str, float]) -> list[str]:
     return [m for m, w in work.items() if w > 0 and w >= floor]
 
 
-def eligible_owners(
-    members: Sequence[str], lists: Mapping[str, Collection[str]], *, seed: bytes = b""
-) -> tuple[str, ...]:
-    """The members that may own parts (see the module doc), in `members`' order: every member when
-    none is eligible.
+def core(members: Collection[str], lists: Mapping[str, Collection[str]], *, seed: bytes = b"") -> set[str]:
+    """The members that worked together (see the module doc), or none.
 
     The voters are the members whose list names a fellow member. While some voter is listed by no
     more than half of the other voters, the one listed least is set aside (ties: the last in
@@ -62,16 +65,24 @@ def eligible_owners(
     fewer than the peers that worked together, however their votes would have diluted the others'
     (a plain majority of all voters let two such keys leave three honest peers short of one)."""
     fellows = set(members)
-    core = {m for m in members if any(w != m and w in fellows for w in lists.get(m, ()))}
-    rank = {p: i for i, p in enumerate(owner_order(seed, core))}
-    while core:
-        votes = {m: sum(1 for v in core if v != m and m in lists[v]) for m in core}
-        weakest = min(core, key=lambda m: (votes[m], -rank[m]))
-        if 2 * votes[weakest] > len(core) - 1:
+    kept = {m for m in fellows if any(w != m and w in fellows for w in lists.get(m, ()))}
+    rank = {p: i for i, p in enumerate(owner_order(seed, kept))}
+    while kept:
+        votes = {m: sum(1 for v in kept if v != m and m in lists[v]) for m in kept}
+        weakest = min(kept, key=lambda m: (votes[m], -rank[m]))
+        if 2 * votes[weakest] > len(kept) - 1:
             break
-        core.discard(weakest)
-    eligible = tuple(m for m in members if m in core)
-    return eligible if eligible else tuple(members)
+        kept.discard(weakest)
+    return kept
+
+
+def eligible_owners(
+    members: Sequence[str], lists: Mapping[str, Collection[str]], *, seed: bytes = b""
+) -> tuple[str, ...]:
+    """The members that may own parts (see the module doc), in `members`' order: the `core`, or
+    every member when it is empty."""
+    kept = core(members, lists, seed=seed)
+    return tuple(m for m in members if m in kept) if kept else tuple(members)
 
 
 def owner_order(seed: bytes, owners: Collection[str]) -> tuple[str, ...]:

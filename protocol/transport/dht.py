@@ -58,6 +58,17 @@ def parse_maddrs(values: Sequence[str], *, option: str) -> tuple[str, ...]:
     return tuple(parsed)
 
 
+def peer_ids_of(maddrs: Sequence[str]) -> list[str]:
+    """The peer ids named by the /p2p/ parts of `maddrs` (those without one name none)."""
+    ids = []
+    for value in maddrs:
+        try:
+            ids.append(Multiaddr(value).value_for_protocol("p2p"))
+        except Exception:  # no /p2p/ part (or a malformed multiaddr: parse_maddrs reports that)
+            continue
+    return ids
+
+
 def check_ports_free(host_maddrs: Sequence[str], *, option: str = "--host-maddrs") -> None:
     """Fail early with a clear message when a fixed TCP port in host_maddrs is already taken."""
     for value in host_maddrs:

@@ -67,7 +67,7 @@ from typing import Any
 from hivemind.utils import get_dht_time
 from hivemind.utils.serializer import MSGPackSerializer
 
-from ..algorithms.trust import eligible_owners, owner_order
+from ..algorithms.trust import MAX_WORKERS, core, eligible_owners, owner_order
 from .admission import Admission
 from .averager import NotOpened
 from .identity import NodeDHT, peer_of_subkey
@@ -263,20 +263,24 @@ def parse_failures(value: Any) -> set[str]:
 
 MAX_EXCLUDED = 16
 """The most peers one registration may ask the others to leave out (`outvoted`)."""
-MAX_WORKERS = 32
-"""The most peers one registration may list as having done accepted work with it (`trust`)."""
 
 
-def outvoted(excludes: Mapping[str, Collection[str]]) -> set[str]:
-    """The registrants that more than half of the other registrants ask to leave out: peers whose
-    lies or silences most of the others caught (`verification`). One registrant cannot remove
-    anyone, and a majority of keys is needed to remove one (keys, not work, for now: many keys of
-    one attacker count as many)."""
+def outvoted(
+    excludes: Mapping[str, Collection[str]], lists: Mapping[str, Collection[str]] | None = None
+) -> set[str]:
+    """The registrants that more than half of the voters other than them ask to leave out: peers
+    whose lies or silences most of the others caught (`verification`). The voters are the
+    registrants that worked together (`trust.core` of their work `lists`), or all of them while
+    none did: one registrant cannot remove anyone, and keys that did no work cannot remove a peer
+    that did, however many they are (keys that worked together and outnumber the others can: the
+    limit `trust` states)."""
     registrants = set(excludes)
+    voters = core(registrants, lists or {}) or registrants
     out = set()
     for peer in registrants:
-        votes = sum(1 for other in registrants if other != peer and peer in excludes[other])
-        if 2 * votes > len(registrants) - 1:
+        others = voters - {peer}
+        votes = sum(1 for other in others if peer in excludes[other])
+        if others and 2 * votes > len(others):
             out.add(peer)
     return out
 
@@ -294,14 +298,15 @@ class Registrations:
 
     def close_and_members(self, window_s: float, grace_s: float) -> tuple[float, tuple[str, ...]]:
         """`close_and_members` over the registrants the others did not outvote (`outvoted`)."""
-        out = outvoted({p: self.excludes.get(p, ()) for p in self.times})
+        out = self.outvoted()
         times = {p: t for p, t in self.times.items() if p not in out}
         if not times:
             return -math.inf, ()
         return close_and_members(times, window_s, grace_s, expects=self.expects, patience=self.patience)
 
     def outvoted(self) -> set[str]:
-        return outvoted({p: self.excludes.get(p, ()) for p in self.times})
+        lists = {p: self.workers.get(p, ()) for p in self.times}
+        return outvoted({p: self.excludes.get(p, ()) for p in self.times}, lists)
 
     def dated_by(self, latest: float, admitted: Collection[str]) -> Registrations:
         """The registrations of `admitted` peers dated `latest` at the latest."""

@@ -29,13 +29,16 @@ from typing import Any, TypeVar
 import hivemind
 from hivemind.dht.schema import BytesWithPublicKey, RSASignatureValidator, SchemaValidator
 from hivemind.utils import get_dht_time
-from pydantic.v1 import BaseModel, StrictStr, confloat, conint, constr
+from pydantic.v1 import BaseModel, StrictStr, confloat, conint, conlist, constr
 
+from ..algorithms.trust import MAX_WORKERS
 from .admission import MAX_TOKEN_CHARS, Admission, credentials_key
 from .identity import NodeDHT, peer_of_subkey
 from .manifest import MAX_MANIFEST_BYTES
 
 logger = logging.getLogger(__name__)
+
+MAX_PEER_CHARS = 64  # a base58 peer id is 46-52 characters
 
 # 2: state records carry the state's manifest; 3: a round registration says which group it expects;
 # 4: and how long a round it opens stays open for that group (its patience); 5: and the peers it
@@ -50,8 +53,9 @@ def run_prefix(run_id: str, fingerprint: str) -> str:
 
 
 class StateRecord(BaseModel):
-    """One peer's position: the libp2p id to fetch from, round, θ hash, schedule (JSON text), and
-    the sha256 and size of the manifest of its state at that round."""
+    """One peer's position: the libp2p id to fetch from, round, θ hash, schedule (JSON text), the
+    sha256 and size of the manifest of its state at that round, and the peers whose work it took
+    lately (`trust`: a joiner weighs the record writers by them, `sync.live_head`)."""
 
     peer_id: StrictStr
     round: conint(ge=0, strict=True)  # type: ignore[valid-type]
@@ -59,6 +63,7 @@ class StateRecord(BaseModel):
     schedule: StrictStr
     manifest_hash: constr(regex=r"^[0-9a-f]{64}$", strict=True)  # type: ignore[valid-type]
     manifest_bytes: conint(ge=1, le=MAX_MANIFEST_BYTES, strict=True)  # type: ignore[valid-type]
+    workers: conlist(constr(max_length=MAX_PEER_CHARS, strict=True), max_items=MAX_WORKERS) = []  # type: ignore[valid-type]
 
     class Config:
         extra = "forbid"
