@@ -40,6 +40,7 @@ from adloco.protocol.algorithms import codecs
 from adloco.protocol.algorithms.allreduce import Contribution, reduce_group
 from adloco.protocol.algorithms.codecs import decode_tensors, encode_tensors, make_codec
 from adloco.protocol.algorithms.report import PeerReport
+from adloco.protocol.algorithms.trust import WORK_MIN_ROUNDS
 from adloco.protocol.transport.averager import Averager, MemberResult, Misconduct, NotOpened
 from adloco.protocol.transport.memory import MemoryAverager, MemoryHub
 
@@ -1029,9 +1030,10 @@ def test_an_owner_that_drops_a_member_it_signed_a_receipt_for_is_convicted_by_ev
 
 
 def test_a_fresh_key_owns_no_part_until_its_work_counted_and_a_weightless_key_never() -> None:
-    """Three peers average (a fresh swarm: all own parts), then two fresh keys join them: one with
-    real work, one at weight 0. In the round they join, only the three own parts; afterwards the
-    three list the first newcomer (its work counted) and not the weightless one, so the next round
+    """Three peers average three rounds (a fresh swarm: all own parts, and their work makes them
+    list one another, `trust.WORK_MIN_ROUNDS`), then two fresh keys join them: one with real work,
+    one at weight 0. For three rounds only the three own parts; after them the three list the first
+    newcomer (its work counted in three rounds) and never the weightless one, so the next round
     deals parts to four owners, never to the key that did no work. Each round holds exactly the
     bytes `reduce_group` gives, dealt to those owners."""
     swarm = Swarm("hivemind")
@@ -1041,23 +1043,27 @@ def test_a_fresh_key_owns_no_part_until_its_work_counted_and_a_weightless_key_ne
         old, new, idle = averagers[:3], averagers[3], averagers[4]
         shapes = {f"t{i}": (4 * (i + 1), 16) for i in range(10)}
         contributions = _contributions(old, "int8", seed=31, shapes=shapes)
-        first = _average_together(old, contributions, round=0, spec="int8")
-        _assert_matches_reduce_group(first, contributions, "int8")
-        assert first[0].result is not None
-        assert set(first[0].result.owners.values()) == {a.peer_id for a in old}
+        for round in range(WORK_MIN_ROUNDS):
+            outcomes = _average_together(old, contributions, round=round, spec="int8")
+            _assert_matches_reduce_group(outcomes, contributions, "int8")
+            result = outcomes[0].result
+            assert result is not None and set(result.owners.values()) == {a.peer_id for a in old}
         for a in old:  # let the round wait its window for the newcomers (no early close)
             cast(Any, a)._matchmaker.expected = None
         contributions = _contributions(averagers, "int8", seed=32, shapes=shapes)
         contributions[4] = dataclasses.replace(contributions[4], weight=0.0, tokens=0.0)
-        for round, owners in ((1, old), (2, [*old, new])):
+        joined = WORK_MIN_ROUNDS
+        for round in range(joined, joined + WORK_MIN_ROUNDS + 1):
             outcomes = _average_together(averagers, contributions, round=round, spec="int8")
             _assert_matches_reduce_group(outcomes, contributions, "int8")
             result = outcomes[0].result
             assert result is not None
+            owners = old if round < joined + WORK_MIN_ROUNDS else [*old, new]
             assert set(result.owners.values()) == {a.peer_id for a in owners}, round
             for a in old:
                 listed = cast(Any, a).workers()
-                assert new.peer_id in listed and idle.peer_id not in listed
+                assert (new.peer_id in listed) == (round >= joined + WORK_MIN_ROUNDS - 1), round
+                assert idle.peer_id not in listed
     finally:
         swarm.close()
 

@@ -7,7 +7,16 @@ import hashlib
 
 import pytest
 
-from adloco.protocol.algorithms.trust import WORK_FLOOR, accepted_work, earners, eligible_owners, owner_order
+from adloco.protocol.algorithms.trust import (
+    WORK_FLOOR,
+    WORK_MIN_ROUNDS,
+    WORK_ROUNDS,
+    WorkLedger,
+    accepted_work,
+    earners,
+    eligible_owners,
+    owner_order,
+)
 from adloco.protocol.transport.matchmaking import outvoted
 
 
@@ -98,3 +107,18 @@ def test_keys_that_did_no_work_cannot_leave_out_a_peer_that_did_however_many() -
         lists[h].append("x")
     excludes |= {"a": ["x"], "b": ["x"], "x": ["c"]}
     assert outvoted(excludes, lists) == {"x"}
+
+
+def test_a_peer_is_listed_after_its_work_counted_in_enough_recent_rounds_and_forgotten_when_caught() -> None:
+    ledger = WorkLedger()
+    for _ in range(WORK_MIN_ROUNDS - 1):
+        ledger.count({"me": 1.0, "a": 1.0, "b": 1.0}, me="me")
+    assert ledger.listed() == []  # not yet: a key buys its first try as an owner with these rounds
+    ledger.count({"me": 1.0, "a": 1.0, "b": 1.0, "zero": 0.0}, me="me")
+    assert ledger.listed() == ["a", "b"]  # never itself, never the weightless key
+    ledger.forget("a")
+    assert ledger.listed() == ["b"] and ledger.listed(without={"b"}) == []
+    # b away: its rounds fall out of the window until fewer than WORK_MIN_ROUNDS are left.
+    for _ in range(WORK_ROUNDS - WORK_MIN_ROUNDS + 1):
+        ledger.count({"me": 1.0, "c": 1.0}, me="me")
+    assert ledger.listed() == ["c"]

@@ -7,7 +7,8 @@ out (screening, scoring) or it committed to no weight. Work, not a key, is what 
 - `earners`: the members of a round whose work counts: positive, and at least 1/`WORK_FLOOR` of
   the group's median work, so a key that averages at weight 0 (or 10^-9 of everyone else's) earns
   nothing from its company. A node vouches for the swarm's head only with the peers whose work it
-  took lately (`node/swarm/sync.py`), and lists them in its readiness records.
+  took lately (`node/swarm/sync.py`), and lists in its records those whose work counted in
+  `WORK_MIN_ROUNDS` of its last `WORK_ROUNDS` rounds (`WorkLedger`).
 - `eligible_owners`: the members of a group that may own parts, from those lists: a set of
   *voters* (members whose list names a fellow member) each listed by more than half of the others
   in it, found by setting aside the least listed one at a time. Nobody lists a fresh key: it
@@ -31,12 +32,16 @@ from __future__ import annotations
 
 import hashlib
 import statistics
+import threading
 from collections.abc import Collection, Mapping, Sequence
 
 WORK_FLOOR = 20
 """A member earns trust from a round only with at least 1/WORK_FLOOR of the group's median work."""
 WORK_ROUNDS = 8
-"""A peer's work keeps it in another's work list for this many rounds after the last that counted."""
+"""The rounds a peer's work list looks back over (its own completed rounds)."""
+WORK_MIN_ROUNDS = 3
+"""A peer is listed once its work counted in this many of those rounds: a key made to stall or lie
+as an owner buys each try with that much accepted work first."""
 MAX_WORKERS = 32
 """The most peers one record (a readiness or a state record) may list as workers."""
 
@@ -83,6 +88,43 @@ def eligible_owners(
     every member when it is empty."""
     kept = core(members, lists, seed=seed)
     return tuple(m for m in members if m in kept) if kept else tuple(members)
+
+
+class WorkLedger:
+    """Whose work one peer took in its last `WORK_ROUNDS` completed rounds (`earners` of each), and
+    so whom its records list (`listed`). Thread-safe: the averager counts on its loop, the node
+    lists from its training thread too."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._rounds = 0
+        self._counted: dict[str, list[int]] = {}  # peer -> the rounds (this peer's count) it earned in
+
+    def count(self, work: Mapping[str, float], *, me: str = "") -> None:
+        """One more completed round, in which the members of `work` did that work."""
+        with self._lock:
+            self._rounds += 1
+            for peer in earners(work):
+                if peer != me:
+                    self._counted.setdefault(peer, []).append(self._rounds)
+            for peer, rounds in list(self._counted.items()):
+                kept = [r for r in rounds if r > self._rounds - WORK_ROUNDS]
+                if kept:
+                    self._counted[peer] = kept
+                else:
+                    del self._counted[peer]
+
+    def forget(self, peer: str) -> None:
+        """`peer` was caught: its trust is earned again, by work after its exclusion."""
+        with self._lock:
+            self._counted.pop(peer, None)
+
+    def listed(self, *, without: Collection[str] = ()) -> list[str]:
+        """The peers whose work counted in at least `WORK_MIN_ROUNDS` of the last `WORK_ROUNDS`
+        rounds, the most recent first (ties by id), less `without`."""
+        with self._lock:
+            last = {p: rounds[-1] for p, rounds in self._counted.items() if len(rounds) >= WORK_MIN_ROUNDS}
+        return sorted((p for p in last if p not in without), key=lambda p: (-last[p], p))
 
 
 def owner_order(seed: bytes, owners: Collection[str]) -> tuple[str, ...]:

@@ -87,7 +87,7 @@ from ..algorithms.parts import (
     tensor_norm,
 )
 from ..algorithms.scoring import Scorer
-from ..algorithms.trust import WORK_ROUNDS, accepted_work, earners
+from ..algorithms.trust import WorkLedger, accepted_work
 from ..algorithms.verify import payload_digest
 from .admission import Admission
 from .averager import MemberResult, Misconduct
@@ -219,7 +219,7 @@ class HivemindAverager:
         self._alone: set[int] = set()
         self._lost_owners: dict[int, set[str]] = {}  # round -> owners whose exchange broke here
         self._verdicts: dict[str, Verdict] = {}  # peers caught lying or silent, left out for a while
-        self._worked: dict[str, int] = {}  # peer -> the last round its work counted (`trust`)
+        self._worked = WorkLedger()  # whose work this peer took lately (`trust`)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._calls: set[asyncio.Task[Any]] = set()  # our `average` calls running on the loop
         self._closed = False
@@ -286,24 +286,12 @@ class HivemindAverager:
         for peer, why in caught.culprits.items():
             if peer != self._peer_id:
                 self._verdicts[peer] = Verdict(why, caught.proven, until)
-                self._worked.pop(peer, None)  # its trust is earned again, by work after its exclusion
-
-    def _count_work(self, round: int, work: dict[str, float]) -> None:
-        """Remember whose work counted in `round` (`trust.earners`), for the next registrations."""
-        for peer in earners(work):
-            if peer != self._peer_id:
-                self._worked[peer] = max(round, self._worked.get(peer, 0))
-        latest = max(self._worked.values(), default=0)
-        for peer, last in list(self._worked.items()):
-            if latest - last > WORK_ROUNDS:
-                del self._worked[peer]
+                self._worked.forget(peer)  # its trust is earned again, by work after its exclusion
 
     def workers(self) -> list[str]:
-        """The peers whose work this peer took in its last `WORK_ROUNDS` rounds, most recent first,
-        less those it leaves out now: its readiness records list them (`trust.eligible_owners`)."""
-        out = set(self.excluded())
-        ranked = sorted(self._worked.items(), key=lambda item: (-item[1], item[0]))
-        return [peer for peer, _ in ranked if peer not in out]
+        """The peers whose work this peer took lately (`trust.WorkLedger.listed`), less those it
+        leaves out now: its readiness and state records list them (`trust.eligible_owners`)."""
+        return self._worked.listed(without=set(self.excluded()))
 
     def excluded(self) -> list[str]:
         """The peers this peer asks the others to leave out of its rounds' groups (its readiness
@@ -684,7 +672,7 @@ class HivemindAverager:
         traffic = state.meter.traffic(result.traffic.exchange_s)
         weights = {m: state.commitments[m].weight for m in result.members if m in state.commitments}
         work = accepted_work(weights, result.rejected, len(keys))
-        self._count_work(round, work)
+        self._worked.count(work, me=self._peer_id)
         result = dataclasses.replace(
             result,
             work=work,
