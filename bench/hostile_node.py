@@ -10,6 +10,10 @@ flags, its own identity, real p2pd) and trains, then attacks every round (`--att
   the parts and never answers;
 - mute: it sends its parts and takes the answers, then never reveals what it got.
 
+With "+rekey" after the attack (owner-stall+rekey), once the others leave it out it stops and
+joins again under a fresh key (0.1 s to make), as an attacker whose bans are keyed by peer id would:
+it catches up like any joiner and attacks again whenever it is given the chance.
+
     python bench/hostile_node.py --attack owner-scaled --peers ... --run-id r [node flags]
 """
 
@@ -123,14 +127,42 @@ def main(argv: list[str]) -> int:
     if "--attack" in argv:
         at = argv.index("--attack")
         attack, argv = argv[at + 1], argv[:at] + argv[at + 2 :]
+    attack, rekey = attack.removesuffix("+rekey"), attack.endswith("+rekey")
     if attack not in (*ATTACKS[1:], *OWNER_ATTACKS):
-        raise SystemExit(f"--attack: one of {', '.join((*ATTACKS[1:], *OWNER_ATTACKS))}")
+        raise SystemExit(f"--attack: one of {', '.join((*ATTACKS[1:], *OWNER_ATTACKS))}, +rekey optional")
     args = parse_settings(build_parser(), argv)
-    node = SwarmNode(train_config_from_args(args), network_from_args(args), swarm_from_args(args))
-    calls = 0
     if attack in OWNER_ATTACKS:
         attack_as_owner(attack)
-    else:
+    keys = 0
+    while True:
+        keys += 1
+        left_out = _run(args, attack, rekey=rekey)
+        if not left_out:
+            break
+        print(f"hostile node: left out, joining again under key {keys + 1}", flush=True)
+    print(f"hostile node: {attack}, {keys} key(s)", flush=True)
+    return 0
+
+
+def _run(args: Any, attack: str, *, rekey: bool) -> bool:
+    """One life of the hostile node, under a fresh key unless --identity-path names one; True when
+    it stopped because the others left it out (`rekey` only)."""
+    node = SwarmNode(train_config_from_args(args), network_from_args(args), swarm_from_args(args))
+    left_out = False
+    if rekey:
+        matchmaker = node.averager._matchmaker
+        log = matchmaker._log
+
+        def watch(round: int, message: str, *rest: Any, **kw: Any) -> None:
+            nonlocal left_out
+            if message.startswith("left out"):
+                left_out = True
+                node.ops.draining.set()  # the loop ends after this try; a fresh key comes next
+            log(round, message, *rest, **kw)
+
+        matchmaker._log = watch
+    calls = 0
+    if attack not in OWNER_ATTACKS:
         honest = node.peer.contribute
 
         def hostile(local: Any, **kwargs: Any) -> Any:
@@ -147,8 +179,8 @@ def main(argv: list[str]) -> int:
         node.run()
     finally:
         node.shutdown()
-    print(f"hostile node: {attack}, {calls} forged contributions", flush=True)
-    return 0
+    print(f"hostile node: {calls} forged contributions under {node.peer_id}", flush=True)
+    return left_out
 
 
 if __name__ == "__main__":
