@@ -7,8 +7,10 @@ an owner (owner-scaled, owner-noise, owner-split, owner-stall) or withholding it
 combination of `--rules` (the owners' `--aggregate`), `--scores` (every node's `--score`: owners
 judge each member's Δ over their parts by the loss on their own data) and `--attacks` runs once per
 seed. Printed and written to bench/results/robust_swarm.json: the honest nodes' final val loss
-(median of the three; they hold the same θ), and its gap against the clean run under the same rule
-and under the mean. A rule with scoring on is labelled `rule+score`.
+(median of the three), and its gap against the clean run under the same rule and under the mean;
+theta_agree: every round all three honest nodes applied holds one θ on all three (a node that
+caught up over a round has no record of it; one that went on alone after the others stopped has
+rounds of its own past theirs). A rule with scoring on is labelled `rule+score`.
 
     python bench/robust_swarm.py                       # 2 rules x 5 runs, ~10 min on 2 cores
     python bench/robust_swarm.py --rules mean clip:1 --attacks none flip --rounds 8
@@ -66,6 +68,10 @@ def one_run(work: Path, *, rule: str, score: str, attack: str, rounds: int, seed
     wall_s = time.monotonic() - t0
     finals = [n.rounds()[-1] for n in nodes[:3]]
     groups = [e["group_size"] for e in nodes[0].rounds()]
+    # θ per round each honest node reached by applying it (a node that caught up over a round, or
+    # went on alone after the others had applied their --rounds, has no record of it, or its own).
+    reached = [{e["round"]: e["theta_hash"] for e in n.rounds()} for n in nodes[:3]]
+    shared = set.intersection(*(set(r) for r in reached))
     return {
         "wall_s": round(wall_s, 1),
         "dropped": statistics.median(f.get("dropped", 0) for f in finals),  # Δs of honest nodes never applied
@@ -73,8 +79,12 @@ def one_run(work: Path, *, rule: str, score: str, attack: str, rounds: int, seed
         "attack": attack,
         "seed": seed,
         "rounds": [f["round"] for f in finals],
+        "applied": [len(r) for r in reached],
         "val_loss": statistics.median(f["val_loss"] for f in finals),
-        "theta_agree": len({f["theta_hash"] for f in finals}) == 1,
+        # Every round all three applied holds one θ on all three (the rounds one of them caught up
+        # over, it took from the others: checked against their hash when it did).
+        "theta_agree": all(len({r[k] for r in reached}) == 1 for k in shared),
+        "rounds_all_applied": len(shared),
         "rounds_of_4": sum(1 for g in groups if g == 4),
         "rejected_parts": nodes[0].rounds()[-1].get("rejected_parts", 0),  # cumulative: the last round's
         "group_sizes": groups,
