@@ -792,23 +792,12 @@ class HivemindAverager:
             body = [receipt.to_wire(), statement.to_wire()]
             for peer in state.group.members:
                 if peer != self._peer_id and peer not in caught.culprits:
-                    self._spawn(
-                        send_statement(
-                            self._p2p,
-                            self._verify_name,
-                            peer,
-                            round=state.group.round,
-                            kind=ACCUSE,
-                            signed=body,
-                            timeout_s=self.reduce_timeout_s,
-                            meter=state.meter,
-                        )
-                    )
+                    self._send_statement(state, peer, ACCUSE, body, self.reduce_timeout_s)
 
     def _send_statement(
-        self, state: RoundState, peer: str, kind: str, signed: Signed, timeout_s: float
+        self, state: RoundState, peer: str, kind: str, signed: Signed | list[list[bytes]], timeout_s: float
     ) -> None:
-        """Start sending one verification statement to `peer` (not waited for)."""
+        """Start sending one verification statement (or an accusation's two) to `peer` (not waited for)."""
         self._spawn(
             send_statement(
                 self._p2p,
