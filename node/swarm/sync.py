@@ -6,26 +6,26 @@ publishes a signed state record (round, θ hash, schedule, the manifest's hash a
 that has averaged lately believes only the peers whose work it took (`vouch`: they averaged with it
 and their contribution counted, `trust.earners`; the last `VOUCH_ROUNDS` rounds): the head is the
 latest round whose θ hash more than half of them hold (of those at this node's round or later), and
-before acting on it that many of its donors must serve its manifest
-themselves. A node that has averaged with nobody (a fresh joiner), or whose vouched peers have all
-gone, weighs only the peers that are live: it asks each record's writer (at most `PROBE_PEERS`,
-its anchors first and the others drawn at random), over the writer's own libp2p identity, whether
-it stands by the state its record names (one of its last few published rounds; nothing is frozen or
-read for that). Of those that do, the voters are the node's anchors (`--trust-peers`, by default the
-ids in its `--peers`) and the peers their records list as workers when an anchor is live, else the
-writers that worked together (`trust.core` of the work lists the records carry), else all of them:
-the head is the highest round more than half of the voters have reached, at the θ hash most of the
-voters at that round hold (`live_head`). Records are bound to their writer's key
-(`transport.identity`), so a record speaks for one peer, a made-up peer that answers nothing does
-not vote, and keys nobody that worked lists count for nothing: taking over a joiner with no live
-anchor needs more live keys that list one another than the peers that worked together (a private
-run admits only credentialed peers). The donors are the holders of the head's hash who published the most
-common manifest. A node behind the head catches up with the simulator's own code
-(`training.catchup`: replay the averaged updates a holder keeps, else download the state), checked
-against that published hash; the download takes chunks from several donors at once, each checked
-against the manifest, and an unfinished download is resumed rather than restarted. A node at the
-head with another θ than a strict majority of the others (it averaged a round apart from them)
-downloads the majority's state: the fork heals toward it.
+before acting on it that many of its donors must serve its manifest themselves. A node that has
+averaged with nobody (a fresh joiner), or whose vouched peers have all gone, weighs only the peers
+that are live: it asks each record's writer (at most `PROBE_PEERS`, its anchors first and the others
+drawn at random), over the writer's own libp2p identity, whether it stands by the state its record
+names (one of its last few published rounds; nothing is frozen or read for that). Of those that do,
+the voters are the node's anchors (`--trust-peers`, by default the ids in its `--peers`) and the
+peers their records list as workers when an anchor is live, else the writers that worked together
+(`trust.core` of the work lists the records carry), else all of them: the head is the highest round
+more than half of the voters have reached, at the θ hash most of the voters at that round hold
+(`live_head`). Records are bound to their writer's key (`transport.identity`), so a record speaks
+for one peer, a made-up peer that answers nothing does not vote, and keys nobody that worked lists
+count for nothing: taking over a joiner with no live anchor needs more live keys that list one
+another than the peers that worked together (a private run admits only credentialed peers). The
+donors are the holders of the head's hash who published the most common manifest. A node behind the
+head catches up with the simulator's own code (`training.catchup`: replay the averaged updates a
+holder keeps, else download the state), checked against that published hash; the download takes
+chunks from several donors at once, each checked against the manifest, and an unfinished download is
+resumed rather than restarted. A node at the head with another θ than a strict majority of the
+others (it averaged a round apart from them) downloads the majority's state: the fork heals toward
+it.
 
 A node that has averaged only alone since it last had company (its link was down, say) weighs the
 live peers as a joiner does, even with vouched peers left, and dials its initial peers again every

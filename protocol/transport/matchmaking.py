@@ -3,22 +3,21 @@
 `Matchmaker.matchmake(round)` stores a readiness record under the DHT key f"{prefix}.round{r}",
 subkey = this peer's signing key (`identity.NodeDHT`: the key its peer id derives from), value =
 (registration time, peer id, expectation, patience, exclusions, workers) in DHT time, expiring after
-`record_ttl_s`. A
-record naming another peer than its key's is ignored: no one registers in another peer's name (a
-registrant is a peer that holds its key and is then expected to serve its parts, as any member).
-It reads the key back: the round opens at the `OPEN_QUORUM`-th earliest registration seen (the
-earliest of all while fewer have registered) and closes `window_s` later, at T, or, when its first
-registration is patient (see below), no sooner than that registration's patience after it; a peer
-registered after T is late and gets None at once. At T + `grace_s` the peer reads the key again
-and recomputes T from this read: a quorum reached since moves T later, and the peer waits again
-(at most once per registration short of the quorum); then the group is the peers registered at a
-time <= T, sorted by peer id; its owners are the members the others' work lists make eligible
-(`trust.eligible_owners`), in an order drawn from hash(prefix, r, members, tensor layout);
-group_id = hash of that and the owners. A registration
-that no other followed within window (or its patience) + grace closed a round of its own (its
-registrant found itself alone at its read, a node cut off from the others, say) and is no member
-of a later group at that round. Peers whose reads agree compute the same group without talking;
-clocks are assumed synchronized to well within `grace_s` (hivemind's DHT time is the wall clock).
+`record_ttl_s`. A record naming another peer than its key's is ignored: no one registers in another
+peer's name (a registrant is a peer that holds its key and is then expected to serve its parts, as
+any member). It reads the key back: the round opens at the `OPEN_QUORUM`-th earliest registration
+seen (the earliest of all while fewer have registered) and closes `window_s` later, at T, or, when
+its first registration is patient (see below), no sooner than that registration's patience after it;
+a peer registered after T is late and gets None at once. At T + `grace_s` the peer reads the key
+again and recomputes T from this read: a quorum reached since moves T later, and the peer waits
+again (at most once per registration short of the quorum); then the group is the peers registered at
+a time <= T, sorted by peer id; its owners are the members the others' work lists make eligible
+(`trust.eligible_owners`), in an order drawn from hash(prefix, r, members, tensor layout); group_id
+= hash of that and the owners. A registration that no other followed within window (or its patience)
++ grace closed a round of its own (its registrant found itself alone at its read, a node cut off
+from the others, say) and is no member of a later group at that round. Peers whose reads agree
+compute the same group without talking; clocks are assumed synchronized to well within `grace_s`
+(hivemind's DHT time is the wall clock).
 
 A registration's time is its writer's word. Opened by the earliest registration alone, a round
 could be closed before anyone else registered by one record dated in the past, every round (the
@@ -86,11 +85,7 @@ class Group:
     round: int
     members: tuple[str, ...]
     group_id: bytes
-    owners: tuple[str, ...] = ()  # the members that may own parts, in the order parts are dealt
-
-    def __post_init__(self) -> None:
-        if not self.owners:
-            object.__setattr__(self, "owners", self.members)
+    owners: tuple[str, ...]  # the members that may own parts, in the order parts are dealt
 
 
 class RoundFailed(Exception):
