@@ -296,6 +296,7 @@ def test_gathered_parts_cross_the_network_transport() -> None:
     the deadlines count them), and the traffic is what `reduce_group` counts."""
     from adloco.protocol.transport.hivemind_averager import HivemindAverager
     from adloco.protocol.transport.identity import NodeDHT
+    from adloco.protocol.transport.matchmaking import form_group, layout_of
 
     spec = "sparse:8/256:2"
     local: dict[str, Any] = {
@@ -340,7 +341,11 @@ def test_gathered_parts_cross_the_network_transport() -> None:
             t.start()
         for t in threads:
             t.join(timeout=30)
-        expected = reduce_group(contributions, codec=make_downlink(make_codec(spec), "gather"))
+        # Parts are dealt in the group's order (`matchmaking.form_group`; fresh peers list nobody).
+        members = sorted(a.peer_id for a in averagers)
+        group = form_group("gather", 0, members, layout_of(contributions[0].payloads), {})
+        downlink = make_downlink(make_codec(spec), "gather")
+        expected = reduce_group(contributions, codec=downlink, owners=group.owners)
         assert all(len(p) > 2 * len(contributions[0].payloads[k]) for k, p in expected.averaged.items())
         for r in results:
             assert r is not None and r.averaged == expected.averaged
