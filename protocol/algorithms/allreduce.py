@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .codecs import Codec, decode_tensors
-from .parts import DEFAULT_OUTLIER_FACTOR, MEAN, Aggregate, assign_parts, reduce_parts, round_traffic
+from .parts import DEFAULT_OUTLIER_FACTOR, MEAN, Aggregate, deal_parts, reduce_parts, round_traffic
 from .report import PeerReport, parse_reports
 from .trust import accepted_work
 
@@ -113,11 +113,7 @@ def reduce_group(
             raise ValueError(f"peer {c.peer_id} sent tensors {sorted(c.payloads)} instead of {sorted(keys)}")
     sizes = [max(len(c.payloads[k]) for c in members) for k in keys]
     ids = [c.peer_id for c in members]
-    dealt = ids if owners is None else list(owners)
-    if not dealt or not set(dealt) <= set(ids) or len(set(dealt)) != len(dealt):
-        raise ValueError("owners must be distinct members of the group")
-    at = {p: i for i, p in enumerate(ids)}
-    owner_index = [at[dealt[i]] for i in assign_parts(sizes, len(dealt))]
+    owner_index = deal_parts(sizes, ids, ids if owners is None else owners)
     owned = {k: ids[i] for k, i in zip(keys, owner_index, strict=True)}
     reduced = reduce_parts(
         keys,

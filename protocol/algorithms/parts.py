@@ -164,6 +164,15 @@ def assign_parts(sizes: Sequence[int], num_members: int) -> list[int]:
     return owners
 
 
+def deal_parts(sizes: Sequence[int], members: Sequence[str], owners: Sequence[str]) -> list[int]:
+    """Owner per tensor, as an index into `members`: `assign_parts` over `owners` (distinct members,
+    in the order the group deals parts to them). ValueError for owners that are not that."""
+    if not owners or not set(owners) <= set(members) or len(set(owners)) != len(owners):
+        raise ValueError("owners must be distinct members of the group")
+    at = {p: i for i, p in enumerate(members)}
+    return [at[owners[i]] for i in assign_parts(sizes, len(owners))]
+
+
 def check_outlier_factor(factor: float | None) -> float | None:
     """`factor` if it is a valid outlier factor (None or >= 0, finite); ValueError otherwise."""
     if factor is not None and not (math.isfinite(factor) and factor >= 0):

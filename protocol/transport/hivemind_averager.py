@@ -81,8 +81,8 @@ from ..algorithms.parts import (
     DEFAULT_OUTLIER_FACTOR,
     MEAN,
     Aggregate,
-    assign_parts,
     check_outlier_factor,
+    deal_parts,
     most_bytes_moved,
     tensor_norm,
 )
@@ -606,8 +606,7 @@ class HivemindAverager:
         layout = {k: i for i, k in enumerate(keys)}
         sizes = [len(contribution.payloads[k]) for k in keys]
         # Parts go to the members the others' work lists make eligible (`trust`), in the group's order.
-        at = {m: i for i, m in enumerate(group.members)}
-        owner_index = [at[group.owners[i]] for i in assign_parts(sizes, len(group.owners))]
+        owner_index = deal_parts(sizes, group.members, group.owners)
         owners = {k: group.members[i] for k, i in zip(keys, owner_index, strict=True)}
         members = len(group.members)
         answer_sizes = [
