@@ -70,14 +70,17 @@ def core(members: Collection[str], lists: Mapping[str, Collection[str]], *, seed
     fewer than the peers that worked together, however their votes would have diluted the others'
     (a plain majority of all voters let two such keys leave three honest peers short of one)."""
     fellows = set(members)
-    kept = {m for m in fellows if any(w != m and w in fellows for w in lists.get(m, ()))}
+    named = {m: (set(lists.get(m, ())) & fellows) - {m} for m in fellows}
+    kept = {m for m in fellows if named[m]}
     rank = {p: i for i, p in enumerate(owner_order(seed, kept))}
+    votes = {m: sum(1 for v in kept if m in named[v]) for m in kept}
     while kept:
-        votes = {m: sum(1 for v in kept if v != m and m in lists[v]) for m in kept}
         weakest = min(kept, key=lambda m: (votes[m], -rank[m]))
         if 2 * votes[weakest] > len(kept) - 1:
             break
         kept.discard(weakest)
+        for m in named[weakest] & kept:  # its votes no longer count
+            votes[m] -= 1
     return kept
 
 
