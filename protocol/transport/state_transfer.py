@@ -188,9 +188,10 @@ class StateServer:
         self._closed = False
         self._serving = asyncio.Semaphore(self.settings.serve_concurrency)
         self._serving_updates = asyncio.Semaphore(max(1, self.settings.serve_concurrency // 4))
-        # Requests in flight per peer, all and "updates" (`_serve`; touched on the loop only).
+        # Requests in flight per peer, and the peers an "updates" stream is serving (`_serve`; touched
+        # on the loop only).
         self._requests: Counter[str] = Counter()
-        self._updating: Counter[str] = Counter()
+        self._updating: set[str] = set()
         try:
             maddr = dht.run_coroutine(daemon_listen_maddr)
             self._p2p: P2P = self._call(P2P.replicate(maddr), timeout=30)
@@ -426,10 +427,10 @@ class StateServer:
             if not await self._admission.select_async([peer]):
                 raise ValueError(NOT_ADMITTED)  # nothing served, and nothing read past the request
             if request.get("op") == "updates":
-                if self._updating[peer]:
+                if peer in self._updating:
                     raise ValueError(BUSY)
                 updating = True
-                self._updating[peer] += 1
+                self._updating.add(peer)
                 async with self._serving_updates:
                     await self._serve_updates(request, writer, meter)
                 return
@@ -447,9 +448,11 @@ class StateServer:
                 await asyncio.wait_for(write_frame(writer, refusal, [], meter), s.timeout_floor_s)
         finally:
             writer.close()
-            _release(self._requests, peer)
+            self._requests[peer] -= 1
+            if self._requests[peer] <= 0:
+                del self._requests[peer]  # the map holds the peers with requests in flight
             if updating:
-                _release(self._updating, peer)
+                self._updating.discard(peer)
 
     def _answer(self, request: dict[str, Any]) -> tuple[dict[str, Any], list[bytes]]:
         op, digest = request.get("op"), request.get("m")
@@ -566,10 +569,3 @@ def _update_items(
             raise ValueError(f"updates of more than {max_bytes} bytes")
         items.append((round_, schedule, None if merge is None else (merge[0], merge[1]), sizes))
     return items
-
-
-def _release(counts: Counter[str], peer: str) -> None:
-    """One request of `peer` fewer in flight (its entry dropped at zero: the map holds live peers)."""
-    counts[peer] -= 1
-    if counts[peer] <= 0:
-        del counts[peer]
