@@ -106,6 +106,7 @@ class ScriptedSwarm:
         self.published = 0
         self.published_at: float | None = None
         self.behind = False  # `sync` always catches up
+        self.solo_rounds = 0  # rounds applied alone since the last with company, as `vouch` counts
 
     def others_apply(self) -> None:
         self.published, self.published_at = 1, time.monotonic()
@@ -120,7 +121,8 @@ class ScriptedSwarm:
         return 0
 
     def vouch(self, members: Sequence[str], work: Mapping[str, float]) -> None:
-        pass
+        company = [m for m in members if m != self.peer.peer_id]
+        self.solo_rounds = 0 if company else self.solo_rounds + 1
 
     def publish(self, *, wait: bool = True) -> None:
         pass

@@ -175,9 +175,30 @@ class RoundLoop:
             if result is None:
                 logger.info("[%s round=%d] no group this time (attempt %d)", *self._tag(), attempt)
                 continue
+            if self._finished_without_us(result):
+                continue  # caught up over the round: the Δ goes in late, joining the next one
             self._applied(result, info)
             return True
         return False
+
+    def _finished_without_us(self, result: MemberResult) -> bool:
+        """Whether a round this node averaged alone, where it had company last time, is one the
+        peers it averaged with finished without it: it reads the head again (records that came in
+        while it averaged, or that a pause kept it from reading) and catches up to them, and then
+        does not apply its own (a fork). Peers that have gone (they no longer answer) leave it
+        theirs to finish alone."""
+        if tuple(result.members) != (self.peer.peer_id,) or self.sync.solo_rounds:
+            return False
+        start = self.peer.state.round
+        self.sync.sync()
+        if self.peer.state.round == start:
+            return False
+        logger.info(
+            "[%s round=%d] the peers it averaged with finished round %d without it: caught up instead",
+            *self._tag(),
+            start,
+        )
+        return True
 
     # ---- one-step-delay overlap --------------------------------------------------------------
 

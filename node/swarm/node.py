@@ -251,6 +251,8 @@ class SwarmNode:
                     raise
                 # A DHT call failed on the dead network: the loss below says why, not a traceback.
             self.ops.save_final()
+            if self._network_lost() is None:
+                self.sync.records.settle()
         finally:
             self.ops.stopped()
         lost = self._network_lost()

@@ -165,6 +165,7 @@ class RunRecords:
         self._subkey = add_run_validators(dht, prefix, run_id)
         self.admission = admission or Admission()
         self.credential: str | None = None  # this peer's, republished with its state record
+        self._state_store: Any = None  # the last state record's store, while not waited for
 
     def publish_state(self, record: StateRecord, *, wait: bool = True) -> None:
         """Store this peer's state record (and its credential in a private run). `wait`: block until
@@ -181,8 +182,21 @@ class RunRecords:
             return_future=True,
         )
         _stored_or_logged(stored, "storing the state record", wait)
+        self._state_store = None if wait else stored
         if self.credential is not None:
             self.publish_credential(self.credential, wait=wait)
+
+    def settle(self) -> None:
+        """Wait for the last state record stored without waiting to land: a node that stops after its
+        last round leaves that round's record for the peers still behind it (a record dropped at
+        exit left them unaware the run had gone on without them). A failure is logged."""
+        store, self._state_store = self._state_store, None
+        if store is None:
+            return
+        try:
+            dht_result(store, "storing the last state record")
+        except Exception as e:
+            logger.warning("storing the last state record failed: %r", e)
 
     def publish_credential(self, token: str, *, wait: bool = True) -> None:
         """Store this peer's credential of a private run, for the others to admit it."""
