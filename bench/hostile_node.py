@@ -37,9 +37,10 @@ from adloco.node.sim.engine import ATTACKS, forge
 from adloco.node.swarm.node import SwarmNode
 from adloco.protocol.algorithms.codecs import decode, make_codec, payload_codec
 from adloco.protocol.transport import hivemind_averager, owner
+from adloco.protocol.transport.matchmaking import RoundFailed
 from adloco.protocol.transport.owner import Answer, OwnerHandler, OwnerSession
 
-OWNER_ATTACKS = ("owner-scaled", "owner-noise", "owner-split", "owner-stall", "mute")
+OWNER_ATTACKS = ("owner-scaled", "owner-noise", "owner-split", "owner-stall", "mute", "silent")
 
 
 def _signed(answer: Answer, session: OwnerSession) -> Answer:
@@ -111,6 +112,13 @@ def attack_as_owner(attack: str) -> None:
             return await real_verify(**{**kw, "send": lambda *args: None})
 
         hivemind_averager.verify_round = withheld
+    elif attack == "silent":  # registers and joins groups, then sends no owner its parts
+
+        async def hold(self: Any, *args: Any, **kwargs: Any) -> Any:
+            await asyncio.sleep(self.part_timeout_s)  # then registers again for the next try
+            raise RoundFailed("silent")
+
+        hivemind_averager.HivemindAverager._exchange = hold  # type: ignore[method-assign]
 
 
 def _session_with(session: OwnerSession, result: Answer) -> OwnerSession:

@@ -3,7 +3,9 @@ and a fourth node (real p2pd, loopback, tiny-llama) train `--rounds` rounds; in 
 fourth is honest too, in the others it is bench/hostile_node.py sending a forged pseudo-gradient
 every round (the simulator's attacks: flip1000 = −1000 Δ, flip = −Δ claiming the most weight the
 round allows, random = noise at Δ's norm, constant = one noise direction every round), or lying as
-an owner (owner-scaled, owner-noise, owner-split, owner-stall) or withholding its reveal (mute). Every
+an owner (owner-scaled, owner-noise, owner-split, owner-stall), withholding its reveal (mute) or
+its parts (silent: it joins groups and sends no owner anything); `+rekey` after any of them: left
+out, it joins again under a fresh key. Every
 combination of `--rules` (the owners' `--aggregate`), `--scores` (every node's `--score`: owners
 judge each member's Δ over their parts by the loss on their own data) and `--attacks` runs once per
 seed. Printed and written to bench/results/robust_swarm.json: the honest nodes' final val loss

@@ -42,6 +42,7 @@ from adloco.protocol.algorithms.codecs import decode_tensors, encode_tensors, ma
 from adloco.protocol.algorithms.report import PeerReport
 from adloco.protocol.algorithms.trust import WORK_MIN_ROUNDS
 from adloco.protocol.transport.averager import Averager, MemberResult, Misconduct, NotOpened
+from adloco.protocol.transport.matchmaking import RoundFailed
 from adloco.protocol.transport.memory import MemoryAverager, MemoryHub
 
 from background import AVERAGER_TEST_MARK
@@ -140,9 +141,7 @@ class Swarm:
                 prefix=prefix,
                 window_s=WINDOW_S,
                 grace_s=GRACE_S,
-                part_timeout_s=PART_TIMEOUT_S,
-                reduce_timeout_s=REDUCE_TIMEOUT_S,
-                **knobs,
+                **{"part_timeout_s": PART_TIMEOUT_S, "reduce_timeout_s": REDUCE_TIMEOUT_S, **knobs},
             )
         else:
             averager = MemoryAverager(self.hub, f"peer{node}", prefix=prefix)
@@ -1068,6 +1067,128 @@ def test_a_fresh_key_owns_no_part_until_its_work_counted_and_a_weightless_key_ne
         swarm.close()
 
 
+def _work_together(averagers: Sequence[Averager], *, seed: int) -> None:
+    """`trust.WORK_MIN_ROUNDS` rounds of `averagers` alone: they list one another (they own and seed
+    the rounds from then on); then their rounds wait the window for newcomers (no early close)."""
+    contributions = _contributions(averagers, "int8", seed=seed)
+    for round in range(WORK_MIN_ROUNDS):
+        _average_together(averagers, contributions, round=round, spec="int8")
+    for a in averagers:
+        cast(Any, a)._matchmaker.expected = None
+
+
+def _mute(monkeypatch: pytest.MonkeyPatch, mute: Any) -> None:
+    """`mute` sends its parts and takes the answers, then sends no reveal and no projection."""
+    from adloco.protocol.transport import hivemind_averager, verification
+
+    real = verification.verify_round  # what hivemind_averager calls, patched there
+
+    async def withheld(**kw: Any) -> dict[str, str]:
+        if kw["peer_id"] == mute.peer_id:
+            kw = {**kw, "send": lambda *args: None}
+        return await real(**kw)
+
+    monkeypatch.setattr(hivemind_averager, "verify_round", withheld)
+
+
+def test_a_fresh_key_that_withholds_its_reveal_costs_the_round_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Three peers that worked together (they own and seed the round: `trust.seeders`) and a fresh key
+    that sends its parts, takes the answers and then reveals and projects nothing. Its secret is not
+    needed, so the three complete the round with `reduce_group`'s bytes of all four contributions
+    (its part of each check widened by what its projection could have been), waiting a grace for
+    its reveal, not the reveal deadline; in the next rounds they do not wait for it at all. Its
+    work counts in the round (every member computes the same) but not in the ledgers of those it
+    withheld its reveal from: it is never listed, so it never comes to seed a round it could fail."""
+
+    swarm = Swarm("hivemind")
+    try:
+        swarm.add_nodes(4)
+        averagers = [swarm.averager(i) for i in range(4)]
+        old, mute = averagers[:3], cast(Any, averagers[3])
+        _work_together(old, seed=33)
+        _mute(monkeypatch, mute)
+        contributions = _contributions(averagers, "int8", seed=34)
+        rounds = range(WORK_MIN_ROUNDS, 2 * WORK_MIN_ROUNDS + 1)
+        for round in rounds:
+            outcomes = _average_together(averagers, contributions, round=round, spec="int8")
+            _assert_matches_reduce_group(outcomes[:3], contributions, "int8")
+            result = outcomes[0].result
+            assert result is not None and mute.peer_id not in result.owners.values()
+            assert result.work[mute.peer_id] > 0
+            for a in old:
+                assert mute.peer_id not in cast(Any, a).verdicts()
+                assert cast(Any, a)._laggards == {mute.peer_id}
+                assert mute.peer_id not in cast(Any, a).workers()
+            reveal_deadline = old[0]._exchange_budget_s(0)  # type: ignore[attr-defined]
+            assert max(o.elapsed_s for o in outcomes[:3]) < WINDOW_S + GRACE_S + reveal_deadline, round
+    finally:
+        swarm.close()
+
+
+def _silent(averager: Any) -> None:
+    """`averager` joins groups (and, as an owner, reduces and answers) but sends no owner its parts."""
+
+    async def hold(*args: Any) -> None:
+        await asyncio.sleep(PART_TIMEOUT_S + REDUCE_TIMEOUT_S)
+        raise RoundFailed("silent")
+
+    averager._exchange = hold
+
+
+def test_an_owner_that_sends_no_other_owner_its_parts_costs_one_try() -> None:
+    """A fresh swarm (every member owns): one member answers for its parts and sends the other owners
+    none of its own. Every honest member sees that alike from the answers and fails the try, naming
+    it as silent; the retry completes without it."""
+    swarm = Swarm("hivemind")
+    try:
+        swarm.add_nodes(3)
+        averagers = [swarm.averager(i) for i in range(3)]
+        silent: Any = averagers[2]
+        _silent(silent)
+        contributions = _contributions(averagers, "int8", seed=35)
+        first = _average_together(averagers, contributions, round=0, spec="int8")
+        assert [o.result for o in first] == [None, None, None]
+        for honest in averagers[:2]:
+            assert cast(Any, honest).verdicts()[silent.peer_id].why == "sent no other owner its parts"
+        retry = _average_together(averagers, contributions, round=1, spec="int8")
+        assert retry[2].result is None
+        _assert_matches_reduce_group(retry[:2], contributions[:2], "int8")
+    finally:
+        swarm.close()
+
+
+def test_a_fresh_key_that_sends_nothing_holds_a_round_a_grace_not_the_deadline_then_is_left_out() -> None:
+    """Three peers that worked together own the parts; a fresh key joins their group and sends no
+    owner anything. The owners wait for it a grace once their own parts are in (`trust.GRACE_S`),
+    not to their part deadline (15 s here), and the round completes without it; every member sees it
+    in no answer and leaves it out a while (`EXCLUDE_SILENT_S`), so the next round is the three's."""
+    from adloco.protocol.transport.hivemind_averager import EXCLUDE_SILENT_S
+
+    swarm = Swarm("hivemind")
+    try:
+        swarm.add_nodes(4)
+        part_deadline_s = 15.0
+        averagers = [swarm.averager(i, part_timeout_s=part_deadline_s) for i in range(4)]
+        old, silent = averagers[:3], cast(Any, averagers[3])
+        _work_together(old, seed=36)
+        _silent(silent)
+        everyone = _contributions(averagers, "int8", seed=37)
+        held = _average_together(averagers, everyone, round=WORK_MIN_ROUNDS, spec="int8")
+        _assert_matches_reduce_group(held[:3], everyone[:3], "int8")
+        assert max(o.elapsed_s for o in held[:3]) < part_deadline_s
+        for a in old:
+            verdict = cast(Any, a).verdicts()[silent.peer_id]
+            assert verdict.why == "sent no owner its parts" and not verdict.proven
+            assert verdict.until - cast(Any, a)._loop.time() <= EXCLUDE_SILENT_S
+        after = _average_together(averagers, everyone, round=WORK_MIN_ROUNDS + 1, spec="int8")
+        _assert_matches_reduce_group(after[:3], everyone[:3], "int8")
+        assert after[3].result is None
+    finally:
+        swarm.close()
+
+
 def test_an_owner_that_takes_the_parts_and_never_answers_costs_one_try(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -1099,27 +1220,20 @@ def test_an_owner_that_takes_the_parts_and_never_answers_costs_one_try(
         swarm.close()
 
 
-def test_a_member_that_withholds_its_reveal_costs_one_try(
+def test_a_seeder_that_withholds_its_reveal_costs_one_try(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A member that sends its parts and takes the answers, then reveals nothing, fails the round for
-    everyone (the direction needs every secret); each honest member names it, and the next try
-    completes without it."""
-    from adloco.protocol.transport import hivemind_averager, verification
+    """In a fresh swarm (nobody has a record: every member owns and seeds, `trust.seeders`), a member
+    that sends its parts and takes the answers, then reveals nothing, fails the round for everyone
+    (the direction needs its secret); each honest member names it, and the next try completes
+    without it."""
 
     swarm = Swarm("hivemind")
     try:
         swarm.add_nodes(3)
         averagers = sorted((swarm.averager(i) for i in range(3)), key=lambda a: a.peer_id)
         mute: Any = averagers[2]
-        real = verification.verify_round  # what hivemind_averager calls, patched there below
-
-        async def withheld(**kw: Any) -> dict[str, str]:
-            if kw["peer_id"] == mute.peer_id:
-                kw = {**kw, "send": lambda *args: None}
-            return await real(**kw)
-
-        monkeypatch.setattr(hivemind_averager, "verify_round", withheld)
+        _mute(monkeypatch, mute)
         contributions = _contributions(averagers, "int8", seed=20)
         with caplog.at_level("WARNING"):
             first = _average_together(averagers, contributions, round=0, spec="int8")
@@ -1424,7 +1538,6 @@ def test_a_member_announcing_or_sending_more_than_its_parts_is_dropped_and_the_o
     from hivemind.p2p import PeerID
 
     from adloco.protocol.transport import hivemind_averager, member
-    from adloco.protocol.transport.matchmaking import RoundFailed
     from adloco.protocol.transport.member import request_header
     from adloco.protocol.transport.wire import PROTOCOL_VERSION, read_frame, write_frame
 

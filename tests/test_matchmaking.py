@@ -32,6 +32,7 @@ from adloco.protocol.algorithms.codecs import make_codec
 from adloco.protocol.transport.matchmaking import (
     MAX_PATIENCE_S,
     OPEN_QUORUM,
+    Registrations,
     close_and_members,
     expectation,
     join_deadline,
@@ -351,6 +352,32 @@ def test_a_try_failed_for_every_live_member_is_known_over_at_once(hivemind_swarm
     assert not averagers[0]._call(matchmaker.all_failed(round, members), timeout=10)  # type: ignore[attr-defined]
     # A round no group formed for is never over by this rule (the caller waits out the bound).
     assert not averagers[0].failed_everywhere(round + 1)  # type: ignore[attr-defined]
+
+
+def test_keys_with_no_record_cannot_open_time_or_hold_a_round_once_some_registrants_worked_together() -> None:
+    """The limit above, closed where registrants worked together: only the registrations of the
+    core of their work lists open the round (`openers`). Two fresh keys dating theirs 100 s in the
+    past close nothing and are in no group; one that registered just before the openers joins
+    them; one claiming the most patience holds nothing."""
+    openers = {"a", "b", "c"}
+    times = {"x": -100.0, "y": -100.0, "a": 0.0, "b": 0.2, "c": 0.4}
+    close, members = close_and_members(times, 1.0, 0.3, openers=openers)
+    assert close == pytest.approx(1.2) and members == ("a", "b", "c")
+    times = {"new": -0.5, "a": 0.0, "b": 0.2}
+    close, members = close_and_members(times, 1.0, 0.3, openers={"a", "b"})
+    assert close == pytest.approx(1.2) and members == ("a", "b", "new")
+    times, patience = {"x": 0.0, "a": 0.1, "b": 0.2}, {"x": MAX_PATIENCE_S}
+    assert close_and_members(times, 1.0, 0.3, patience=patience, openers={"a", "b"})[0] == pytest.approx(1.2)
+    # Registrations whose writers list one another are the openers.
+    lists = {p: tuple(sorted(openers - {p})) for p in openers}
+    found = Registrations(
+        {"x": -100.0, "y": -100.0, "a": 0.0, "b": 0.2, "c": 0.4},
+        dict.fromkeys(["x", "y", "a", "b", "c"], ""),
+        dict.fromkeys(["x", "y", "a", "b", "c"], 0.0),
+        workers={**lists, "x": ("y",), "y": ("x",)},
+    )
+    close, members = found.close_and_members(1.0, 0.3)
+    assert close == pytest.approx(1.2) and members == ("a", "b", "c")
 
 
 def test_one_patient_registration_does_not_hold_the_round_open_for_everyone() -> None:

@@ -16,6 +16,7 @@ from adloco.protocol.algorithms.trust import (
     earners,
     eligible_owners,
     owner_order,
+    seeders,
 )
 from adloco.protocol.transport.matchmaking import outvoted
 
@@ -68,6 +69,14 @@ def test_keys_listing_each_other_beyond_half_the_voters_are_eligible_the_known_l
     lists = {h: [o for o in honest if o != h] for h in honest}
     lists |= {s: [o for o in sybils if o != s] for s in sybils}
     assert eligible_owners(honest + sybils, lists) == tuple(sybils)
+
+
+def test_the_seed_is_drawn_from_the_owners_secrets_when_two_own_else_from_every_member() -> None:
+    members = ["a", "b", "c", "new"]
+    assert seeders(members, ("c", "a", "b")) == ["a", "b", "c"]  # a fresh key's secret is not needed
+    assert seeders(members, members) == members  # a fresh swarm: everyone owns, every secret counts
+    # One owner knows its own secret: the seed would be its to choose, so every member's counts.
+    assert seeders(members, ("a",)) == members
 
 
 def test_owner_order_is_a_draw_from_the_seed_that_no_id_can_fix() -> None:

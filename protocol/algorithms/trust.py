@@ -19,6 +19,10 @@ out (screening, scoring) or it committed to no weight. Work, not a key, is what 
   a group are eligible there; they are verified like any owner (`verify`), so what they can do is
   cost tries.
 
+- `seeders`: whose secrets a round's seed of directions is drawn from (`verification`): its owners
+  when at least two own parts, else every member. A key that has done no work takes the answers
+  and then withholds its reveal at no cost to the round: nobody waits for its secret.
+
 - `core` also decides whose word counts when the registrants of a round ask one another to leave
   peers out (`matchmaking.outvoted`): once some of them worked together, only they vote, so keys
   that did no work cannot leave out a peer that did, however many they are.
@@ -44,6 +48,11 @@ WORK_MIN_ROUNDS = 3
 as an owner buys each try with that much accepted work first."""
 MAX_WORKERS = 32
 """The most peers one record (a readiness or a state record) may list as workers."""
+GRACE_S = 1.0
+"""How long, at least, a round's owners wait for what the other members send once the owners' own
+is in (their parts, reveals, projections): as long again as the owners' took, and never less than
+this. What the others send only adds to the round; waiting out a deadline for it would let a key
+with no record hold every round it joins."""
 
 
 def accepted_work(weights: Mapping[str, float], rejected: Mapping[str, int], parts: int) -> dict[str, float]:
@@ -91,6 +100,17 @@ def eligible_owners(
     every member when it is empty."""
     kept = core(members, lists, seed=seed)
     return tuple(m for m in members if m in kept) if kept else tuple(members)
+
+
+def seeders(members: Sequence[str], owners: Collection[str]) -> list[str]:
+    """The members whose secrets a round's seed needs (see the module doc), in `members`' order.
+
+    A seed no owner can know before every answer is fixed needs one secret of a member that does
+    not collude with the liar: an owner knows its own, so two owners at least. Keys that list one
+    another and own a group's parts (the limit above) hold every secret of its seed, and so can fit
+    a lie to its direction; what bounds their answers there is the norm each is checked against."""
+    chosen = [m for m in members if m in owners]
+    return chosen if len(chosen) >= 2 else list(members)
 
 
 class WorkLedger:

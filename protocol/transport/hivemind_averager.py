@@ -40,13 +40,15 @@ bytes, identical `members` and `reports`. Consequences, all accepted for now:
 **Checks.** No member returns a result it has not checked (`verification.verify_round`, after
 `member.assemble`): every request carries the member's signed commitment, every answer the owner's
 signed statement; the members exchange the statements they got and a secret, then projections of
-their payloads on a direction drawn from all of them, and check every part they did not reduce. A
-failed check raises `Caught`, naming the peers at fault: this peer leaves them out of its next
-rounds, and its readiness records say so (`excluded`; `matchmaking.outvoted`). So:
+their payloads on a direction drawn from the seeders' secrets (`trust.seeders`: the owners), and
+check every part they did not reduce. A failed check raises `Caught`, naming the peers at fault:
+this peer leaves them out of its next rounds, and its readiness records say so (`excluded`;
+`matchmaking.outvoted`). So:
 - an owner that answers a lie, or different bytes to different members, fails the round for every
   honest member and is in no later group (decisions.md, "Verified reducers");
-- every member of the round must reveal its secret: one that does not fails the round everywhere,
-  once, and is named.
+- every seeder of the round must reveal its secret: one that does not fails the round everywhere,
+  once, and is named; another member that does not costs the others a grace, once
+  (`trust.GRACE_S`).
 
 `MemberResult.traffic` counts payload bytes and every byte written to / read from the streams
 (framing: wire.py); libp2p's own framing and encryption below the stream are not counted.
@@ -113,6 +115,11 @@ anyone can check), as long as an owner bans a member that broke the protocol."""
 EXCLUDE_SEEN_S = BAN_S / 5
 """How long a peer caught only by this peer's observation (a silence, an answer that failed its
 projection) is left out: a failure an honest peer can have (a dropped link) costs it less."""
+EXCLUDE_SILENT_S = EXCLUDE_SEEN_S / 4
+"""How long a member that sent no owner its parts (`Caught.silent`: it joined the group and then
+sent nothing, or it died) is first left out; twice as long each time again within `BAN_S`, up to
+`EXCLUDE_SEEN_S`. A node that died and restarts under its key loses no more than its restart; a
+key that joins groups to hold them to the part deadline holds few."""
 
 
 @dataclass(frozen=True)
@@ -220,6 +227,8 @@ class HivemindAverager:
         self._lost_owners: dict[int, set[str]] = {}  # round -> owners whose exchange broke here
         self._verdicts: dict[str, Verdict] = {}  # peers caught lying or silent, left out for a while
         self._worked = WorkLedger()  # whose work this peer took lately (`trust`)
+        self._laggards: set[str] = set()  # non-seeders whose reveal missed its grace (`verify_round`)
+        self._silences: dict[str, tuple[int, float]] = {}  # peer -> (times seen silent, last time)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._calls: set[asyncio.Task[Any]] = set()  # our `average` calls running on the loop
         self._closed = False
@@ -282,8 +291,15 @@ class HivemindAverager:
 
     def _convict(self, caught: Caught) -> None:
         """Leave the peers `caught` names out of this peer's next rounds (`excluded`)."""
-        until = self._loop.time() + (EXCLUDE_PROVEN_S if caught.proven else EXCLUDE_SEEN_S)
+        now = self._loop.time()
+        until = now + (EXCLUDE_PROVEN_S if caught.proven else EXCLUDE_SEEN_S)
         for peer, why in caught.culprits.items():
+            if caught.silent and not caught.proven:
+                self._silences = {p: v for p, v in self._silences.items() if now - v[1] < BAN_S}
+                times, last = self._silences.get(peer, (0, now))
+                times = times + 1 if now - last < BAN_S else 1
+                self._silences[peer] = (times, now)
+                until = now + min(EXCLUDE_SEEN_S, EXCLUDE_SILENT_S * 2 ** (times - 1))
             if peer != self._peer_id:
                 self._verdicts[peer] = Verdict(why, caught.proven, until)
                 self._worked.forget(peer)  # its trust is earned again, by work after its exclusion
@@ -664,6 +680,24 @@ class HivemindAverager:
                 + self.phase_s(moved, floor_s=self.reduce_timeout_s)
             )
             await self._check(state, result, contribution, secret, bounds, moved, reveal_by)
+            # A member in no answer joined the group and sent no owner its parts (or died): it held
+            # every owner to the part deadline. Every member sees the same answers.
+            sent = set().union(*(a.contributors for a in state.answers.values()))
+            absent = [m for m in group.members if m not in sent and m != self._peer_id]
+            if absent:
+                self._convict(
+                    Caught(
+                        "sent nothing",
+                        dict.fromkeys(absent, "sent no owner its parts"),
+                        proven=False,
+                        silent=True,
+                    )
+                )
+                self._log(
+                    round,
+                    "leaving out %s a while: they sent no owner their parts",
+                    sorted(p[-8:] for p in absent),
+                )
         finally:
             # Members slower with their checks may still ask us to show the payloads we reduced.
             loop.call_later(self.phase_s(moved, floor_s=self.reduce_timeout_s), state.release)
@@ -671,7 +705,9 @@ class HivemindAverager:
         traffic = state.meter.traffic(result.traffic.exchange_s)
         weights = {m: state.commitments[m].weight for m in result.members if m in state.commitments}
         work = accepted_work(weights, result.rejected, len(keys))
-        self._worked.count(work, me=self._peer_id)
+        # A member that withheld its reveal from us earns nothing in our ledger (whose lists are our
+        # own word): a key that takes the answers and never reveals never comes to seed a round.
+        self._worked.count({m: 0.0 if m in self._laggards else w for m, w in work.items()}, me=self._peer_id)
         result = dataclasses.replace(
             result,
             work=work,
@@ -774,6 +810,7 @@ class HivemindAverager:
             executor=self._verify_executor,
             budget_s=budget,
             reveal_by=reveal_by,
+            laggards=self._laggards,
         )
         if liars:
             self._convict(Caught("false projections", liars, proven=True))

@@ -21,7 +21,9 @@ compute the same group without talking; clocks are assumed synchronized to well 
 
 A registration's time is its writer's word. Opened by the earliest registration alone, a round
 could be closed before anyone else registered by one record dated in the past, every round (the
-honest peers would all be late); opened by the quorum's, it takes `OPEN_QUORUM` such identities.
+honest peers would all be late); opened by the quorum's, it takes `OPEN_QUORUM` such identities;
+and once some registrants worked together (`trust.core` of their work lists), only theirs open,
+time and close the round (`openers`): the others join it, whatever date their records claim.
 The price: a round closes one window after its second registration instead of its first, so its
 first registrant waits at most two windows and two graces (`matchmaking_bound_s`), after the
 patience of the round's first registration.
@@ -95,12 +97,14 @@ class RoundFailed(Exception):
 class Caught(RoundFailed):
     """The round failed because of what peers did: `culprits` maps each to why. `proven`: this
     member holds statements they signed that show it (`statements`); otherwise it is this member's
-    own observation (a silence, an answer that failed its check), which it alone can vouch for."""
+    own observation (a silence, an answer that failed its check), which it alone can vouch for.
+    `silent`: the culprits sent no other owner their parts (every member sees the same answers)."""
 
-    def __init__(self, message: str, culprits: dict[str, str], *, proven: bool) -> None:
+    def __init__(self, message: str, culprits: dict[str, str], *, proven: bool, silent: bool = False) -> None:
         super().__init__(message)
         self.culprits = culprits
         self.proven = proven
+        self.silent = silent
         # Pairs of the culprits' own signed statements that prove it to any other peer (an owner's
         # receipt and its answer leaving the member out): passed on to the group (`verification`).
         self.evidence: list[tuple[Any, Any]] = []
@@ -153,11 +157,18 @@ def close_and_members(
     quorum: int = OPEN_QUORUM,
     expects: Mapping[str, str] | None = None,
     patience: Mapping[str, float] | None = None,
+    openers: Collection[str] | None = None,
 ) -> tuple[float, tuple[str, ...]]:
     """Close time T = the `quorum`-th earliest registration (the latest, while fewer) + window, or
     the round's first registration + its patience if that is later, and the peers registered from
     the round's first registration to T, sorted. (-inf, ()) when no round is open: only join-only
     registrations, which never open one.
+
+    `openers` (default: every registrant): the registrants whose registrations open, time and
+    close the round (the rules below); the others are members when they registered between a
+    window and a grace before its first registration and its close. Given the registrants that
+    worked together (`trust.core`), keys with no record cannot date records in the past to close
+    rounds before the honest peers register, nor claim patience, nor keep an early close waiting.
 
     A registration that no other followed within its wait (window or patience, the larger) + grace
     closed a round of its own: its registrant read the key at that time, found itself alone and went
@@ -186,8 +197,10 @@ def close_and_members(
     expects = expects or {}
     patience = patience or {}
     deadlines = {p: join_deadline(expects.get(p, "")) for p in records}
+    opening = set(records) if openers is None else set(openers)
     ordered = sorted(
-        ((p, t) for p, t in records.items() if deadlines[p] is None), key=lambda item: (item[1], item[0])
+        ((p, t) for p, t in records.items() if deadlines[p] is None and p in opening),
+        key=lambda item: (item[1], item[0]),
     )
     if not ordered:
         return -math.inf, ()
@@ -211,14 +224,25 @@ def close_and_members(
     close = max(ordered[min(quorum, len(ordered)) - 1][1] + window_s, start + held)
     waiting = {p for p, until in deadlines.items() if until is not None and start <= until}
     expected = expects.get(ordered[0][0], "")
-    for k, (peer, t) in enumerate(ordered):
+    # The early close looks at every registration from the round's first on (a newcomer registering
+    # in between keeps the window), but only an opener's starts the round.
+    since = sorted(
+        ((p, t) for p, t in records.items() if deadlines[p] is None and t >= start),
+        key=lambda item: (item[1], item[0]),
+    )
+    for k, (peer, t) in enumerate(since):
         if not expected or t > close or expects.get(peer, "") != expected:
             break
         if any(records[p] <= t for p in waiting):
             break  # a late contribution waits to join: the window
-        if k + 1 >= quorum and expectation([p for p, _ in ordered[: k + 1]]) == expected:
-            return t, tuple(sorted(p for p, _ in ordered[: k + 1]))
+        if k + 1 >= quorum and expectation([p for p, _ in since[: k + 1]]) == expected:
+            return t, tuple(sorted(p for p, _ in since[: k + 1]))
     members = [p for p, t in ordered if t <= close] + [p for p in waiting if records[p] <= close]
+    members += [
+        p
+        for p, t in records.items()
+        if p not in opening and deadlines[p] is None and start - window_s - grace_s <= t <= close
+    ]
     return close, tuple(sorted(members))
 
 
@@ -297,7 +321,13 @@ class Registrations:
         times = {p: t for p, t in self.times.items() if p not in out}
         if not times:
             return -math.inf, ()
-        return close_and_members(times, window_s, grace_s, expects=self.expects, patience=self.patience)
+        # Once some registrants worked together, only they open and time the round (of those whose
+        # registrations can open one: a join-only registration never does).
+        openable = [p for p in times if join_deadline(self.expects.get(p, "")) is None]
+        worked = core(openable, {p: self.workers.get(p, ()) for p in openable})
+        return close_and_members(
+            times, window_s, grace_s, expects=self.expects, patience=self.patience, openers=worked or None
+        )
 
     def outvoted(self) -> set[str]:
         lists = {p: self.workers.get(p, ()) for p in self.times}

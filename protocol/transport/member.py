@@ -351,8 +351,14 @@ async def assemble(
         others = [set(a.contributors) for o, a in answers.items() if o != owner]
         if owner not in (peer_id, *stand_ins) and others and all(owner not in c for c in others):
             # An owner that reached no other owner is what a stand-in replaces: another member may
-            # hold a stand-in's bytes for its parts (and, with theirs, a different θ).
-            raise RoundFailed(f"owner {owner[-8:]} contributed to no other owner")
+            # hold a stand-in's bytes for its parts (and, with theirs, a different θ). It answered
+            # (it is alive) and gave no other owner its parts: every member sees that alike.
+            raise Caught(
+                f"owner {owner[-8:]} contributed to no other owner",
+                {owner: "sent no other owner its parts"},
+                proven=False,
+                silent=True,
+            )
     everywhere = set.intersection(*contributor_sets)
     described = answers[owners[keys[0]]]
     metadata = described.metadata

@@ -1,7 +1,10 @@
 """The owner's side of a round: take the members' payloads of the parts it owns, reduce once, answer.
 
 An owner collects contributions until all members have sent (or were dropped) or its part deadline
-has passed (`OwnerSession.deadline`, derived from the bytes of the round), reduces its parts once
+has passed (`OwnerSession.deadline`, derived from the bytes of the round); where the group's owners
+are some of its members (`trust`), until the owners' parts are in and a grace after (`trust.GRACE_S`:
+at least as long again as they took), so a key with no record that joins and sends nothing holds
+the round that long, not to the deadline. It then reduces its parts once
 with `parts.reduce_parts` (screening out non-finite and outlier payloads), encodes each average once
 with its codec, and answers every member that contributed in time with the same bytes, the sorted
 list of contributors it included, how many of each one's parts it rejected and, for the owner of the
@@ -53,6 +56,7 @@ from ..algorithms.codecs import Codec, payload_codec, payload_shape
 from ..algorithms.parts import MEAN, Aggregate, reduce_parts
 from ..algorithms.report import MAX_REPORT_BYTES
 from ..algorithms.scoring import Scorer
+from ..algorithms.trust import GRACE_S
 from .admission import NOT_ADMITTED, Admission
 from .matchmaking import Group
 from .statements import (
@@ -307,6 +311,10 @@ class OwnerSession:
         self.done = asyncio.Event()
         self.idle = asyncio.Event()  # done, and every admitted member has been answered
         self._all_in = asyncio.Event()
+        self._owners_in = asyncio.Event()
+        # Where only some members own, the others' parts are waited for a grace once the owners' are in.
+        self._graced = 2 <= len(group.owners) < len(group.members)
+        self._opened = asyncio.get_running_loop().time()
         self._answering = 0
         self.done_at: float | None = None  # loop time the reduction ended
         self._on_stage = on_stage  # fault injection: "reducing", once the members are in
@@ -339,6 +347,30 @@ class OwnerSession:
     def _update_all_in(self) -> None:
         if len(self.contributions) + len(self.dropped) == len(self.group.members):
             self._all_in.set()
+        if all(o in self.contributions or o in self.dropped for o in self.group.owners):
+            self._owners_in.set()
+
+    async def _wait_members(self) -> None:
+        """Until every member is in, or the deadline; where some members own nothing, until the
+        owners are in and a grace after (see the module doc)."""
+        loop = asyncio.get_running_loop()
+        left = max(0.0, self.deadline - loop.time())
+        if not self._graced:
+            await asyncio.wait_for(self._all_in.wait(), timeout=left)
+            return
+        either = [asyncio.ensure_future(e.wait()) for e in (self._all_in, self._owners_in)]
+        try:
+            await asyncio.wait(either, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiting in either:
+                waiting.cancel()
+        if self._all_in.is_set():
+            return
+        if not self._owners_in.is_set():
+            raise asyncio.TimeoutError
+        now = loop.time()
+        grace = max(GRACE_S, now - self._opened)
+        await asyncio.wait_for(self._all_in.wait(), timeout=max(0.0, min(self.deadline, now + grace) - now))
 
     def answered(self) -> None:
         self._answering -= 1
@@ -356,7 +388,7 @@ class OwnerSession:
         """Wait for the members (at most until the deadline), then reduce on `executor`."""
         loop = asyncio.get_running_loop()
         try:
-            await asyncio.wait_for(self._all_in.wait(), timeout=max(0.0, self.deadline - loop.time()))
+            await self._wait_members()
         except asyncio.TimeoutError:
             missing = sorted(set(self.group.members) - set(self.contributions) - self.dropped)
             logger.info("round %d: owner reduces without %s (part deadline)", self.group.round, missing)

@@ -9,12 +9,16 @@ Once every owner has answered (`member.assemble`), `verify_round`:
    commitments;
 2. sends its reveal (every answer statement it holds, its secret) to every other member of the
    round and waits for theirs: an owner that sent another member a different answer is caught by
-   its two signed statements, a secret must match its commitment, and a member that reveals
-   nothing fails the round for everyone (the seed needs every secret);
+   its two signed statements, and a secret must match its commitment. The seed is drawn from the
+   secrets of the round's *seeders* (`trust.seeders`: its owners, or every member where fewer than
+   two own parts): a seeder that reveals nothing fails the round for everyone; any other member's
+   reveal is waited for a grace only (`trust.GRACE_S`, not at all for one that missed it last time), so a
+   key that did no work and withholds its reveal costs the round nothing;
 3. derives the round's seed, projects its own payloads on it and sends the projections to every
    other member; checks every part it did not reduce itself: exactly where the answer needs no
    projection, against the norm its contributions allow, and by projection for the mean
-   (`verify.check_mean`, a missing projection widening the check by what it could have been).
+   (`verify.check_mean`, a missing projection widening the check by what it could have been: the
+   seeders' projections are waited for within the budget, the others' for a grace).
 
 Any failure raises `Caught` naming the peers at fault: with `proven` when this member holds their
 signed statements that show it (an equivocation, a screening its own commitments contradict), else
@@ -39,6 +43,8 @@ from hivemind.p2p import P2P, PeerID
 from ..algorithms import verify
 from ..algorithms.codecs import decode, payload_codec, sum_count
 from ..algorithms.parts import MISMATCH, Aggregate
+from ..algorithms.trust import GRACE_S
+from ..algorithms.trust import seeders as seeders_of
 from ..algorithms.verify import Claim, Misanswer, Misprojection
 from .admission import Admission
 from .matchmaking import Caught, RoundFailed
@@ -508,6 +514,7 @@ async def verify_round(
     executor: Executor,
     budget_s: float,
     reveal_by: float,
+    laggards: set[str] | None = None,
 ) -> dict[str, str]:
     """The module doc's three steps for one round; returns when every answer checked out, with the
     contributors an owner showed to have sent false projections (the round still checks out with
@@ -520,7 +527,10 @@ async def verify_round(
     `members`: the round's members (those every owner admitted), who reveal and project;
     `payloads`: this member's own; `send(peer, kind, signed)` starts delivering a statement;
     `defend(owner, key, projections)` asks an owner whose part failed its check which of those
-    projections were false (`ask_defense`).
+    projections were false (`ask_defense`);
+    `laggards`: the members other than seeders whose reveal missed its grace in an earlier round
+    (this peer's own memory, updated here to those that missed it in this one): they are not
+    waited for.
     """
     loop = asyncio.get_running_loop()
     layout = state.layout
@@ -540,12 +550,17 @@ async def verify_round(
     for peer in others:
         send(peer, REVEAL, reveal.signed)
     mail = state.mail
+    seeders = seeders_of(members, group.owners)
+    laggards = set() if laggards is None else laggards
+    waited = [m for m in others if m in seeders or m not in laggards]
     secrets = await _gather_secrets(
-        mail, commitments, statements, state, others, peer_id, secret, reveal_by, budget_s
+        mail, commitments, statements, state, waited, peer_id, secret, reveal_by, budget_s, seeders
     )
+    for peer in others:  # a seeder revealed (to someone): the round would have failed otherwise
+        (laggards.discard if peer in mail.reveals or peer in seeders else laggards.add)(peer)
     seed = verify.round_seed(
         group.group_id,
-        [secrets[m] for m in members],
+        [secrets[m] for m in seeders],
         [statements[r].signed.digest for r in reducers],
     )
     state.seed = seed  # for the owners' defense of their parts (`VerifyHandler._defend`)
@@ -560,7 +575,7 @@ async def verify_round(
         group_id=group.group_id,
         seed=seed,
         values=mine,
-        secrets=[[m, secrets[m]] for m in members],
+        secrets=[[m, secrets[m]] for m in seeders],
     )
     for peer in others:
         send(peer, PROJECT, projected.signed)
@@ -572,8 +587,13 @@ async def verify_round(
     wanted = {
         c.part.contributors[i] for c in checked if c.tolerance is not None for i, _ in c.part.factors or []
     } - {peer_id}
-    deadline = max(loop.time(), reveal_by) + budget_s
-    await mail.wait(lambda: wanted <= set(mail.projections), deadline)
+    needed = wanted & set(seeders)
+    await _wait_graced(
+        mail,
+        lambda: needed <= set(mail.projections),
+        lambda: wanted - laggards <= set(mail.projections),
+        max(loop.time(), reveal_by) + budget_s,
+    )
     _check_equivocations(mail)
     held = {p: s for p, s in mail.projections.items() if s.seed == seed}
     held[peer_id] = projected
@@ -623,6 +643,18 @@ def _shown(
     return proven
 
 
+async def _wait_graced(
+    mail: Mailbox, needed: Callable[[], bool], wanted: Callable[[], bool], deadline: float
+) -> None:
+    """Wait for `needed()` until `deadline`, then for `wanted()` a grace longer: `GRACE_S`, or as
+    long again as `needed` took, within `deadline`."""
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    await mail.wait(needed, deadline)
+    took = loop.time() - start
+    await mail.wait(wanted, min(deadline, loop.time() + max(GRACE_S, took)))
+
+
 async def _gather_secrets(
     mail: Mailbox,
     commitments: Mapping[str, Commitment],
@@ -633,11 +665,13 @@ async def _gather_secrets(
     secret: bytes,
     reveal_by: float,
     budget_s: float,
+    seeders: Sequence[str],
 ) -> dict[str, bytes]:
-    """Every member's secret, each matching its commitment: from its reveal (whose answers must be
+    """The seeders' secrets, each matching its commitment: from its reveal (whose answers must be
     ours), or relayed in another member's projections (a member may reveal to some members only:
     what one honest member holds, all then hold). Caught when one is missing `budget_s` after
-    `reveal_by`: nobody revealed it, or nobody passed it on in time."""
+    `reveal_by`: nobody revealed it, or nobody passed it on in time. The reveals of `others` that
+    are not seeders are waited for a grace (`_wait_graced`) and checked like any."""
 
     def known() -> dict[str, bytes]:
         found = {peer_id: secret}
@@ -652,9 +686,15 @@ async def _gather_secrets(
                     found[peer] = value
         return found
 
-    await mail.wait(lambda: all(p in mail.reveals for p in others), reveal_by)
-    if not all(p in known() for p in others):
-        await mail.wait(lambda: all(p in known() for p in others), reveal_by + budget_s)
+    required = [p for p in seeders if p != peer_id]
+    await _wait_graced(
+        mail,
+        lambda: all(p in mail.reveals for p in required),
+        lambda: all(p in mail.reveals for p in others),
+        reveal_by,
+    )
+    if not all(p in known() for p in required):
+        await mail.wait(lambda: all(p in known() for p in required), reveal_by + budget_s)
     _check_equivocations(mail)
     for peer, revealed in mail.reveals.items():
         commitment = commitments.get(peer)
@@ -662,7 +702,7 @@ async def _gather_secrets(
             raise _fail(peer, "revealed a secret it had not committed to", proven=True)
         _compare_answers(revealed, statements, state)
     secrets = known()
-    silent = [p for p in others if p not in secrets]
+    silent = [p for p in required if p not in secrets]
     if silent:
         raise Caught(
             f"no reveal from {[p[-8:] for p in silent]}",
