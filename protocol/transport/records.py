@@ -24,6 +24,7 @@ import concurrent.futures
 import hashlib
 import json
 import logging
+import time
 from typing import Any, TypeVar
 
 import hivemind
@@ -193,10 +194,12 @@ class RunRecords:
         store, self._state_store = self._state_store, None
         if store is None:
             return
+        t0 = time.monotonic()
         try:
-            dht_result(store, "storing the last state record")
-        except Exception as e:
-            logger.warning("storing the last state record failed: %r", e)
+            store.result(timeout=SETTLE_S)
+        except Exception as e:  # still under way (peers that left delay their replicas), or failed
+            logger.info("the last state record's store: %r", e)
+        logger.info("waited %.2f s for the last state record's store", time.monotonic() - t0)
 
     def publish_credential(self, token: str, *, wait: bool = True) -> None:
         """Store this peer's credential of a private run, for the others to admit it."""
@@ -239,6 +242,11 @@ def live_beacons(dht: hivemind.DHT, run_id: str, *, alive_s: float) -> list[Beac
 
 
 DHT_CALL_TIMEOUT_S = 30.0  # a DHT call of the node's own process that takes longer: the DHT is gone
+
+
+SETTLE_S = 5.0
+"""The most a stopping node waits for its last state record's store (`RunRecords.settle`): the
+replicas that answer take a round trip; a peer that left holds the store up to its RPC timeout."""
 
 
 def dht_result(future: Any, what: str) -> Any:
