@@ -23,7 +23,8 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
 import torch
@@ -588,6 +589,27 @@ def test_kept_updates_arrive_in_pieces_and_replay_to_the_holders_state(
     done = catch_up(laggard, source, expected_hash=holder.state.theta_hash())
     assert (done.how, done.rounds) == ("replay", 2)
     assert laggard.state.theta_hash() == holder.state.theta_hash()
+
+
+def test_holders_are_asked_for_their_kept_updates_in_an_order_no_id_fixes() -> None:
+    """A laggard asks the holders of the head for kept updates in an order drawn afresh each time:
+    by id, a key ground to sort first would be every laggard's first source. Each holder refuses
+    here, so each call asks all five; the first asked differs across calls."""
+    asked: list[list[str]] = []
+
+    class Refusing:
+        def fetch_updates(self, holder: str, **kw: object) -> list[UpdateRecord]:
+            asked[-1].append(holder)
+            raise ValueError("refused")
+
+    holders = [f"Qm{i:044d}" for i in range(5)]
+    downloads = cast(Any, SimpleNamespace(max_update_bytes=1 << 20))
+    source = RemoteSource(cast(Any, Refusing()), holders, downloads, None)
+    for _ in range(30):
+        asked.append([])
+        assert source.updates(0) == []
+        assert sorted(asked[-1]) == holders
+    assert len({order[0] for order in asked}) > 1
 
 
 def test_a_server_limits_each_peer_updates_included_and_serves_the_others(swarm: Swarm) -> None:

@@ -181,7 +181,9 @@ class Downloads:
 @dataclass
 class RemoteSource:
     """Peers holding the swarm's state, as a catch-up source over the network: the kept updates of
-    the first holder that answers (`answered`), the state in chunks from every donor of `target`."""
+    the first holder that answers (`answered`), asked in an order drawn afresh each time (by id, a
+    key ground to sort first would be every laggard's first source: one serving poisoned updates
+    would send each to a full download), the state in chunks from every donor of `target`."""
 
     server: StateServer
     holders: Sequence[str]
@@ -190,7 +192,7 @@ class RemoteSource:
     answered: str = ""
 
     def updates(self, from_round: int) -> Sequence[Update]:
-        for holder in self.holders:
+        for holder in random.sample(list(self.holders), len(self.holders)):
             try:
                 records = self.server.fetch_updates(
                     holder, from_round=from_round, max_bytes=self.downloads.max_update_bytes
