@@ -368,6 +368,14 @@ def test_keys_with_no_record_cannot_open_time_or_hold_a_round_once_some_registra
     assert close == pytest.approx(1.2) and members == ("a", "b", "new")
     times, patience = {"x": 0.0, "a": 0.1, "b": 0.2}, {"x": MAX_PATIENCE_S}
     assert close_and_members(times, 1.0, 0.3, patience=patience, openers={"a", "b"})[0] == pytest.approx(1.2)
+    # A member of the group the registrants expect that registered just before the first opener
+    # (it is no opener: it has no record with them) still lets the round close early.
+    group = ("a", "b", "new")
+    expects = dict.fromkeys(group, expectation(group))
+    close, members = close_and_members(
+        {"new": -0.01, "a": 0.0, "b": 0.2}, 1.0, 0.3, expects=expects, openers={"a", "b"}
+    )
+    assert close == pytest.approx(0.2) and members == ("a", "b", "new")
     # Registrations whose writers list one another are the openers.
     lists = {p: tuple(sorted(openers - {p})) for p in openers}
     found = Registrations(

@@ -224,10 +224,12 @@ def close_and_members(
     close = max(ordered[min(quorum, len(ordered)) - 1][1] + window_s, start + held)
     waiting = {p for p, until in deadlines.items() if until is not None and start <= until}
     expected = expects.get(ordered[0][0], "")
-    # The early close looks at every registration from the round's first on (a newcomer registering
-    # in between keeps the window), but only an opener's starts the round.
+    # The early close looks at every registration that can be a member (a newcomer registering in
+    # between keeps the window), but only an opener's starts the round: another registrant's may
+    # come a little before it, and it is still one of the group the round expects.
+    earliest = {p: start if p in opening else start - window_s - grace_s for p in records}
     since = sorted(
-        ((p, t) for p, t in records.items() if deadlines[p] is None and t >= start),
+        ((p, t) for p, t in records.items() if deadlines[p] is None and t >= earliest[p]),
         key=lambda item: (item[1], item[0]),
     )
     for k, (peer, t) in enumerate(since):
