@@ -102,6 +102,12 @@ def eligible_owners(
     return tuple(m for m in members if m in kept) if kept else tuple(members)
 
 
+def grace_s(took: float) -> float:
+    """How long to wait for the other members once the owners' part of a phase is in, after it
+    took `took` seconds (`GRACE_S`)."""
+    return max(GRACE_S, took)
+
+
 def seeders(members: Sequence[str], owners: Collection[str]) -> list[str]:
     """The members whose secrets a round's seed needs (see the module doc), in `members`' order.
 

@@ -56,7 +56,7 @@ from ..algorithms.codecs import Codec, payload_codec, payload_shape
 from ..algorithms.parts import MEAN, Aggregate, reduce_parts
 from ..algorithms.report import MAX_REPORT_BYTES
 from ..algorithms.scoring import Scorer
-from ..algorithms.trust import GRACE_S
+from ..algorithms.trust import grace_s, seeders
 from .admission import NOT_ADMITTED, Admission
 from .matchmaking import Group
 from .statements import (
@@ -313,7 +313,7 @@ class OwnerSession:
         self._all_in = asyncio.Event()
         self._owners_in = asyncio.Event()
         # Where only some members own, the others' parts are waited for a grace once the owners' are in.
-        self._graced = 2 <= len(group.owners) < len(group.members)
+        self._graced = len(seeders(group.members, group.owners)) < len(group.members)
         self._opened = asyncio.get_running_loop().time()
         self._answering = 0
         self.done_at: float | None = None  # loop time the reduction ended
@@ -369,7 +369,7 @@ class OwnerSession:
         if not self._owners_in.is_set():
             raise asyncio.TimeoutError
         now = loop.time()
-        grace = max(GRACE_S, now - self._opened)
+        grace = grace_s(now - self._opened)
         await asyncio.wait_for(self._all_in.wait(), timeout=max(0.0, min(self.deadline, now + grace) - now))
 
     def answered(self) -> None:

@@ -43,7 +43,7 @@ from hivemind.p2p import P2P, PeerID
 from ..algorithms import verify
 from ..algorithms.codecs import decode, payload_codec, sum_count
 from ..algorithms.parts import MISMATCH, Aggregate
-from ..algorithms.trust import GRACE_S
+from ..algorithms.trust import grace_s
 from ..algorithms.trust import seeders as seeders_of
 from ..algorithms.verify import Claim, Misanswer, Misprojection
 from .admission import Admission
@@ -646,13 +646,13 @@ def _shown(
 async def _wait_graced(
     mail: Mailbox, needed: Callable[[], bool], wanted: Callable[[], bool], deadline: float
 ) -> None:
-    """Wait for `needed()` until `deadline`, then for `wanted()` a grace longer: `GRACE_S`, or as
-    long again as `needed` took, within `deadline`."""
+    """Wait for `needed()` until `deadline`, then for `wanted()` a grace longer
+    (`trust.grace_s` of what `needed` took), within `deadline`."""
     loop = asyncio.get_running_loop()
     start = loop.time()
     await mail.wait(needed, deadline)
     took = loop.time() - start
-    await mail.wait(wanted, min(deadline, loop.time() + max(GRACE_S, took)))
+    await mail.wait(wanted, min(deadline, loop.time() + grace_s(took)))
 
 
 async def _gather_secrets(
