@@ -98,6 +98,7 @@ def measure(name: str, cfg: TrainConfig, corpus: Any, *, rounds: int) -> dict[st
         "precision": cfg.precision,
         "autocast": str(peer.autocast_dtype),
         "activation_checkpointing": cfg.activation_checkpointing,
+        "compiled": peer.compiled,
         "b_max": peer.b_max,
         "seq_len": cfg.seq_len,
         "batch_size": cfg.batch_size,
@@ -123,6 +124,7 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=8, help="per instance, fixed")
     ap.add_argument("--inner-steps", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=2, help="measured rounds, after one warm-up")
+    ap.add_argument("--compile", choices=("auto", "on", "off"), default="auto")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -144,6 +146,7 @@ def main() -> None:
         precision=args.precision,
         overlap="off",
         codec="int8",
+        compile=args.compile,
     )
     base = replace(base, schedule=replace(base.schedule, test="none"))
     corpus, _ = load_data(base)
@@ -159,7 +162,8 @@ def main() -> None:
                 results.append(r)
                 _write(args.out, results)  # after every run: a run cut short keeps what it measured
                 print(
-                    f"{name} ({r['params'] / 1e6:.0f}M) {r['autocast']} checkpointing={ckpt}:"
+                    f"{name} ({r['params'] / 1e6:.0f}M) {r['autocast']} checkpointing={ckpt}"
+                    f" compiled={r['compiled']}:"
                     f" b_max={r['b_max']}, {r['tokens_per_s']:,.0f} tokens/s,"
                     f" peak device {r['peak_device_bytes'] / 2**30:.2f} GiB"
                     f" ({r['peak_device_bytes_per_param']:.1f} B/param),"

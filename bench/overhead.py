@@ -51,7 +51,7 @@ import torch
 from adloco.node.training.config import TrainConfig
 from adloco.node.training.devices import autocast
 from adloco.node.training.loss import causal_lm_loss
-from adloco.node.training.model import build_model, count_parameters
+from adloco.node.training.model import build_model, count_parameters, peak_flops, train_flops_per_token
 from adloco.node.training.peer import Peer
 from adloco.node.training.runtime import load_data
 from adloco.node.training.sampling import TokenSampler, shard_corpus
@@ -73,12 +73,14 @@ def _sync(device: torch.device) -> None:
 Runner = Callable[[int], tuple[int, float]]
 
 
-def bare_steps(cfg: TrainConfig, corpus: Any, vocab: int, *, hf_loss: bool) -> Runner:
-    """A plain training loop on the peer's data; returns run(steps) -> (tokens, wall seconds)."""
+def bare_steps(cfg: TrainConfig, corpus: Any, vocab: int, *, hf_loss: bool, compiled: bool = False) -> Runner:
+    """A plain training loop on the peer's data; returns run(steps) -> (tokens, wall seconds).
+    `compiled`: the whole model through `torch.compile`, as a user would write it."""
     device = torch.device(cfg.device)
     model = build_model(cfg.model, vocab_size=vocab, seed=cfg.seed, max_seq_len=max(1024, cfg.seq_len))
     model.to(device)
     model.train()
+    forward = torch.compile(model) if compiled else model
     params = [p for p in model.parameters() if p.requires_grad]
     inner = cfg.inner
     opt = torch.optim.AdamW(
@@ -102,7 +104,10 @@ def bare_steps(cfg: TrainConfig, corpus: Any, vocab: int, *, hf_loss: bool) -> R
             opt.zero_grad(set_to_none=True)
             batch = sampler.next_batch(batch_size).to(device, non_blocking=True)
             with autocast(device, dtype):
-                loss = model(input_ids=batch, labels=batch).loss if hf_loss else causal_lm_loss(model, batch)
+                if hf_loss:
+                    loss = forward(input_ids=batch, labels=batch).loss
+                else:
+                    loss = causal_lm_loss(model, batch)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, inner.grad_clip)
             opt.step()
@@ -133,28 +138,46 @@ def node_steps(cfg: TrainConfig, corpus: Any, vocab: int) -> Runner:
     return run
 
 
-def measure_inner_steps(cfg: TrainConfig, *, reps: int, vocab: int) -> dict[str, Any]:
-    """Tokens/s of the bare loops and the node, alternating, median over `reps` after a warm-up."""
+def measure_inner_steps(
+    cfg: TrainConfig, *, reps: int, vocab: int, compiled: bool = False, only: set[str] | None = None
+) -> dict[str, Any]:
+    """Tokens/s of the bare loops and the node, alternating, median over `reps` after a warm-up.
+    `compiled`: also a bare loop through a compiled model and the node with its layers compiled."""
     corpus, _ = load_data(cfg)
     steps = cfg.inner_steps
+    eager = replace(cfg, compile="off")
     runners = {
         "bare": bare_steps(cfg, corpus, vocab, hf_loss=False),
         "bare_hf_loss": bare_steps(cfg, corpus, vocab, hf_loss=True),
-        "node": node_steps(cfg, corpus, vocab),
+        "node": node_steps(eager, corpus, vocab),
         "node_at_cap": node_steps(
-            replace(cfg, schedule=replace(cfg.schedule, batch_cap=cfg.batch_size)), corpus, vocab
+            replace(eager, schedule=replace(cfg.schedule, batch_cap=cfg.batch_size)), corpus, vocab
         ),
         "node_batch_test_off": node_steps(
-            replace(cfg, schedule=replace(cfg.schedule, test="none")), corpus, vocab
+            replace(eager, schedule=replace(cfg.schedule, test="none")), corpus, vocab
         ),
     }
-    for run in runners.values():
-        run(steps)  # warm-up: kernels, allocator, AdamW state
+    if compiled:
+        on = replace(cfg, compile="on")
+        runners["bare_compiled"] = bare_steps(cfg, corpus, vocab, hf_loss=True, compiled=True)
+        runners["node_compiled"] = node_steps(on, corpus, vocab)
+        runners["node_compiled_at_cap"] = node_steps(
+            replace(on, schedule=replace(cfg.schedule, batch_cap=cfg.batch_size)), corpus, vocab
+        )
+    if only:
+        runners = {name: run for name, run in runners.items() if name in only}
+    # The warm-up round of each: kernels, allocator, AdamW state, and the compile where there is one
+    # (the node's first round compiles both micro-batch sizes: the test's chunks and the plain step).
+    warmup_s: dict[str, float] = {}
+    for name, run in runners.items():
+        warmup_s[name] = run(steps)[1]
+        print(f"  {name}: warm-up round {warmup_s[name]:.1f} s", flush=True)
     rates: dict[str, list[float]] = {name: [] for name in runners}
-    for _ in range(reps):
+    for rep in range(reps):
         for name, run in runners.items():
             tokens, wall = run(steps)
             rates[name].append(tokens / wall)
+        print(f"  rep {rep + 1}: " + ", ".join(f"{k} {v[-1]:,.0f}" for k, v in rates.items()), flush=True)
     med = {name: statistics.median(r) for name, r in rates.items()}
 
     def overhead(name: str) -> tuple[float, list[float]]:
@@ -162,19 +185,27 @@ def measure_inner_steps(cfg: TrainConfig, *, reps: int, vocab: int) -> dict[str,
         paired = [100.0 * (1.0 - n / b) for n, b in zip(rates[name], rates["bare"], strict=True)]
         return statistics.median(paired), paired
 
-    node, node_runs = overhead("node")
-    at_cap, test_off = overhead("node_at_cap")[0], overhead("node_batch_test_off")[0]
-    return {
+    result: dict[str, Any] = {
         "tokens_per_s": med,
         "tokens_per_s_runs": rates,
-        "overhead_pct": node,
-        "overhead_pct_runs": node_runs,
-        "overhead_at_cap_pct": at_cap,
-        "overhead_batch_test_off_pct": test_off,
-        "overhead_unpaired_pct": 100.0 * (1.0 - med["node"] / med["bare"]),
-        "node_vs_hf_loss_loop_pct": 100.0 * (med["node"] / med["bare_hf_loss"] - 1.0),
+        "warmup_round_s": warmup_s,
         "spread_pct": {name: 100.0 * (max(r) - min(r)) / statistics.median(r) for name, r in rates.items()},
     }
+    if {"bare", "node", "node_at_cap", "node_batch_test_off", "bare_hf_loss"} <= rates.keys():
+        node, node_runs = overhead("node")
+        result.update(
+            overhead_pct=node,
+            overhead_pct_runs=node_runs,
+            overhead_at_cap_pct=overhead("node_at_cap")[0],
+            overhead_batch_test_off_pct=overhead("node_batch_test_off")[0],
+            overhead_unpaired_pct=100.0 * (1.0 - med["node"] / med["bare"]),
+            node_vs_hf_loss_loop_pct=100.0 * (med["node"] / med["bare_hf_loss"] - 1.0),
+        )
+    if {"node_compiled", "bare_compiled"} <= rates.keys():
+        paired = [n / b for n, b in zip(rates["node_compiled"], rates["bare_compiled"], strict=True)]
+        result["node_compiled_vs_bare_compiled"] = statistics.median(paired)
+        result["node_compiled_vs_bare_compiled_runs"] = paired
+    return result
 
 
 def codec_speed(*, megabytes: float, reps: int) -> dict[str, Any]:
@@ -226,6 +257,8 @@ def run(
     precision: str = "fp32",
     codec_mb: float = 64.0,
     codec_reps: int = 5,
+    compiled: bool = False,
+    only: set[str] | None = None,
 ) -> dict[str, Any]:
     """Both parts; the dict `adloco-bench` stores under `overhead`."""
     vocab = 256
@@ -249,8 +282,9 @@ def run(
         # The cap above b: every round takes the batch test (as a swarm's do until b has grown to
         # the cap); no round is applied, so b stays and the rounds are comparable.
         cfg = replace(cfg, schedule=replace(cfg.schedule, batch_cap=2 * batch_size))
-        params = count_parameters(build_model(spec, vocab_size=vocab, max_seq_len=max(1024, seq_len)))
-        inner_steps_result = measure_inner_steps(cfg, reps=reps, vocab=vocab)
+        built = build_model(spec, vocab_size=vocab, max_seq_len=max(1024, seq_len))
+        params, flops_per_token = count_parameters(built), train_flops_per_token(built, seq_len)
+        inner_steps_result = measure_inner_steps(cfg, reps=reps, vocab=vocab, compiled=compiled, only=only)
     result: dict[str, Any] = {
         "model": model or "default",
         "params": params,
@@ -261,8 +295,13 @@ def run(
         "inner_steps": inner_steps,
         "reps": reps,
         "threads": torch.get_num_threads(),
+        "train_flops_per_token": flops_per_token,
         **inner_steps_result,
     }
+    peak = peak_flops(torch.device(device))
+    if peak is not None:  # model FLOPs utilization of each mode's median
+        result["peak_flops"] = peak
+        result["mfu"] = {k: v * flops_per_token / peak for k, v in result["tokens_per_s"].items()}
     if codec_mb > 0:
         result["codec"] = codec_speed(megabytes=codec_mb, reps=codec_reps)
     return result
@@ -284,6 +323,8 @@ def main() -> None:
     ap.add_argument("--inner-steps", type=int, default=10)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--codec-mb", type=float, default=64.0, help="0 skips part B")
+    ap.add_argument("--compile", action="store_true", help="also a compiled bare loop and compiled node")
+    ap.add_argument("--only", default=None, help="comma-separated runners to time (default: all)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -298,17 +339,24 @@ def main() -> None:
         reps=args.reps,
         precision=args.precision,
         codec_mb=args.codec_mb,
+        compiled=args.compile,
+        only=set(args.only.split(",")) if args.only else None,
     )
     result["duration_s"] = time.perf_counter() - t0
     tps = result["tokens_per_s"]
-    print(
-        f"{result['model']} ({result['params'] / 1e6:.1f}M) on {result['device']}, {args.precision}:"
-        f" bare {tps['bare']:,.0f} tok/s, node {tps['node']:,.0f} tok/s"
-        f" → overhead {result['overhead_pct']:+.2f} %"
-        f" (batch at its cap: {result['overhead_at_cap_pct']:+.2f} %;"
-        f" batch test off: {result['overhead_batch_test_off_pct']:+.2f} %);"
-        f" bare with transformers' loss {tps['bare_hf_loss']:,.0f} tok/s"
-    )
+    print(f"{result['model']} ({result['params'] / 1e6:.1f}M) on {result['device']}, {args.precision}:")
+    print("  tokens/s: " + ", ".join(f"{k} {v:,.0f}" for k, v in tps.items()))
+    if "overhead_pct" in result:
+        print(
+            f"  node against bare: overhead {result['overhead_pct']:+.2f} %"
+            f" (batch at its cap: {result['overhead_at_cap_pct']:+.2f} %;"
+            f" batch test off: {result['overhead_batch_test_off_pct']:+.2f} %)"
+        )
+    if "node_compiled_vs_bare_compiled" in result:
+        print(f"  compiled node against compiled bare: {result['node_compiled_vs_bare_compiled']:.3f}×")
+    print("  warm-up rounds (s): " + ", ".join(f"{k} {v:.1f}" for k, v in result["warmup_round_s"].items()))
+    if "mfu" in result:
+        print("  MFU: " + ", ".join(f"{k} {100 * v:.1f} %" for k, v in result["mfu"].items()))
     for name, c in result.get("codec", {}).get("codecs", {}).items():
         print(
             f"  {name}: encode {c['encode_gb_per_s']:.2f} GB/s ({c['encode_vs_memcpy']:.3f}× memcpy),"

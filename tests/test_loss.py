@@ -77,17 +77,20 @@ def test_loss_and_every_gradient_match_transformers_over_several_uneven_chunks(
         torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize("spec", ["tiny-llama", "gpt2"])
 def test_the_gpu_form_of_the_head_matches_transformers_loss_under_bf16_autocast(
-    spec: str, gpt2_config: str, monkeypatch: pytest.MonkeyPatch
+    spec: str, compiled: bool, gpt2_config: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """On a GPU, chunks of GPU_CHUNK_BYTES and the head's weight gradient in bf16 under a bf16
-    autocast (as autocast forms any linear layer's). Run here on the CPU by taking it for a GPU, with
-    chunks of 7 tokens: the loss and every gradient within bf16 rounding of transformers' own loss
-    under the same autocast."""
+    """On a GPU, chunks of GPU_CHUNK_BYTES, the output embedding padded to a multiple of VOCAB_PAD
+    rows (300 → 320 here), the chunk's softmax terms in one function (compiled where the model's
+    layers are), and the head's weight gradient in bf16 under a bf16 autocast (as autocast forms any
+    linear layer's). Run here on the CPU by taking it for a GPU, with chunks of 7 tokens: the loss
+    and every gradient within bf16 rounding of transformers' own loss under the same autocast."""
     monkeypatch.setattr(loss_module, "_is_gpu", lambda device: True)
     monkeypatch.setattr(loss_module, "GPU_CHUNK_BYTES", 4 * VOCAB * 7)
     model = _model(gpt2_config if spec == "gpt2" else spec)
+    setattr(model, loss_module.COMPILED_MARK, compiled)
     x = torch.randint(0, VOCAB, (3, 20), generator=torch.Generator().manual_seed(3))
 
     LossFn = Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]
@@ -135,6 +138,24 @@ def test_a_tied_weight_gets_the_head_gradient_itself_with_the_lookup_rows_added_
     assert _lookup(model).pending is None
     torch.autograd.backward(causal_lm_loss(model, x))  # accumulates onto the first
     torch.testing.assert_close(weight.grad, 2 * ref_grads[0], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_the_padded_gpu_form_in_fp32_is_the_cpu_form_to_rounding(
+    compiled: bool, gpt2_config: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The padding rows of the GPU form (zero weights, logits masked out of the softmax) change
+    nothing: in fp32 its loss and every gradient are the CPU form's to float rounding."""
+    model = _model(gpt2_config)
+    x = torch.randint(0, VOCAB, (3, 20), generator=torch.Generator().manual_seed(5))
+    cpu_loss, cpu_grads = _loss_and_grads(model, causal_lm_loss, x)
+    monkeypatch.setattr(loss_module, "_is_gpu", lambda device: True)
+    monkeypatch.setattr(loss_module, "GPU_CHUNK_BYTES", 4 * VOCAB * 7)
+    setattr(model, loss_module.COMPILED_MARK, compiled)
+    loss, grads = _loss_and_grads(model, causal_lm_loss, x)
+    assert loss == pytest.approx(cpu_loss, rel=1e-6)
+    for g, r in zip(grads, cpu_grads, strict=True):
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-7)
 
 
 def test_accumulating_adds_the_head_gradient_into_the_held_one_with_no_vocab_sized_tensor(

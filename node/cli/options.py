@@ -112,6 +112,12 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="recompute activations in the backward pass: ~1/3 more compute, a larger b_max",
     )
+    model.add_argument(
+        "--compile",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="torch.compile each instance's layers: auto (on a CUDA GPU), on, off",
+    )
 
     local = p.add_argument_group("local training (AdLoCo)")
     local.add_argument("--instances", type=int, default=2, help="K_0, MIT instances per peer")
@@ -304,6 +310,7 @@ def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
             device=args.device,
             precision=args.precision,
             activation_checkpointing=args.activation_checkpointing,
+            compile=args.compile,
             overlap=args.overlap,
             overlap_mix=args.overlap_mix,
         )

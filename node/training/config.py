@@ -137,6 +137,8 @@ class TrainConfig:
         keeping them (transformers' activation/gradient checkpointing): about a third more compute
         for activation memory of one layer instead of all, so b_max grows. Turn it on when b_max
         is small (the log's "b_max=") and rounds run in switch mode (accumulation > 1).
+    compile: torch.compile of each instance's layers (`model.compile_layers`): "auto" on a CUDA GPU,
+        not on a CPU; "on", "off". The first steps of each batch size take the compile time (logged).
     """
 
     model: str | None = None
@@ -176,6 +178,7 @@ class TrainConfig:
     device: str = "auto"
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     activation_checkpointing: bool = False
+    compile: Literal["auto", "on", "off"] = "auto"
     overlap: Literal["off", "auto", "rebase", "overwrite", "mix"] = "off"
     overlap_mix: float = 0.5
 
@@ -233,6 +236,8 @@ class TrainConfig:
             raise ValueError(f"overlap must be off, auto, rebase, overwrite or mix, got {self.overlap!r}")
         if self.precision not in ("auto", "fp32", "bf16"):
             raise ValueError(f"precision must be auto, fp32 or bf16, got {self.precision!r}")
+        if self.compile not in ("auto", "on", "off"):
+            raise ValueError(f"compile must be auto, on or off, got {self.compile!r}")
         if not 0 <= self.overlap_mix <= 1:
             raise ValueError(f"overlap_mix must be in [0, 1], got {self.overlap_mix}")
         if self.device != "auto":

@@ -20,6 +20,8 @@ with a bias-free linear head (`FUSED_TYPES`); any other model gets transformers'
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -33,6 +35,10 @@ FUSED_TYPES = frozenset({"gpt2", "llama", "mistral", "qwen2", "bloom", "gpt_neox
 # a chunk was 83 tokens of GPT-2: its weight-gradient product was a sliver of work per launch).
 CHUNK_BYTES = 16 << 20
 GPU_CHUNK_BYTES = 512 << 20
+# Set on a model by `model.compile_layers`: its loss head's softmax terms run compiled too.
+COMPILED_MARK = "adloco_compiled"
+# The output embedding's rows are padded to a multiple of this on a GPU (`_FusedLinearCrossEntropy`).
+VOCAB_PAD = 64
 
 
 def _is_gpu(device: torch.device) -> bool:
@@ -73,7 +79,8 @@ def causal_lm_loss(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
     `model(input_ids=input_ids, labels=input_ids)`, with the logits formed a chunk at a time."""
     fused = fused_head(model)
     if fused is None:
-        loss: torch.Tensor = model(input_ids=input_ids, labels=input_ids).loss
+        # (no key/value cache: a compiled layer would otherwise recompile for each layer's cache slot)
+        loss: torch.Tensor = model(input_ids=input_ids, labels=input_ids, use_cache=False).loss
         return loss
     base, head = fused
     hidden = base(input_ids=input_ids, use_cache=False).last_hidden_state
@@ -88,8 +95,9 @@ def causal_lm_loss(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
     # With a gradient already held (accumulating, or the norm test's replay beside the step's mean),
     # the weight's gradient is formed at the end of the backward pass, once the activations are gone.
     defer = grads and tied is not None and (tied.weight.grad is not None or tied.defer_head)
+    compiled = bool(getattr(model, COMPILED_MARK, False))
     out: torch.Tensor = _FusedLinearCrossEntropy.apply(  # type: ignore[no-untyped-call]
-        hidden, head.weight, targets, dtype, grads, tied, defer
+        hidden, head.weight, targets, dtype, grads, tied, defer, compiled
     )
     return out
 
@@ -107,6 +115,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         grads: bool,
         tied: TiedEmbedding | None,
         defer: bool,
+        compiled: bool,
     ) -> torch.Tensor:
         n, vocab = targets.numel(), weight.shape[0]
         if n == 0:
@@ -119,26 +128,46 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         rows = _chunk_rows(hidden.device, vocab)
         compute = dtype or weight.dtype
         with torch.autocast(hidden.device.type, enabled=False):
-            w = weight.detach().to(compute)
             grad_h = torch.empty_like(hidden) if need_h else None
             grad_w = torch.zeros_like(weight) if need_w else None
             total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-            for start in range(0, n, rows):
-                h32 = hidden[start : start + rows].detach().float()
-                h = h32.to(compute)
-                t = targets[start : start + rows]
-                logits = (h @ w.T).float()  # (rows, V): the one chunk of logits that exists
-                lse = torch.logsumexp(logits, dim=1)
-                total += (lse - logits.gather(1, t[:, None]).squeeze(1)).sum()
-                if deferred is not None:
-                    deferred.lse[start : start + rows] = lse
-                if grad_h is None and grad_w is None:
-                    continue
-                g = _softmax_minus_one_hot_(logits, lse, t).div_(n)  # the mean divides by n
-                if grad_h is not None:
-                    grad_h[start : start + rows] = g.to(compute) @ w
-                if grad_w is not None:
-                    _add_weight_grad(grad_w, g, h32, compute)
+            if _is_gpu(hidden.device):
+                chunk = _CHUNK_TERMS_COMPILED() if compiled else _chunk_terms
+                # The output embedding's rows padded to a multiple of 64: GPT-2's 50257 words make
+                # every row of logits misaligned, and the device's matrix products then fall back to
+                # kernels three times slower (measured on an H200: 15 of a 38 ms step went there).
+                padded = -(-vocab // VOCAB_PAD) * VOCAB_PAD
+                w = torch.zeros(padded, weight.shape[1], dtype=compute, device=weight.device)
+                w[:vocab].copy_(weight.detach())
+                for start in range(0, n, rows):
+                    h = hidden[start : start + rows].detach().to(compute)
+                    t = targets[start : start + rows]
+                    loss_sum, lse, g = chunk(h @ w.T, t, 1.0 / n, vocab)
+                    total += loss_sum
+                    if deferred is not None:
+                        deferred.lse[start : start + rows] = lse
+                    if grad_h is not None:
+                        grad_h[start : start + rows] = g @ w
+                    if grad_w is not None:
+                        grad_w.add_((g.T @ h)[:vocab])
+            else:
+                w = weight.detach().to(compute)
+                for start in range(0, n, rows):
+                    h32 = hidden[start : start + rows].detach().float()
+                    h = h32.to(compute)
+                    t = targets[start : start + rows]
+                    logits = (h @ w.T).float()  # (rows, V): the one chunk of logits that exists
+                    lse = torch.logsumexp(logits, dim=1)
+                    total += (lse - logits.gather(1, t[:, None]).squeeze(1)).sum()
+                    if deferred is not None:
+                        deferred.lse[start : start + rows] = lse
+                    if grad_h is None and grad_w is None:
+                        continue
+                    g = _softmax_minus_one_hot_(logits, lse, t).div_(n)  # the mean divides by n
+                    if grad_h is not None:
+                        grad_h[start : start + rows] = g.to(compute) @ w
+                    if grad_w is not None:
+                        _add_weight_grad(grad_w, g, h32, compute)
         if grad_h is not None:
             ctx.save_for_backward(grad_h)  # grows with the batch: counted as an activation
         ctx.grad_w = grad_w  # the weight's own gradient: not an activation (bmax)
@@ -152,7 +181,9 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         grad_h = ctx.saved_tensors[0] * grad_out if ctx.has_grad_h else None
         grad_w = ctx.grad_w
         ctx.grad_w = None
-        if grad_w is not None and not bool(grad_out == 1):
+        # Scaled unless the incoming gradient is 1 (a plain loss.backward()): tested on a CPU only, where
+        # reading it costs nothing; on a GPU the test would wait for the device, the multiply does not.
+        if grad_w is not None and (_is_gpu(grad_out.device) or not bool(grad_out == 1)):
             grad_w.mul_(grad_out)
         if grad_w is not None and ctx.tied is not None:
             # The input lookup's backward, which runs later in this pass, adds its rows in place and
@@ -163,7 +194,28 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             ctx.deferred.scale = grad_out / ctx.deferred.lse.numel()
             ctx.tied.pending_head = ctx.deferred
         ctx.tied = ctx.deferred = None
-        return grad_h, grad_w, None, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None, None
+
+
+def _chunk_terms(
+    logits: torch.Tensor, targets: torch.Tensor, scale: float, vocab: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One chunk's Σ CE, log-sum-exp and scale · (softmax − one-hot) in the logits' dtype, from
+    logits whose columns past `vocab` are padding (their softmax, and so their gradient, is 0). One
+    function, so that torch.compile fuses it into two passes over the chunk's logits."""
+    cols = torch.arange(logits.shape[1], device=logits.device)[None, :]
+    x = torch.where(cols < vocab, logits.float(), float("-inf"))
+    lse = torch.logsumexp(x, dim=1)
+    picked = x.gather(1, targets[:, None]).squeeze(1)
+    p = torch.exp(x - lse[:, None])
+    g = torch.where(cols == targets[:, None], p - 1.0, p) * scale
+    return (lse - picked).sum(), lse, g.to(logits.dtype)
+
+
+@functools.cache
+def _CHUNK_TERMS_COMPILED() -> Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """`_chunk_terms` through torch.compile (once per process; any chunk and vocabulary size)."""
+    return torch.compile(_chunk_terms, dynamic=True)
 
 
 def _softmax_minus_one_hot_(logits: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

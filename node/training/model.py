@@ -24,7 +24,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ...errors import UserError
-from .loss import TiedEmbedding
+from .loss import COMPILED_MARK, TiedEmbedding
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
@@ -161,6 +161,40 @@ def enable_activation_checkpointing(model: PreTrainedModel) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     # No key/value cache in training; the models would otherwise turn it off with a warning.
     model.config.use_cache = False
+
+
+COMPILE_MODES = ("auto", "on", "off")
+
+
+def resolve_compile(spec: str, device: torch.device) -> bool:
+    """Whether the instances' layers run through torch.compile (`--compile`): auto compiles on a
+    CUDA GPU, where the fused kernels pay for the compile time many times over in every round, and
+    not on a CPU, where Inductor's C++ kernels must first be built by the host's compiler and the
+    step is bound by the matrix products anyway (bench/overhead.py --compile on measures both)."""
+    if spec not in COMPILE_MODES:
+        raise UserError(f"--compile: expected one of {', '.join(COMPILE_MODES)}, got {spec!r}")
+    return spec == "on" or (spec == "auto" and device.type == "cuda")
+
+
+def compile_layers(model: torch.nn.Module) -> int:
+    """Compile each of the model's repeated layers in place (`nn.Module.compile`); return how many.
+
+    The layers are the modules transformers names as not to be split (`_no_split_modules`: GPT-2's
+    blocks, Llama's decoder layers): every layer shares one compiled graph (the parameters are its
+    inputs), so compiling costs the time of one layer whatever the depth, and what stays eager is
+    the embedding, the final norm and the fused loss head (`loss.causal_lm_loss`, already a few large
+    matrix products). Inductor fuses each layer's norms, activation, residual adds and dropout into
+    a few kernels, and the attention stays PyTorch's flash/efficient kernel (sdpa). Hooks on the
+    parameters (the batch test's) and activation checkpointing work as before. A deep copy of the
+    model is not compiled (`nn.Module.__getstate__` drops it): compile the copy again if it trains.
+    A model without such a list stays eager (0).
+    """
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    for layer in layers:
+        layer.compile()
+    setattr(model, COMPILED_MARK, True)  # and the loss head's softmax terms (`loss.causal_lm_loss`)
+    return len(layers)
 
 
 class PortableInit(TorchFunctionMode):
@@ -372,6 +406,29 @@ def model_fingerprint(model: torch.nn.Module) -> str:
     for name, param in sorted(model.named_parameters()):
         digest.update(f"|{name}:{tuple(param.shape)}:{param.dtype}".encode())
     return digest.hexdigest()
+
+
+# Dense bf16 peak of the GPUs volunteers bring, in FLOP/s (the vendors' data sheets, no sparsity):
+# what model FLOPs utilization (MFU) is measured against. A device not listed has no MFU figure.
+PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "4090": 165e12}
+
+
+def train_flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
+    """Model FLOPs of one training token (forward and backward): 6·N for the weights' matrix products
+    and 12·L·d·T for attention's (PaLM's appendix B, the count llm.c and nanoGPT report MFU with;
+    the causal mask's halving is not taken off). N counts every parameter (embeddings too)."""
+    config = getattr(model, "config", None)
+    layers = getattr(config, "num_hidden_layers", 0) or 0
+    hidden = getattr(config, "hidden_size", 0) or 0
+    return 6.0 * count_parameters(model) + 12.0 * layers * hidden * seq_len
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """The dense bf16 peak of `device` (`PEAK_BF16_FLOPS`), None for a CPU or an unlisted GPU."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
 
 
 def count_parameters(model: torch.nn.Module) -> int:

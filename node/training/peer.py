@@ -50,7 +50,13 @@ from .config import TrainConfig, residual_dtype
 from .corpus import Corpus
 from .devices import Placement, resolve_device, resolve_precision
 from .instances import BATCH_STATS, Instance, InstanceRound
-from .model import build_model, enable_activation_checkpointing, model_fingerprint
+from .model import (
+    build_model,
+    compile_layers,
+    enable_activation_checkpointing,
+    model_fingerprint,
+    resolve_compile,
+)
 from .replica import HISTORY_ROUNDS, PeerState, Update, initial_state
 from .rounds import ContributionInfo, LocalRound
 from .sampling import TokenSampler, evaluate, restore_streams, shard_corpus, validation_batches
@@ -87,6 +93,7 @@ class Peer:
         self.device = self.placement.train
         # Checked before the model is built: a bad --precision fails in a second, not a minute.
         self.autocast_dtype = resolve_precision(cfg.precision, self.device)
+        self.compiled = resolve_compile(cfg.compile, self.device)
         self.vocab_size = vocab_size
         self.tokenizer: Tokenizer = tokenizer or ByteTokenizer()
         if tokenizer is not None and tokenizer.vocab_size != vocab_size:
@@ -124,10 +131,11 @@ class Peer:
         )
         dtype = str(self.autocast_dtype).removeprefix("torch.")
         logger.info(
-            "instances on %s in %s%s; θ and the outer state on %s%s",
+            "instances on %s in %s%s%s; θ and the outer state on %s%s",
             self.device,
             "fp32" if self.autocast_dtype is None else f"{dtype} autocast",
             ", activation checkpointing" if cfg.activation_checkpointing else "",
+            ", layers compiled" if self.compiled else "",
             self.placement.state,
             " (pinned)" if self.placement.pin else "",
         )
@@ -158,6 +166,8 @@ class Peer:
                 f" this peer's data shard ({sampler.num_tokens} tokens); use a smaller batch or more data"
             )
         own = model if slot == 0 else copy.deepcopy(model)
+        if self.compiled:  # a copy is never compiled (`compile_layers`): each instance compiles its own
+            compile_layers(own)
         return Instance(
             slot=slot,
             model=own,
