@@ -17,6 +17,8 @@ from typing import Any
 
 import pytest
 
+from adloco.node.operations.metrics import NodeMetrics
+
 from procs import FAST_NODE_ARGS, Procs, wait_for
 
 pytestmark = pytest.mark.timeout(300)
@@ -35,6 +37,10 @@ def _free_port() -> int:
 def _get(url: str) -> str:
     with urllib.request.urlopen(url, timeout=10) as response:
         return str(response.read().decode())
+
+
+# Dashboard queries of figures only a GPU with a known peak has (`model.PEAK_BF16_FLOPS`).
+GPU_ONLY = frozenset({"adloco_mfu_ratio"})
 
 
 def _query(prom: str, expr: str) -> list[dict[str, Any]]:
@@ -72,6 +78,8 @@ def test_dashboard_has_queries_for_every_required_figure() -> None:
         "adloco_rejected_parts_total",
         "adloco_protocol_violations_total",
         "adloco_banned_members",
+        "adloco_compute_tokens_per_second",
+        "adloco_mfu_ratio",
     ):
         assert metric in exprs, f"the dashboard shows no {metric}"
 
@@ -168,9 +176,15 @@ def test_prometheus_scrapes_a_swarm_and_every_dashboard_query_returns_data(
     for expr in dashboard_queries():
         result = _query(prom, expr)
         print(f"{len(result):2d} series  {expr}")
-        if not result:
+        if expr in GPU_ONLY:
+            # These nodes train on the CPU, which has no peak figure: the node exports no MFU.
+            assert not result, f"{expr} on CPU nodes: {result}"
+        elif not result:
             missing[expr] = result
     assert not missing, f"dashboard queries without data: {sorted(missing)}"
+    devices = _query(prom, "adloco_compute_tokens_per_second")
+    assert len(devices) == NODES and {s["metric"]["device"] for s in devices} == {"cpu"}
+    assert all(float(s["value"][1]) > 0 for s in devices)
     # Figures that must have moved, not only exist. Every node had applied 4 rounds before the
     # queries; Prometheus holds what its last scrape saw, and a scrape on a loaded machine can be
     # seconds old (CI once read round 2 here), so wait for it to catch up rather than assume it has.
@@ -183,3 +197,17 @@ def test_prometheus_scrapes_a_swarm_and_every_dashboard_query_returns_data(
     assert float(_query(prom, "adloco_swarm_peers_alive")[0]["value"][1]) == NODES
     assert float(_query(prom, "sum(adloco_tokens_total)")[0]["value"][1]) > 0
     assert float(_query(prom, "min(adloco_wire_sent_bytes_total)")[0]["value"][1]) > 0
+
+
+def test_compute_rates_are_per_device_and_mfu_only_against_a_known_peak() -> None:
+    metrics = NodeMetrics()
+
+    def sample(name: str, device: str) -> float | None:
+        return metrics.registry.get_sample_value(f"adloco_{name}", {"device": device})
+
+    metrics.compute("cpu", tokens=4096, compute_s=2.0, flops_per_token=1e6, peak=None)
+    metrics.compute("cuda:0", tokens=400_000, compute_s=1.0, flops_per_token=8.6e8, peak=989e12)
+    assert sample("compute_tokens_per_second", "cpu") == 2048
+    assert sample("model_flops_per_second", "cpu") == 2048e6
+    assert sample("mfu_ratio", "cpu") is None
+    assert sample("mfu_ratio", "cuda:0") == pytest.approx(400_000 * 8.6e8 / 989e12)

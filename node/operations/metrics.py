@@ -88,6 +88,22 @@ class NodeMetrics:
         self.malformed = counter(
             "malformed_reports", "Group members' round reports every member dropped as malformed"
         )
+        self.compute_rate = gauge(
+            "compute_tokens_per_second",
+            "Training tokens per second of compute (the instances' inner steps) in the last local round",
+            ["device"],
+        )
+        self.model_flops = gauge(
+            "model_flops_per_second",
+            "Model FLOPs per second of compute in the last local round (6·N + 12·L·d·T per token)",
+            ["device"],
+        )
+        self.mfu = gauge(
+            "mfu_ratio",
+            "Model FLOPs utilization of the last local round against the device's dense bf16 peak"
+            " (GPUs with a known peak only)",
+            ["device"],
+        )
         self.peers = gauge("peers_visible", "Peers of this run with a state record in the DHT")
         self.current_round = gauge("round", "Rounds applied to θ (the swarm's round counter)")
         self.downloads = counter("state_downloads", "Full state downloads (joining, far behind)")
@@ -124,6 +140,19 @@ class NodeMetrics:
         if fields["contribution_bytes"]:
             self.compression.set(raw_bytes / fields["contribution_bytes"])
         self.set_codec(fields["codec"])
+
+    def compute(
+        self, device: str, *, tokens: int, compute_s: float, flops_per_token: float, peak: float | None
+    ) -> None:
+        """A local round's speed on `device`: tokens and model FLOPs per second of compute, and the
+        MFU where the device's peak is known (none is exported for a CPU: no peak figure is made up)."""
+        if compute_s <= 0:
+            return
+        rate = tokens / compute_s
+        self.compute_rate.labels(device).set(rate)
+        self.model_flops.labels(device).set(rate * flops_per_token)
+        if peak:
+            self.mfu.labels(device).set(rate * flops_per_token / peak)
 
     def set_codec(self, codec: str) -> None:
         if codec == self._codec:

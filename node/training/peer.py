@@ -55,7 +55,9 @@ from .model import (
     compile_layers,
     enable_activation_checkpointing,
     model_fingerprint,
+    peak_flops,
     resolve_compile,
+    train_flops_per_token,
 )
 from .replica import HISTORY_ROUNDS, PeerState, Update, initial_state
 from .rounds import ContributionInfo, LocalRound
@@ -111,6 +113,9 @@ class Peer:
         model = cast(torch.nn.Module, built)
         self.names = [n for n, p in model.named_parameters() if p.requires_grad]
         self._model_fingerprint = model_fingerprint(model)
+        # What one training token costs and what the device can do: the node's MFU (metrics).
+        self.flops_per_token = train_flops_per_token(model, cfg.seq_len)
+        self.peak_flops = peak_flops(self.device)
         # θ_0 is copied from the model on the host before the model moves to the training device.
         self.state = initial_state(model, cfg, copy=self.placement.host_copy)
         model.to(self.device)
