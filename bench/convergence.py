@@ -40,7 +40,7 @@ import math
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +79,7 @@ class Budget:
     inner_steps: int = 10
     overrun: float = 3.0
     ddp_eval_every: int = 10  # DDP steps between evaluations: the resolution of its rounds to target
+    step_curve: str | None = None  # a measured step time per batch (`adloco-sim --step-curve`)
 
 
 FULL = Budget()
@@ -86,7 +87,8 @@ QUICK = Budget(diloco_rounds=2, inner_steps=2, overrun=3.0, ddp_eval_every=1)
 
 
 def argv(name: str, budget: Budget) -> list[str]:
-    return [*COMMON, "--inner-steps", str(budget.inner_steps), *CONFIGS[name]]
+    curve = ["--step-curve", budget.step_curve] if budget.step_curve else []
+    return [*COMMON, "--inner-steps", str(budget.inner_steps), *curve, *CONFIGS[name]]
 
 
 def token_budget(cfg: TrainConfig, peers: int, budget: Budget) -> int:
@@ -128,7 +130,10 @@ def run_ddp(
     val = validation_batches(corpus, seq_len=cfg.seq_len, num_sequences=cfg.val_sequences)
     num_params = sum(p.numel() for p in params)
     ring = 2 * (n - 1) / n * 4 * num_params  # bytes each peer sends (and receives) per all-reduce
-    step_s = cfg.batch_size * sim.sec_per_sample + 2 * sim.latency_s + ring / (sim.bandwidth_mbps * 1e6 / 8)
+    compute_s = (
+        sim.step_curve.step_s(cfg.batch_size) if sim.step_curve else cfg.batch_size * sim.sec_per_sample
+    )
+    step_s = compute_s + 2 * sim.latency_s + ring / (sim.bandwidth_mbps * 1e6 / 8)
     per_step = n * cfg.batch_size * cfg.seq_len
     points = [(0, 0, 0.0, evaluate(model, val, micro_batch=16))]
     step = 0
@@ -333,13 +338,14 @@ def plot(
     return [f.name for f in files]
 
 
-def run(quick: bool, seeds: list[int], out: Path) -> dict[str, Any]:
+def run(quick: bool, seeds: list[int], out: Path, step_curve: str | None = None) -> dict[str, Any]:
     """The ladder and DDP at every seed; writes out/convergence.json and the plots; returns the
-    summary (the keys issue 11 names, the table, the goal's verdict)."""
+    summary (the keys issue 11 names, the table, the goal's verdict). `step_curve`: the simulated
+    peers compute at a measured step time per batch (a GPU's) instead of a time linear in it."""
     if not seeds:
         raise ValueError("convergence: at least one seed")
     set_threads(1)
-    budget = QUICK if quick else FULL
+    budget = replace(QUICK if quick else FULL, step_curve=step_curve)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     corpus, tokenizer = load_data(sim_config(argv(BASELINE, budget), seed=seeds[0]).train)
@@ -445,8 +451,13 @@ def main(argv_: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="a tiny budget, for CI")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--out", type=Path, default=Path("bench/results/convergence"))
+    ap.add_argument(
+        "--step-curve",
+        default=None,
+        help="bench/step_curve.py JSON: compute at a measured step time per batch",
+    )
     args = ap.parse_args(argv_)
-    summary = run(args.quick, args.seeds, args.out)
+    summary = run(args.quick, args.seeds, args.out, step_curve=args.step_curve)
     print(format_table(summary))
     print(format_milestones(summary))
     rc, tc = summary["rounds_reduction_pct"], summary["time_reduction_pct"]

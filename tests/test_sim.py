@@ -19,7 +19,9 @@ from typing import Any, Literal, cast
 import pytest
 import torch
 
+from adloco.errors import UserError
 from adloco.node.cli.sim import run
+from adloco.node.sim.compute import StepCurve
 from adloco.node.sim.engine import SimConfig, Simulator
 from adloco.node.training.config import TrainConfig
 from adloco.node.training.rounds import RoundRecord
@@ -319,3 +321,48 @@ if __name__ == "__main__":  # python tests/test_sim.py SCENARIO FOLDER (tests/ba
     name, folder = sys.argv[1], Path(sys.argv[2])
     result = SCENARIOS[name](folder / "out")
     (folder / "records.pkl").write_bytes(pickle.dumps(result))
+
+
+def test_a_measured_step_curve_times_each_pass_at_its_micro_batch(tmp_path: Path) -> None:
+    """With `--step-curve` a peer's round takes the curve's time for each forward and backward pass at
+    its micro-batch size: the first step of a round cut in two for the batch test counts two passes
+    of half the batch. Points in between are interpolated, past the last one proportional."""
+    path = tmp_path / "curve.json"
+    points = [{"batch": 1, "step_s": 0.030}, {"batch": 2, "step_s": 0.032}, {"batch": 8, "step_s": 0.05}]
+    path.write_text(json.dumps({"model": "m", "device": "d", "seq_len": 64, "points": points}))
+    curve = StepCurve.load(path)
+    assert curve.step_s(1) == 0.030 and curve.step_s(4) == pytest.approx(0.038)  # 0.032 + 2/6 · 0.018
+    assert curve.step_s(16) == pytest.approx(0.1) and curve.round_s({2: 3, 8: 1}) == pytest.approx(0.146)
+    train = replace(SMALL, instances=2, inner_steps=3, b_max=4)
+    cfg = SimConfig(peers=2, rounds=1, train=train, step_curve=curve, sec_per_sample=99.0)
+    corpus, tokenizer = load_data(train)
+    sim = Simulator(cfg, corpus, vocab_size=tokenizer.vocab_size)
+    locals_: list[Any] = []
+    original = sim.peers[0].train_round
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        local = original(*args, **kwargs)
+        locals_.append(local)
+        return local
+
+    sim.peers[0].train_round = recorded  # type: ignore[method-assign]
+    records = sim.run()
+    # Two instances, three steps of 4 each; each one's first step is two passes of 2 for the test.
+    assert dict(locals_[0].passes) == {2: 4, 4: 4}
+    expected = 4 * curve.step_s(2) + 4 * curve.step_s(4)
+    assert sim.compute_time(0, locals_[0]) == pytest.approx(expected)
+    assert locals_[0].report.step_time_s == pytest.approx(expected / 3)  # what the group is told
+    assert cast(float, records[0].sim_time_s) >= expected  # not 99 s per sample
+    assert cast(float, records[0].sim_time_s) < 10.0
+
+
+def test_a_step_curve_that_is_not_one_is_a_user_error(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="cannot read"):
+        StepCurve.load(tmp_path / "missing.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"points": [{"batch": 2, "step_s": 0.1}, {"batch": 2, "step_s": 0.2}]}))
+    with pytest.raises(UserError, match="increasing"):
+        StepCurve.load(bad)
+    bad.write_text("{}")
+    with pytest.raises(UserError, match="not a step curve"):
+        StepCurve.load(bad)

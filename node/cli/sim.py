@@ -19,6 +19,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from ...errors import UserError
+from ..sim.compute import StepCurve
 from ..sim.engine import ATTACKS, SimConfig, Simulator, records_as_dicts
 from ..sim.plots import plot_runs
 from ..training.rounds import RoundRecord, format_round
@@ -55,6 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--latency-s", type=finite_float, default=0.05, help="one-way latency per phase")
     sim.add_argument("--slowdown", default="1", help="comma-separated per-peer step-time factors, cycled")
     sim.add_argument("--sec-per-sample", type=finite_float, default=0.004, help="modelled compute per sample")
+    sim.add_argument(
+        "--step-curve",
+        type=Path,
+        default=None,
+        help="a measured step time per batch size (bench/step_curve.py's JSON) instead of --sec-per-sample",
+    )
     sim.add_argument(
         "--window-s", type=finite_float, default=None, help="async matchmaking window (sim seconds)"
     )
@@ -95,6 +102,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
             train=train,
             slowdown=slowdown,
             sec_per_sample=args.sec_per_sample,
+            step_curve=None if args.step_curve is None else StepCurve.load(args.step_curve),
             bandwidth_mbps=args.bandwidth_mbps,
             latency_s=args.latency_s,
             window_s=args.window_s,

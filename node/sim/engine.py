@@ -52,6 +52,7 @@ from ..training.peer import Peer, overlap_this_round
 from ..training.replica import PeerState, Update
 from ..training.rounds import ContributionInfo, LocalRound, RoundRecord
 from ..training.sampling import TokenSampler, corpus_stream, evaluate
+from .compute import StepCurve
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +96,8 @@ class SimConfig:
     slowdown: per-peer step-time multipliers (cycled over the peers), e.g. (1, 1, 1, 5) for one peer
         five times slower. sec_per_sample: modelled compute seconds for one training sample (one
         sequence) at slowdown 1; 0.004 matches the tiny default model on this 2-core machine.
+    step_curve: a measured step time per batch size (`compute.StepCurve`, `--step-curve`): a round
+        then takes its passes at the curve's times (times the slowdown) instead of sec_per_sample.
     bandwidth_mbps / latency_s: each peer's symmetric link. window_s: async matchmaking window in
         simulated seconds (None: a quarter of the fastest peer's first round). DyLU is
         `train.dylu`, as on a node.
@@ -106,6 +109,7 @@ class SimConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     slowdown: tuple[float, ...] = (1.0,)
     sec_per_sample: float = 0.004
+    step_curve: StepCurve | None = None
     bandwidth_mbps: float = 20.0
     latency_s: float = 0.05
     window_s: float | None = None
@@ -238,7 +242,19 @@ class Simulator:
     # ---- time model --------------------------------------------------------------------------
 
     def compute_time(self, index: int, local: LocalRound) -> float:
+        curve = self.cfg.step_curve
+        if curve is not None:
+            return curve.round_s(local.passes) * self.cfg.slowdown_of(index)
         return local.samples * self.cfg.sec_per_sample * self.cfg.slowdown_of(index)
+
+    def sec_per_sample(self, index: int) -> float:
+        """Modelled seconds per training sample of peer `index` now (for where an update lands
+        mid-round): the curve's at the peer's current micro-batch, else `sec_per_sample`."""
+        curve, peer = self.cfg.step_curve, self.peers[index]
+        if curve is None:
+            return self.cfg.sec_per_sample * self.cfg.slowdown_of(index)
+        micro = min(max(peer.state.schedule.batch), peer.b_max)
+        return curve.step_s(micro) / micro * self.cfg.slowdown_of(index)
 
     def transfer_time(self, sent: int, received: int) -> float:
         bytes_per_s = self.cfg.bandwidth_mbps * 1e6 / 8
@@ -285,7 +301,7 @@ class Simulator:
         """Run peer `index`'s next local round from simulated time `at`; with overlap, `landing`
         is applied after the first inner step that ends once it has arrived."""
         peer = self.peers[index]
-        sec_per_sample = self.cfg.sec_per_sample * self.cfg.slowdown_of(index)
+        sec_per_sample = self.sec_per_sample(index)
         landed = landing is None
 
         def on_step(samples_done: int) -> None:

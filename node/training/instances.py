@@ -29,8 +29,9 @@ from __future__ import annotations
 import math
 import time
 import weakref
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -87,6 +88,8 @@ class InstanceRound:
     mean_loss: float
     stats: GradStats | None
     compute_s: float
+    # Forward and backward passes by micro-batch size (the simulator's compute model, `StepCurve`).
+    passes: Mapping[int, int] = field(default_factory=dict)
 
 
 class Instance:
@@ -127,6 +130,8 @@ class Instance:
         self._own_start: list[torch.Tensor] | None = None
         # The last round's Δ, read from the start and the weights while someone still holds it.
         self._delta: weakref.ref[PseudoGradient] | None = None
+        # The round's forward and backward passes by micro-batch size (`InstanceRound.passes`).
+        self.passes: Counter[int] = Counter()
 
     @property
     def device(self) -> torch.device:
@@ -225,6 +230,7 @@ class Instance:
         if theta is not None:
             self.begin(theta, share=share_theta)
         self.model.train()
+        self.passes = Counter()
         t0 = time.perf_counter()
         losses: list[torch.Tensor] = []
         stats: GradStats | None = None
@@ -257,6 +263,7 @@ class Instance:
             mean_loss=mean_loss,
             stats=stats,
             compute_s=compute_s,
+            passes=dict(self.passes),
         )
 
     def inner_step(self, plan: BatchPlan, *, collect_stats: bool) -> tuple[torch.Tensor, GradStats | None]:
@@ -265,6 +272,7 @@ class Instance:
         self.settle_delta()
         collect_stats = collect_stats and self.batch_stats != "none"
         micro, accum = self._stats_split(plan) if collect_stats else (plan.micro, plan.accum)
+        self.passes[micro] += accum
         if collect_stats and self.batch_stats == "sums" and accum >= 2:
             return self._step_with_sums(micro, accum)
         self.optimizer.zero_grad(set_to_none=True)

@@ -25,6 +25,7 @@ import copy
 import hashlib
 import logging
 import weakref
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, cast
@@ -304,6 +305,7 @@ class Peer:
             compute_s=compute_s,
             accum_steps=max(p.accum for p in plans),
             inner_steps=steps,
+            passes=dict(sum((Counter(r.passes) for r in results), Counter())),
         )
 
     # ---- contribution --------------------------------------------------------------------------

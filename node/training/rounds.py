@@ -34,6 +34,9 @@ class LocalRound:
     compute_s: float
     accum_steps: int
     inner_steps: int
+    # Forward and backward passes by micro-batch size, over every instance (the simulator's compute
+    # model; the instances of a peer train one after the other on its device).
+    passes: Mapping[int, int] = field(default_factory=dict)
 
     def report_time(self, compute_s: float) -> None:
         """Report this round as having taken `compute_s` seconds of compute (the simulator's modelled
