@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -12,6 +13,7 @@ from adloco.protocol.algorithms.report import (
     MAX_SLOTS,
     PeerReport,
     dylu_ratio,
+    hiding_inner_steps,
     overlap_byte_budget,
     parse_reports,
 )
@@ -148,3 +150,38 @@ def test_byte_budget_is_the_slowest_link_over_the_round_time() -> None:
     assert overlap_byte_budget(reports, group_size=3) == pytest.approx(2e6 / (4 / 3))
     assert overlap_byte_budget(reports[:1], group_size=1) is None
     assert overlap_byte_budget([report("c", 0.0, 2.0)], group_size=2) is None
+
+
+def _timed(peer: str, bps: float, step_s: float) -> PeerReport:
+    return PeerReport(peer_id=peer, slot_stats=(), b_max=1, tokens=1, bandwidth_bps=bps, step_time_s=step_s)
+
+
+def test_hiding_steps_make_the_round_outlast_the_slowest_members_exchange() -> None:
+    """4 members, 124 MB of int8 payload each: each sends 2·3/4 of it (its parts to their owners, then
+    the averages it owns to the others). At 100 Mbit/s that is 14.88 s; at 0.1 s a step the round
+    hides it from 148.8 steps, × the margin 1.1 → H = 164. The member with the worst ratio decides;
+    H stays within its bounds; no figures, no choice."""
+    from adloco.protocol.algorithms.report import HIDE_MARGIN
+
+    reports = [_timed("a", 1e8, 0.1), _timed("b", 1e8, 0.2), _timed("c", 2e8, 0.1), _timed("d", 1e9, 0.05)]
+    steps = hiding_inner_steps(reports, payload_bytes=124e6, group_size=4, min_steps=1, max_steps=500)
+    assert steps == math.ceil(124e6 * 1.5 / (1e8 / 8) / 0.1 * HIDE_MARGIN) == 164
+    assert hiding_inner_steps(reports, payload_bytes=124e6, group_size=4, min_steps=200, max_steps=500) == 200
+    assert hiding_inner_steps(reports, payload_bytes=124e6, group_size=4, min_steps=1, max_steps=50) == 50
+    assert hiding_inner_steps(reports, payload_bytes=1.0, group_size=4, min_steps=3, max_steps=50) == 3
+    silent = [PeerReport(peer_id="q", slot_stats=(), b_max=1, tokens=1)]
+    assert hiding_inner_steps(silent, payload_bytes=1e6, group_size=2, min_steps=1, max_steps=500) is None
+    assert hiding_inner_steps(reports[:1], payload_bytes=1e6, group_size=1, min_steps=1, max_steps=9) is None
+
+
+def test_one_forged_link_or_step_time_moves_the_hiding_steps_by_a_bounded_factor() -> None:
+    from adloco.protocol.algorithms.report import HIDE_MAX_SPREAD
+
+    honest = [_timed(p, 1e8, 0.1) for p in "abc"]
+    clean = hiding_inner_steps(honest, payload_bytes=1e6, group_size=4, min_steps=1, max_steps=10**6)
+    assert clean == 2  # 0.12 s of exchange, × 1.1, hides in two 0.1 s steps
+    for forged in (_timed("x", 1.0, 0.1), _timed("x", 1e8, 1e-9)):
+        steps = hiding_inner_steps(
+            [*honest, forged], payload_bytes=1e6, group_size=4, min_steps=1, max_steps=10**6
+        )
+        assert steps == math.ceil(0.12 / 0.1 * HIDE_MAX_SPREAD * 1.1) == 14  # not millions

@@ -84,6 +84,17 @@ def test_reports_from_another_schedule_are_ignored() -> None:
     assert next_schedule(CURRENT, [*REPORTS, stray], cfg) == next_schedule(CURRENT, REPORTS, cfg)
 
 
+def test_hide_comm_takes_the_hiding_steps_within_its_bounds_and_fixed_ignores_them() -> None:
+    cfg = ScheduleConfig(inner_steps_policy="hide_comm", min_inner_steps=4, max_inner_steps=60)
+    assert next_schedule(CURRENT, [], cfg, hiding_steps=37)[0].inner_steps == 37
+    assert next_schedule(CURRENT, [], cfg, hiding_steps=1000)[0].inner_steps == 60
+    assert next_schedule(CURRENT, [], cfg, hiding_steps=1)[0].inner_steps == 4
+    assert next_schedule(CURRENT, [], cfg, hiding_steps=None)[0].inner_steps == 10  # nothing measured
+    assert next_schedule(CURRENT, [], ScheduleConfig(), hiding_steps=37)[0].inner_steps == 10
+    with pytest.raises(ValueError, match="max_inner_steps"):
+        ScheduleConfig(inner_steps_policy="hide_comm", min_inner_steps=10, max_inner_steps=5)
+
+
 def test_no_reports_keeps_batches() -> None:
     nxt, merge = next_schedule(CURRENT, [], ScheduleConfig(merge=MergePolicy(min_instances=2)))
     assert merge is None and nxt == Schedule(round=2, batch=(4, 8), inner_steps=10)

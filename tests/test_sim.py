@@ -9,6 +9,7 @@ the lowest priority (tests/background.py); the fixture collects the records it s
 from __future__ import annotations
 
 import json
+import math
 import pickle
 import sys
 from collections.abc import Callable
@@ -366,3 +367,23 @@ def test_a_step_curve_that_is_not_one_is_a_user_error(tmp_path: Path) -> None:
     bad.write_text("{}")
     with pytest.raises(UserError, match="not a step curve"):
         StepCurve.load(bad)
+
+
+def test_hide_comm_sets_h_so_the_round_outlasts_the_exchange() -> None:
+    """Under --inner-steps-policy hide_comm every peer takes the same H from the group's reports: the
+    exchange of the round's payload over the reported link, in modelled step times, × the margin."""
+    from adloco.protocol.algorithms.adaptive import predicted_wire_bytes
+    from adloco.protocol.algorithms.report import HIDE_MARGIN
+
+    schedule = replace(SMALL.schedule, test="none", inner_steps_policy="hide_comm", max_inner_steps=400)
+    train = replace(SMALL, instances=1, inner_steps=3, batch_size=4, codec="int8", schedule=schedule)
+    cfg = SimConfig(peers=2, rounds=2, train=train, bandwidth_mbps=20.0, sec_per_sample=0.004)
+    corpus, tokenizer = load_data(train)
+    sim = Simulator(cfg, corpus, vocab_size=tokenizer.vocab_size)
+    peer = sim.peers[0]
+    payload = predicted_wire_bytes("int8", dict(zip(peer.names, peer.state.theta, strict=True)))
+    exchange_s = payload * 2 * (2 - 1) / 2 / (20e6 / 8)
+    expected = math.ceil(exchange_s / (4 * 0.004) * HIDE_MARGIN)
+    assert 3 < expected < 400
+    sim.run()
+    assert [p.state.schedule.inner_steps for p in sim.peers] == [expected, expected]

@@ -123,6 +123,17 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     local.add_argument("--instances", type=int, default=2, help="K_0, MIT instances per peer")
     local.add_argument("--batch-size", type=int, default=8, help="b_0, initial per-instance batch")
     local.add_argument("--inner-steps", type=int, default=10, help="H, optimizer steps per round")
+    local.add_argument(
+        "--inner-steps-policy",
+        choices=("fixed", "constant_tokens", "hide_comm"),
+        default="fixed",
+        help="H after each round: fixed; constant_tokens (H·Σb stays); hide_comm (the round hides the next"
+        " exchange, from the members' step times and links)",
+    )
+    local.add_argument("--min-inner-steps", type=int, default=1, help="floor on H under the policies")
+    local.add_argument(
+        "--max-inner-steps", type=int, default=500, help="ceiling on H under hide_comm (DiLoCo's 500)"
+    )
     local.add_argument("--inner-lr", type=finite_float, default=4e-4, help="AdamW lr of the instances")
     local.add_argument("--b-max", type=int, default=None, help="hardware batch limit (default: probed)")
     local.add_argument(
@@ -283,6 +294,9 @@ def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
                 test=args.batch_test,
                 eta=args.eta,
                 batch_cap=args.batch_cap,
+                inner_steps_policy=args.inner_steps_policy,
+                min_inner_steps=args.min_inner_steps,
+                max_inner_steps=args.max_inner_steps,
                 merge=replace(
                     base.schedule.merge, merge_every=args.merge_every, min_instances=args.min_instances
                 ),

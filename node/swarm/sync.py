@@ -79,11 +79,14 @@ UPDATE_SLACK_BYTES = 4 << 10  # per tensor: a codec header is tens of bytes; an 
 def schedule_refusal(schedule: Schedule, cfg: TrainConfig) -> str | None:
     """Why a schedule another peer hands over (with its state, or with a kept update) is not one this
     run's configuration can reach; None when it can. The batch test only grows b up to the cap, MIT
-    only merges slots away, H only shrinks ("constant_tokens"; DyLU is each peer's own), and the codec
+    only merges slots away, H only shrinks ("constant_tokens"; DyLU is each peer's own) or stays within
+    its bounds ("hide_comm"), and the codec
     must be one this node can decode: so a peer cannot make this node train a batch it never could,
     for ever, with a codec it does not know."""
     cap = max(cfg.schedule.batch_cap, cfg.batch_size)
     most_steps = max(cfg.inner_steps, cfg.schedule.min_inner_steps)
+    if cfg.schedule.inner_steps_policy == "hide_comm":
+        most_steps = max(most_steps, cfg.schedule.max_inner_steps)
     if schedule.instances > cfg.instances:
         return f"{schedule.instances} instance slots, this run starts with {cfg.instances}"
     if max(schedule.batch) > cap:

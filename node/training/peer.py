@@ -33,7 +33,7 @@ from typing import Any, cast
 import torch
 
 from ...errors import UserError
-from ...protocol.algorithms.adaptive import choose_codec
+from ...protocol.algorithms.adaptive import choose_codec, predicted_wire_bytes
 from ...protocol.algorithms.allreduce import Contribution, GroupResult
 from ...protocol.algorithms.batchtest import pool_stats
 from ...protocol.algorithms.claims import ClaimBounds, reference_tokens
@@ -43,7 +43,7 @@ from ...protocol.algorithms.feedback import RESIDUAL_DTYPES, ErrorFeedback
 from ...protocol.algorithms.heloco import correct, dylu_inner_steps, staleness_weight
 from ...protocol.algorithms.outer import outer_step
 from ...protocol.algorithms.pseudograd import PseudoGradient, TensorsHash, tensors_hash, weighted_mean
-from ...protocol.algorithms.report import PeerReport, dylu_ratio, overlap_byte_budget
+from ...protocol.algorithms.report import PeerReport, dylu_ratio, hiding_inner_steps, overlap_byte_budget
 from ...protocol.algorithms.schedule import accumulation_for, next_schedule
 from ...protocol.algorithms.switch import BatchPlan
 from .bmax import probe_b_max
@@ -412,7 +412,10 @@ class Peer:
             if r.staleness == 0 and len(r.slot_stats) == self.state.schedule.instances
         ]
         codec = self._next_codec(result)
-        schedule, merge = next_schedule(self.state.schedule, fresh, self.cfg.schedule, codec=codec)
+        hiding = self._hiding_steps(result, codec or self.state.schedule.codec)
+        schedule, merge = next_schedule(
+            self.state.schedule, fresh, self.cfg.schedule, codec=codec, hiding_steps=hiding
+        )
         update = Update(round=self.state.round, averaged=result.averaged, schedule=schedule, merge=merge)
         self._apply(update)
         for owned in self._codecs.values():
@@ -428,13 +431,32 @@ class Peer:
             return None
         # Chosen from the averaged Δ̄ and the gathered reports, which every member holds
         # bit-identically, so every member picks the same codec without another message.
+        budget = overlap_byte_budget(result.reports, group_size=len(result.members))
+        if budget is not None and self.cfg.schedule.inner_steps_policy == "hide_comm":
+            # H will grow to hide the exchange: the codec need only fit the longest round allowed.
+            budget *= self.cfg.schedule.max_inner_steps / max(self.state.schedule.inner_steps, 1)
         choice = choose_codec(
             result.decoded(),
             candidates=self.cfg.codec_candidates,
             max_rel_error=self.cfg.max_rel_error,
-            byte_budget=overlap_byte_budget(result.reports, group_size=len(result.members)),
+            byte_budget=budget,
         )
         return choice.spec
+
+    def _hiding_steps(self, result: GroupResult, codec: str) -> int | None:
+        """Under "hide_comm", the H whose round hides the next exchange in `codec`, from the group's
+        reports (every member holds the same, so every member picks the same H); else None."""
+        cfg = self.cfg.schedule
+        if cfg.inner_steps_policy != "hide_comm":
+            return None
+        payload = predicted_wire_bytes(codec, dict(zip(self.names, self.state.theta, strict=True)))
+        return hiding_inner_steps(
+            result.reports,
+            payload_bytes=payload,
+            group_size=len(result.members),
+            min_steps=cfg.min_inner_steps,
+            max_steps=cfg.max_inner_steps,
+        )
 
     def _apply(self, update: Update, *, rebase: bool = True) -> None:
         self._check_update(update)

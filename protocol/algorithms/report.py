@@ -22,7 +22,14 @@ from typing import Any
 
 from .batchtest import GradStats
 
-__all__ = ["MAX_REPORT_BYTES", "PeerReport", "dylu_ratio", "overlap_byte_budget", "parse_reports"]
+__all__ = [
+    "MAX_REPORT_BYTES",
+    "PeerReport",
+    "dylu_ratio",
+    "hiding_inner_steps",
+    "overlap_byte_budget",
+    "parse_reports",
+]
 
 # Bounds on what a peer may claim; a report outside them is dropped. Generous for honest peers.
 MAX_REPORT_BYTES = 64 << 10
@@ -217,3 +224,35 @@ def overlap_byte_budget(reports: Sequence[PeerReport], *, group_size: int) -> fl
         return None
     slowest = max(min(budgets), statistics.median(budgets) / BUDGET_MAX_SHORTFALL)
     return slowest / (2 * (group_size - 1) / group_size)
+
+
+HIDE_MARGIN = 1.1
+"""H·t_step must exceed the exchange's time by this factor (`hiding_inner_steps`): the bandwidth and
+step times are last round's measurements, and the exchange pays latency and matchmaking besides."""
+HIDE_MAX_SPREAD = 10.0
+"""How far above the group's median ratio of exchange time to step time the worst member's may count:
+one report of a near-zero link or a microsecond step sent every member's H to its maximum."""
+
+
+def hiding_inner_steps(
+    reports: Sequence[PeerReport], *, payload_bytes: float, group_size: int, min_steps: int, max_steps: int
+) -> int | None:
+    """The H whose local round hides the next exchange of `payload_bytes` per member (DiLoCoX's
+    condition T_comm ≤ H·t_step, with the margin `HIDE_MARGIN`), for every member that reported its
+    link and step time: each sends about 2(n−1)/n of its payload's size (its parts to their owners,
+    then the averages it owns to the others), so its exchange takes that over its bandwidth, and its
+    round H × its step time. The member with the largest ratio sets
+    H, counted at most `HIDE_MAX_SPREAD` times the median ratio, and H stays within [min_steps,
+    max_steps]. None when no member reported both figures, or alone (nothing to exchange)."""
+    if group_size < 2:
+        return None
+    factor = 2 * (group_size - 1) / group_size
+    ratios = [
+        payload_bytes * factor / (r.bandwidth_bps / 8) / r.step_time_s
+        for r in reports
+        if r.bandwidth_bps > 0 and r.step_time_s > 0
+    ]
+    if not ratios:
+        return None
+    worst = min(max(ratios), statistics.median(ratios) * HIDE_MAX_SPREAD)
+    return max(min_steps, min(max_steps, math.ceil(worst * HIDE_MARGIN)))

@@ -105,8 +105,16 @@ class ScheduleConfig:
     inner_steps_policy: "fixed" keeps H. "constant_tokens" shrinks H as Σb grows so that H·Σb stays
         at the first schedule's value (research/algorithms.md §8: growing b also grows the size of Δ
         and the time per round). Use it if rounds get slower and slower as b grows.
-    min_inner_steps: floor on H under "constant_tokens". Raise it if communication starts to
-        dominate the round time.
+        "hide_comm" sets H each round so that the local round hides the next exchange (DiLoCoX's
+        T_comm ≤ H·t_step) from the members' reported step times and links and the codec's payload
+        (`report.hiding_inner_steps`, computed by each peer from the same reports); with overlap the
+        exchange then costs no compute time. Use it where rounds wait on the link.
+    min_inner_steps: floor on H under "constant_tokens" and "hide_comm". Raise it if communication
+        starts to dominate the round time.
+    max_inner_steps: ceiling on H under "hide_comm": DiLoCo's own H (500, Douillard et al. 2023,
+        150M on C4: the quality of synchronous training at 500× less communication). Past it the
+        local models drift apart for longer than the method was shown to tolerate; a link too slow
+        for it gets a harsher codec instead (`--codec adaptive`) or waits.
     """
 
     test: BatchTest = "norm"
@@ -116,8 +124,9 @@ class ScheduleConfig:
     batch_cap: int = 512
     batch_scope: Literal["local", "swarm"] = "local"
     merge: MergePolicy = field(default_factory=MergePolicy)
-    inner_steps_policy: Literal["fixed", "constant_tokens"] = "fixed"
+    inner_steps_policy: Literal["fixed", "constant_tokens", "hide_comm"] = "fixed"
     min_inner_steps: int = 1
+    max_inner_steps: int = 500
 
     def __post_init__(self) -> None:
         if self.test not in ("norm", "augmented", "none"):
@@ -131,15 +140,22 @@ class ScheduleConfig:
             raise ValueError(f"batch_scope must be 'local' or 'swarm', got {self.batch_scope!r}")
         if not isinstance(self.merge, MergePolicy):
             raise ValueError(f"merge must be a MergePolicy, got {self.merge!r}")
-        if self.inner_steps_policy not in ("fixed", "constant_tokens"):
+        if self.inner_steps_policy not in ("fixed", "constant_tokens", "hide_comm"):
             raise ValueError(
-                f"inner_steps_policy must be 'fixed' or 'constant_tokens', got {self.inner_steps_policy!r}"
+                "inner_steps_policy must be 'fixed', 'constant_tokens' or 'hide_comm',"
+                f" got {self.inner_steps_policy!r}"
             )
         _require_int("min_inner_steps", self.min_inner_steps, minimum=1)
+        _require_int("max_inner_steps", self.max_inner_steps, minimum=self.min_inner_steps)
 
 
 def next_schedule(
-    current: Schedule, reports: Sequence[PeerReport], cfg: ScheduleConfig, *, codec: str | None = None
+    current: Schedule,
+    reports: Sequence[PeerReport],
+    cfg: ScheduleConfig,
+    *,
+    codec: str | None = None,
+    hiding_steps: int | None = None,
 ) -> tuple[Schedule, tuple[int, int] | None]:
     """Return (S_{r+1}, merge) from S_r and the reports gathered at the end of round r.
 
@@ -151,7 +167,8 @@ def next_schedule(
        round (AdLoCo: `outer_step % merge_frequency == 0` with 1-based outer steps).
     4. On a merge the survivor's b becomes min(batch_cap, b_survivor + b_victim), taking over the
        victim's compute share, and the victim slot is removed; later slots shift down by one.
-    5. H follows cfg.inner_steps_policy.
+    5. H follows cfg.inner_steps_policy; under "hide_comm" it is `hiding_steps` where the caller
+       could work it out (`report.hiding_inner_steps`), else H stays.
     `merge` is (victim, survivor) in S_r's slot indices, or None.
     """
     # Sorting is for reproducible logs; pool_stats does not depend on order anyway.
@@ -174,6 +191,8 @@ def next_schedule(
         total = sum(batch)
         # Round half up in integers so every peer gets the same H.
         inner_steps = max(cfg.min_inner_steps, (2 * base_samples + total) // (2 * total))
+    elif cfg.inner_steps_policy == "hide_comm" and hiding_steps is not None:
+        inner_steps = max(cfg.min_inner_steps, min(cfg.max_inner_steps, hiding_steps))
     nxt = Schedule(
         round=current.round + 1,
         batch=tuple(batch),

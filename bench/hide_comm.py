@@ -1,0 +1,138 @@
+"""Rounds that stay compute-bound (issue 27 §3): H chosen to hide the exchange, against a fixed H = 10.
+
+The simulator's peers compute at a step time measured on a GPU (`--step-curve`, bench/step_curve.py:
+GPT-2 124M or a 1.1B Llama on an H200, seq 1024) and exchange over links of 10, 100 and 1000 Mbit/s,
+with overlap (`--overlap auto`: the next local round runs during the exchange when it fits) and the
+adaptive codec. Two policies at the same token budget:
+- fixed: H = 10, today's default;
+- hide_comm: H set each round so that H·t_step ≥ 1.1 × the exchange (`report.hiding_inner_steps`),
+  within [10, 500] (500: DiLoCo's own H), the codec chosen for the longest round allowed.
+
+The trained model is the simulator's small one (its loss is what can be afforded here); the time
+model is the measured model's: each simulated sequence takes the curve's step time at its batch, and
+the link is slowed by the measured model's parameters over the small one's, so an exchange takes as
+long as the measured model's payload would (bytes per token are reported at the measured model's
+size the same way). Reported per row: the median H and the codecs used, utilization (compute over
+simulated time), bytes per token, the simulated time to the token budget and the val loss there.
+
+    python bench/hide_comm.py --out bench/results/hide_comm.json            # ~15 min here
+    python bench/hide_comm.py --quick                                       # a tiny budget
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from adloco.bench.simruns import SimRun, run_sim, set_threads, sim_config
+from adloco.node.training.model import build_model, count_parameters
+from adloco.node.training.runtime import load_data
+
+RESULTS = Path(__file__).resolve().parent / "results"
+CURVES = {
+    "gpt2-124m": (RESULTS / "step_curve_124m_h200.json", 124_439_808),
+    "llama-1b": (RESULTS / "step_curve_1b_h200.json", 1_103_812_608),
+}
+BANDWIDTHS = (10.0, 100.0, 1000.0)
+COMMON = (
+    *("--peers", "4", "--seq-len", "64", "--batch-size", "8", "--b-max", "8", "--instances", "1"),
+    *("--batch-test", "none", "--overlap", "auto", "--codec", "adaptive", "--quiet"),
+)
+POLICIES = {
+    "fixed": ("--inner-steps", "10"),
+    "hide_comm": ("--inner-steps", "10", "--inner-steps-policy", "hide_comm", "--min-inner-steps", "10"),
+}
+
+
+def run(*, tokens: int, seed: int, models: list[str], out: Path | None) -> dict[str, Any]:
+    set_threads(1)
+    t0 = time.perf_counter()
+    base = sim_config([*COMMON, *POLICIES["fixed"]], seed=seed)
+    corpus, tokenizer = load_data(base.train)
+    small = count_parameters(build_model(base.train.model, vocab_size=tokenizer.vocab_size))
+    rows: list[dict[str, Any]] = []
+    for model in models:
+        curve_path, params = CURVES[model]
+        scale = params / small
+        for mbps in BANDWIDTHS:
+            # The small model's payload over a link `scale` times slower takes the measured model's time.
+            link = ("--bandwidth-mbps", repr(mbps / scale), "--step-curve", str(curve_path))
+            for policy, args in POLICIES.items():
+                argv = [*COMMON, *args, *link]
+                cfg = sim_config(argv, seed=seed)
+                sim: SimRun = run_sim(
+                    policy,
+                    cfg,
+                    corpus,
+                    tokenizer.vocab_size,
+                    stop=lambda records: records[-1].tokens_total >= tokens,
+                )
+                rows.append(_row(model, mbps, policy, sim, scale=scale, argv=argv))
+                r = rows[-1]
+                print(
+                    f"{model} {mbps:g} Mbit/s {policy}: H {r['inner_steps_median']:g},"
+                    f" {'/'.join(r['codecs'])}, utilization {100 * r['utilization']:.1f} %,"
+                    f" {r['bytes_per_token']:.3g} B/token, {r['sim_time_s']:.0f} s to"
+                    f" {r['tokens']:,} tokens, val {r['val_loss']:.3f} ({r['wall_s']:.0f} s wall)",
+                    flush=True,
+                )
+    result = {
+        "rows": rows,
+        "tokens": tokens,
+        "seed": seed,
+        "small_model_params": small,
+        "setup": {"common_argv": list(COMMON), "policies": {k: list(v) for k, v in POLICIES.items()}},
+        "sim": {k: v for k, v in asdict(base).items() if k not in ("train", "step_curve")},
+        "duration_s": time.perf_counter() - t0,
+    }
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1) + "\n")
+        print(f"wrote {out}")
+    return result
+
+
+def _row(
+    model: str, mbps: float, policy: str, sim: SimRun, *, scale: float, argv: list[str]
+) -> dict[str, Any]:
+    records = sim.records
+    last = records[-1]
+    sim_time = float(last.sim_time_s or 0.0)
+    compute = sum(r.compute_s for r in records)
+    return {
+        "model": model,
+        "bandwidth_mbps": mbps,
+        "policy": policy,
+        "rounds": len(records),
+        "inner_steps": [r.inner_steps for r in records],
+        "inner_steps_median": statistics.median(r.inner_steps for r in records),
+        "codecs": sorted({r.codec for r in records}),
+        "utilization": compute / sim_time if sim_time else 0.0,
+        "bytes_per_token": last.bytes_sent * scale / max(last.tokens_total, 1),
+        "sim_time_s": sim_time,
+        "tokens": last.tokens_total,
+        "val_loss": last.val_loss,
+        "wall_s": sim.wall_s,
+        "argv": argv,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="a tiny token budget")
+    ap.add_argument("--tokens", type=int, default=4 * 8 * 64 * 1500, help="the token budget of every run")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--models", default="gpt2-124m,llama-1b")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    tokens = 4 * 8 * 64 * 40 if args.quick else args.tokens
+    run(tokens=tokens, seed=args.seed, models=args.models.split(","), out=args.out)
+
+
+if __name__ == "__main__":
+    main()
