@@ -76,7 +76,8 @@ def run(*, tokens: int, seed: int, models: list[str], out: Path | None) -> dict[
                 r = rows[-1]
                 print(
                     f"{model} {mbps:g} Mbit/s {policy}: H {r['inner_steps_median']:g},"
-                    f" {'/'.join(r['codecs'])}, utilization {100 * r['utilization']:.1f} %,"
+                    f" {'/'.join(r['codecs'])}, utilization {100 * r['utilization']:.1f} %"
+                    f" ({100 * r['utilization_after_first_round']:.1f} % after the first round),"
                     f" {r['bytes_per_token']:.3g} B/token, {r['sim_time_s']:.0f} s to"
                     f" {r['tokens']:,} tokens, val {r['val_loss']:.3f} ({r['wall_s']:.0f} s wall)",
                     flush=True,
@@ -104,6 +105,9 @@ def _row(
     last = records[-1]
     sim_time = float(last.sim_time_s or 0.0)
     compute = sum(r.compute_s for r in records)
+    # After the first round, which every run starts at H = 10 and the fixed codec's first choice.
+    later = records[1:]
+    later_time = sim_time - float(records[0].sim_time_s or 0.0)
     return {
         "model": model,
         "bandwidth_mbps": mbps,
@@ -113,12 +117,18 @@ def _row(
         "inner_steps_median": statistics.median(r.inner_steps for r in records),
         "codecs": sorted({r.codec for r in records}),
         "utilization": compute / sim_time if sim_time else 0.0,
+        "utilization_after_first_round": sum(r.compute_s for r in later) / later_time if later_time else 0.0,
         "bytes_per_token": last.bytes_sent * scale / max(last.tokens_total, 1),
         "sim_time_s": sim_time,
         "tokens": last.tokens_total,
         "val_loss": last.val_loss,
         "wall_s": sim.wall_s,
         "argv": argv,
+        "curve": [
+            {"round": r.round, "tokens": r.tokens_total, "sim_time_s": r.sim_time_s, "val_loss": r.val_loss}
+            for r in records
+        ],
+        "initial_val_loss": sim.initial_val_loss,
     }
 
 
