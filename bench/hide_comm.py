@@ -5,7 +5,7 @@ GPT-2 124M or a 1.1B Llama on an H200, seq 1024) and exchange over links of 10, 
 with overlap (`--overlap auto`: the next local round runs during the exchange when it fits) and the
 adaptive codec. Two policies at the same token budget:
 - fixed: H = 10, today's default;
-- hide_comm: H set each round so that H·t_step ≥ 1.1 × the exchange (`report.hiding_inner_steps`),
+- hide_comm: H set each round so that H·t_step ≥ 1.25 × the exchange (`report.hiding_inner_steps`),
   within [10, 500] (500: DiLoCo's own H), the codec chosen for the longest round allowed.
 
 The trained model is the simulator's small one (its loss is what can be afforded here); the time
