@@ -7,6 +7,8 @@ from bench/overhead.py --compile (bench/gpu_session.sh).
 from __future__ import annotations
 
 import copy
+import logging
+import shutil
 from dataclasses import replace
 from typing import Literal
 
@@ -14,10 +16,11 @@ import pytest
 import torch
 
 from adloco.errors import UserError
+from adloco.node.training import model as model_module
 from adloco.node.training.config import TrainConfig
 from adloco.node.training.corpus import Corpus
 from adloco.node.training.loss import COMPILED_MARK
-from adloco.node.training.model import build_model, compile_layers, resolve_compile
+from adloco.node.training.model import build_model, compile_layers, compile_missing, resolve_compile
 from adloco.node.training.peer import Peer
 from adloco.node.training.runtime import load_data
 from adloco.protocol.algorithms.switch import BatchPlan
@@ -44,7 +47,9 @@ def _peer(corpus: Corpus, compile: Literal["auto", "on", "off"]) -> Peer:
     )
 
 
-def test_auto_compiles_on_a_gpu_only_and_a_bad_value_is_a_user_error() -> None:
+def test_auto_compiles_on_a_gpu_only_and_a_bad_value_is_a_user_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    # As on a host with the compilers and headers (this one has gcc; a CUDA host is what is assumed).
+    monkeypatch.setattr(model_module, "compile_missing", lambda device: None)
     assert resolve_compile("auto", torch.device("cuda")) is True
     assert resolve_compile("auto", torch.device("cpu")) is False
     assert resolve_compile("on", torch.device("cpu")) is True
@@ -53,6 +58,26 @@ def test_auto_compiles_on_a_gpu_only_and_a_bad_value_is_a_user_error() -> None:
         resolve_compile("yes", torch.device("cpu"))
     with pytest.raises(ValueError, match="compile must be"):
         TrainConfig(compile="yes")  # type: ignore[arg-type]
+
+
+def test_without_a_compiler_auto_stays_eager_and_on_is_a_user_error(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A host without gcc (the CUDA image's runtime base has none): Triton would fail at the first
+    step; auto trains eager with a warning instead, and --compile on says what is missing."""
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.delenv("CXX", raising=False)
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert compile_missing(cuda) is not None and compile_missing(cpu) is not None
+    with caplog.at_level(logging.WARNING):
+        assert resolve_compile("auto", cuda) is False
+    assert "no C compiler" in caplog.text
+    with pytest.raises(UserError, match="--compile on: no C compiler"):
+        resolve_compile("on", cuda)
+    with pytest.raises(UserError, match="--compile on: no C\\+\\+ compiler"):
+        resolve_compile("on", cpu)
+    assert resolve_compile("off", cuda) is False and resolve_compile("auto", cpu) is False
 
 
 def test_each_layer_is_compiled_and_a_copy_is_not() -> None:

@@ -16,6 +16,8 @@ import inspect
 import json
 import logging
 import os
+import shutil
+import sysconfig
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -170,10 +172,38 @@ def resolve_compile(spec: str, device: torch.device) -> bool:
     """Whether the instances' layers run through torch.compile (`--compile`): auto compiles on a
     CUDA GPU, where the fused kernels pay for the compile time many times over in every round, and
     not on a CPU, where Inductor's C++ kernels must first be built by the host's compiler and the
-    step is bound by the matrix products anyway (bench/overhead.py --compile on measures both)."""
+    step is bound by the matrix products anyway (bench/overhead.py --compile on measures both).
+
+    Compiling needs a compiler on the host (`compile_missing`): without one, auto stays eager with a
+    warning and on is a UserError, rather than a node that fails at its first step."""
     if spec not in COMPILE_MODES:
         raise UserError(f"--compile: expected one of {', '.join(COMPILE_MODES)}, got {spec!r}")
-    return spec == "on" or (spec == "auto" and device.type == "cuda")
+    wanted = spec == "on" or (spec == "auto" and device.type == "cuda")
+    missing = compile_missing(device) if wanted else None
+    if missing is None:
+        return wanted
+    if spec == "on":
+        raise UserError(f"--compile on: {missing}; install it or run with --compile off")
+    logger.warning("layers not compiled (--compile auto): %s; install it to train faster", missing)
+    return False
+
+
+def compile_missing(device: torch.device) -> str | None:
+    """What torch.compile lacks on this host for `device`, None if nothing: Triton builds its GPU
+    kernels' launcher as a Python C extension (a C compiler and Python's headers); Inductor builds
+    CPU kernels with a C++ compiler. CC and CXX name a compiler as they do for those builds."""
+    if device.type == "cuda":
+        cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang") or shutil.which("cc")
+        if not cc or not shutil.which(cc):
+            return "no C compiler (gcc or clang) for Triton's kernel launcher"
+        header = Path(sysconfig.get_paths()["include"]) / "Python.h"
+        if not header.exists():
+            return f"no Python headers ({header}: the python3-dev package) for Triton's kernel launcher"
+        return None
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++") or shutil.which("c++")
+    if not cxx or not shutil.which(cxx):
+        return "no C++ compiler (g++ or clang++) for Inductor's CPU kernels"
+    return None
 
 
 def compile_layers(model: torch.nn.Module) -> int:
