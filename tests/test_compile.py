@@ -30,6 +30,13 @@ from adloco.protocol.algorithms.switch import BatchPlan
 CFG = TrainConfig(seq_len=32, batch_size=4, instances=2, inner_steps=3, b_max=4, max_corpus_mb=1)
 
 
+# Inductor's CPU kernels need a C++ compiler (.ci/run installs g++): without one, say so and skip.
+needs_compiler = pytest.mark.skipif(
+    compile_missing(torch.device("cpu")) is not None,
+    reason=f"{compile_missing(torch.device('cpu'))} (apt-get install g++)",
+)
+
+
 @pytest.fixture(scope="module")
 def corpus() -> Corpus:
     return load_data(CFG)[0]
@@ -91,6 +98,7 @@ def test_each_layer_is_compiled_and_a_copy_is_not() -> None:
     assert all(m._compiled_call_impl is None for m in twin.modules())
 
 
+@needs_compiler
 def test_a_compiled_peer_trains_the_eager_peers_round(corpus: Corpus) -> None:
     """Both instances of a compiled peer (the second one a compiled copy) run the round an eager
     peer's run from the same θ on the same data: the same losses, batch-test statistics and Δ to

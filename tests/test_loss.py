@@ -11,7 +11,7 @@ import torch
 
 from adloco.node.training import loss as loss_module
 from adloco.node.training.loss import TiedEmbedding, causal_lm_loss, fused_head
-from adloco.node.training.model import build_model
+from adloco.node.training.model import build_model, compile_missing
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -87,6 +87,8 @@ def test_the_gpu_form_of_the_head_matches_transformers_loss_under_bf16_autocast(
     layers are), and the head's weight gradient in bf16 under a bf16 autocast (as autocast forms any
     linear layer's). Run here on the CPU by taking it for a GPU, with chunks of 7 tokens: the loss
     and every gradient within bf16 rounding of transformers' own loss under the same autocast."""
+    if compiled and compile_missing(torch.device("cpu")) is not None:
+        pytest.skip(f"{compile_missing(torch.device('cpu'))} (apt-get install g++)")
     monkeypatch.setattr(loss_module, "_is_gpu", lambda device: True)
     monkeypatch.setattr(loss_module, "GPU_CHUNK_BYTES", 4 * VOCAB * 7)
     model = _model(gpt2_config if spec == "gpt2" else spec)
@@ -146,6 +148,8 @@ def test_the_padded_gpu_form_in_fp32_is_the_cpu_form_to_rounding(
 ) -> None:
     """The padding rows of the GPU form (zero weights, logits masked out of the softmax) change
     nothing: in fp32 its loss and every gradient are the CPU form's to float rounding."""
+    if compiled and compile_missing(torch.device("cpu")) is not None:
+        pytest.skip(f"{compile_missing(torch.device('cpu'))} (apt-get install g++)")
     model = _model(gpt2_config)
     x = torch.randint(0, VOCAB, (3, 20), generator=torch.Generator().manual_seed(5))
     cpu_loss, cpu_grads = _loss_and_grads(model, causal_lm_loss, x)
