@@ -108,6 +108,8 @@ def test_dylu_ratio_is_own_speed_against_the_fastest() -> None:
     assert dylu_ratio([fast, slow], "f") == 1.0
     assert dylu_ratio([fast, slow], "nobody") is None
     assert dylu_ratio([silent], "q") is None
+    # Alone (or with members that reported no step time) it learns nothing: None keeps the last ratio.
+    assert dylu_ratio([slow], "s") is None and dylu_ratio([slow, silent], "s") is None
 
 
 def test_one_forged_step_time_moves_dylu_by_a_bounded_factor() -> None:

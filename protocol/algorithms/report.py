@@ -197,12 +197,15 @@ link forced the harshest codec on everyone."""
 
 def dylu_ratio(reports: Sequence[PeerReport], peer_id: str) -> float | None:
     """DyLU (Async DiLoCo): `peer_id`'s speed relative to the fastest member that reported a step
-    time, in (0, 1]; None when its own report or every step time is missing. The fastest counts
+    time, in (0, 1]; None when its own report or every other member's step time is missing. The fastest counts
     at most `DYLU_MAX_SPEEDUP` times faster than the median: one report moves every member's H by a
     bounded factor."""
     own = next((r.step_time_s for r in reports if r.peer_id == peer_id), 0.0)
     times = [r.step_time_s for r in reports if r.step_time_s > 0]
-    if not times or own <= 0:
+    others = [r for r in reports if r.peer_id != peer_id and r.step_time_s > 0]
+    if not others or own <= 0:
+        # A round averaged alone says nothing of the others' speed: it must not reset the ratio to 1
+        # (a slow node that once averaged alone went back to the full H, seen in tests/test_swarm.py).
         return None
     fastest = max(min(times), statistics.median(times) / DYLU_MAX_SPEEDUP)
     return min(1.0, fastest / own)
