@@ -414,7 +414,12 @@ class StateServer:
     ) -> None:
         s, meter = self.settings, Meter()
         peer = str(stream_info.peer_id.to_base58())
-        self._requests[peer] += 1
+        # Decided as the stream arrives, in arrival order (no await between the test and the count):
+        # counted after reading the request, a burst counted every stream before any was tested, and
+        # all of them were refused, the first one too.
+        admitted = self._requests[peer] < s.per_peer
+        if admitted:
+            self._requests[peer] += 1
         updating = False
         try:
             # The request is read even when it is refused (a few bounded bytes): a stream closed with
@@ -422,7 +427,7 @@ class StateServer:
             request, _ = await asyncio.wait_for(
                 read_frame(reader, meter, max_header=REQUEST_BYTES, max_body=0), s.timeout_floor_s
             )
-            if self._requests[peer] > s.per_peer:
+            if not admitted:
                 raise ValueError(BUSY)
             if not await self._admission.select_async([peer]):
                 raise ValueError(NOT_ADMITTED)  # nothing served, and nothing read past the request
@@ -448,9 +453,10 @@ class StateServer:
                 await asyncio.wait_for(write_frame(writer, refusal, [], meter), s.timeout_floor_s)
         finally:
             writer.close()
-            self._requests[peer] -= 1
-            if self._requests[peer] <= 0:
-                del self._requests[peer]  # the map holds the peers with requests in flight
+            if admitted:
+                self._requests[peer] -= 1
+                if self._requests[peer] <= 0:
+                    del self._requests[peer]  # the map holds the peers with requests in flight
             if updating:
                 self._updating.discard(peer)
 
