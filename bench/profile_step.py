@@ -38,7 +38,7 @@ except ImportError:  # run as a script: this folder is on sys.path
 
 
 def make_step(
-    model: torch.nn.Module, variant: str, vocab: int, device: torch.device
+    model: torch.nn.Module, variant: str, vocab: int, device: torch.device, seq_len: int
 ) -> Callable[[int], None]:
     """One inner step of `variant` on `model` (see the module docstring)."""
     forward: Any = model
@@ -53,7 +53,7 @@ def make_step(
 
     def step(b: int) -> None:
         opt.zero_grad(set_to_none=True)
-        x = torch.randint(0, vocab, (b, SEQ), generator=gen).to(device, non_blocking=True)
+        x = torch.randint(0, vocab, (b, seq_len), generator=gen).to(device, non_blocking=True)
         with autocast(device, torch.bfloat16 if device.type == "cuda" else None):
             loss = forward(input_ids=x, labels=x).loss if hf_loss else causal_lm_loss(model, x)
         loss.backward()
@@ -63,11 +63,7 @@ def make_step(
     return step
 
 
-SEQ = 1024
-
-
 def main() -> None:
-    global SEQ
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="gpt2-124m")
     ap.add_argument("--batch-size", type=int, default=8)
@@ -79,7 +75,6 @@ def main() -> None:
     ap.add_argument("--profile-variant", default="node")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
-    SEQ = args.seq_len
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     with tempfile.TemporaryDirectory() as tmp:
         spec, vocab = args.model, 256
@@ -87,13 +82,13 @@ def main() -> None:
             path = Path(tmp) / "config.json"
             path.write_text(json.dumps(MODELS[args.model]))
             spec, vocab = str(path), int(MODELS[args.model]["vocab_size"])
-        base = build_model(spec, vocab_size=vocab, seed=0, max_seq_len=max(1024, SEQ))
+        base = build_model(spec, vocab_size=vocab, seed=0, max_seq_len=max(1024, args.seq_len))
     import copy
 
     steps: dict[str, Callable[[int], None]] = {}
     for variant in args.variants.split(","):
         model = copy.deepcopy(base).to(device).train()
-        steps[variant] = make_step(model, variant, vocab, device)
+        steps[variant] = make_step(model, variant, vocab, device, args.seq_len)
         t0 = time.perf_counter()
         for _ in range(3):
             steps[variant](args.batch_size)
@@ -113,7 +108,7 @@ def main() -> None:
             times[variant].append(1e3 * (time.perf_counter() - t0) / args.steps)
     med = {v: statistics.median(t) for v, t in times.items()}
     for v, ms in med.items():
-        print(f"{v}: {ms:.1f} ms/step, {args.batch_size * SEQ / ms * 1e3:,.0f} tok/s", flush=True)
+        print(f"{v}: {ms:.1f} ms/step, {args.batch_size * args.seq_len / ms * 1e3:,.0f} tok/s", flush=True)
     if args.out:
         args.out.write_text(
             json.dumps({"batch": args.batch_size, "ms_per_step": med, "runs": times}, indent=1)
