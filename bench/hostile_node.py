@@ -43,20 +43,6 @@ from adloco.protocol.transport.owner import Answer, OwnerHandler, OwnerSession
 OWNER_ATTACKS = ("owner-scaled", "owner-noise", "owner-split", "owner-stall", "mute", "silent")
 
 
-def _signed(answer: Answer, session: OwnerSession) -> Answer:
-    """`answer` with its statement signed by the liar (as a liar signs its lie)."""
-    assert answer.statement is not None
-    statement = session._sign(
-        keys=session.keys,
-        payloads=[answer.payloads[k] for k in session.keys],
-        contributors=answer.contributors,
-        commitments=[c.signed.digest for c in answer.commitments],
-        codes=answer.statement.codes,
-        metadata=answer.metadata or (),
-    )
-    return dataclasses.replace(answer, statement=statement)
-
-
 def _reencoded(answer: Answer, change: Any) -> Answer:
     told = {}
     for key, payload in answer.payloads.items():
@@ -81,7 +67,7 @@ def attack_as_owner(attack: str) -> None:
             answer, rejections = real(*args, **kwargs)
             signed_by = kwargs.get("signed_by")
             if signed_by is not None and answer.statement is not None:
-                answer = _signed(_reencoded(answer, change), signed_by.__self__)
+                answer = signed_by.__self__.restate(_reencoded(answer, change))
             return answer, rejections
 
         owner.reduce_owned = lying
@@ -126,7 +112,7 @@ def _session_with(session: OwnerSession, result: Answer) -> OwnerSession:
     import copy
 
     other = copy.copy(session)
-    other.result = _signed(_reencoded(result, lambda v: v * 1.001), session)
+    other.result = session.restate(_reencoded(result, lambda v: v * 1.001))
     return other
 
 

@@ -6,7 +6,8 @@ round allows, random = noise at Δ's norm, constant = one noise direction every 
 an owner (owner-scaled, owner-noise, owner-split, owner-stall), withholding its reveal (mute) or
 its parts (silent: it joins groups and sends no owner anything); `+rekey` after any of them: left
 out, it joins again under a fresh key. Every
-combination of `--rules` (the owners' `--aggregate`), `--scores` (every node's `--score`: owners
+combination of `--rules` (the owners' `--aggregate`; "default": the flag left out, so a public
+run's default applies), `--scores` (every node's `--score`: owners
 judge each member's Δ over their parts by the loss on their own data) and `--attacks` runs once per
 seed. Printed and written to bench/results/robust_swarm.json: the honest nodes' final val loss
 (median of the three), and its gap against the clean run under the same rule and under the mean;
@@ -50,8 +51,8 @@ def one_run(work: Path, *, rule: str, score: str, attack: str, rounds: int, seed
     try:
         _wait("bootstrap", maddrs.exists, 120, [bootstrap])
         peers = json.loads(maddrs.read_text())
-        common = ["--peers", *peers, "--run-id", f"robust-{seed}", "--aggregate", rule, "--seed", str(seed)]
-        common += ["--score", score]
+        common = ["--peers", *peers, "--run-id", f"robust-{seed}", "--seed", str(seed), "--score", score]
+        common += [] if rule == "default" else ["--aggregate", rule]
         for i in range(4):
             hostile = attack != "none" and i == 3
             program = ["python", HOSTILE, "--attack", attack] if hostile else ["adloco-node"]
@@ -83,6 +84,9 @@ def one_run(work: Path, *, rule: str, score: str, attack: str, rounds: int, seed
         "rounds": [f["round"] for f in finals],
         "applied": [len(r) for r in reached],
         "val_loss": statistics.median(f["val_loss"] for f in finals),
+        # Every byte an honest node sent (the median node), and of those the checks' statements.
+        "mb_sent": round(statistics.median(f["bytes_sent"] for f in finals) / 1e6, 3),
+        "checks_mb_sent": round(statistics.median(f.get("checks_sent", 0) for f in finals) / 1e6, 3),
         # Every round all three applied holds one θ on all three (the rounds one of them caught up
         # over, it took from the others: checked against their hash when it did).
         "theta_agree": all(len({r[k] for r in reached}) == 1 for k in shared),

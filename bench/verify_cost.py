@@ -12,12 +12,16 @@ round time and bytes side by side with the checks skipped, over the real p2pd.
    - the statements' bytes: its commitment (sent to each other owner), an owner's statement and the
      commitments relayed with it, its reveal and projections (sent to each other member), against
      the payload bytes it moves.
+   Under `--aggregate clip:c` the owner's reduction is CenteredClip's, the member also computes the
+   inner products of its payloads with the answers (`verification.own_dots`) and checks each answer's
+   clip factors (`verify.check_clip`, with the others' inner products worked out beforehand).
 2. `rounds`: three `HivemindAverager`s on loopback (one process, real DHTs and p2pd) average a
    Llama-shaped contribution of `--params` values (int8) for `--rounds` rounds with the checks and
    as many with `verify_round` replaced by a no-op (the commitments and signed statements stay),
    alternating; the median call time of each, their ratio, and the wire bytes per member.
 
     python -m adloco.bench.verify_cost --out bench/results/verify_cost.json
+    python -m adloco.bench.verify_cost --aggregate clip:0.5 --out bench/results/verify_cost_clip.json
     python -m adloco.bench.verify_cost --quick
 """
 
@@ -40,7 +44,7 @@ import torch
 from adloco.protocol.algorithms import verify
 from adloco.protocol.algorithms.allreduce import Contribution
 from adloco.protocol.algorithms.codecs import decode, encode_tensors, make_codec
-from adloco.protocol.algorithms.parts import Aggregate, assign_parts, reduce_part
+from adloco.protocol.algorithms.parts import Aggregate, Clip, assign_parts, reduce_part
 from adloco.protocol.algorithms.report import PeerReport
 from adloco.protocol.transport import hivemind_averager, verification
 from adloco.protocol.transport.identity import create_identity
@@ -85,7 +89,7 @@ def _payloads(shapes: dict[str, tuple[int, ...]], seed: int) -> tuple[dict[str, 
     return payloads, seconds
 
 
-def components(shapes: dict[str, tuple[int, ...]], repeats: int) -> dict[str, Any]:
+def components(shapes: dict[str, tuple[int, ...]], repeats: int, aggregate: Aggregate) -> dict[str, Any]:
     """Part 1 of the module doc."""
     n = 3
     members = [_payloads(shapes, seed) for seed in range(n)]
@@ -97,6 +101,7 @@ def components(shapes: dict[str, tuple[int, ...]], repeats: int) -> dict[str, An
     seed = b"\x01" * 32
     times: dict[str, list[float]] = {}
     answers: dict[str, bytes] = {}
+    clips: dict[str, Clip | None] = {}
     claims: dict[str, list[verify.Claim]] = {}
     facts = [hivemind_averager.own_facts(p) for p in payloads]
     for k in keys:
@@ -107,30 +112,30 @@ def components(shapes: dict[str, tuple[int, ...]], repeats: int) -> dict[str, An
             "commit (digests, norms)": lambda: hivemind_averager.own_facts(payloads[0]),
             "own projections": lambda: verification.own_projections(payloads[0], keys, seed),
             "encode (int8)": lambda: _payloads(shapes, 0)[1],
-            "reduce owned third": lambda: answers.update(
-                {
-                    k: reduce_part(
-                        [p[k] for p in payloads],
-                        [100.0] * n,
-                        make_codec("int8"),
-                        k,
-                        tokens=[100.0] * n,
-                        claimed_norms=[c.norm for c in claims[k]],
-                    ).payload
-                    for k in keys
-                }
-            ),
+            "reduce owned third": lambda: _reduce(keys, payloads, claims, aggregate, answers, clips),
             "decode averaged (apply)": lambda: [decode(answers[k]) for k in keys],
         }.items():
             seconds, out = _timed(fn)
             times.setdefault(name, []).append(out if name == "encode (int8)" else seconds)
+        if aggregate.rule == "clip":
+            seconds, _ = _timed(lambda: verification.own_dots(payloads[0], keys, answers))
+            times.setdefault("own inner products (clip)", []).append(seconds)
+        dots = {
+            k: {j: verify.inner(decode(payloads[j][k]), decode(answers[k])) for j in range(n)}
+            for k in others
+            if clips.get(k) is not None
+        }
         times.setdefault("check answers (2/3 of the parts)", []).append(
-            _timed(lambda: _check_answers(others, answers, claims, n, seed))[0]
+            _timed(
+                lambda dots=dots: _check_answers(others, answers, claims, n, seed, aggregate, clips, dots)
+            )[0]
         )
     medians = {name: statistics.median(v) for name, v in times.items()}
     checks = ["commit (digests, norms)", "own projections", "check answers (2/3 of the parts)"]
+    checks += ["own inner products (clip)"] if aggregate.rule == "clip" else []
     work = ["encode (int8)", "reduce owned third", "decode averaged (apply)"]
     return {
+        "aggregate": str(aggregate),
         "params": num_params(shapes),
         "tensors": len(shapes),
         "repeats": repeats,
@@ -141,15 +146,58 @@ def components(shapes: dict[str, tuple[int, ...]], repeats: int) -> dict[str, An
     }
 
 
-def _check_answers(
-    keys: list[str], answers: dict[str, bytes], claims: dict[str, list[verify.Claim]], n: int, seed: bytes
+def _reduce(
+    keys: list[str],
+    payloads: list[dict[str, bytes]],
+    claims: dict[str, list[verify.Claim]],
+    aggregate: Aggregate,
+    answers: dict[str, bytes],
+    clips: dict[str, Clip | None],
 ) -> None:
-    settings = verification.Settings(Aggregate(), 10.0, None)
+    """The owner's reduction of every part in `keys` over the members' payloads (100 tokens each)."""
+    n = len(payloads)
     for k in keys:
-        part = verification.Part(
-            k, "owner", answers[k], claims[k], ["a", "b", "c"], [(j, 1 / n) for j in range(n)]
+        part = reduce_part(
+            [p[k] for p in payloads],
+            [100.0] * n,
+            make_codec("int8"),
+            k,
+            tokens=[100.0] * n,
+            aggregate=aggregate,
+            claimed_norms=[c.norm for c in claims[k]],
         )
-        verification.check_part(part, seed, settings)
+        answers[k], clips[k] = part.payload, part.clip
+
+
+def _check_answers(
+    keys: list[str],
+    answers: dict[str, bytes],
+    claims: dict[str, list[verify.Claim]],
+    n: int,
+    seed: bytes,
+    aggregate: Aggregate,
+    clips: dict[str, Clip | None],
+    dots: dict[str, dict[int, float]],
+) -> None:
+    settings = verification.Settings(aggregate, 10.0, None)
+    for k in keys:
+        mean = [(j, 1 / n) for j in range(n)]
+        factors = verify.stated_factors(clips.get(k), mean, aggregate)
+        part = verification.Part(
+            k, "owner", answers[k], claims[k], ["a", "b", "c"], factors, clips.get(k), mean, aggregate.param
+        )
+        checked = verification.check_part(part, seed, settings)
+        clip = clips.get(k)
+        if clip is not None and checked.tolerance is not None:
+            verify.check_clip(
+                clip,
+                claims[k],
+                mean,
+                aggregate.param,
+                answer_norm=checked.norm,
+                rounding=checked.rounding,
+                dots=dict(dots[k]),
+            )
 
 
 def statement_bytes(
@@ -216,7 +264,7 @@ def statement_bytes(
     }
 
 
-def rounds(shapes: dict[str, tuple[int, ...]], count: int) -> dict[str, Any]:
+def rounds(shapes: dict[str, tuple[int, ...]], count: int, aggregate: Aggregate) -> dict[str, Any]:
     """Part 2 of the module doc."""
     from adloco.protocol.transport.hivemind_averager import HivemindAverager
     from adloco.protocol.transport.identity import NodeDHT
@@ -227,7 +275,13 @@ def rounds(shapes: dict[str, tuple[int, ...]], count: int) -> dict[str, Any]:
     dhts += [NodeDHT(initial_peers=peers, start=True, host_maddrs=local, **DHT_KWARGS) for _ in range(2)]
     averagers = [
         HivemindAverager(
-            d, prefix="verify-cost", window_s=1.0, grace_s=0.3, part_timeout_s=20.0, reduce_timeout_s=20.0
+            d,
+            prefix="verify-cost",
+            window_s=1.0,
+            grace_s=0.3,
+            part_timeout_s=20.0,
+            reduce_timeout_s=20.0,
+            aggregate=aggregate,
         )
         for d in dhts
     ]
@@ -263,6 +317,7 @@ def rounds(shapes: dict[str, tuple[int, ...]], count: int) -> dict[str, Any]:
             d.shutdown()
     checked, unchecked = statistics.median(samples["checked"]), statistics.median(samples["unchecked"])
     return {
+        "aggregate": str(aggregate),
         "params": num_params(shapes),
         "rounds_each": count,
         "call_s": {"checked": samples["checked"], "unchecked": samples["unchecked"]},
@@ -304,6 +359,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--aggregate", type=Aggregate.parse, default=Aggregate(), help="the owners' rule")
     args = parser.parse_args()
     torch.set_num_threads(2)
     big = llama_shapes(64, 1, 256) if args.quick else gpt2_shapes()
@@ -311,8 +367,8 @@ def main() -> None:
     result = {
         "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
         "command": " ".join(["python -m adloco.bench.verify_cost", *sys.argv[1:]]),
-        "components": components(big, args.repeats),
-        "rounds": rounds(small, 2 if args.quick else args.rounds),
+        "components": components(big, args.repeats, args.aggregate),
+        "rounds": rounds(small, 2 if args.quick else args.rounds, args.aggregate),
     }
     text = json.dumps(result, indent=2)
     print(text)

@@ -39,6 +39,7 @@ from adloco.node.swarm.loop import ROUND_ID_STRIDE
 from adloco.protocol.algorithms import codecs
 from adloco.protocol.algorithms.allreduce import Contribution, reduce_group
 from adloco.protocol.algorithms.codecs import decode_tensors, encode_tensors, make_codec
+from adloco.protocol.algorithms.parts import MEAN, Aggregate, Clip
 from adloco.protocol.algorithms.report import PeerReport
 from adloco.protocol.algorithms.trust import WORK_MIN_ROUNDS
 from adloco.protocol.transport.averager import Averager, MemberResult, Misconduct, NotOpened
@@ -251,11 +252,14 @@ def _assert_matches_reduce_group(
     contributions: Sequence[Contribution],
     spec: str,
     work_cap: float | None = None,
+    aggregate: Aggregate = MEAN,
 ) -> None:
     first = next((o.result for o in outcomes if o.result is not None), None)
     assert first is not None
     order = dealing_order(first.owners, contributions[0].payloads)
-    expected = reduce_group(contributions, codec=make_codec(spec), work_cap=work_cap, owners=order)
+    expected = reduce_group(
+        contributions, codec=make_codec(spec), work_cap=work_cap, owners=order, aggregate=aggregate
+    )
     for o in outcomes:
         r = o.result
         assert r is not None
@@ -767,16 +771,19 @@ def _round_with_a_lying_owner(
     *,
     lie: Lie | None = None,
     per_member: Callable[[Any, Any, str], Any] | None = None,
+    aggregate: Aggregate = MEAN,
+    contributions_of: Callable[[Sequence[Averager]], list[Contribution]] | None = None,
 ) -> Iterator[LyingRound]:
     """The liar's reductions give `lie(answer, session)` (re-signed: the liar signs its own lie), or
-    each member `per_member(answer, session, member)`; the other two are honest. Yields once every
-    member returned."""
+    each member `per_member(answer, session, member)`; the other two are honest. Every owner runs
+    `aggregate`; the members contribute `contributions_of(averagers)` (default: `_contributions`).
+    Yields once every member returned."""
     from adloco.protocol.transport import owner as owner_module
 
     swarm = Swarm("hivemind")
     try:
         swarm.add_nodes(3)
-        averagers = _by_dealing([swarm.averager(i) for i in range(3)], SHAPES, spec=spec)
+        averagers = _by_dealing([swarm.averager(i, aggregate=aggregate) for i in range(3)], SHAPES, spec=spec)
         liar = averagers[0]
         real_reduce = owner_module.reduce_owned
 
@@ -784,7 +791,7 @@ def _round_with_a_lying_owner(
             answer, rejections = real_reduce(*args, **kwargs)
             session = kwargs["signed_by"].__self__
             if lie is not None and session.signer.peer_id == liar.peer_id:
-                answer = _signed(lie(answer, session), session)
+                answer = session.restate(lie(answer, session))
             return answer, rejections
 
         monkeypatch.setattr(owner_module, "reduce_owned", lying_reduce)
@@ -795,11 +802,15 @@ def _round_with_a_lying_owner(
             async def answer_each(writer: Any, session: Any, meter: Any, peer: str) -> None:
                 told = copy.copy(session)
                 if session.result is not None:
-                    told.result = _signed(per_member(session.result, session, peer), session)
+                    told.result = session.restate(per_member(session.result, session, peer))
                 await answer(writer, told, meter, peer)
 
             handler._answer = answer_each
-        contributions = _contributions(averagers, spec, seed=seed)
+        contributions = (
+            _contributions(averagers, spec, seed=seed)
+            if contributions_of is None
+            else contributions_of(averagers)
+        )
         with caplog.at_level("WARNING"):
             outcomes = _average_together(averagers, contributions, round=0, spec=spec)
         yield LyingRound(averagers, liar, contributions, outcomes, caplog.text)
@@ -828,19 +839,6 @@ def _by_dealing(
         order = _dealing_order([a.peer_id for a in ranked], shapes, spec=spec)
         ranked.sort(key=lambda a: order.index(a.peer_id))
     return ranked
-
-
-def _signed(answer: Any, session: Any) -> Any:
-    """`answer` with a statement of it signed by `session`'s owner (as a liar would sign its lie)."""
-    statement = session._sign(
-        keys=session.keys,
-        payloads=[answer.payloads[k] for k in session.keys],
-        contributors=answer.contributors,
-        commitments=[c.signed.digest for c in answer.commitments],
-        codes=answer.statement.codes,
-        metadata=answer.metadata,
-    )
-    return dataclasses.replace(answer, statement=statement)
 
 
 def _scaled(factor: float, spec: str) -> Lie:
@@ -1279,6 +1277,120 @@ def test_a_member_projecting_falsely_to_frame_an_owner_is_shown_up_and_the_round
             verdict = honest.verdicts()[framer.peer_id]  # type: ignore[attr-defined]
             assert verdict.proven and "its payload gives" in verdict.why
         assert "owners showed false projections" in caplog.text
+    finally:
+        swarm.close()
+
+
+CLIP = Aggregate.parse("clip:1")
+
+
+def _flipped_contributions(averagers: Sequence[Averager]) -> list[Contribution]:
+    """Two members whose Δs share a direction and a third sending −3 × the first's, claiming twice
+    their tokens (the claim-limit attack): CenteredClip clips the third (its ρ ~0.3)."""
+    g = torch.Generator().manual_seed(41)
+    common = {k: torch.randn(*shape, generator=g) for k, shape in SHAPES.items()}
+    honest = [{k: (v + torch.randn(v.shape, generator=g)) * 0.7 for k, v in common.items()} for _ in range(2)]
+    tensors = [*honest, {k: v * -3.0 for k, v in honest[0].items()}]
+    out = []
+    for i, (averager, values) in enumerate(zip(averagers, tensors, strict=True)):
+        tokens = 200.0 if i == 2 else 100.0
+        payloads = encode_tensors(make_codec("int8"), values)
+        report = PeerReport(peer_id=averager.peer_id, slot_stats=(None,), b_max=4, tokens=100, base_round=7)
+        out.append(
+            Contribution(averager.peer_id, payloads, weight=tokens, tokens=tokens, metadata=report.encode())
+        )
+    return out
+
+
+def test_a_centered_clip_round_is_checked_and_completes_with_reduce_groups_bytes() -> None:
+    """Every owner reduces its parts by CenteredClip and states its clip factors; every member checks
+    each answer as the weighted mean they make and the factors against the distances the others'
+    inner products give. All honest: the round completes with `reduce_group`'s bytes under the same
+    rule, and nobody is named."""
+    swarm = Swarm("hivemind")
+    try:
+        swarm.add_nodes(3)
+        averagers = sorted((swarm.averager(i, aggregate=CLIP) for i in range(3)), key=lambda a: a.peer_id)
+        contributions = _flipped_contributions(averagers)
+        outcomes = _average_together(averagers, contributions, round=0, spec="int8")
+        _assert_matches_reduce_group(outcomes, contributions, "int8", aggregate=CLIP)
+        for averager in averagers:
+            assert averager.verdicts() == {}  # type: ignore[attr-defined]
+    finally:
+        swarm.close()
+
+
+def test_an_owner_stating_the_attacker_unclipped_under_centered_clip_is_caught(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A colluding owner answers its parts with the plain mean and states every clip factor 1: the
+    answer is exactly the weighted mean its statement makes it, so its projection passes; the
+    attacker's distance from the answer (from its committed norm and inner product) says its factor
+    is ~0.3, so every honest member refuses the round and names the owner (on its own observation:
+    the owner shows no payload that proves an inner product false)."""
+    from adloco.protocol.transport import owner as owner_module
+
+    real = owner_module.reduce_owned
+
+    def unclipped(answer: Any, session: Any) -> Any:
+        mean, _ = real(
+            session.keys,
+            dict(session.contributions),
+            session.codec,
+            session.outlier_factor,
+            MEAN,
+            None,
+            session.bounds.reference_tokens,
+        )
+        clips = [
+            None if c is None else Clip(c.tau, dict.fromkeys(c.rhos, 1.0)) for c in answer.statement.clips
+        ]
+        assert any(c is not None for c in clips)
+        statement = dataclasses.replace(answer.statement, clips=clips)
+        return dataclasses.replace(answer, payloads=mean.payloads, statement=statement)
+
+    with _round_with_a_lying_owner(
+        monkeypatch, caplog, "int8", 0, lie=unclipped, aggregate=CLIP, contributions_of=_flipped_contributions
+    ) as round:
+        print(round.logs)
+        assert [o.result for o in round.outcomes[1:]] == [None, None]
+        for honest in round.honest:
+            verdict = round.verdicts(honest)[round.liar.peer_id]
+            assert "clip factor" in verdict.why and not verdict.proven
+
+
+def test_a_member_sending_false_inner_products_to_frame_a_clipping_owner_is_shown_up(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Under CenteredClip the attacker sends everyone its inner products with the answers negated
+    (within Cauchy–Schwarz, so no one can refuse them on their face): its distance from each answer
+    then reads small and the honest owners' clip factors for it (~0.3) look false. Each member asks
+    the owner, which shows the framer's payloads (they hash to its commitment and give other inner
+    products): the round completes with `reduce_group`'s bytes, and the framer is convicted."""
+    from adloco.protocol.transport import verification
+
+    swarm = Swarm("hivemind")
+    try:
+        swarm.add_nodes(3)
+        averagers = sorted((swarm.averager(i, aggregate=CLIP) for i in range(3)), key=lambda a: a.peer_id)
+        contributions = _flipped_contributions(averagers)
+        framer = contributions[2]
+        real = verification.own_dots
+
+        def negated(payloads: Any, layout: Any, clipped: Any) -> list[float | None]:
+            dots = real(payloads, layout, clipped)
+            return [None if d is None else -d for d in dots] if payloads is framer.payloads else dots
+
+        monkeypatch.setattr(verification, "own_dots", negated)
+        with caplog.at_level("INFO"):
+            outcomes = _average_together(averagers, contributions, round=0, spec="int8")
+        expected = reduce_group(contributions, codec=make_codec("int8"), aggregate=CLIP)
+        for o in outcomes:
+            assert o.result is not None
+            assert o.result.averaged == expected.averaged and o.result.members == expected.members
+        for honest in averagers[:2]:
+            verdict = honest.verdicts()[framer.peer_id]  # type: ignore[attr-defined]
+            assert verdict.proven and "its payload gives" in verdict.why
     finally:
         swarm.close()
 

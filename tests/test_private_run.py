@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from adloco.node.cli.credential import credential_main
-from adloco.node.cli.node import build_parser, swarm_from_args
+from adloco.node.cli.node import build_parser, swarm_from_args, swarm_train_config
+from adloco.node.cli.options import train_config_from_args
 from adloco.node.swarm.node import SwarmConfig
 from adloco.protocol.algorithms.allreduce import Contribution, reduce_group
 from adloco.protocol.algorithms.codecs import encode_tensors, make_codec
@@ -161,6 +162,26 @@ def test_credential_command_and_node_flags(
     for message, flags in bad.items():
         with pytest.raises(Exception, match=message.replace("(", r"\(").replace(")", r"\)")):
             swarm(*flags)
+
+
+def test_a_public_run_defaults_to_checked_centered_clip_and_a_private_run_to_the_mean(tmp_path: Path) -> None:
+    """Without --aggregate, a swarm node of a public run reduces by CenteredClip (`PUBLIC_AGGREGATE`:
+    its answers are checked by their fixed point), one of a private run (--allow-peers, --run-owner)
+    by the mean; a rule given is kept; the mean's own default (the simulator, --offline) stays."""
+    allowlist = tmp_path / "peers.txt"
+    allowlist.write_text("")
+
+    def rule(*flags: str) -> str:
+        args = parse_settings(build_parser(), ["--run-id", RUN, *flags])
+        return swarm_train_config(train_config_from_args(args), args).aggregate
+
+    assert rule() == "clip:0.5"
+    assert rule("--allow-peers", str(allowlist)) == "mean"
+    assert rule("--aggregate", "mean") == "mean"
+    assert rule("--aggregate", "trimmed:0.2", "--allow-peers", str(allowlist)) == "trimmed:0.2"
+    assert train_config_from_args(parse_settings(build_parser(), [])).aggregate == "mean"
+    with pytest.raises(Exception, match=r"default --aggregate is clip:0\.5"):
+        rule("--downlink", "gather")
 
 
 # ---- enforcement with real DHT peers and p2pd ---------------------------------------------------

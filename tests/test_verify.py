@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from adloco.protocol.algorithms import verify
-from adloco.protocol.algorithms.codecs import decode, make_codec, sum_payload
+from adloco.protocol.algorithms.codecs import decode, error_bound, make_codec, sum_payload
 from adloco.protocol.algorithms.downlink import Gather
-from adloco.protocol.algorithms.parts import MEAN, SCREENED, Aggregate, reduce_part, tensor_norm
+from adloco.protocol.algorithms.parts import MEAN, SCREENED, Aggregate, Clip, reduce_part, tensor_norm
 from adloco.protocol.algorithms.verify import Claim, Misanswer, Misprojection
 
 SEED = b"\x07" * 32
@@ -274,3 +274,160 @@ def test_a_projection_beyond_its_committed_norm_is_refused_and_a_missing_one_wid
     lie = t + 100 * tolerance
     with pytest.raises(Misanswer):
         verify.check_mean(lie, full, claims, factors, tolerance)
+
+
+def _clip_round(
+    spec: str, *, seed: int, attacker: float | None = -3.0
+) -> tuple[list[bytes], list[Claim], bytes, Aggregate, Clip]:
+    """Four members' payloads of one part, three honest ones sharing a direction (cosine ~0.5, as Δs
+    of one round do) and the last `attacker` × the first's (under the norm screening) claiming twice
+    their tokens, and an honest owner's CenteredClip answer of them."""
+    g = torch.Generator().manual_seed(seed)
+    common = torch.randn(*SHAPE, generator=g)
+    codec = make_codec(spec)
+    tensors = [(common + torch.randn(*SHAPE, generator=g)) * 0.7 for _ in range(4)]
+    tokens = [200.0, 200.0, 200.0, 400.0]
+    if attacker is not None:
+        tensors[3] = tensors[0] * attacker
+    payloads = [codec.encode("w", t) for t in tensors]
+    claims = [
+        Claim(t, t, tensor_norm(decode(p)), verify.payload_digest(p))
+        for t, p in zip(tokens, payloads, strict=True)
+    ]
+    aggregate = Aggregate.parse("clip:1")
+    part = reduce_part(
+        payloads,
+        [c.weight for c in claims],
+        codec,
+        "w",
+        tokens=[c.tokens for c in claims],
+        aggregate=aggregate,
+        claimed_norms=[c.norm for c in claims],
+    )
+    assert part.clip is not None and not part.codes
+    return payloads, claims, part.payload, aggregate, part.clip
+
+
+def _check_clip(
+    payloads: list[bytes],
+    claims: list[Claim],
+    answer: bytes,
+    aggregate: Aggregate,
+    clip: Clip,
+    *,
+    dots: dict[int, float | None] | None = None,
+) -> None:
+    """A member's check of a CenteredClip answer: the mean its stated factors make it (bound and
+    projection), and the factors against the distances the contributors' inner products give."""
+    mean = verify.expected_factors(claims, {}, outlier_factor=10.0, work_cap=None)
+    factors = verify.stated_factors(clip, mean, aggregate)
+    assert mean is not None and factors is not None
+    decoded = decode(answer)
+    verify.check_bound(decoded, answer, claims, factors, MEAN)
+    tolerance = verify.mean_tolerance(answer, decoded, claims, factors)
+    bound = error_bound(answer, decoded)
+    assert tolerance is not None and bound is not None
+    projections = {i: verify.project_payload(p, SEED, "w") for i, p in enumerate(payloads)}
+    verify.check_mean(verify.project(decoded, SEED, "w"), projections, claims, factors, tolerance)
+    if dots is None:
+        dots = {i: verify.inner(decode(p), decoded) for i, p in enumerate(payloads)}
+    norm = tensor_norm(decoded)
+    for i, dot in dots.items():
+        if dot is not None:
+            verify.check_dot(dot, claims[i], norm)
+    verify.check_clip(clip, claims, mean, aggregate.param, answer_norm=norm, rounding=bound.l2, dots=dots)
+
+
+@pytest.mark.parametrize("spec", ["none", "fp16", "int8", "int4"])
+@pytest.mark.parametrize("attacker", [None, -3.0, 0.5])
+def test_an_honest_centered_clip_answer_passes_as_the_weighted_mean_its_factors_make(
+    spec: str, attacker: float | None
+) -> None:
+    """At CenteredClip's fixed point the answer is the mean with factors f_i ρ_i (rescaled): its
+    projection checks it as any mean, and the stated ρ_i are min(1, τ / distance) at the answer,
+    whatever the codec's rounding; with a contributor's inner product missing it still passes."""
+    for seed in range(3):
+        payloads, claims, answer, aggregate, clip = _clip_round(spec, seed=seed, attacker=attacker)
+        _check_clip(payloads, claims, answer, aggregate, clip)
+        dots = {i: verify.inner(decode(p), decode(answer)) for i, p in enumerate(payloads)}
+        _check_clip(payloads, claims, answer, aggregate, clip, dots={**dots, 3: None})
+
+
+def test_centered_clip_clips_the_attacker_and_bounds_its_pull() -> None:
+    """−3 × a member's Δ at twice the claimed tokens: under the mean it outweighs the rest (the answer
+    points away from the honest mean); clipped, its factor is well under 1 and the answer stays on
+    the honest side (measured: ρ 0.3 against 0.86 and 1, the answer at +0.3 of the honest mean
+    where the mean is at −0.6)."""
+    payloads, claims, answer, _, clip = _clip_round("none", seed=0)
+    honest = torch.stack([decode(p) for p in payloads[:3]]).mean(dim=0)
+    assert clip.rhos[3] < 0.5 and min(clip.rhos[i] for i in range(3)) > 0.8
+    mean = decode(_honest(payloads, claims, "none")[0])
+    assert float(torch.dot(mean.reshape(-1), honest.reshape(-1))) < 0
+    assert float(torch.dot(decode(answer).reshape(-1), honest.reshape(-1))) > 0
+
+
+def _restated(clip: Clip, rhos: dict[int, float]) -> Clip:
+    return Clip(clip.tau, {**clip.rhos, **rhos})
+
+
+def _answered(payloads: list[bytes], claims: list[Claim], clip: Clip, spec: str) -> bytes:
+    """The answer an owner stating `clip` must give for the projection to pass: the weighted mean."""
+    mean = verify.expected_factors(claims, {}, outlier_factor=10.0, work_cap=None)
+    assert mean is not None
+    factors = verify.stated_factors(clip, mean, Aggregate.parse("clip:1"))
+    assert factors is not None
+    tensors = [decode(p) for p in payloads]
+    total = torch.zeros_like(tensors[0])
+    for i, f in factors:
+        total.add_(tensors[i], alpha=f)
+    return make_codec(spec).encode("w", total)
+
+
+@pytest.mark.parametrize("spec", ["none", "int8"])
+@pytest.mark.parametrize(
+    "lie",
+    ["attacker unclipped", "honest member halved", "radius doubled", "radius halved"],
+)
+def test_a_centered_clip_answer_whose_factors_lie_fails_though_its_projection_passes(
+    spec: str, lie: str
+) -> None:
+    """The owner answers exactly the weighted mean its stated factors make (so the projection passes)
+    but the factors are not CenteredClip's: the attacker's ρ set to 1 (the mean, colluding), an honest
+    member's halved, or τ off by 2×. Only the distances from the contributors' inner products show it."""
+    payloads, claims, _, aggregate, clip = _clip_round(spec, seed=1)
+    if lie == "attacker unclipped":
+        told = _restated(clip, {3: 1.0})
+    elif lie == "honest member halved":
+        told = _restated(clip, {0: clip.rhos[0] / 2})
+    else:
+        factor = 2.0 if lie == "radius doubled" else 0.5
+        told = Clip(clip.tau * factor, clip.rhos)
+    answer = _answered(payloads, claims, told, spec)
+    with pytest.raises(Misanswer, match="clip"):
+        _check_clip(payloads, claims, answer, aggregate, told)
+
+
+def test_clip_statements_must_be_the_rules() -> None:
+    """A clip statement where the rule does not clip (the mean, or under three payloads), none where
+    it must, or factors of another set than the accepted payloads: each refused from the statement."""
+    _, claims, _, aggregate, clip = _clip_round("int8", seed=2)
+    mean = verify.expected_factors(claims, {}, outlier_factor=10.0, work_cap=None)
+    assert mean is not None
+    with pytest.raises(Misanswer, match="without its clip factors"):
+        verify.stated_factors(None, mean, aggregate)
+    with pytest.raises(Misanswer, match="clips nothing"):
+        verify.stated_factors(clip, mean, MEAN)
+    with pytest.raises(Misanswer, match="clips nothing"):
+        verify.stated_factors(Clip(clip.tau, {0: 1.0, 1: 1.0}), mean[:2], aggregate)
+    with pytest.raises(Misanswer, match="other payloads"):
+        verify.stated_factors(Clip(clip.tau, {0: 1.0, 1: 1.0, 2: 1.0}), mean, aggregate)
+    assert verify.stated_factors(None, mean[:2], aggregate) == mean[:2]
+
+
+def test_an_inner_product_beyond_its_committed_norm_is_the_contributors_lie() -> None:
+    payloads, claims, answer, _, _ = _clip_round("none", seed=0)
+    decoded = decode(answer)
+    true = verify.inner(decode(payloads[1]), decoded)
+    verify.check_dot(true, claims[1], tensor_norm(decoded))
+    with pytest.raises(Misprojection):
+        verify.check_dot(claims[1].norm * tensor_norm(decoded) * 1.01, claims[1], tensor_norm(decoded))

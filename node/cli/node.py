@@ -34,7 +34,7 @@ from ..operations.control import ControlServer, check_bind
 from ..operations.metrics import NodeMetrics
 from ..solo.trainer import train_solo
 from ..swarm.node import SwarmConfig, SwarmNode
-from ..training.config import TrainConfig
+from ..training.config import PUBLIC_AGGREGATE, TrainConfig
 from ..training.rounds import format_round
 from ..training.runtime import lean_allocator
 from .options import add_train_arguments, finite_float, set_threads, train_config_from_args
@@ -390,10 +390,7 @@ def run(args: argparse.Namespace) -> None:
         lean_allocator()
     cfg = train_config_from_args(args)
     if not args.offline:
-        try:
-            cfg = replace(cfg, checked_answers=True)  # as the swarm node runs it
-        except ValueError as e:
-            raise UserError(f"--downlink: {e}") from None
+        cfg = swarm_train_config(cfg, args)
     stop = threading.Event()
     if args.offline:
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -408,6 +405,21 @@ def run(args: argparse.Namespace) -> None:
         check_control(args)
         metrics = metrics_from_args(args)
         run_swarm_node(cfg, network_from_args(args), swarm, stop, metrics, args)
+
+
+def swarm_train_config(cfg: TrainConfig, args: argparse.Namespace) -> TrainConfig:
+    """`cfg` as a swarm node runs it: every answer checked (`TrainConfig.checked_answers`), and in a
+    public run (no --run-owner, no --allow-peers) without --aggregate, `PUBLIC_AGGREGATE`: a public
+    run's defaults defend it."""
+    public = args.run_owner is None and args.allow_peers is None
+    rule = PUBLIC_AGGREGATE if args.aggregate is None and public else cfg.aggregate
+    try:
+        return replace(cfg, aggregate=rule, checked_answers=True)
+    except ValueError as e:
+        default = (
+            f" (a public run's default --aggregate is {PUBLIC_AGGREGATE})" if rule != cfg.aggregate else ""
+        )
+        raise UserError(f"--downlink: {e}{default}") from None
 
 
 def check_control(args: argparse.Namespace) -> None:

@@ -10,7 +10,7 @@ from dataclasses import replace
 import torch
 
 from ...errors import UserError
-from ..training.config import TrainConfig
+from ..training.config import PUBLIC_AGGREGATE, TrainConfig
 from ..training.devices import resolve_device, resolve_precision
 
 
@@ -198,9 +198,10 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     )
     outer.add_argument(
         "--aggregate",
-        default=TrainConfig.aggregate,
+        default=None,
         help="how owners combine contributions: mean, trimmed:β (coordinate-wise trimmed mean) or"
-        " clip:c (CenteredClip); the robust rules bound what hostile peers can move",
+        " clip:c (CenteredClip); the robust rules bound what hostile peers can move (default:"
+        f" {PUBLIC_AGGREGATE} in a public run, mean in a private run, offline and in the simulator)",
     )
     outer.add_argument(
         "--outlier-factor",
@@ -305,7 +306,7 @@ def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
             downlink=args.downlink,
             ef_decay=1.0 if args.ef_momentum is None else args.ef_momentum,
             max_rel_error=args.max_rel_error,
-            aggregate=args.aggregate,
+            aggregate=TrainConfig.aggregate if args.aggregate is None else args.aggregate,
             outlier_factor=args.outlier_factor,
             score=args.score,
             correct_late=not args.no_correction,

@@ -59,16 +59,17 @@ logger = logging.getLogger(__name__)
 # In process a round's averaging is a few reductions: far below this, unless something is wrong.
 AVERAGE_TIMEOUT_S = 600.0
 # What a hostile virtual peer sends in place of its Δ (issue 10 §3), each tensor encoded in int8:
-# flip1000: −1000 Δ; flip: −Δ, claiming the most tokens and weight the schedule allows; random: a
-# fresh Gaussian direction each round at Δ's norm; constant: one fixed direction at Δ's norm.
-ATTACKS = ("none", "flip1000", "flip", "random", "constant")
+# flip1000: −1000 Δ; flip: −Δ, claiming the most tokens and weight the schedule allows (flip3: −3 Δ
+# so); random: a fresh Gaussian direction each round at Δ's norm; constant: one fixed direction at Δ's norm.
+ATTACKS = ("none", "flip1000", "flip", "flip3", "random", "constant")
 
 
 def forge(honest: Contribution, attack: str, *, seed: int, bounds: ClaimBounds) -> Contribution:
     """The contribution a hostile peer sends instead of `honest` (int8-coded, as honest ones):
     flip1000: −1000 Δ; flip: −Δ at normal norm, claiming the most tokens and weight the round's
-    bounds allow; random: Gaussian noise at Δ's norm (new each call, from `seed`); constant: the same
-    noise direction every round, at Δ's norm. Shared by the simulator and bench/robust_swarm.py."""
+    bounds allow; flip3: −3 Δ with that claim (well under the norm screening's factor); random:
+    Gaussian noise at Δ's norm (new each call, from `seed`); constant: the same noise direction
+    every round, at Δ's norm. Shared by the simulator and bench/robust_swarm.py."""
     codec = make_codec("int8")
     payloads: dict[str, bytes] = {}
     for n, (key, payload) in enumerate(honest.payloads.items()):
@@ -77,13 +78,15 @@ def forge(honest: Contribution, attack: str, *, seed: int, bounds: ClaimBounds) 
             forged = delta * -1000.0
         elif attack == "flip":
             forged = -delta
+        elif attack == "flip3":
+            forged = -3.0 * delta
         else:
             generator = torch.Generator().manual_seed(n if attack == "constant" else seed + n)
             forged = torch.randn(delta.shape, generator=generator)
             forged *= torch.linalg.vector_norm(delta) / torch.linalg.vector_norm(forged).clamp_min(1e-30)
         payloads[key] = codec.encode(key, forged)
     weight, tokens = honest.weight, honest.tokens
-    if attack == "flip":
+    if attack in ("flip", "flip3"):
         tokens = bounds.max_tokens if bounds.max_tokens is not None else tokens * 1e6
         weight = tokens * (bounds.max_weight_per_token or 1.0)
     return replace(honest, payloads=payloads, weight=weight, tokens=tokens)

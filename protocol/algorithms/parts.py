@@ -57,8 +57,26 @@ MIN_OUTLIER_GROUP = 3
 which of them is off."""
 # Coordinates combined at a time by the robust rules: their (n, slice) temporaries stay small.
 _ROBUST_SLICE = 1 << 18
-# CenteredClip's fixed-point iterations (BTARD runs a few; each moves v by at most τ).
-CLIP_ITERATIONS = 10
+CLIP_MAX_ITERATIONS = 100
+"""The most fixed-point iterations CenteredClip runs before it answers (it stops once its clip
+factors and radius hold at its answer, `_centered_clip`; a few iterations where few are clipped)."""
+CLIP_AGREEMENT = 1e-2
+"""How far (relative) a stated clip factor may be from the one recomputed at the answer: the owner
+iterates until its factors hold to a quarter of this, a member accepts this much (`verify`)."""
+CLIP_RADIUS_AGREEMENT = 0.1
+"""How far (relative) a stated clip radius τ may be from c × the median distance of the accepted
+payloads from the answer: the owner iterates until it holds to half of this."""
+
+
+@dataclass(frozen=True)
+class Clip:
+    """What an owner's CenteredClip answer states of one part: the radius τ and each accepted
+    payload's clip factor ρ_i = min(1, τ / ‖x_i − v‖) (by index among the part's payloads). The
+    answer is then the weighted mean with the factors `clip_weights` gives, which every member can
+    check by projection like any mean, and the factors against the distances (`verify.check_clip`)."""
+
+    tau: float
+    rhos: dict[int, float]
 
 
 @dataclass(frozen=True)
@@ -68,10 +86,10 @@ class Aggregate:
     "mean": Σ f_i x_i with f_i the normalized weights (w / Σw, or w / Σ tokens). "trimmed:β":
     per coordinate the ⌊β·n⌋ largest and smallest values are left out and the rest averaged by
     their weights, rescaled to Σ f_i (so a late, down-weighted group shrinks as under the mean).
-    "clip:c": CenteredClip from the coordinate-wise median v, τ = c × the median distance of the
-    payloads from v; CLIP_ITERATIONS times v ← v + Σ p_i (x_i − v) min(1, τ / ||x_i − v||) with
-    p_i = f_i / Σ f, then times Σ f. With fewer than `MIN_OUTLIER_GROUP` payloads, the robust rules
-    are the mean: two cannot outvote each other.
+    "clip:c": CenteredClip's fixed point, from the coordinate-wise median: v = Σ p_i ρ_i x_i / Σ p_i
+    ρ_i with p_i = f_i / Σ f, ρ_i = min(1, τ / ‖x_i − v‖) and τ = c × the median of the distances
+    ‖x_i − v‖, then times Σ f (`_centered_clip`). With fewer than `MIN_OUTLIER_GROUP` payloads, the
+    robust rules are the mean: two cannot outvote each other.
     """
 
     rule: str = "mean"
@@ -98,13 +116,17 @@ class Aggregate:
 
     def combine(self, tensors: Sequence[torch.Tensor], factors: Sequence[float]) -> torch.Tensor:
         """The part's aggregate of `tensors` (one shape, finite) with the normalized `factors`."""
+        return self.combine_stated(tensors, factors)[0]
+
+    def combine_stated(
+        self, tensors: Sequence[torch.Tensor], factors: Sequence[float]
+    ) -> tuple[torch.Tensor, Clip | None]:
+        """`combine`, and what a CenteredClip answer states (None for the other rules, and below
+        `MIN_OUTLIER_GROUP` payloads, where every rule is the mean)."""
         if self.rule == "mean" or len(tensors) < MIN_OUTLIER_GROUP:
-            average = torch.zeros_like(tensors[0])
-            for t, f in zip(tensors, factors, strict=True):
-                average.add_(t, alpha=f)
-            return average
+            return weighted_sum(tensors, factors), None
         if self.rule == "trimmed":
-            return _trimmed_mean(tensors, factors, self.param)
+            return _trimmed_mean(tensors, factors, self.param), None
         return _centered_clip(tensors, factors, self.param)
 
 
@@ -126,7 +148,51 @@ def _trimmed_mean(tensors: Sequence[torch.Tensor], factors: Sequence[float], bet
     return out.view_as(tensors[0])
 
 
-def _centered_clip(tensors: Sequence[torch.Tensor], factors: Sequence[float], c: float) -> torch.Tensor:
+def weighted_sum(tensors: Sequence[torch.Tensor], factors: Sequence[float]) -> torch.Tensor:
+    """Σ f_i x_i, accumulated in float32 in the order given (what a member's check of a mean assumes)."""
+    total = torch.zeros_like(tensors[0])
+    for t, f in zip(tensors, factors, strict=True):
+        total.add_(t, alpha=f)
+    return total
+
+
+def clip_weights(factors: Sequence[float], rhos: Sequence[float]) -> list[float]:
+    """The factors of CenteredClip's answer as a weighted mean: Σ f × f_i ρ_i / Σ f_j ρ_j (the fixed
+    point v = Σ p_i ρ_i x_i / Σ p_j ρ_j, rescaled to Σ f as the other rules are). One function for
+    the owner that answers and the members that check it, so both compute the same floats."""
+    total = math.fsum(factors)
+    clipped = math.fsum(f * r for f, r in zip(factors, rhos, strict=True))
+    if clipped <= 0:
+        raise ValueError("clip factors leave no weight")
+    return [total * f * r / clipped for f, r in zip(factors, rhos, strict=True)]
+
+
+def clip_factor(distance: float, tau: float) -> float:
+    """ρ = min(1, τ / d): 1 within the radius (and where τ is 0: nothing to scale by)."""
+    return 1.0 if distance <= tau or tau <= 0 else tau / distance
+
+
+def _distances(flat: Sequence[torch.Tensor], v: torch.Tensor) -> list[float]:
+    """‖x_i − v‖ for each payload, in slices (no whole-part temporary), summed in float64."""
+    squares = [0.0] * len(flat)
+    for start in range(0, v.numel(), _ROBUST_SLICE):
+        center = v[start : start + _ROBUST_SLICE]
+        for i, t in enumerate(flat):
+            diff = (t[start : start + _ROBUST_SLICE] - center).to(torch.float64)
+            squares[i] += float(torch.dot(diff, diff))
+    return [math.sqrt(s) for s in squares]
+
+
+def _centered_clip(
+    tensors: Sequence[torch.Tensor], factors: Sequence[float], c: float
+) -> tuple[torch.Tensor, Clip]:
+    """CenteredClip's fixed point as a verifiable weighted mean (`Clip`): from the coordinate-wise
+    median, v ← Σ p_i ρ_i x_i / Σ p_j ρ_j (the M-estimator's reweighting step: CenteredClip's
+    v + Σ p_i ρ_i (x_i − v) with the step normalized, the same fixed point) with ρ_i and τ taken at
+    v, until the factors taken at the new v agree with the ones that made it to a quarter of
+    `CLIP_AGREEMENT` and τ to half of `CLIP_RADIUS_AGREEMENT`, at most `CLIP_MAX_ITERATIONS` times.
+    Each payload moves v by at most p_i τ / Σ p_j ρ_j however it was crafted. The answer is Σ g_i x_i
+    with `clip_weights`: at the fixed point, what the iteration converges to."""
     total = math.fsum(factors)
     shares = [f / total for f in factors] if total > 0 else [1.0 / len(factors)] * len(factors)
     flat = [t.reshape(-1) for t in tensors]
@@ -134,15 +200,21 @@ def _centered_clip(tensors: Sequence[torch.Tensor], factors: Sequence[float], c:
     for start in range(0, v.numel(), _ROBUST_SLICE):
         values = torch.stack([t[start : start + _ROBUST_SLICE] for t in flat])
         v[start : start + _ROBUST_SLICE] = values.median(dim=0).values
-    tau = c * statistics.median(float(torch.linalg.vector_norm(t - v, dtype=torch.float64)) for t in flat)
-    for _ in range(CLIP_ITERATIONS):
-        step = torch.zeros_like(v)
-        for t, share in zip(flat, shares, strict=True):
-            diff = t - v
-            norm = float(torch.linalg.vector_norm(diff, dtype=torch.float64))
-            step.add_(diff, alpha=share * (min(1.0, tau / norm) if norm > 0 else 1.0))
-        v.add_(step)
-    return v.mul_(total).view_as(tensors[0])
+    distances = _distances(flat, v)
+    for _ in range(CLIP_MAX_ITERATIONS):
+        tau = c * statistics.median(distances)
+        rhos = [clip_factor(d, tau) for d in distances]
+        v = weighted_sum(flat, clip_weights(shares, rhos))
+        distances = _distances(flat, v)
+        held = [clip_factor(d, tau) for d in distances]
+        radius = c * statistics.median(distances)
+        if (
+            all(abs(a - b) <= CLIP_AGREEMENT / 4 * b for a, b in zip(rhos, held, strict=True))
+            and abs(tau - radius) <= CLIP_RADIUS_AGREEMENT / 2 * radius
+        ):
+            break
+    answer = weighted_sum(flat, clip_weights(factors, rhos))
+    return answer.view_as(tensors[0]), Clip(tau, dict(enumerate(rhos)))
 
 
 def assign_parts(sizes: Sequence[int], num_members: int) -> list[int]:
@@ -282,12 +354,14 @@ class ReducedPart:
     """One part as its owner reduced it: the bytes sent to every member, and what was left out.
 
     `rejected` maps the index of each payload left out of the average to the reason, `codes` to its
-    kind (`SCORED`, `MISMATCH` or `SCREENED`).
+    kind (`SCORED`, `MISMATCH` or `SCREENED`); `clip`, what a CenteredClip answer states (its
+    factors by payload index), else None.
     """
 
     payload: bytes
     rejected: dict[int, str]
     codes: dict[int, str] = field(default_factory=dict)
+    clip: Clip | None = None
 
 
 def reduce_part(
@@ -355,8 +429,10 @@ def reduce_part(
     if isinstance(gather, Gather) and aggregate.rule == "mean":
         # The contributions travel as they came, with the factors of their mean (`downlink`).
         return ReducedPart(gather.gather([payloads[i] for i in accepted], normalized), rejected, codes)
-    average = aggregate.combine([tensors[i] for i in accepted], normalized)
-    return ReducedPart(codec.encode(key, average), rejected, codes)
+    average, clip = aggregate.combine_stated([tensors[i] for i in accepted], normalized)
+    if clip is not None:
+        clip = Clip(clip.tau, {accepted[j]: rho for j, rho in clip.rhos.items()})
+    return ReducedPart(codec.encode(key, average), rejected, codes, clip)
 
 
 def _screen(
@@ -405,13 +481,14 @@ class ReducedParts:
     `averaged`: part -> the bytes sent to every member. `rejected`: contributor -> how many of its
     payloads the screening left out. `rejections`: (part, contributor, reason) for each of them.
     `codes`: part -> {contributor index: `SCORED`, `MISMATCH` or `SCREENED`}, what the owner's signed
-    answer states.
+    answer states, with `clips`: part -> its CenteredClip statement, where the rule clipped.
     """
 
     averaged: dict[str, bytes]
     rejected: dict[str, int]
     rejections: list[tuple[str, str, str]]
     codes: dict[str, dict[int, str]] = field(default_factory=dict)
+    clips: dict[str, Clip] = field(default_factory=dict)
 
 
 def reduce_parts(
@@ -443,6 +520,7 @@ def reduce_parts(
         excluded = scorer(len(contributors), lambda i: {key: decode(payloads(i, key)) for key in keys})
     averaged: dict[str, bytes] = {}
     codes: dict[str, dict[int, str]] = {}
+    clips: dict[str, Clip] = {}
     rejections: list[tuple[str, str, str]] = []
     for key in keys:
         part = reduce_part(
@@ -461,11 +539,13 @@ def reduce_parts(
         )
         averaged[key] = part.payload
         codes[key] = part.codes
+        if part.clip is not None:
+            clips[key] = part.clip
         rejections += [(key, contributors[i], reason) for i, reason in part.rejected.items()]
     rejected: dict[str, int] = {}
     for _, peer, _ in rejections:
         rejected[peer] = rejected.get(peer, 0) + 1
-    return ReducedParts(averaged, dict(sorted(rejected.items())), rejections, codes)
+    return ReducedParts(averaged, dict(sorted(rejected.items())), rejections, codes, clips)
 
 
 def merge_rejected(counts: Sequence[Mapping[str, int]]) -> dict[str, int]:

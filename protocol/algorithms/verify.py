@@ -33,12 +33,27 @@ answer's own rounding. For int8 that rounding is about 1 % of the answer's norm;
 an int4 answer (the downlink of an int4 run) is checked only that coarsely: a lie of its own size
 (a sign flip, noise) passes about half the time.
 
+CenteredClip (`parts.Aggregate` "clip:c") is checked as BTARD checks it, by its fixed point. At
+the fixed point the answer is a weighted mean, v = Σ p_i ρ_i x_i / Σ p_j ρ_j with ρ_i = min(1, τ /
+‖x_i − v‖), so the owner states τ and every ρ_i, the projection checks the answer as the mean with
+those factors (`stated_factors`), and `check_clip` checks the factors: each member sends, beside
+its projections, the inner product t_i = <x_i, a> of each payload with the answer a it went into,
+which with its committed norm and the answer's own norm gives its distance from the answer's center
+(‖x_i − v‖² = ‖x_i‖² − 2 t_i / Σf + ‖v‖²); ρ_i must be min(1, τ / that distance) and τ c × their
+median, within `parts.CLIP_AGREEMENT` and `parts.CLIP_RADIUS_AGREEMENT` and the answer's rounding.
+A member's t_i is its word, like its projection: bounded by its committed norm (Cauchy–Schwarz,
+`check_dot`), and an owner framed by a false one shows the payload. An owner that colludes with a
+contributor (or contributes to its own parts) can therefore clip that contributor less only as far
+as its committed norm allows: its distance from the answer is at least the difference of their
+norms.
+
 What is exact instead of projected: a part nobody weighs (all zeros), a part of one contributor
 (its payload forwarded: the hashes compare), and a gathered part (`downlink.Gather`: the
 contributions themselves travel in a sum payload, each one's hash and factor compared). Every other
 answer must also lie within the norm its contributions allow (`check_bound`), which is all that is
 checked of an answer of a lossy codec that leaves out part of the average (low rank, sparse:
-`codecs.error_bound` is None) and of the robust rules (trimmed mean, CenteredClip); it also caps a
+`codecs.error_bound` is None) and of the trimmed mean (a coordinate-wise rule no projection
+resolves); it also caps a
 lie under a coarse codec (int4's half step is 1/14 of its block's largest value, so a scaled answer
 would widen its own rounding bound); an exclusion by the owner's scorer
 (`parts.SCORED`), which rests on a batch only the owner holds, is taken as stated.
@@ -52,6 +67,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import statistics
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -59,7 +75,21 @@ import numpy as np
 import torch
 
 from .codecs import decode, error_bound, sum_parts
-from .parts import MISMATCH, SCORED, SCREENED, Aggregate, accepted_factors, screened_out, tensor_norm
+from .parts import (
+    CLIP_AGREEMENT,
+    CLIP_RADIUS_AGREEMENT,
+    MIN_OUTLIER_GROUP,
+    MISMATCH,
+    SCORED,
+    SCREENED,
+    Aggregate,
+    Clip,
+    accepted_factors,
+    clip_factor,
+    clip_weights,
+    screened_out,
+    tensor_norm,
+)
 
 KAPPA = 7.0
 """How many bounds of the honest error a projection may be off: Hoeffding for z uniform in [-1, 1)
@@ -121,6 +151,18 @@ def project(tensor: torch.Tensor, seed: bytes, key: str) -> float:
         total += float(torch.dot(flat[start : start + len(z)].to(torch.float64), z))
         start += len(z)
     return total
+
+
+def inner(a: torch.Tensor, b: torch.Tensor) -> float:
+    """<a, b> with the products and their sum in float64, in chunks (no whole-part float64 copy)."""
+    x, y = a.reshape(-1), b.reshape(-1)
+    if x.numel() != y.numel():
+        raise ValueError(f"inner product of {x.numel()} and {y.numel()} values")
+    total = []
+    for i in range(0, x.numel(), PROJECTION_CHUNK):
+        chunk = x[i : i + PROJECTION_CHUNK].to(torch.float64)
+        total.append(float(torch.dot(chunk, y[i : i + PROJECTION_CHUNK].to(torch.float64))))
+    return math.fsum(total)
 
 
 def project_payload(payload: bytes, seed: bytes, key: str) -> float:
@@ -249,6 +291,80 @@ def check_mean(
     off = abs(answer_projection - known)
     if not off <= tolerance + unknown + slack:
         raise Misanswer(f"projection off by {off:.6g}, allowed {tolerance + unknown + slack:.6g}")
+
+
+CLIP_NORM_SLACK = 1e-4
+"""Relative slack of a squared distance worked out from a committed norm, an inner product and the
+answer's norm (the committed norm may be off by `parts.NORM_AGREEMENT`, each sum by float32
+rounding)."""
+
+
+def stated_factors(
+    clip: Clip | None, factors: list[tuple[int, float]] | None, aggregate: Aggregate
+) -> list[tuple[int, float]] | None:
+    """The factors of the answer as a weighted mean: the mean's `factors`, or under a clip
+    statement those it gives them (`parts.clip_weights`). Misanswer for a clip statement where the
+    rule clips nothing, none where it must (CenteredClip over at least `MIN_OUTLIER_GROUP`
+    payloads), or one whose factors are not of the accepted payloads."""
+    clipping = aggregate.rule == "clip" and factors is not None and len(factors) >= MIN_OUTLIER_GROUP
+    if clip is None:
+        if clipping:
+            raise Misanswer("a CenteredClip answer without its clip factors")
+        return factors
+    if not clipping or factors is None:
+        raise Misanswer("clip factors where the rule clips nothing")
+    if set(clip.rhos) != {i for i, _ in factors}:
+        raise Misanswer("clip factors of other payloads than the accepted ones")
+    weights = clip_weights([f for _, f in factors], [clip.rhos[i] for i, _ in factors])
+    return [(i, w) for (i, _), w in zip(factors, weights, strict=True)]
+
+
+def check_dot(dot: float, claim: Claim, answer_norm: float) -> None:
+    """Misprojection unless |<x, a>| ≤ ‖x‖ ‖a‖ (Cauchy–Schwarz, with the committed norm's slack)."""
+    if not (math.isfinite(dot) and abs(dot) <= claim.norm * answer_norm * (1 + CLIP_NORM_SLACK)):
+        raise Misprojection(f"inner product {dot:.6g} with an answer of norm {answer_norm:.6g}")
+
+
+def check_clip(
+    clip: Clip,
+    claims: Sequence[Claim],
+    factors: Sequence[tuple[int, float]],
+    c: float,
+    *,
+    answer_norm: float,
+    rounding: float,
+    dots: Mapping[int, float | None],
+) -> None:
+    """Misanswer unless `clip` holds at the answer: τ within `CLIP_RADIUS_AGREEMENT` of c × the
+    median distance of the accepted payloads from the answer's center v = a / Σf, and each ρ_i within
+    `CLIP_AGREEMENT` of min(1, τ / ‖x_i − v‖). `factors` are the mean's (Σf rescales the answer);
+    `rounding` bounds the answer's own error in L2 (it moves v by rounding / Σf); `dots[i]` is
+    <x_i, a> as contributor i sent it, None where it did not (its distance is then anything its
+    norm allows, |‖x_i‖ − ‖v‖| to ‖x_i‖ + ‖v‖)."""
+    total = math.fsum(f for _, f in factors)
+    center, shift = answer_norm / total, rounding / total
+    lows, highs = [], []
+    for i, _ in factors:
+        norm, dot = claims[i].norm, dots.get(i)
+        if dot is None:
+            low, high = abs(norm - center), norm + center
+        else:
+            square = norm * norm - 2 * dot / total + center * center
+            slack = CLIP_NORM_SLACK * (norm * norm + center * center)
+            low, high = math.sqrt(max(square - slack, 0.0)), math.sqrt(max(square + slack, 0.0))
+        lows.append(max(low - shift, 0.0))
+        highs.append(high + shift)
+    smallest = c * statistics.median(lows) * (1 - CLIP_RADIUS_AGREEMENT)
+    largest = c * statistics.median(highs) * (1 + CLIP_RADIUS_AGREEMENT)
+    if not smallest <= clip.tau <= largest:
+        raise Misanswer(f"clip radius {clip.tau:.6g}, the distances give {smallest:.6g} to {largest:.6g}")
+    for (i, _), low, high in zip(factors, lows, highs, strict=True):
+        least, most = clip_factor(high, clip.tau), clip_factor(low, clip.tau)
+        rho = clip.rhos[i]
+        if not least * (1 - CLIP_AGREEMENT) <= rho <= most * (1 + CLIP_AGREEMENT):
+            raise Misanswer(
+                f"clip factor {rho:.6g} of contributor {i}: its distance gives {least:.6g} to {most:.6g}"
+            )
 
 
 def check_bound(

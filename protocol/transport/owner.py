@@ -46,14 +46,14 @@ import functools
 import logging
 from collections.abc import Awaitable, Callable, Collection, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from hivemind.utils.serializer import MSGPackSerializer
 
 from ..algorithms.claims import UNBOUNDED, ClaimBounds
 from ..algorithms.codecs import Codec, payload_codec, payload_shape
-from ..algorithms.parts import MEAN, Aggregate, reduce_parts
+from ..algorithms.parts import MEAN, Aggregate, Clip, reduce_parts
 from ..algorithms.report import MAX_REPORT_BYTES
 from ..algorithms.scoring import Scorer
 from ..algorithms.trust import grace_s, seeders
@@ -227,6 +227,7 @@ def reduce_owned(
             contributors=contributors,
             commitments=[c.signed.digest for c in kept],
             codes=[reduced.codes[k] for k in keys],
+            clips=[reduced.clips.get(k) for k in keys],
             metadata=metadata,
         )
     answer = Answer(contributors, reduced.averaged, metadata, reduced.rejected, statement, kept)
@@ -439,6 +440,7 @@ class OwnerSession:
         contributors: tuple[str, ...],
         commitments: list[bytes],
         codes: list[dict[int, str]],
+        clips: list[Clip | None],
         metadata: tuple[bytes, ...],
     ) -> AnswerStatement:
         """This reduction's signed statement (on the reduction's thread)."""
@@ -456,7 +458,24 @@ class OwnerSession:
             outlier_factor=self.outlier_factor,
             work_cap=self.bounds.reference_tokens,
             reports=reports_digest(metadata if self.with_metadata else None),
+            clips=clips,
         )
+
+    def restate(self, answer: Answer) -> Answer:
+        """`answer` with a statement of its bytes signed by this owner, its contributors, rejections
+        and clip factors as its own statement has them: what `reduce_owned` signs, for an answer
+        changed after the reduction (the way the tests' and bench/hostile_node.py's liars lie)."""
+        assert answer.statement is not None
+        statement = self._sign(
+            keys=self.keys,
+            payloads=[answer.payloads[k] for k in self.keys],
+            contributors=answer.contributors,
+            commitments=[c.signed.digest for c in answer.commitments],
+            codes=answer.statement.codes,
+            clips=answer.statement.clips,
+            metadata=answer.metadata or (),
+        )
+        return replace(answer, statement=statement)
 
     def release(self) -> None:
         """Free the contributions' payloads (the round's checks are over)."""

@@ -9,10 +9,13 @@ counts in another round:
               report digest, secret digest                      (member -> each owner, in its request)
     answer  = kind, round, group, owner, part keys, answer digests, contributors, their commitment
               digests, rejections per part [[contributor index, code]], rule, outlier factor,
-              work cap, digest of the relayed reports (empty: none)       (owner -> each member)
+              work cap, digest of the relayed reports (empty: none), per part the CenteredClip
+              radius and factors [τ, [[contributor index, ρ]]] ([] where nothing was clipped)
+                                                                  (owner -> each member)
     reveal  = kind, round, group, member, every owner's signed answer, secret
                                                                  (member -> every member)
-    project = kind, round, group, member, seed, one projection per part, the members' secrets
+    project = kind, round, group, member, seed, one projection per part, the members' secrets,
+              per part its payload's inner product with a CenteredClip answer (None elsewhere)
                                                                  (member -> every member)
     receipt = kind, round, group, owner, member, the digest of the member's commitment
                                                   (owner -> member, once its parts are in)
@@ -38,14 +41,14 @@ from typing import Any
 from hivemind.utils.crypto import RSAPublicKey
 from hivemind.utils.serializer import MSGPackSerializer
 
-from ..algorithms.parts import MISMATCH, SCORED, SCREENED
+from ..algorithms.parts import MISMATCH, SCORED, SCREENED, Clip
 from .identity import Identity, peer_id_of
 
 COMMIT, ANSWER, REVEAL, PROJECT, RECEIPT = (
     "adloco.commit.v1",
-    "adloco.answer.v1",
+    "adloco.answer.v2",
     "adloco.reveal.v1",
-    "adloco.project.v1",
+    "adloco.project.v2",
     "adloco.receipt.v1",
 )
 DIGEST_BYTES = 32
@@ -247,7 +250,8 @@ class Commitment:
 @dataclass(frozen=True)
 class AnswerStatement:
     """An owner's statement of its answer (see the module doc). `codes[k]`: contributor index ->
-    why the owner left its payload of part k out."""
+    why the owner left its payload of part k out; `clips[k]`: what a CenteredClip answer of part k
+    states (`parts.Clip`), None where the rule did not clip."""
 
     signed: Signed
     owner: str
@@ -260,6 +264,7 @@ class AnswerStatement:
     outlier_factor: float | None
     work_cap: float | None
     reports: bytes
+    clips: list[Clip | None] = field(default_factory=list)
 
     @classmethod
     def make(
@@ -277,11 +282,14 @@ class AnswerStatement:
         outlier_factor: float | None,
         work_cap: float | None,
         reports: bytes,
+        clips: Sequence[Clip | None] = (),
     ) -> AnswerStatement:
         digests = [digest(p) for p in payloads]
         wire_codes = [sorted([i, c] for i, c in part.items()) for part in codes]
+        clips = list(clips) or [None] * len(keys)
+        wire_clips = [[] if c is None else [c.tau, sorted([i, r] for i, r in c.rhos.items())] for c in clips]
         fields = [ANSWER, round, group_id, signer.peer_id, list(keys), digests, list(contributors)]
-        fields += [list(commitments), wire_codes, rule, outlier_factor, work_cap, reports]
+        fields += [list(commitments), wire_codes, rule, outlier_factor, work_cap, reports, wire_clips]
         return cls(
             signer.sign(fields),
             signer.peer_id,
@@ -294,6 +302,7 @@ class AnswerStatement:
             outlier_factor,
             work_cap,
             reports,
+            clips,
         )
 
     @classmethod
@@ -303,8 +312,8 @@ class AnswerStatement:
         """The answer statement `signed` holds, in a group of `members` and a layout of `parts`
         parts; BadStatement otherwise."""
         fields = keys.open(signed, ANSWER)
-        if len(fields) != 13:
-            raise BadStatement("an answer statement has 13 fields")
+        if len(fields) != 14:
+            raise BadStatement("an answer statement has 14 fields")
         _bound(round, group_id, fields)
         names = _strings(fields[4], parts, MAX_PART_CHARS)
         contributors = _strings(fields[6], members, MAX_PEER_CHARS)
@@ -337,6 +346,9 @@ class AnswerStatement:
         reports = fields[12]
         if not isinstance(reports, bytes) or len(reports) not in (0, DIGEST_BYTES):
             raise BadStatement("a malformed digest of the reports")
+        clips = fields[13]
+        if not isinstance(clips, list) or len(clips) != len(names):
+            raise BadStatement("one clip statement per part")
         return cls(
             signed,
             fields[3],
@@ -349,7 +361,29 @@ class AnswerStatement:
             factor,
             cap,
             reports,
+            [_clip(c, len(contributors)) for c in clips],
         )
+
+
+def _clip(value: Any, contributors: int) -> Clip | None:
+    """One part's clip statement: [] (none), or [τ ≥ 0, [[index, ρ in (0, 1]], ...]] with distinct
+    indices of the contributors."""
+    if value == []:
+        return None
+    if not isinstance(value, list) or len(value) != 2 or not isinstance(value[1], list):
+        raise BadStatement("a malformed clip statement")
+    tau = _float(value[0], finite=True)
+    if tau < 0 or len(value[1]) > contributors:
+        raise BadStatement("a malformed clip statement")
+    rhos: dict[int, float] = {}
+    for entry in value[1]:
+        if not isinstance(entry, list) or len(entry) != 2 or type(entry[0]) is not int:
+            raise BadStatement("a malformed clip factor")
+        i, rho = entry[0], _float(entry[1], finite=True)
+        if not 0 <= i < contributors or i in rhos or not 0 < rho <= 1:
+            raise BadStatement("a malformed clip factor")
+        rhos[i] = rho
+    return Clip(tau, rhos)
 
 
 @dataclass(frozen=True)
@@ -389,13 +423,16 @@ class Reveal:
 class Projections:
     """A member's projections of its own payloads on the round's directions, and the secrets the
     seed was drawn from (passed on: a member that missed a reveal takes the secret from here, its
-    hash being in the revealer's commitment)."""
+    hash being in the revealer's commitment), and the inner products <x, a> of its payloads with the
+    CenteredClip answers they went into (`dots`; None for the other parts), which the members check
+    the clip factors with (`verify.check_clip`)."""
 
     signed: Signed
     peer: str
     seed: bytes
     values: list[float]
     secrets: list[tuple[str, bytes]] = field(default_factory=list)
+    dots: list[float | None] = field(default_factory=list)
 
     @classmethod
     def make(
@@ -407,22 +444,35 @@ class Projections:
         seed: bytes,
         values: Sequence[float],
         secrets: Sequence[Sequence[Any]] = (),
+        dots: Sequence[float | None] = (),
     ) -> Projections:
-        fields = [PROJECT, round, group_id, signer.peer_id, seed, list(values), [list(s) for s in secrets]]
+        dots = list(dots) or [None] * len(values)
+        fields = [
+            PROJECT,
+            round,
+            group_id,
+            signer.peer_id,
+            seed,
+            list(values),
+            [list(s) for s in secrets],
+            dots,
+        ]
         pairs = [(str(peer), bytes(value)) for peer, value in secrets]
-        return cls(signer.sign(fields), signer.peer_id, seed, list(values), pairs)
+        return cls(signer.sign(fields), signer.peer_id, seed, list(values), pairs, dots)
 
     @classmethod
     def parse(
         cls, signed: Signed, keys: KeyRing, *, round: int, group_id: bytes, parts: int, members: int
     ) -> Projections:
         fields = keys.open(signed, PROJECT)
-        if len(fields) != 7:
-            raise BadStatement("a projection statement has 7 fields")
+        if len(fields) != 8:
+            raise BadStatement("a projection statement has 8 fields")
         _bound(round, group_id, fields)
-        values, secrets = fields[5], fields[6]
+        values, secrets, dots = fields[5], fields[6], fields[7]
         if not isinstance(values, list) or len(values) != parts:
             raise BadStatement(f"expected {parts} projections")
+        if not isinstance(dots, list) or len(dots) != parts:
+            raise BadStatement(f"expected {parts} inner products")
         if not isinstance(secrets, list) or len(secrets) > members:
             raise BadStatement(f"at most {members} secrets")
         pairs = []
@@ -437,7 +487,14 @@ class Projections:
             ):
                 raise BadStatement("a malformed secret")
             pairs.append((pair[0], pair[1]))
-        return cls(signed, fields[3], _digests([fields[4]], 1)[0], [_float(v) for v in values], pairs)
+        return cls(
+            signed,
+            fields[3],
+            _digests([fields[4]], 1)[0],
+            [_float(v) for v in values],
+            pairs,
+            [None if d is None else _float(d, finite=True) for d in dots],
+        )
 
 
 @dataclass(frozen=True)
@@ -526,7 +583,8 @@ class Mailbox:
 
 def statement_bound(parts: int, members: int) -> int:
     """The most bytes a commitment or answer statement of a layout of `parts` parts and a group of
-    `members` members can need: every list at its longest."""
-    per_part = MAX_PART_CHARS + 2 * DIGEST_BYTES + 16
-    per_member = MAX_PEER_CHARS + DIGEST_BYTES + 16 * parts + 16
+    `members` members can need: every list at its longest (a rejection or a clip factor of every
+    member in every part)."""
+    per_part = MAX_PART_CHARS + 2 * DIGEST_BYTES + 32
+    per_member = MAX_PEER_CHARS + DIGEST_BYTES + 32 * parts + 16
     return 4096 + parts * per_part + members * per_member

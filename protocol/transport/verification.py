@@ -15,10 +15,13 @@ Once every owner has answered (`member.assemble`), `verify_round`:
    reveal is waited for a grace only (`trust.GRACE_S`, not at all for one that missed it last time), so a
    key that did no work and withholds its reveal costs the round nothing;
 3. derives the round's seed, projects its own payloads on it and sends the projections to every
-   other member; checks every part it did not reduce itself: exactly where the answer needs no
-   projection, against the norm its contributions allow, and by projection for the mean
-   (`verify.check_mean`, a missing projection widening the check by what it could have been: the
-   seeders' projections are waited for within the budget, the others' for a grace).
+   other member, with the inner products of its payloads with the CenteredClip answers they went
+   into; checks every part it did not reduce itself: exactly where the answer needs no projection,
+   against the norm its contributions allow, and by projection for the mean and for CenteredClip
+   as the weighted mean its clip factors make it (`verify.check_mean`, a missing projection
+   widening the check by what it could have been: the seeders' projections are waited for within
+   the budget, the others' for a grace), whose factors it checks against the distances the inner
+   products give (`verify.check_clip`).
 
 Any failure raises `Caught` naming the peers at fault: with `proven` when this member holds their
 signed statements that show it (an equivocation, a screening its own commitments contradict), else
@@ -41,8 +44,8 @@ from typing import Any
 from hivemind.p2p import P2P, PeerID
 
 from ..algorithms import verify
-from ..algorithms.codecs import decode, payload_codec, sum_count
-from ..algorithms.parts import MISMATCH, Aggregate
+from ..algorithms.codecs import decode, error_bound, payload_codec, sum_count
+from ..algorithms.parts import MIN_OUTLIER_GROUP, MISMATCH, Aggregate, Clip, tensor_norm
 from ..algorithms.trust import grace_s
 from ..algorithms.trust import seeders as seeders_of
 from ..algorithms.verify import Claim, Misanswer, Misprojection
@@ -82,7 +85,8 @@ ACCUSE = "accuse"
 owner's answer statement: two signatures of the owner that prove it (`statements.Receipt`)."""
 DEFEND = "defend"
 """A member whose projection check of an owner's part failed asks the owner which contributors'
-projections were false; the owner answers with their payloads, which prove it (`defend`)."""
+projections (or inner products with the answer) were false; the owner answers with their payloads,
+which prove it (`defend`)."""
 
 
 class VerifyHandler:
@@ -192,15 +196,19 @@ class VerifyHandler:
         self, header: dict[str, Any], state: RoundState, writer: asyncio.StreamWriter, meter: Meter
     ) -> None:
         """Answer a member whose check of our part failed: the payloads of the contributors whose
-        projections (as the member holds them, signed) are not those of the payloads they committed
-        to. Refused when we hold no such reduction any more (the checks are over) or no seed."""
+        projections or inner products with our answer (as the member holds them, signed) are not
+        those of the payloads they committed to. Refused when we hold no such reduction any more
+        (the checks are over) or no seed."""
         key = header.get("key")
         listed = header.get("s")
         session = state.reduction_of(key) if isinstance(key, str) else None
+        # Our answer of the part as every member holds it (the session frees its own once sent).
+        answer = next((a.payloads[key] for a in state.answers.values() if key in a.payloads), None)
         if (
             not isinstance(key, str)
             or session is None
             or not session.kept
+            or answer is None
             or state.seed is None
             or not isinstance(listed, list)
         ):
@@ -209,7 +217,7 @@ class VerifyHandler:
         if len(listed) > len(state.group.members):
             raise ValueError("more projections than members")
         group, seed, at = state.group, state.seed, state.layout[key]
-        claimed: dict[str, float] = {}
+        claimed: dict[str, Shown] = {}
         for wire in listed:
             held = Projections.parse(
                 Signed.from_wire(wire, max_body=state.statement_bytes),
@@ -220,11 +228,11 @@ class VerifyHandler:
                 members=len(group.members),
             )
             if held.seed == seed and held.peer in session.kept:
-                claimed[held.peer] = held.values[at]
+                claimed[held.peer] = (held.values[at], held.dots[at])
         loop = asyncio.get_running_loop()
         payloads = {peer: session.kept[peer][key] for peer in claimed}
-        true = await loop.run_in_executor(self._executor, _projections_of, payloads, seed, key)
-        false = sorted(p for p in claimed if not _agree(true[p], claimed[p]))
+        true = await loop.run_in_executor(self._executor, _statements_of, payloads, answer, seed, key)
+        false = sorted(p for p in claimed if not _agree_all(true[p], claimed[p]))
         body = [payloads[p] for p in false]
         await write_frame(
             writer, {"v": PROTOCOL_VERSION, "ok": True, "p": false, "s": [len(b) for b in body]}, [], meter
@@ -232,8 +240,25 @@ class VerifyHandler:
         await write_chunks(writer, body, self._chunk_bytes, meter)
 
 
-def _projections_of(payloads: Mapping[str, bytes], seed: bytes, key: str) -> dict[str, float]:
-    return {peer: verify.project_payload(p, seed, key) for peer, p in payloads.items()}
+Shown = tuple[float, float | None]
+"""What a contributor said of its payload of one part: its projection, and its inner product with
+the part's answer (None where it sent none)."""
+
+
+def _statements_of(payloads: Mapping[str, bytes], answer: bytes, seed: bytes, key: str) -> dict[str, Shown]:
+    """What each of `payloads` truly gives: its projection and its inner product with `answer`."""
+    decoded = decode(answer)
+    true: dict[str, Shown] = {}
+    for peer, payload in payloads.items():
+        values = decode(payload)
+        true[peer] = (verify.project(values, seed, key), verify.inner(values, decoded))
+    return true
+
+
+def _agree_all(true: Shown, claimed: Shown) -> bool:
+    """Whether a contributor's claims are what its payload gives (an inner product it did not send
+    claims nothing)."""
+    return _agree(true[0], claimed[0]) and (claimed[1] is None or _agree(true[1] or 0.0, claimed[1]))
 
 
 def _agree(a: float, b: float) -> bool:
@@ -343,7 +368,9 @@ class Settings:
 
 @dataclass
 class Part:
-    """One part to check: its owner's answer and what the commitments say of its contributions."""
+    """One part to check: its owner's answer and what the commitments say of its contributions.
+    `factors`: the answer's as a weighted mean (the mean's, or what its `clip` statement makes of
+    them: `verify.stated_factors`); `mean`: the mean's, which a clip statement is checked with."""
 
     key: str
     owner: str
@@ -351,6 +378,9 @@ class Part:
     claims: list[Claim]
     contributors: list[str]
     factors: list[tuple[int, float]] | None
+    clip: Clip | None = None
+    mean: list[tuple[int, float]] | None = None
+    scale: float = 0.0  # CenteredClip's c: τ is c × the median distance
 
 
 def _fail(culprit: str, why: str, *, proven: bool) -> Caught:
@@ -417,27 +447,35 @@ def parts_to_check(
         reducer = statement.owner
         if reducer in skip:
             continue
-        for key, codes in zip(statement.keys, statement.codes, strict=True):
+        for key, codes, clip in zip(statement.keys, statement.codes, statement.clips, strict=True):
             at = layout[key]
             claims = [Claim(c.weight, c.tokens, c.norms[at], c.digests[at]) for c in answer.commitments]
             try:
-                factors = verify.expected_factors(
+                mean = verify.expected_factors(
                     claims, codes, outlier_factor=settings.outlier_factor, work_cap=settings.work_cap
                 )
+                factors = verify.stated_factors(clip, mean, settings.aggregate)
             except Misanswer as e:
                 raise _fail(reducer, f"{key!r}: {e}", proven=True) from e
-            parts.append(Part(key, reducer, answer.payloads[key], claims, list(answer.contributors), factors))
+            contributors = list(answer.contributors)
+            scale = settings.aggregate.param
+            parts.append(
+                Part(key, reducer, answer.payloads[key], claims, contributors, factors, clip, mean, scale)
+            )
     return parts
 
 
 @dataclass
 class Checked:
     """What checking one part's answer left to do once the projections are in: nothing (`tolerance`
-    None), or `verify.check_mean` with the answer's projection."""
+    None), or `verify.check_mean` with the answer's projection, and for a clip statement
+    `verify.check_clip` with the answer's norm and rounding."""
 
     part: Part
     tolerance: float | None = None
     projection: float = 0.0
+    norm: float = 0.0
+    rounding: float = 0.0
 
 
 def check_part(part: Part, seed: bytes, settings: Settings) -> Checked:
@@ -451,13 +489,22 @@ def check_part(part: Part, seed: bytes, settings: Settings) -> Checked:
         if verify.check_exact(part.payload, decoded, part.claims, part.factors):
             return Checked(part)
         assert part.factors is not None
-        verify.check_bound(decoded, part.payload, part.claims, part.factors, settings.aggregate)
-        if settings.aggregate.rule != "mean":
+        # A weighted mean: the mean, CenteredClip with its factors, any rule below its minimum.
+        weighted = (
+            settings.aggregate.rule == "mean"
+            or part.clip is not None
+            or len(part.factors) < MIN_OUTLIER_GROUP
+        )
+        rule = Aggregate() if weighted else settings.aggregate
+        verify.check_bound(decoded, part.payload, part.claims, part.factors, rule)
+        if not weighted:
             return Checked(part)
         tolerance = verify.mean_tolerance(part.payload, decoded, part.claims, part.factors)
-        if tolerance is None:
+        bound = error_bound(part.payload, decoded)
+        if tolerance is None or bound is None:
             return Checked(part)
-        return Checked(part, tolerance, verify.project(decoded, seed, part.key))
+        projection = verify.project(decoded, seed, part.key)
+        return Checked(part, tolerance, projection, tensor_norm(decoded), bound.l2)
     except ValueError as e:  # Misanswer, or an answer no honest encoder makes
         raise _fail(part.owner, f"{part.key!r}: {e}", proven=True) from e
 
@@ -467,33 +514,73 @@ def own_projections(payloads: Mapping[str, bytes], layout: Sequence[str], seed: 
     return [verify.project_payload(payloads[key], seed, key) for key in layout]
 
 
-def finish_mean(
+def own_dots(
+    payloads: Mapping[str, bytes], layout: Sequence[str], clipped: Mapping[str, bytes]
+) -> list[float | None]:
+    """This member's inner products <x, a> of its payloads with the CenteredClip answers `clipped`
+    (part -> answer) they went into, in the layout's order, None for the other parts (on an
+    executor)."""
+    dots: list[float | None] = []
+    for key in layout:
+        dots.append(None if key not in clipped else verify.inner(decode(payloads[key]), decode(clipped[key])))
+    return dots
+
+
+def clipped_answers(answers: Mapping[str, Answer], peer_id: str) -> dict[str, bytes]:
+    """The answers of the parts where a clip statement gives `peer_id`'s payload a factor."""
+    clipped = {}
+    for answer in answers.values():
+        statement = answer.statement
+        if statement is None or peer_id not in statement.contributors:
+            continue
+        mine = statement.contributors.index(peer_id)
+        for key, clip in zip(statement.keys, statement.clips, strict=True):
+            if clip is not None and mine in clip.rhos:
+                clipped[key] = answer.payloads[key]
+    return clipped
+
+
+def finish_check(
     checked: Checked,
     projections: Mapping[str, Projections],
     layout: Mapping[str, int],
-    shown: Mapping[str, float] | None = None,
+    shown: Mapping[str, Shown] | None = None,
 ) -> None:
-    """`verify.check_mean` of one part with the projections in hand (`shown`: true projections of
-    payloads the owner showed, in place of their contributors' false ones); Caught when it fails (on
-    this member's word: the owner, or a contributor that framed it, until the owner shows which)."""
+    """`verify.check_mean` of one part with the projections in hand, and `verify.check_clip` of its
+    clip statement with the inner products (`shown`: what the payloads the owner showed truly give,
+    in place of their contributors' false word); Caught when it fails (on this member's word: the
+    owner, or a contributor that framed it, until the owner shows which)."""
     part = checked.part
     if checked.tolerance is None or part.factors is None:
         return
     at = layout[part.key]
     values: dict[int, float | None] = {}
+    dots: dict[int, float | None] = {}
     for i, _ in part.factors:  # the accepted payloads: a rejected one's projection plays no part
         peer = part.contributors[i]
         held = projections.get(peer)
-        values[i] = None if held is None else held.values[at]
+        values[i], dots[i] = (None, None) if held is None else (held.values[at], held.dots[at])
         if shown and peer in shown:
-            values[i] = shown[peer]
-        if values[i] is not None:
-            try:
+            values[i], dots[i] = shown[peer]
+        try:
+            if values[i] is not None:
                 verify.check_projection(values[i] or 0.0, part.claims[i])
-            except Misprojection as e:
-                raise _fail(peer, f"{part.key!r}: {e}", proven=True) from e
+            if dots[i] is not None:
+                verify.check_dot(dots[i] or 0.0, part.claims[i], checked.norm)
+        except Misprojection as e:
+            raise _fail(peer, f"{part.key!r}: {e}", proven=True) from e
     try:
         verify.check_mean(checked.projection, values, part.claims, part.factors, checked.tolerance)
+        if part.clip is not None and part.mean is not None:
+            verify.check_clip(
+                part.clip,
+                part.claims,
+                part.mean,
+                part.scale,
+                answer_norm=checked.norm,
+                rounding=checked.rounding,
+                dots=dots,
+            )
     except Misanswer as e:
         raise _fail(part.owner, f"{part.key!r}: {e}", proven=False) from e
 
@@ -566,6 +653,8 @@ async def verify_round(
     state.seed = seed  # for the owners' defense of their parts (`VerifyHandler._defend`)
     # Our projections and the checks of the answers run side by side (the executor has two threads).
     ours = loop.run_in_executor(executor, own_projections, payloads, list(layout), seed)
+    clipped = clipped_answers(answers, peer_id)
+    dots = loop.run_in_executor(executor, own_dots, payloads, list(layout), clipped) if clipped else None
     parts = parts_to_check(answers, layout=layout, settings=settings, skip={peer_id})
     checks = [loop.run_in_executor(executor, check_part, part, seed, settings) for part in parts]
     mine = await ours
@@ -576,6 +665,7 @@ async def verify_round(
         seed=seed,
         values=mine,
         secrets=[[m, secrets[m]] for m in seeders],
+        dots=[None] * len(mine) if dots is None else await dots,
     )
     for peer in others:
         send(peer, PROJECT, projected.signed)
@@ -600,7 +690,7 @@ async def verify_round(
     failed: list[Checked] = []
     for c in checked:
         try:
-            finish_mean(c, held, layout)
+            finish_check(c, held, layout)
         except Caught as e:
             if e.proven:
                 raise
@@ -615,8 +705,8 @@ async def verify_round(
         shown = await defend(part.owner, part.key, listed)
         true = await loop.run_in_executor(executor, _shown, shown, part, held, seed, layout)
         for peer, (value, claimed) in true.items():
-            liars[peer] = f"{part.key!r}: projected {claimed:.9g}, its payload gives {value:.9g}"
-        finish_mean(c, held, layout, {p: v for p, (v, _) in true.items()})
+            liars[peer] = f"{part.key!r}: said {claimed}, its payload gives {value}"
+        finish_check(c, held, layout, {p: v for p, (v, _) in true.items()})
     return liars
 
 
@@ -626,19 +716,21 @@ def _shown(
     held: Mapping[str, Projections],
     seed: bytes,
     layout: Mapping[str, int],
-) -> dict[str, tuple[float, float]]:
-    """The payloads an owner showed that prove their contributors' projections false: (true, claimed)
-    by contributor. One that is not the committed payload, or whose projection is what its
-    contributor said, proves nothing and is ignored."""
-    proven = {}
+) -> dict[str, tuple[Shown, Shown]]:
+    """The payloads an owner showed that prove their contributors' projections or inner products
+    with the answer false: (true, claimed) by contributor. One that is not the committed payload, or
+    that gives what its contributor said, proves nothing and is ignored."""
     at = layout[part.key]
+    offered = {}
     for peer, payload in shown.items():
         if peer not in part.contributors or peer not in held:
             continue
-        if verify.payload_digest(payload) != part.claims[part.contributors.index(peer)].digest:
-            continue
-        value, claimed = verify.project_payload(payload, seed, part.key), held[peer].values[at]
-        if not _agree(value, claimed):
+        if verify.payload_digest(payload) == part.claims[part.contributors.index(peer)].digest:
+            offered[peer] = payload
+    proven = {}
+    for peer, value in _statements_of(offered, part.payload, seed, part.key).items():
+        claimed = (held[peer].values[at], held[peer].dots[at])
+        if not _agree_all(value, claimed):
             proven[peer] = (value, claimed)
     return proven
 
