@@ -31,6 +31,7 @@ from adloco.node.cli.node import (
     network_from_args,
     parse_settings,
     swarm_from_args,
+    swarm_train_config,
     train_config_from_args,
 )
 from adloco.node.sim.engine import ATTACKS, forge
@@ -141,7 +142,8 @@ def main(argv: list[str]) -> int:
 def _run(args: Any, attack: str, *, rekey: bool) -> bool:
     """One life of the hostile node, under a fresh key unless --identity-path names one; True when
     it stopped because the others left it out (`rekey` only)."""
-    node = SwarmNode(train_config_from_args(args), network_from_args(args), swarm_from_args(args))
+    cfg = swarm_train_config(train_config_from_args(args), args)  # as adloco-node runs it
+    node = SwarmNode(cfg, network_from_args(args), swarm_from_args(args))
     left_out = False
     if rekey:
         matchmaker = node.averager._matchmaker

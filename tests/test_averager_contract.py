@@ -1157,6 +1157,30 @@ def test_an_owner_that_sends_no_other_owner_its_parts_costs_one_try() -> None:
         swarm.close()
 
 
+def test_an_owner_reducing_under_another_rule_costs_one_try_not_every_round() -> None:
+    """A fresh swarm (every member owns) in which one peer runs another --aggregate than the run's
+    (hostile or misconfigured). Its signed answer states the rule it reduced under: every honest
+    member convicts it on that statement and the retry completes without it. (It used to fail the
+    round for everyone as a configuration mismatch, every round it owned parts in: in a robust-swarm
+    run, 85 rounds with no result.)"""
+    swarm = Swarm("hivemind")
+    try:
+        swarm.add_nodes(3)
+        averagers = [swarm.averager(i, aggregate=CLIP if i == 2 else MEAN) for i in range(3)]
+        other: Any = averagers[2]
+        contributions = _contributions(averagers, "int8", seed=43)
+        first = _average_together(averagers, contributions, round=0, spec="int8")
+        assert [o.result for o in first] == [None, None, None]
+        for honest in averagers[:2]:
+            verdict = cast(Any, honest).verdicts()[other.peer_id]
+            assert verdict.proven and "reduced under clip:1" in verdict.why
+        retry = _average_together(averagers, contributions, round=1, spec="int8")
+        assert retry[2].result is None
+        _assert_matches_reduce_group(retry[:2], contributions[:2], "int8")
+    finally:
+        swarm.close()
+
+
 def test_a_fresh_key_that_sends_nothing_holds_a_round_a_grace_not_the_deadline_then_is_left_out() -> None:
     """Three peers that worked together own the parts; a fresh key joins their group and sends no
     owner anything. The owners wait for it a grace once their own parts are in (`trust.GRACE_S`),

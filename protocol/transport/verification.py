@@ -50,7 +50,7 @@ from ..algorithms.trust import grace_s
 from ..algorithms.trust import seeders as seeders_of
 from ..algorithms.verify import Claim, Misanswer, Misprojection
 from .admission import Admission
-from .matchmaking import Caught, RoundFailed
+from .matchmaking import Caught
 from .owner import Answer, RoundState
 from .statements import (
     ANSWER,
@@ -395,23 +395,28 @@ def check_statements(
     settings: Settings,
 ) -> dict[str, Commitment]:
     """Step 1 of the module doc for every answer (keyed by the owner whose parts it holds); the
-    round's commitments by contributor. Caught (proven) for a contradiction, RoundFailed for an
-    answer reduced under other rules (a configuration, not a lie)."""
+    round's commitments by contributor. Caught for a contradiction (proven), and for an answer
+    reduced under other rules than this peer's: proven for another rule or outlier factor (the run's
+    flags: the owner signed that it does not follow them; such a peer, hostile or misconfigured,
+    failed every round it owned parts in, for everyone), on this peer's word for another work cap
+    (the round's schedule as the owner saw it)."""
     commitments: dict[str, Commitment] = {}
     for slot, answer in answers.items():
         statement = answer.statement
         if statement is None:
             raise _fail(slot, "answered without a signed statement", proven=False)
         reducer = statement.owner
-        if (statement.rule, statement.outlier_factor, statement.work_cap) != (
+        flags = (statement.rule, statement.outlier_factor) != (
             str(settings.aggregate),
             settings.outlier_factor,
-            settings.work_cap,
-        ):
-            raise RoundFailed(
-                f"{reducer[-8:]} reduced under {statement.rule}, outlier factor {statement.outlier_factor},"
-                f" work cap {statement.work_cap}: this peer runs {settings}"
+        )
+        if flags or statement.work_cap != settings.work_cap:
+            why = (
+                f"reduced under {statement.rule}, outlier factor {statement.outlier_factor}, work cap"
+                f" {statement.work_cap}; this peer runs {settings.aggregate}, {settings.outlier_factor},"
+                f" {settings.work_cap}"
             )
+            raise _fail(reducer, why, proven=flags)
         for commitment in answer.commitments:
             held = commitments.setdefault(commitment.peer, commitment)
             if held.signed.body != commitment.signed.body:
