@@ -30,6 +30,7 @@ the aggregate rule see the rest.
 
 from __future__ import annotations
 
+import logging
 import math
 import statistics
 from collections.abc import Callable, Mapping, Sequence
@@ -40,6 +41,8 @@ import torch
 from .codecs import Codec, decode
 from .downlink import Gather
 from .scoring import Scorer
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_OUTLIER_FACTOR = 10.0
 """How far above the part's median L2 norm a payload's norm may be before its owner rejects it.
@@ -216,6 +219,16 @@ def _centered_clip(
             and abs(tau - radius) <= CLIP_RADIUS_AGREEMENT / 2 * radius
         ):
             break
+    else:  # members may find the factors off and refuse the answer: say why, on the owner's side
+        logger.warning(
+            "CenteredClip did not settle in %d iterations (factors %s at the answer %s, radius %.6g"
+            " against %.6g)",
+            CLIP_MAX_ITERATIONS,
+            rhos,
+            held,
+            tau,
+            radius,
+        )
     answer = weighted_sum(flat, clip_weights(factors, rhos))
     return answer.view_as(tensors[0]), Clip(tau, dict(enumerate(rhos)))
 
