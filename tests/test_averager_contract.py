@@ -39,7 +39,7 @@ from adloco.node.swarm.loop import ROUND_ID_STRIDE
 from adloco.protocol.algorithms import codecs
 from adloco.protocol.algorithms.allreduce import Contribution, reduce_group
 from adloco.protocol.algorithms.codecs import decode_tensors, encode_tensors, make_codec
-from adloco.protocol.algorithms.parts import MEAN, Aggregate, Clip
+from adloco.protocol.algorithms.parts import MEAN, SCORED, Aggregate, Clip
 from adloco.protocol.algorithms.report import PeerReport
 from adloco.protocol.algorithms.trust import WORK_MIN_ROUNDS
 from adloco.protocol.transport.averager import Averager, MemberResult, Misconduct, NotOpened
@@ -912,6 +912,58 @@ def test_an_owner_answering_each_member_differently_is_caught_by_its_two_signatu
 
     with _round_with_a_lying_owner(monkeypatch, caplog, "int8", 16, per_member=each) as round:
         _assert_caught_by_the_honest(round, "otherwise than this peer")
+
+
+def _only_its_own(answer: Any, session: Any) -> Any:
+    """The liar's parts answered with its own payloads alone (forwarded: the exact check passes),
+    every other contributor stated as left out by a scorer."""
+    me = answer.contributors.index(session.signer.peer_id)
+    own = session.contributions[session.signer.peer_id].payloads
+    others = {i: SCORED for i in range(len(answer.contributors)) if i != me}
+    statement = dataclasses.replace(answer.statement, codes=[dict(others) for _ in session.keys])
+    rejected = {p: len(session.keys) for i, p in enumerate(answer.contributors) if i != me}
+    return dataclasses.replace(
+        answer, payloads={k: own[k] for k in session.keys}, statement=statement, rejected=rejected
+    )
+
+
+def test_an_owner_leaving_everyone_else_out_by_a_scorer_the_run_does_not_run_is_caught(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With scoring off (the default), an owner states that its scorer left every other contributor
+    out and forwards its own payloads for its parts: a forwarded part checks exactly, and with one
+    payload left no norm screening applies, so whatever it committed to would reach every θ. There is
+    no scorer in this run to have left anyone out: every honest member convicts it on its statement."""
+    with _round_with_a_lying_owner(monkeypatch, caplog, "int8", 17, lie=_only_its_own) as round:
+        _assert_caught_by_the_honest(round, "scorer this run does not run")
+
+
+def test_a_scoring_run_completes_with_its_owners_exclusions_checked() -> None:
+    """In a run that scores (every averager has a scorer), the owners' exclusions are accepted: here
+    each owner's scorer leaves out the largest Δ over its parts (the flipped one), in every part it
+    owns; the round completes with one result on every member, that member's parts rejected by every
+    owner, and nobody named."""
+
+    def largest_out(count: int, delta_of: Any) -> dict[int, str]:
+        norms = [sum(float(t.norm()) ** 2 for t in delta_of(i).values()) for i in range(count)]
+        return {norms.index(max(norms)): "the largest Δ"}
+
+    swarm = Swarm("hivemind")
+    try:
+        swarm.add_nodes(3)
+        averagers = sorted((swarm.averager(i, scorer=largest_out) for i in range(3)), key=lambda a: a.peer_id)
+        contributions = _flipped_contributions(averagers)
+        outcomes = _average_together(averagers, contributions, round=0, spec="int8")
+        results = [o.result for o in outcomes]
+        assert all(r is not None for r in results)
+        assert len({tuple(sorted(r.averaged.items())) for r in results if r is not None}) == 1
+        flipped = contributions[2].peer_id
+        first = results[0]
+        assert first is not None and first.rejected == {flipped: len(SHAPES)}
+        for averager in averagers:
+            assert averager.verdicts() == {}  # type: ignore[attr-defined]
+    finally:
+        swarm.close()
 
 
 def test_an_owner_rewriting_a_report_it_relays_is_caught(

@@ -803,7 +803,9 @@ class HivemindAverager:
             own=state.own,
             secret=secret,
             payloads=contribution.payloads,
-            settings=Settings(self.aggregate, self.outlier_factor, bounds.reference_tokens),
+            settings=Settings(
+                self.aggregate, self.outlier_factor, bounds.reference_tokens, self.scorer is not None
+            ),
             signer=self._signer,
             send=lambda peer, kind, signed: self._send_statement(state, peer, kind, signed, budget),
             defend=defend,

@@ -5,8 +5,8 @@ Once every owner has answered (`member.assemble`), `verify_round`:
 1. checks each owner's signed statement against the commitments it names: the same commitment of
    each contributor in every answer (else that contributor equivocated), the rules the round runs
    under, the screening recomputed from the committed norms, a rejection of this member's own
-   payload as not matching its commitment (it does), the relayed reports against their
-   commitments;
+   payload as not matching its commitment (it does), exclusions by a scorer only where the run
+   scores and alike in every part, the relayed reports against their commitments;
 2. sends its reveal (every answer statement it holds, its secret) to every other member of the
    round and waits for theirs: an owner that sent another member a different answer is caught by
    its two signed statements, and a secret must match its commitment. The seed is drawn from the
@@ -45,7 +45,7 @@ from hivemind.p2p import P2P, PeerID
 
 from ..algorithms import verify
 from ..algorithms.codecs import decode, error_bound, payload_codec, sum_count
-from ..algorithms.parts import MIN_OUTLIER_GROUP, MISMATCH, Aggregate, Clip, tensor_norm
+from ..algorithms.parts import MIN_OUTLIER_GROUP, MISMATCH, SCORED, Aggregate, Clip, tensor_norm
 from ..algorithms.trust import grace_s
 from ..algorithms.trust import seeders as seeders_of
 from ..algorithms.verify import Claim, Misanswer, Misprojection
@@ -359,11 +359,14 @@ async def send_statement(
 
 @dataclass(frozen=True)
 class Settings:
-    """The rules a member expects every owner of its round to have reduced under."""
+    """The rules a member expects every owner of its round to have reduced under. `scoring`:
+    whether the run scores contributions (`--score`): without it an owner has no scorer to leave a
+    contributor out by."""
 
     aggregate: Aggregate
     outlier_factor: float | None
     work_cap: float | None
+    scoring: bool = False
 
 
 @dataclass
@@ -428,6 +431,11 @@ def check_statements(
                 # An empty report is one elided for its size (`owner.Request`): dropped alike.
                 if report and digest(report) != commitment.report:
                     raise _fail(reducer, f"relayed another report of {commitment.peer[-8:]}", proven=True)
+        scored = [frozenset(i for i, code in codes.items() if code == SCORED) for codes in statement.codes]
+        if any(scored) and not settings.scoring:
+            raise _fail(reducer, "left contributors out by a scorer this run does not run", proven=True)
+        if len(set(scored)) > 1:  # a scorer judges a contributor over all the owner's parts at once
+            raise _fail(reducer, "its scorer left out different contributors in different parts", proven=True)
         if own.peer in answer.contributors:
             mine = answer.contributors.index(own.peer)
             for key, codes in zip(statement.keys, statement.codes, strict=True):
