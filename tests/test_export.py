@@ -8,6 +8,9 @@ transformers' own `from_pretrained`, and its logits on a text are compared with 
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -168,3 +171,81 @@ def test_a_checkpoint_records_what_rebuilds_the_model(tmp_path: Path) -> None:
     assert model_fingerprint(rebuilt) == state["model_fingerprint"]
     assert json.loads(state["model_config"])["vocab_size"] == 256
     assert set(state["tokenizer_files"]) == {"tokenizer.json", "tokenizer_config.json"}
+
+
+OFFLINE = ["--offline", "--max-corpus-mb", "0.3", "--seq-len", "32", "--batch-size", "2", "--instances", "1"]
+OFFLINE += ["--inner-steps", "2", "--b-max", "2", "--threads", "1"]
+
+
+def test_an_offline_node_checkpoints_resumes_and_its_checkpoint_exports(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`adloco-node --offline --checkpoint-dir` keeps its work as a swarm node does (it wrote nothing
+    before): a run of 3 rounds with a checkpoint every 2 leaves rounds 2 and 3; the next run resumes
+    at round 3 and trains its 2 rounds on from there; `export` turns the newest (round 5) into a
+    folder that transformers loads."""
+    ckpt = tmp_path / "ckpt"
+    flags = [*OFFLINE, "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2"]
+    assert entry.main([*flags, "--rounds", "3"]) == 0
+    assert sorted(
+        int(json.loads((p / "meta.json").read_text())["round"]) for p in list_checkpoints(ckpt)
+    ) == [2, 3]
+    capsys.readouterr()
+    assert entry.main([*flags, "--rounds", "2"]) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("[local round=")]
+    assert [ln.split("]")[0] for ln in lines] == ["[local round=4", "[local round=5"], lines
+    rc, out, err = export(ckpt, tmp_path / "hf", capsys)
+    assert rc == 0 and "θ of round 5" in out, err
+    ids = torch.tensor([list(TEXT.encode())])
+    assert hf_logits(tmp_path / "hf", ids).shape[-1] == 256
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--peers", "/ip4/127.0.0.1/tcp/1/p2p/QmaCpDMGvV2BGHeYERUEnRQAwe3N8SzbUtfsmvsqQLuvuJ"],
+        ["--run-id", "r"],
+        ["--metrics-port", "9100"],
+        ["--status-file", "s.jsonl"],
+        ["--overlap", "mix"],
+        ["--replay-mb", "64"],
+    ],
+)
+def test_an_offline_node_refuses_a_flag_it_cannot_honour_in_one_line(
+    flags: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A flag of a networked node given with --offline was silently ignored; it is refused, naming
+    it, before anything trains (the values training alone does honour pass: --overlap off,
+    --replay-mb 0)."""
+    assert entry.main([*OFFLINE, "--rounds", "1", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"adloco-node: error: {flags[0]}: an --offline node") and err.count("\n") == 1
+
+
+def test_sigterm_stops_an_offline_node_after_its_round_with_that_round_checkpointed(tmp_path: Path) -> None:
+    """SIGTERM to `adloco-node --offline --rounds 0` (train until stopped): it finishes the round it
+    is in, writes that round's checkpoint and exits 0."""
+    ckpt = tmp_path / "ckpt"
+    cmd = [
+        sys.executable,
+        "-m",
+        "adloco.node.cli.entry",
+        *OFFLINE,
+        "--rounds",
+        "0",
+        "--checkpoint-dir",
+        str(ckpt),
+    ]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        first = proc.stdout.readline()
+        assert first.startswith("[local round=1]"), first
+        proc.send_signal(signal.SIGTERM)
+        rest, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0
+    last = [ln for ln in [first, *rest.splitlines()] if ln.startswith("[local round=")][-1]
+    newest = list_checkpoints(ckpt)[0]
+    assert last.startswith(f"[local round={int(newest.name.split('-')[1])}]"), (last, newest)

@@ -286,10 +286,7 @@ def swarm_from_args(args: argparse.Namespace) -> SwarmConfig:
         raise UserError(f"--simulate-slowdown: must be in [1, 1000), got {args.simulate_slowdown}")
     if args.data_shards < 1 or (args.data_shard is not None and not 0 <= args.data_shard < args.data_shards):
         raise UserError(f"--data-shard: must be in [0, --data-shards={args.data_shards})")
-    if args.checkpoint_every < 0:
-        raise UserError(f"--checkpoint-every: must be >= 0, got {args.checkpoint_every}")
-    if args.checkpoint_dir is not None:
-        check_checkpoint_dir(args.checkpoint_dir)
+    check_checkpoint_args(args)
     return SwarmConfig(
         state_transfer=transfer_from_args(args),
         run_id=args.run_id,
@@ -309,6 +306,48 @@ def swarm_from_args(args: argparse.Namespace) -> SwarmConfig:
         trusted_peers=trusted_peers_from_args(args),
         **private_run_from_args(args),
     )
+
+
+def check_checkpoint_args(args: argparse.Namespace) -> None:
+    """--checkpoint-every and --checkpoint-dir, checked before anything trains (both modes)."""
+    if args.checkpoint_every < 0:
+        raise UserError(f"--checkpoint-every: must be >= 0, got {args.checkpoint_every}")
+    if args.checkpoint_dir is not None:
+        check_checkpoint_dir(args.checkpoint_dir)
+
+
+OFFLINE_REFUSED_GROUPS = ("swarm networking", "private run", "averaging exchange", "state download")
+"""The flag groups of a networked node (by the start of their titles): an --offline node has none of
+it, so a flag of theirs given with --offline is refused rather than ignored."""
+OFFLINE_REFUSED = {
+    "--status-file": None,
+    "--control-port": None,
+    "--control-host": None,
+    "--control-allow-remote": None,
+    "--metrics-port": None,
+    "--metrics-host": None,
+    "--overlap": "off",  # alone there is no transfer to overlap with
+    "--replay-mb": 0.0,  # nor a laggard to replay the updates
+}
+"""Other flags an --offline node cannot honour, and the one value it does (None: only the default)."""
+
+
+def offline_refusal(args: argparse.Namespace) -> None:
+    """UserError naming the first flag given with --offline that training alone cannot honour (a
+    networked node's flag, or one of `OFFLINE_REFUSED` at another value than the default or the one
+    it honours): it would be ignored, and a user would believe it in force."""
+    parser = build_parser()
+    for group in parser._action_groups:
+        networked = (group.title or "").startswith(OFFLINE_REFUSED_GROUPS)
+        for action in group._group_actions:
+            flag = action.option_strings[0] if action.option_strings else ""
+            if not (networked or flag in OFFLINE_REFUSED):
+                continue
+            value = getattr(args, action.dest)
+            if value != action.default and (networked or value != OFFLINE_REFUSED[flag]):
+                raise UserError(
+                    f"{flag}: an --offline node trains alone, with no network; it cannot honour this"
+                )
 
 
 def trusted_peers_from_args(args: argparse.Namespace) -> frozenset[str]:
@@ -393,12 +432,16 @@ def run(args: argparse.Namespace) -> None:
         cfg = swarm_train_config(cfg, args)
     stop = threading.Event()
     if args.offline:
+        offline_refusal(args)
+        check_checkpoint_args(args)
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
         train_solo(
             cfg,
             rounds=args.rounds,
             on_round=lambda r: print(format_round("local", r), flush=True),
             should_stop=stop.is_set,
+            checkpoint_dir=args.checkpoint_dir,
+            checkpoint_every=args.checkpoint_every,
         )
     else:
         swarm = swarm_from_args(args)

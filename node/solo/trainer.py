@@ -3,7 +3,10 @@
 This is what `adloco-node --offline` runs: the MIT instances, adaptive batch, switch mode and
 compression with error feedback all run exactly as in a swarm, and the round goes through the same
 `Averager` interface as every other driver (an in-process one with no window), so the update
-applied is what a swarm of one would have applied, encoded bytes included.
+applied is what a swarm of one would have applied, encoded bytes included. With a checkpoint folder
+it checkpoints as a swarm node does (`node.operations.checkpoint`: atomic, verified): it resumes from
+the newest usable one, writes one every `checkpoint_every` rounds and one when it stops (its rounds
+done, or `should_stop`: SIGTERM), which `adloco-node export` reads.
 """
 
 from __future__ import annotations
@@ -12,8 +15,10 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 
 from ...protocol.transport.memory import MemoryAverager, MemoryHub
+from ..operations.checkpoint import load_checkpoint, save_checkpoint
 from ..training.config import TrainConfig
 from ..training.peer import Peer
 from ..training.rounds import RoundRecord
@@ -30,8 +35,14 @@ def train_solo(
     rounds: int,
     on_round: Callable[[RoundRecord], None] | None = None,
     should_stop: Callable[[], bool] = lambda: False,
+    checkpoint_dir: Path | None = None,
+    checkpoint_every: int = 10,
 ) -> tuple[Peer, list[RoundRecord]]:
-    """Train alone for `rounds` rounds (0: until `should_stop`); returns the peer and its rounds.
+    """Train alone for `rounds` rounds (0: until `should_stop`); returns the peer and the rounds it
+    trained in this call. With `checkpoint_dir`, resume from its newest usable checkpoint first (the
+    `rounds` are counted from there, as a swarm node counts them), checkpoint every
+    `checkpoint_every` rounds (0: only at the end) and when the loop ends (not when a round raised:
+    its state may be half applied; the last checkpoint stands).
 
     Alone there is no transfer to overlap with, so rounds run in the synchronous order (overlap off),
     and no laggard to replay the averaged updates, so none is kept (replay_mb 0).
@@ -47,17 +58,35 @@ def train_solo(
         vocab_size=tokenizer.vocab_size,
         tokenizer=tokenizer,
     )
+    tokens = 0
+    if checkpoint_dir is not None:
+        extra = load_checkpoint(checkpoint_dir, peer.load_state_dict)
+        if extra is not None:
+            tokens = int(extra.get("tokens_total", 0))
+            logger.warning("resumed from the checkpoint of round %d", peer.state.round)
+
+    def save() -> None:
+        if checkpoint_dir is not None:
+            save_checkpoint(checkpoint_dir, peer.state_dict(), extra={"tokens_total": tokens})
+
     done: list[RoundRecord] = []
     with MemoryAverager(MemoryHub(window_s=0.0), PEER_ID) as averager:
         while (rounds == 0 or len(done) < rounds) and not should_stop():
-            record = _round(peer, averager, done[-1] if done else None)
+            record = _round(peer, averager, done[-1] if done else None, tokens)
             done.append(record)
+            tokens = record.tokens_total
+            if checkpoint_every > 0 and len(done) % checkpoint_every == 0:
+                save()
             if on_round is not None:
                 on_round(record)
+    if done and (checkpoint_every <= 0 or len(done) % checkpoint_every != 0):
+        save()  # the last round, unless the periodic one just wrote it
     return peer, done
 
 
-def _round(peer: Peer, averager: MemoryAverager, previous: RoundRecord | None) -> RoundRecord:
+def _round(
+    peer: Peer, averager: MemoryAverager, previous: RoundRecord | None, tokens_before: int
+) -> RoundRecord:
     t0 = time.perf_counter()
     schedule = peer.state.schedule
     local = peer.train_round()
@@ -80,7 +109,7 @@ def _round(peer: Peer, averager: MemoryAverager, previous: RoundRecord | None) -
         inner_loss=local.mean_loss,
         theta_hash=peer.state.theta_hash(),
         tokens=local.tokens,
-        tokens_total=local.tokens + (previous.tokens_total if previous else 0),
+        tokens_total=local.tokens + (previous.tokens_total if previous else tokens_before),
         tokens_per_s=local.tokens / max(local.compute_s, 1e-9),
         batch_sizes=list(schedule.batch),
         accum_steps=local.accum_steps,
