@@ -35,7 +35,15 @@ ALLOWED: dict[str, set[str]] = {
     "node": set(),
     "node/training": {"", "protocol/algorithms", "node/training"},
     "node/operations": {"", "protocol/control", "node/operations"},
-    "node/solo": {"", "protocol/algorithms", "protocol/transport", "node/training", "node/solo"},
+    # The solo trainer checkpoints as a swarm node does (node/operations knows no Peer).
+    "node/solo": {
+        "",
+        "protocol/algorithms",
+        "protocol/transport",
+        "node/training",
+        "node/operations",
+        "node/solo",
+    },
     "node/sim": {"", "protocol/algorithms", "protocol/transport", "node/training", "node/sim"},
     "node/swarm": {
         "",
