@@ -948,12 +948,7 @@ def test_a_scoring_run_completes_with_its_owners_exclusions_checked() -> None:
         norms = [sum(float(t.norm()) ** 2 for t in delta_of(i).values()) for i in range(count)]
         return {norms.index(max(norms)): "the largest Δ"}
 
-    swarm = Swarm("hivemind")
-    try:
-        swarm.add_nodes(3)
-        averagers = sorted((swarm.averager(i, scorer=largest_out) for i in range(3)), key=lambda a: a.peer_id)
-        contributions = _flipped_contributions(averagers)
-        outcomes = _average_together(averagers, contributions, round=0, spec="int8")
+    with _flipped_round(scorer=largest_out) as (averagers, contributions, outcomes):
         results = [o.result for o in outcomes]
         assert all(r is not None for r in results)
         assert len({tuple(sorted(r.averaged.items())) for r in results if r is not None}) == 1
@@ -962,8 +957,6 @@ def test_a_scoring_run_completes_with_its_owners_exclusions_checked() -> None:
         assert first is not None and first.rejected == {flipped: len(SHAPES)}
         for averager in averagers:
             assert averager.verdicts() == {}  # type: ignore[attr-defined]
-    finally:
-        swarm.close()
 
 
 def test_an_owner_rewriting_a_report_it_relays_is_caught(
@@ -1378,22 +1371,28 @@ def _flipped_contributions(averagers: Sequence[Averager]) -> list[Contribution]:
     return out
 
 
+@contextlib.contextmanager
+def _flipped_round(**knobs: Any) -> Iterator[tuple[list[Averager], list[Contribution], list[Outcome]]]:
+    """Three hivemind averagers with `knobs` (by peer id) average `_flipped_contributions` once."""
+    swarm = Swarm("hivemind")
+    try:
+        swarm.add_nodes(3)
+        averagers = sorted((swarm.averager(i, **knobs) for i in range(3)), key=lambda a: a.peer_id)
+        contributions = _flipped_contributions(averagers)
+        yield averagers, contributions, _average_together(averagers, contributions, round=0, spec="int8")
+    finally:
+        swarm.close()
+
+
 def test_a_centered_clip_round_is_checked_and_completes_with_reduce_groups_bytes() -> None:
     """Every owner reduces its parts by CenteredClip and states its clip factors; every member checks
     each answer as the weighted mean they make and the factors against the distances the others'
     inner products give. All honest: the round completes with `reduce_group`'s bytes under the same
     rule, and nobody is named."""
-    swarm = Swarm("hivemind")
-    try:
-        swarm.add_nodes(3)
-        averagers = sorted((swarm.averager(i, aggregate=CLIP) for i in range(3)), key=lambda a: a.peer_id)
-        contributions = _flipped_contributions(averagers)
-        outcomes = _average_together(averagers, contributions, round=0, spec="int8")
+    with _flipped_round(aggregate=CLIP) as (averagers, contributions, outcomes):
         _assert_matches_reduce_group(outcomes, contributions, "int8", aggregate=CLIP)
         for averager in averagers:
             assert averager.verdicts() == {}  # type: ignore[attr-defined]
-    finally:
-        swarm.close()
 
 
 def test_an_owner_stating_the_attacker_unclipped_under_centered_clip_is_caught(
