@@ -7,7 +7,8 @@ an owner (owner-scaled, owner-noise, owner-split, owner-stall), withholding its 
 its parts (silent: it joins groups and sends no owner anything); `+rekey` after any of them: left
 out, it joins again under a fresh key. Every
 combination of `--rules` (the owners' `--aggregate`; "default": the flag left out, so a public
-run's default applies), `--scores` (every node's `--score`: owners
+run's default applies; the trimmed mean is refused in a public run, as every run here is),
+`--scores` (every node's `--score`: owners
 judge each member's Δ over their parts by the loss on their own data) and `--attacks` runs once per
 seed. Printed and written to bench/results/robust_swarm.json: the honest nodes' final val loss
 (median of the three), and its gap against the clean run under the same rule and under the mean;
@@ -104,7 +105,7 @@ def _gap(value: float, base: float | None) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rules", nargs="+", default=["mean", "trimmed:0.25"])
+    p.add_argument("--rules", nargs="+", default=["default", "mean"])
     p.add_argument("--scores", nargs="+", default=["off"])
     p.add_argument("--attacks", nargs="+", default=["none", "flip1000", "flip", "random", "constant"])
     p.add_argument("--rounds", type=int, default=12)

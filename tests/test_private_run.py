@@ -167,7 +167,8 @@ def test_credential_command_and_node_flags(
 def test_a_public_run_defaults_to_checked_centered_clip_and_a_private_run_to_the_mean(tmp_path: Path) -> None:
     """Without --aggregate, a swarm node of a public run reduces by CenteredClip (`PUBLIC_AGGREGATE`:
     its answers are checked by their fixed point), one of a private run (--allow-peers, --run-owner)
-    by the mean; a rule given is kept; the mean's own default (the simulator, --offline) stays."""
+    by the mean; a rule given is kept, but the trimmed mean (checked by its norm only) only in a private
+    run; the mean's own default (the simulator, --offline) stays."""
     allowlist = tmp_path / "peers.txt"
     allowlist.write_text("")
 
@@ -179,6 +180,8 @@ def test_a_public_run_defaults_to_checked_centered_clip_and_a_private_run_to_the
     assert rule("--allow-peers", str(allowlist)) == "mean"
     assert rule("--aggregate", "mean") == "mean"
     assert rule("--aggregate", "trimmed:0.2", "--allow-peers", str(allowlist)) == "trimmed:0.2"
+    with pytest.raises(Exception, match=r"--aggregate trimmed:0\.2: members can check .* a norm bound"):
+        rule("--aggregate", "trimmed:0.2")
     assert train_config_from_args(parse_settings(build_parser(), [])).aggregate == "mean"
     with pytest.raises(Exception, match=r"default --aggregate is clip:0\.5"):
         rule("--downlink", "gather")

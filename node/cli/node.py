@@ -453,9 +453,16 @@ def run(args: argparse.Namespace) -> None:
 def swarm_train_config(cfg: TrainConfig, args: argparse.Namespace) -> TrainConfig:
     """`cfg` as a swarm node runs it: every answer checked (`TrainConfig.checked_answers`), and in a
     public run (no --run-owner, no --allow-peers) without --aggregate, `PUBLIC_AGGREGATE`: a public
-    run's defaults defend it."""
+    run's defaults defend it. A public run refuses the trimmed mean, the one rule whose answers no
+    member can check beyond their norm; a private run, whose peers its owner admits, may take it."""
     public = args.run_owner is None and args.allow_peers is None
     rule = PUBLIC_AGGREGATE if args.aggregate is None and public else cfg.aggregate
+    if public and rule.startswith("trimmed"):
+        raise UserError(
+            f"--aggregate {rule}: members can check a trimmed mean's answers only against a norm bound, so"
+            f" in a public run one hostile owner could answer anything that small; use mean or clip:c (the"
+            f" default, {PUBLIC_AGGREGATE}), or run privately (--run-owner or --allow-peers)"
+        )
     try:
         return replace(cfg, aggregate=rule, checked_answers=True)
     except ValueError as e:
