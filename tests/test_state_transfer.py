@@ -25,12 +25,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
+from unittest.mock import patch
 
 import pytest
 import torch
 
 from adloco.node.cli.processes import group_members
-from adloco.node.swarm.offers import StateOffers
+from adloco.node.swarm.offers import PROBE_HOLD_S, StateOffers
 from adloco.node.swarm.sync import Downloads, DownloadTarget, RemoteSource, updates_of
 from adloco.node.training.catchup import catch_up
 from adloco.node.training.config import TrainConfig
@@ -687,6 +688,61 @@ def test_a_round_being_downloaded_is_frozen_when_the_donor_moves_on() -> None:
     _train_alone(peer, 1)
     assert offers.offered(unasked.digest) is None
     assert offers.offered(asked.digest) is not None  # still held while its download is active
+
+
+def test_a_round_a_joiner_probed_is_still_served_when_the_donor_has_moved_on() -> None:
+    """No network: what a node says it holds (`published`, a joiner's probe of its record) it serves
+    when the joiner asks for the manifest next, although θ changed in between (rounds of a few
+    seconds refused a restarted node every time); a round only stood by, not probed while live, is
+    not kept, and a probed copy is let go once the probe's hold has passed."""
+    peer = _peer("donor")
+    offers = StateOffers(peer, threading.Lock(), chunk_bytes=CHUNK)
+    probed = offers.publish()
+    assert offers.published(probed.digest)  # the joiner's probe: stands by it
+    _train_alone(peer, 1)  # the round changes before the joiner asks
+    served = offers.offered(probed.digest)
+    assert served is not None and served.manifest.round == 0
+    state = ChunkedState(StateManifest.decode(probed.encoded, digest=probed.digest), probed.digest)
+    for index in range(len(probed.manifest.chunks)):
+        assert state.accept(index, served.read_chunk(index))  # round 0's bytes, from the copy
+
+    unprobed = offers.publish()
+    _train_alone(peer, 1)
+    assert offers.published(unprobed.digest)  # still stood by, but moved on from: not served
+    assert offers.offered(unprobed.digest) is None
+
+    idle = StateOffers(_peer("idle"), threading.Lock(), chunk_bytes=CHUNK)
+    once = idle.publish()
+    assert idle.published(once.digest)
+    with patch.object(time, "monotonic", return_value=time.monotonic() + PROBE_HOLD_S + 1):
+        _train_alone(idle.peer, 1)  # the probe's hold is over when the round changes: withdrawn
+        assert idle.frozen_rounds() == []
+        assert idle.offered(once.digest) is None
+
+
+def test_a_round_a_joiner_gave_up_yields_its_copy_to_the_newer_round_it_downloads_now() -> None:
+    """No network: a joiner that stopped downloading round 0 (its donors moved on, say) and now
+    downloads the live round is served that round after θ changes: the copy of round 0, asked for
+    last before `PROBE_HOLD_S`, is let go rather than held for `HOLD_S` while every newer round is
+    withdrawn. A download going on keeps its copy against a newer ask."""
+    peer = _peer("donor")
+    offers = StateOffers(peer, threading.Lock(), chunk_bytes=CHUNK)
+    old = offers.publish()
+    assert offers.offered(old.digest) is not None  # a joiner asks for round 0...
+    _train_alone(peer, 1)
+    assert offers.frozen_rounds() == [0]
+    later = time.monotonic() + PROBE_HOLD_S + 1  # ...and gives it up
+    with patch.object(time, "monotonic", return_value=later):
+        new = offers.publish()
+        assert offers.offered(new.digest) is not None  # it asks for round 1 now
+        _train_alone(peer, 1)
+        assert offers.frozen_rounds() == [1]
+        assert offers.offered(new.digest) is not None
+        assert offers.offered(old.digest) is None
+        newest = offers.publish()
+        assert offers.offered(newest.digest) is not None  # another joiner asks for round 2
+        _train_alone(peer, 1)
+        assert offers.frozen_rounds() == [1]  # the download going on keeps its copy
 
 
 def test_a_manifest_is_refused_unless_it_is_the_published_one_and_well_formed() -> None:

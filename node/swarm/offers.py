@@ -7,13 +7,18 @@ state record and offers that round. A chunk is read from the live tensors, under
 only when a joiner asks for it. θ and m change in place at the next outer step; just before they do
 (`Peer.before_change`, under the lock) a round that someone asked for within the last `hold_s`
 seconds is frozen (θ and m copied once to the host) and stays offered until nobody has asked for it
-for `hold_s`; a round nobody asked for is withdrawn. So a node holds an extra copy of the state only
-while a download crosses one of its rounds (at most `max_frozen` copies), and a joiner slower than a
-round still completes the round it began with, then replays the rounds since.
+for `hold_s`; a round nobody asked for is withdrawn. A joiner's probe of the live round
+(`published`: does this node stand by its record?) counts as an ask for `PROBE_HOLD_S`: the joiner
+asks for the manifest next, and a round that changed in between would refuse it (with rounds of a
+few seconds, a restarted node was refused every time and never caught up). So a node holds an extra
+copy of the state only while a download crosses one of its rounds, or a probe its change (at most
+`max_frozen` copies), and a joiner slower than a round still completes the round it began with,
+then replays the rounds since.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import deque
@@ -28,6 +33,7 @@ from ..training.peer import Peer
 
 HOLD_S = 120.0  # a frozen round stays offered until nobody has asked for it for this long
 PUBLISHED_KEPT = 4  # the published rounds a node still stands by when asked (`published`)
+PROBE_HOLD_S = 10.0  # a probed live round stays offered this long after the probe, if it changes
 
 
 def state_layout(peer: Peer) -> list[TensorSpec]:
@@ -45,6 +51,7 @@ class _Offer:
     tensors: list[torch.Tensor]  # the live θ and m while not frozen
     frozen: bool
     asked: float | None = None  # monotonic time of the last request, None: never asked
+    probed: float | None = None  # monotonic time of the last probe while live (`published`)
 
 
 class StateOffers:
@@ -91,8 +98,12 @@ class StateOffers:
     def published(self, digest: str) -> bool:
         """Whether `digest` is the manifest of one of the last rounds this node published (a record
         of it may still be what others read): what a fresh joiner asks to know this node is live and
-        stands by its record, without freezing or reading anything."""
+        stands by its record. Nothing is read; the live round, probed, is kept offered for
+        `PROBE_HOLD_S` should it change before the joiner asks for it (`before_change`)."""
         with self._mutex:
+            offer = self._offers.get(digest)
+            if offer is not None and not offer.frozen:
+                offer.probed = time.monotonic()
             return digest in self._published
 
     def offered(self, digest: str) -> ServedState | None:
@@ -105,17 +116,21 @@ class StateOffers:
         return self._served(offer)
 
     def before_change(self) -> None:
-        """θ and m are about to change in place (called under `lock`): freeze or withdraw what is live."""
+        """θ and m are about to change in place (called under `lock`): freeze or withdraw what is live.
+        Of the rounds still wanted, `max_frozen` are kept (`_rank`): downloads going on first (asked
+        within `PROBE_HOLD_S`; a copy being read before the live round), then the rounds wanted last.
+        A round a joiner abandoned for a newer one kept its copy for `hold_s` before, and every newer
+        round was withdrawn under the joiner's feet: it was refused chunk after chunk for minutes."""
         with self._mutex:
-            live = [o for o in self._offers.values() if not o.frozen]
-            frozen = [o for o in self._offers.values() if o.frozen and self._active(o)]
-            for offer in live:
-                if self._active(offer) and len(frozen) < self.max_frozen:
+            now = time.monotonic()
+            active = [o for o in self._offers.values() if self._active(o)]
+            wanted = sorted(active, key=lambda o: _rank(o, now), reverse=True)[: self.max_frozen]
+            for offer in wanted:
+                if not offer.frozen:
                     if _same(offer.tensors, [*self.peer.state.theta, *self.peer.state.momentum]):
                         offer.tensors = [t.detach().to("cpu", copy=True) for t in offer.tensors]
                     offer.frozen = True  # (an adopted state left the old tensors unchanged)
-                    frozen.append(offer)
-            self._offers = {o.digest: o for o in frozen}
+            self._offers = {o.digest: o for o in wanted}
 
     def frozen_rounds(self) -> list[int]:
         """The rounds held as frozen copies now (for tests and status)."""
@@ -123,7 +138,9 @@ class StateOffers:
             return sorted(o.manifest.round for o in self._offers.values() if o.frozen)
 
     def _active(self, offer: _Offer) -> bool:
-        return offer.asked is not None and time.monotonic() - offer.asked < self.hold_s
+        now = time.monotonic()
+        asked = offer.asked is not None and now - offer.asked < self.hold_s
+        return asked or (offer.probed is not None and now - offer.probed < PROBE_HOLD_S)
 
     def _served(self, offer: _Offer) -> ServedState:
         return ServedState(offer.manifest, offer.encoded, lambda index: self._read(offer, index))
@@ -139,6 +156,14 @@ class StateOffers:
                     raise ValueError("that state is not offered here any more")
                 tensors = offer.tensors
             return TensorBytes(tensors).read(start, end)
+
+
+def _rank(offer: _Offer, now: float) -> tuple[bool, bool, float]:
+    """Which offers keep a copy when θ changes, highest first: one being downloaded (asked within
+    `PROBE_HOLD_S`), of those a copy already read from; then the one asked for or probed last."""
+    downloading = offer.asked is not None and now - offer.asked < PROBE_HOLD_S
+    last = max(t for t in (offer.asked, offer.probed, -math.inf) if t is not None)
+    return downloading, downloading and offer.frozen, last
 
 
 def _same(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> bool:
