@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from swarm import NET, Node, _wait
+from swarm import NET, Node, _finish, _wait
 
 RESULTS = Path(__file__).resolve().parent / "results" / "robust_swarm.json"
 TRAIN = [
@@ -61,11 +61,7 @@ def one_run(work: Path, *, rule: str, score: str, attack: str, rounds: int, seed
             planned = "0" if i == 3 else str(rounds)
             cmd = [*program, *common, "--rounds", planned, "--data-shard", str(i), *TRAIN, *NET]
             nodes.append(Node(f"n{i}", cmd, work))
-        for node in nodes[:3]:
-            _wait(f"{node.name} done", lambda n=node: n.proc.poll() is not None, 600, nodes[:3])
-        failed = {n.name: n.proc.returncode for n in nodes[:3] if n.proc.returncode != 0}
-        if failed:
-            raise SystemExit(f"honest nodes failed: {failed} (logs in {work})")
+        _finish(nodes[:3], work, "honest nodes")
     finally:
         for node in [*nodes, bootstrap]:
             node.kill()

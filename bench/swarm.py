@@ -99,6 +99,16 @@ def _wait(what: str, ok: Callable[[], bool], timeout_s: float, nodes: list[Node]
         time.sleep(1.0)
 
 
+def _finish(nodes: list[Node], work: Path, what: str, timeout_s: float = 600) -> None:
+    """Wait for each of `nodes` to exit (the others failing ends the wait); SystemExit naming those
+    that exited with an error."""
+    for node in nodes:
+        _wait(f"{node.name} done", lambda n=node: n.proc.poll() is not None, timeout_s, nodes)
+    failed = {n.name: n.proc.returncode for n in nodes if n.proc.returncode != 0}
+    if failed:
+        raise SystemExit(f"{what} failed: {failed} (logs in {work})")
+
+
 def _peaks(node: Node, params: int) -> dict[str, float]:
     peaks = node.watcher.stop()
     own = peaks.get(node.proc.pid, ("", 0))[1]

@@ -112,6 +112,84 @@ def test_an_owner_leaving_after_its_last_round_delivers_the_answers_a_slow_membe
     )
 
 
+# ---- an owner that dies mid-answer, and restarts -------------------------------------------------
+
+DEATH_ROUND = 3
+SURVIVOR_ROUNDS = 12
+# Answers no p2pd buffer holds whole (as for the leaving owner above), or the slow member would read
+# the dead owner's answer from its own p2pd, and the race would not be run.
+DYING_ARGS = [*FAST_NODE_ARGS, *LOOPBACK, "--model", "small-llama", "--codec", "none", "--inner-steps", "1",
+              "--b-max", "64"]  # fmt: skip
+
+
+@pytest.mark.timeout(300)
+def test_an_owner_killed_mid_answer_costs_the_survivors_one_try_and_its_restart_rejoins_them(
+    procs: Procs, tmp_path: Path
+) -> None:
+    """Three nodes, each with its key and checkpoints. In round 3 the victim, owning parts, answers
+    one member and is killed with its p2pd (SIGKILL of its process group, `ADLOCO_FAULT_DIE_AT`)
+    before the other has read its answer (that one reads 3 s late, `ADLOCO_FAULT_SLOW_ANSWERS`). The
+    one that had the answer finds the victim unreachable when it sends its reveal, the other's
+    exchange breaks and it withdraws (`verification.WITHDRAW`): both leave that try at once, neither
+    waits for a dead peer's failure record, and the retry completes without it, with one θ on both
+    in every round. Before: the one with the answer waited out the reveal budget (~45 s) and left
+    the victim out for 120 s, so its restart, under the same key, trained alone. Restarted on its
+    checkpoints, it downloads the survivors' state and averages with them again, on their θ."""
+    peers = _bootstrap(procs, tmp_path, LOOPBACK)
+
+    def argv(name: str, shard: int) -> list[str]:
+        return ["adloco-node", "--peers", *peers, "--run-id", "die", "--rounds", str(SURVIVOR_ROUNDS),
+                "--status-file", str(tmp_path / f"{name}.jsonl"),
+                "--identity-path", str(tmp_path / f"{name}.key"),
+                "--checkpoint-dir", str(tmp_path / f"{name}.ck"), "--checkpoint-every", "1",
+                "--data-shard", str(shard), "--log-level", "INFO", *DYING_ARGS]  # fmt: skip
+
+    faults = {
+        "victim": {"ADLOCO_FAULT_DIE_AT": f"answered:{DEATH_ROUND}"},
+        "slow": {"ADLOCO_FAULT_SLOW_ANSWERS": f"{DEATH_ROUND}:3"},
+        "quick": None,
+    }
+    nodes = {name: procs.start(name, argv(name, i), env=env) for i, (name, env) in enumerate(faults.items())}
+    code, died_at = _wait_exit(nodes["victim"], timeout=150)
+    assert code == -signal.SIGKILL, procs.log("victim")
+    assert "dying at answered" in procs.log("victim")
+    time.sleep(2.0)  # the machine comes back
+    restarted_at = time.time()
+    back = procs.start("back", argv("victim", 0))
+    for name in ("slow", "quick"):
+        assert nodes[name].wait(timeout=200) == 0, procs.log(name)
+    back.send_signal(signal.SIGTERM)
+    assert back.wait(timeout=60) == 0, procs.log("back")
+
+    quick, slow = _rounds(tmp_path / "quick.jsonl"), _rounds(tmp_path / "slow.jsonl")
+    victim = _rounds(tmp_path / "victim.jsonl")  # its rounds before and after the restart
+    assert sorted(quick) == sorted(slow) == list(range(1, SURVIVOR_ROUNDS + 1))
+    for r in quick:
+        assert quick[r]["theta_hash"] == slow[r]["theta_hash"], f"round {r}: the survivors' θ differs"
+    # The race was run: one survivor held the dead owner's answer, the other's exchange broke.
+    assert "left the round before revealing" in procs.log("quick"), procs.log("quick")
+    assert "broke" in procs.log("slow"), procs.log("slow")
+    # Round 3 was retried by the two alone, once the first try was seen to be over, not after the
+    # budget of the first try's reveals (which is longer than the part deadline, 15 s).
+    assert quick[DEATH_ROUND]["group_size"] == 2
+    lost_s = quick[DEATH_ROUND]["time"] - died_at
+    assert lost_s < 15.0, f"the survivors' retry of round {DEATH_ROUND} took {lost_s:.1f} s"
+    # The restarted victim averaged with them again, on their θ, and never on another.
+    together = [r for r, e in victim.items() if r > DEATH_ROUND and r in quick and e["group_size"] == 3]
+    assert together, (victim, procs.log("back")[-4000:])
+    for r, e in victim.items():
+        if r in quick:
+            assert e["theta_hash"] == quick[r]["theta_hash"], f"round {r}: the restarted node's θ differs"
+    first = min(together)
+    round_s = (quick[SURVIVOR_ROUNDS]["time"] - quick[DEATH_ROUND]["time"]) / (SURVIVOR_ROUNDS - DEATH_ROUND)
+    print(
+        f"\nowner killed mid-answer: the survivors applied round {DEATH_ROUND} {lost_s:.1f} s after"
+        f" (rounds of {round_s:.1f} s); restarted {restarted_at - died_at:.1f} s after the kill, it"
+        f" averaged with them again in round {first}, {victim[first]['time'] - restarted_at:.1f} s after"
+        f" its restart ({(victim[first]['time'] - restarted_at) / round_s:.1f} of their rounds)"
+    )
+
+
 # ---- a link down for a minute ------------------------------------------------------------------
 
 CUT_S = 60.0

@@ -20,6 +20,7 @@ import hashlib
 import logging
 import os
 import secrets
+import signal
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -53,8 +54,10 @@ from .sync import SwarmSync, updates_of
 logger = logging.getLogger(__name__)
 
 RECORD_TTL_S = 600.0
-# Fault injection for tests, read once at start (`answer_delay_from_env`); never set in production.
+# Fault injection for tests, read once at start (`answer_delay_from_env`, `die_at_from_env`); never
+# set in production.
 SLOW_ANSWERS_ENV = "ADLOCO_FAULT_SLOW_ANSWERS"
+DIE_AT_ENV = "ADLOCO_FAULT_DIE_AT"
 
 
 @dataclass(frozen=True)
@@ -116,6 +119,7 @@ class SwarmNode:
         self.data_shard = _data_shard(swarm)
         check_model(cfg.model, vocab_size=tokenizer.vocab_size, max_seq_len=max(1024, cfg.seq_len))
         self._answer_delay = answer_delay_from_env(os.environ)
+        self._die_at = die_at_from_env(os.environ)
         # hivemind forks the DHT process from this one: started before the model is built, it does
         # not inherit the weights and state, whose pages it would otherwise keep (copy-on-write) as
         # this process rewrites them every round (2.1 GiB per node at GPT-2 124M).
@@ -180,6 +184,7 @@ class SwarmNode:
             admission=self.admission,
             scorer=shard_scorer(self.peer),
             answer_delay=self._answer_delay,
+            on_stage=self._die_at,
         )
         # fp32 is the largest encoding of the pseudo-gradient: a bound for every codec of the run.
         fp32_bytes = 4 * sum(t.numel() for t in self.peer.named_theta().values())
@@ -319,6 +324,27 @@ def answer_delay_from_env(environ: Mapping[str, str]) -> Callable[[int], float] 
     except (IndexError, ValueError):
         raise UserError(f"{SLOW_ANSWERS_ENV}: expected ROUND:SECONDS, got {text!r}") from None
     return lambda round_id: seconds if round_id // ROUND_ID_STRIDE + 1 == first else 0.0
+
+
+def die_at_from_env(environ: Mapping[str, str]) -> Callable[[str, int], None] | None:
+    """The test knob ADLOCO_FAULT_DIE_AT="STAGE:R": the first time this node reaches averaging stage
+    STAGE (`HivemindAverager.on_stage`; "answered": as an owner, once one member has read its whole
+    answer) in round R (numbered as the status events number a round applied), its process group is
+    killed with SIGKILL at once (node, DHT process and p2pd: a machine that dies). Unset: None."""
+    text = environ.get(DIE_AT_ENV)
+    if not text:
+        return None
+    try:
+        stage, at = text.split(":")[0], int(text.split(":")[1])
+    except (IndexError, ValueError):
+        raise UserError(f"{DIE_AT_ENV}: expected STAGE:ROUND, got {text!r}") from None
+
+    def die(reached: str, round_id: int) -> None:
+        if reached == stage and round_id // ROUND_ID_STRIDE + 1 == at:
+            logger.warning("fault injection: dying at %s of round %d", stage, at)
+            os.killpg(os.getpgid(0), signal.SIGKILL)
+
+    return die
 
 
 def _data_shard(swarm: SwarmConfig) -> int:

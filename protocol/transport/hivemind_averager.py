@@ -29,6 +29,12 @@ bytes, identical `members` and `reports`. Consequences, all accepted for now:
   so no member can hold a stand-in's bytes for parts another member got from their owner;
 - an owner that dies mid-exchange takes its parts with it: everyone returns None for that round
   (consistent); each says so in the DHT (`Matchmaker.mark_failed`) so the next try opens at once;
+  that holds when it dies after some members have read its answer and others not: a member whose
+  exchange broke withdraws from the round at once (`verification.WITHDRAW`, naming the owner), a
+  member holding every answer finds the dead owner unreachable when it sends its reveal
+  (`Mailbox.lost`), and neither waits out the budget for a reveal that cannot come, nor for the
+  dead peer's failure record (`failed_everywhere`); a peer's first departure within `BAN_S` does
+  not leave it out, so a node that restarts under its key is grouped again at once;
 - a member that reaches some owners in time and others not makes the contributor sets differ:
   everyone returns None;
 - a member can return None while the others apply a round that includes its Δ (e.g. its own
@@ -99,7 +105,16 @@ from .member import OwnerUnreachable, assemble, fetch
 from .owner import BAN_S, Answer, Incoming, OwnerHandler, OwnerSession, RoundState
 from .statements import Commitment, Signed, Signer
 from .turns import SendTurn, chain, send_order, turn_budget_s
-from .verification import ACCUSE, Settings, VerifyHandler, ask_defense, send_statement, verify_round
+from .verification import (
+    ACCUSE,
+    WITHDRAW,
+    WITHDRAW_CHARS,
+    Settings,
+    VerifyHandler,
+    ask_defense,
+    send_statement,
+    verify_round,
+)
 from .verification import handler_name as verification_handler
 from .wire import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, PROTOCOL_VERSION, bytes_timeout, daemon_listen_maddr
 
@@ -164,8 +179,9 @@ class HivemindAverager:
       peers named in "rejected part" warnings every round; of too high: loss spikes after rounds.
     - `on_stage`: fault-injection hook, called on the event-loop thread as on_stage(stage, round) at
       "registered" (record stored), "grouped" (group read), "sending" (a member's first chunk frame
-      to an owner written, once per owner) and "reducing" (an owner's members are in, before it
-      reduces); tests block or kill the peer there.
+      to an owner written, once per owner), "reducing" (an owner's members are in, before it
+      reduces) and "answered" (a member has read its whole answer from this owner, once per
+      member); tests block or kill the peer there.
     - `answer_delay`: fault injection, round -> seconds: in a round where it gives more than 0, this
       member reads each owner's answer that much later (its parts have gone out; its own owner side
       is not held), as a member on a stalled machine would. Tests race a leaving owner with it.
@@ -229,6 +245,7 @@ class HivemindAverager:
         self._worked = WorkLedger()  # whose work this peer took lately (`trust`)
         self._laggards: set[str] = set()  # non-seeders whose reveal missed its grace (`verify_round`)
         self._silences: dict[str, tuple[int, float]] = {}  # peer -> (times seen silent, last time)
+        self._departures: dict[str, tuple[int, float]] = {}  # peer -> (times it left a round, last time)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._calls: set[asyncio.Task[Any]] = set()  # our `average` calls running on the loop
         self._closed = False
@@ -294,7 +311,17 @@ class HivemindAverager:
         now = self._loop.time()
         until = now + (EXCLUDE_PROVEN_S if caught.proven else EXCLUDE_SEEN_S)
         for peer, why in caught.culprits.items():
-            if caught.silent and not caught.proven:
+            if caught.gone and not caught.proven:
+                # A node that died restarts under its key: the first time within BAN_S it is not
+                # left out at all; again, as a silence (a key that leaves rounds on purpose).
+                self._departures = {p: v for p, v in self._departures.items() if now - v[1] < BAN_S}
+                times, last = self._departures.get(peer, (0, now))
+                times = times + 1 if now - last < BAN_S else 1
+                self._departures[peer] = (times, now)
+                if times == 1:
+                    continue
+                until = now + min(EXCLUDE_SEEN_S, EXCLUDE_SILENT_S * 2 ** (times - 2))
+            elif caught.silent and not caught.proven:
                 self._silences = {p: v for p, v in self._silences.items() if now - v[1] < BAN_S}
                 times, last = self._silences.get(peer, (0, now))
                 times = times + 1 if now - last < BAN_S else 1
@@ -408,8 +435,15 @@ class HivemindAverager:
         if state is None:
             return False
         # An owner whose exchange broke here has mostly died and gives its parts to nobody; one that
-        # dropped only us and completed without us alone is at worst a fork the majority heals.
-        waited = set(state.group.members) - self._lost_owners.get(round, set()) - set(self.excluded())
+        # dropped only us and completed without us alone is at worst a fork the majority heals. So
+        # too a member that left the checks (no stream reached it, or it withdrew): a dead peer never
+        # says its try failed, and waiting for it held the next try for the whole averaging timeout.
+        waited = (
+            set(state.group.members)
+            - self._lost_owners.get(round, set())
+            - set(state.mail.gone)
+            - set(self.excluded())
+        )
         return await self._matchmaker.all_failed(round, sorted(waited))
 
     def shutdown(self) -> None:
@@ -566,8 +600,10 @@ class HivemindAverager:
             how = "shown by their signed statements" if e.proven else "seen by this peer"
             self._log(round, "no result: %s (%s)", e, how, level=logging.WARNING)
             self._pass_on(ready, e)
+            self._withdraw(ready, e)
         except RoundFailed as e:
             self._log(round, "no result: %s", e, level=logging.WARNING)
+            self._withdraw(ready, e)
         finally:
             self._calls.discard(call)
             if not ready.done():
@@ -833,9 +869,10 @@ class HivemindAverager:
                     self._send_statement(state, peer, ACCUSE, body, self.reduce_timeout_s)
 
     def _send_statement(
-        self, state: RoundState, peer: str, kind: str, signed: Signed | list[list[bytes]], timeout_s: float
+        self, state: RoundState, peer: str, kind: str, signed: Signed | list[Any], timeout_s: float
     ) -> None:
-        """Start sending one verification statement (or an accusation's two) to `peer` (not waited for)."""
+        """Start sending one verification statement (or an accusation's two) to `peer` (not waited
+        for). A peer no stream reaches has left the round (`Mailbox.lost`): nobody waits for it."""
         self._spawn(
             send_statement(
                 self._p2p,
@@ -846,8 +883,23 @@ class HivemindAverager:
                 signed=signed,
                 timeout_s=timeout_s,
                 meter=state.meter,
+                on_unreachable=lambda: state.mail.lost(peer),
             )
         )
+
+    def _withdraw(self, ready: asyncio.Future[RoundState | None], failure: RoundFailed) -> None:
+        """Tell the round's other members that this peer leaves it (`verification.WITHDRAW`), and
+        whom it blames, so none waits out its budget for our reveal or projections."""
+        state = _formed(ready)
+        if state is None:
+            return
+        members = state.group.members
+        named = failure.culprits if isinstance(failure, Caught) else failure.blamed
+        blamed = [p for p in named if p in members]
+        body = [str(failure)[:WITHDRAW_CHARS], blamed]
+        for peer in members:
+            if peer != self._peer_id:
+                self._send_statement(state, peer, WITHDRAW, body, self.reduce_timeout_s)
 
     def _exchange_budget_s(self, moved: int) -> float:
         """How long a member waits for every answer after forming the group, at the configured rate."""

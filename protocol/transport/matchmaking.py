@@ -91,20 +91,37 @@ class Group:
 
 
 class RoundFailed(Exception):
-    """This member cannot return a result for the round (the reason is logged)."""
+    """This member cannot return a result for the round (the reason is logged). `blamed`: the peers
+    whose failure it was, where this member saw whom (an owner whose stream broke), for the
+    withdrawal it sends the round's other members (`verification.WITHDRAW`)."""
+
+    def __init__(self, message: str = "", *, blamed: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.blamed = tuple(blamed)
 
 
 class Caught(RoundFailed):
     """The round failed because of what peers did: `culprits` maps each to why. `proven`: this
     member holds statements they signed that show it (`statements`); otherwise it is this member's
     own observation (a silence, an answer that failed its check), which it alone can vouch for.
-    `silent`: the culprits sent no other owner their parts (every member sees the same answers)."""
+    `silent`: the culprits sent no other owner their parts (every member sees the same answers).
+    `gone`: the culprits left the round after the answers (unreachable, or withdrawn): a node that
+    died, whose restart under its key must not find itself left out."""
 
-    def __init__(self, message: str, culprits: dict[str, str], *, proven: bool, silent: bool = False) -> None:
+    def __init__(
+        self,
+        message: str,
+        culprits: dict[str, str],
+        *,
+        proven: bool,
+        silent: bool = False,
+        gone: bool = False,
+    ) -> None:
         super().__init__(message)
         self.culprits = culprits
         self.proven = proven
         self.silent = silent
+        self.gone = gone
         # Pairs of the culprits' own signed statements that prove it to any other peer (an owner's
         # receipt and its answer leaving the member out): passed on to the group (`verification`).
         self.evidence: list[tuple[Any, Any]] = []

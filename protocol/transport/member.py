@@ -122,7 +122,7 @@ async def fetch(
         _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(owner), handler)
     except Exception as e:
         turn.end()
-        raise OwnerUnreachable(f"cannot reach owner {owner[-8:]}: {e}") from e
+        raise OwnerUnreachable(f"cannot reach owner {owner[-8:]}: {e}", blamed=[owner]) from e
     try:
         await write_frame(writer, header, [], state.meter)
         if state.own is not None:
@@ -142,7 +142,7 @@ async def fetch(
         sizes = _answer_sizes(response, owner=owner, keys=keys, bounds=answer_bounds)
         body = await read_chunks(reader, sizes, state.meter)
     except (OSError, EOFError, asyncio.IncompleteReadError, ValueError) as e:
-        raise RoundFailed(f"exchange with owner {owner[-8:]} broke: {e!r}") from e
+        raise RoundFailed(f"exchange with owner {owner[-8:]} broke: {e!r}", blamed=[owner]) from e
     finally:
         turn.end()  # refused, or broke before its payloads were out (a no-op otherwise)
         writer.close()

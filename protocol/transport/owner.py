@@ -318,7 +318,7 @@ class OwnerSession:
         self._opened = asyncio.get_running_loop().time()
         self._answering = 0
         self.done_at: float | None = None  # loop time the reduction ended
-        self._on_stage = on_stage  # fault injection: "reducing", once the members are in
+        self._on_stage = on_stage  # fault injection: "reducing" once the members are in, "answered"
 
     def receive(self, peer: str) -> bool:
         """Reserve `peer`'s one incoming stream; False once closed, or if `peer` already sent, is
@@ -476,6 +476,11 @@ class OwnerSession:
             metadata=answer.metadata or (),
         )
         return replace(answer, statement=statement)
+
+    def delivered(self) -> None:
+        """A member has read its whole answer (fault injection: the "answered" stage, once per member)."""
+        if self._on_stage is not None:
+            self._on_stage("answered", self.group.round)
 
     def release(self) -> None:
         """Free the contributions' payloads (the round's checks are over)."""
@@ -693,6 +698,7 @@ class OwnerHandler:
                 self._answer_until_received(reader, writer, admitted, meter, request.peer),
                 timeout=admitted.answer_timeout_s,
             )
+            admitted.delivered()
         except ValueError as e:  # a protocol violation: the member is out of this round
             logger.info("averaging stream refused: %s", e)
             if receiving is not None and admitted is None:

@@ -552,12 +552,30 @@ class Equivocation:
 @dataclass
 class Mailbox:
     """The reveals and projections other members sent this peer for one round (the first of each
-    from each member; a second, different one is kept as the proof that it equivocated)."""
+    from each member; a second, different one is kept as the proof that it equivocated), and the
+    members known to have left the round (`gone`, why): one this peer could not open a stream to
+    (`unreachable`: dead, or gone from the network), or one that said it withdrew (its exchange
+    failed, `verification.WITHDRAW`), naming whom it could not reach (`withdrawals`)."""
 
     reveals: dict[str, Reveal] = field(default_factory=dict)
     projections: dict[str, Projections] = field(default_factory=dict)
     equivocations: dict[str, tuple[Signed, Signed]] = field(default_factory=dict)
+    gone: dict[str, str] = field(default_factory=dict)
+    unreachable: set[str] = field(default_factory=set)
+    withdrawals: dict[str, list[str]] = field(default_factory=dict)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def lost(self, peer: str) -> None:
+        """No stream to `peer` could be opened: it has left the round."""
+        self.unreachable.add(peer)
+        self.gone.setdefault(peer, "unreachable")
+        self.changed.set()
+
+    def withdrew(self, peer: str, why: str, blamed: list[str]) -> None:
+        """`peer` said it leaves the round (`why`), as it could not reach `blamed`."""
+        self.withdrawals.setdefault(peer, blamed)
+        self.gone.setdefault(peer, f"withdrew: {why}")
+        self.changed.set()
 
     def put(self, kind: str, statement: Reveal | Projections) -> None:
         box: dict[str, Any] = self.reveals if kind == REVEAL else self.projections

@@ -23,6 +23,15 @@ Once every owner has answered (`member.assemble`), `verify_round`:
    the budget, the others' for a grace), whose factors it checks against the distances the inner
    products give (`verify.check_clip`).
 
+A member that leaves the round before it has checked it (its exchange with an owner broke, or an
+owner answered nothing) says so to the others (`WITHDRAW`, with whom it blames), and a member to
+which no stream opens when this member sends it a statement has left too (`Mailbox.lost`: dead, or
+gone from the network): nobody waits for their reveals or projections. A seeder gone before its
+secret reached this member fails the round at once (`Caught.gone`), naming it where this member
+could not reach it, and a withdrawn one (with whom it blamed) unless this member found some peer
+of the round unreachable itself, which bears the withdrawal out (issue 26: an owner that died with
+some members holding its answer and others not cost the survivors the whole reveal budget, ~45 s).
+
 Any failure raises `Caught` naming the peers at fault: with `proven` when this member holds their
 signed statements that show it (an equivocation, a screening its own commitments contradict), else
 on its own observation (a silence, a mean that failed its projection: a contributor colluding with
@@ -83,6 +92,11 @@ def handler_name(prefix: str) -> str:
 ACCUSE = "accuse"
 """A member an owner dropped after signing the receipt of its parts passes on the receipt and the
 owner's answer statement: two signatures of the owner that prove it (`statements.Receipt`)."""
+WITHDRAW = "withdraw"
+"""A member that leaves a round it was grouped in before it has checked it (its exchange failed: an
+owner broke, or answered nothing in time) says so to the others, with whom it could not reach, so
+they do not wait out the budget for its reveal (unsigned: the stream names its sender)."""
+WITHDRAW_CHARS = 200  # the most characters of a withdrawal's reason
 DEFEND = "defend"
 """A member whose projection check of an owner's part failed asks the owner which contributors'
 projections (or inner products with the answer) were false; the owner answers with their payloads,
@@ -121,13 +135,17 @@ class VerifyHandler:
                 read_frame(reader, meter, max_header=MAX_FRAME_BYTES, max_body=0), timeout=self._wait_s
             )
             round, kind = header.get("r"), header.get("k")
-            if type(round) is not int or kind not in (REVEAL, PROJECT, DEFEND, ACCUSE):
+            if type(round) is not int or kind not in (REVEAL, PROJECT, DEFEND, ACCUSE, WITHDRAW):
                 raise ValueError("malformed verification frame")
             state = await asyncio.wait_for(self._round_state(round), timeout=self._wait_s)
             if state is None or remote not in state.group.members:
                 raise ValueError("not a member of this peer's group for that round")
             if kind == DEFEND:
                 await self._defend(header, state, writer, meter)
+            elif kind == WITHDRAW:
+                why, blamed = _withdrawal(header.get("s"), state.group.members)
+                state.mail.withdrew(remote, why, blamed)
+                await write_frame(writer, {"v": PROTOCOL_VERSION, "ok": True}, [], meter)
             elif kind == ACCUSE:
                 self._accusation(header, state)
                 await write_frame(writer, {"v": PROTOCOL_VERSION, "ok": True}, [], meter)
@@ -245,6 +263,16 @@ Shown = tuple[float, float | None]
 the part's answer (None where it sent none)."""
 
 
+def _withdrawal(body: Any, members: Sequence[str]) -> tuple[str, list[str]]:
+    """A withdrawal's reason and the members it could not reach (ValueError if malformed)."""
+    if not isinstance(body, list) or len(body) != 2 or not isinstance(body[0], str):
+        raise ValueError("a withdrawal is a reason and the members it could not reach")
+    blamed = body[1]
+    if not isinstance(blamed, list) or len(blamed) > len(members) or not set(blamed) <= set(members):
+        raise ValueError("a withdrawal may name only members of the group")
+    return body[0][:WITHDRAW_CHARS], [str(p) for p in blamed]
+
+
 def _statements_of(payloads: Mapping[str, bytes], answer: bytes, seed: bytes, key: str) -> dict[str, Shown]:
     """What each of `payloads` truly gives: its projection and its inner product with `answer`."""
     decoded = decode(answer)
@@ -330,16 +358,26 @@ async def send_statement(
     *,
     round: int,
     kind: str,
-    signed: Signed | list[list[bytes]],
+    signed: Signed | list[Any],
     timeout_s: float,
     meter: Meter,
+    on_unreachable: Callable[[], None] | None = None,
 ) -> bool:
-    """Send one statement (or, for an accusation, the wire forms of two) to `peer`; whether it
-    acknowledged it within `timeout_s`. Its bytes count in `meter`."""
+    """Send one statement (or, for an accusation, the wire forms of two; for a withdrawal, its
+    reason and whom it blames) to `peer`; whether it acknowledged it within `timeout_s`. Its bytes
+    count in `meter`. `on_unreachable` is called when no stream to `peer` could be opened at all
+    (refused, not timed out: the peer is gone)."""
     wire = signed.to_wire() if isinstance(signed, Signed) else signed
 
     async def send() -> bool:
-        _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(peer), handler)
+        try:
+            _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(peer), handler)
+        except (asyncio.TimeoutError, asyncio.CancelledError):
+            raise
+        except Exception:
+            if on_unreachable is not None:
+                on_unreachable()
+            raise
         mine = Meter()
         try:
             await write_frame(writer, {"v": PROTOCOL_VERSION, "r": round, "k": kind, "s": wire}, [], mine)
@@ -693,8 +731,8 @@ async def verify_round(
     needed = wanted & set(seeders)
     await _wait_graced(
         mail,
-        lambda: needed <= set(mail.projections),
-        lambda: wanted - laggards <= set(mail.projections),
+        lambda: needed <= set(mail.projections) | set(mail.gone),
+        lambda: wanted - laggards <= set(mail.projections) | set(mail.gone),
         max(loop.time(), reveal_by) + budget_s,
     )
     _check_equivocations(mail)
@@ -794,12 +832,12 @@ async def _gather_secrets(
     required = [p for p in seeders if p != peer_id]
     await _wait_graced(
         mail,
-        lambda: all(p in mail.reveals for p in required),
-        lambda: all(p in mail.reveals for p in others),
+        lambda: all(p in mail.reveals or p in mail.gone for p in required),
+        lambda: all(p in mail.reveals or p in mail.gone for p in others),
         reveal_by,
     )
     if not all(p in known() for p in required):
-        await mail.wait(lambda: all(p in known() for p in required), reveal_by + budget_s)
+        await mail.wait(lambda: all(p in known() or p in mail.gone for p in required), reveal_by + budget_s)
     _check_equivocations(mail)
     for peer, revealed in mail.reveals.items():
         commitment = commitments.get(peer)
@@ -808,6 +846,8 @@ async def _gather_secrets(
         _compare_answers(revealed, statements, state)
     secrets = known()
     silent = [p for p in required if p not in secrets]
+    if any(p in mail.gone for p in silent):
+        raise _left(mail, [p for p in silent if p in mail.gone])
     if silent:
         raise Caught(
             f"no reveal from {[p[-8:] for p in silent]}",
@@ -815,6 +855,24 @@ async def _gather_secrets(
             proven=False,
         )
     return secrets
+
+
+def _left(mail: Mailbox, seeders: Sequence[str]) -> Caught:
+    """The round fails: `seeders` left it before their secrets reached this member. One this member
+    could not reach is named; one that withdrew is named too, unless this member itself found some
+    member of the round unreachable (then the withdrawal is borne out: an owner died mid-answer,
+    and the member it left without an answer is not at fault), else it names whom it blamed as
+    well, accuser and accused alike (a dispute no signature settles)."""
+    culprits: dict[str, str] = {}
+    for peer in seeders:
+        if peer in mail.unreachable:
+            culprits[peer] = "left the round (unreachable)"
+        elif not mail.unreachable:
+            culprits[peer] = f"left the round ({mail.gone[peer]})"
+            for blamed in mail.withdrawals.get(peer, []):
+                culprits.setdefault(blamed, f"could not be reached by {peer[-8:]}")
+    names = sorted(p[-8:] for p in seeders)
+    return Caught(f"{names} left the round before revealing", culprits, proven=False, gone=True)
 
 
 def _check_equivocations(mail: Mailbox) -> None:
