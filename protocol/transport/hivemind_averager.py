@@ -124,6 +124,8 @@ _T = TypeVar("_T")
 
 
 MARK_TIMEOUT_S = 5.0  # storing or reading the failures of a try (`Matchmaker.mark_failed`)
+PROBE_EVERY_S = 1.0  # how often an owner asks whether the members it still waits for are there
+PROBE_TIMEOUT_S = 2.0  # a member whose stream does not open within this may be busy: waited for
 EXCLUDE_PROVEN_S = BAN_S
 """How long a peer caught by its own signed statements is left out of this peer's rounds (a lie
 anyone can check), as long as an owner bans a member that broke the protocol."""
@@ -705,6 +707,7 @@ class HivemindAverager:
         ready.set_result(state)
         owned = len(state.session.keys) if state.session else 0
         self._log(round, "group of %d, owning %d of %d parts", len(group.members), owned, len(keys))
+        watch = self._spawn(self._watch_members(state))
         try:
             result = await self._exchange(
                 state, contribution, keys, owners, by_owner, metadata_owner, codec, moved, grouped_at
@@ -720,6 +723,11 @@ class HivemindAverager:
             # every owner to the part deadline. Every member sees the same answers.
             sent = set().union(*(a.contributors for a in state.answers.values()))
             absent = [m for m in group.members if m not in sent and m != self._peer_id]
+            dead = [m for m in absent if m in state.mail.unreachable]
+            if dead:  # no stream reached them: they died (a restart under the key is welcome)
+                self._convict(Caught("left", dict.fromkeys(dead, "unreachable"), proven=False, gone=True))
+                self._log(round, "%s left the round: no stream reaches them", sorted(p[-8:] for p in dead))
+            absent = [m for m in absent if m not in dead]
             if absent:
                 self._convict(
                     Caught(
@@ -735,6 +743,7 @@ class HivemindAverager:
                     sorted(p[-8:] for p in absent),
                 )
         finally:
+            watch.cancel()
             # Members slower with their checks may still ask us to show the payloads we reduced.
             loop.call_later(self.phase_s(moved, floor_s=self.reduce_timeout_s), state.release)
         # What the checks moved counts too (their frames carry no payload).
@@ -886,6 +895,38 @@ class HivemindAverager:
                 on_unreachable=lambda: state.mail.lost(peer),
             )
         )
+
+    async def _watch_members(self, state: RoundState) -> None:
+        """While our reductions wait for members' parts, ask every `PROBE_EVERY_S` whether each
+        member that has sent them nothing yet is still there: one to which no stream opens at all
+        has died (or left the network) and is not waited for until the part deadline (it cost every
+        owner that deadline, 15 s at its floor). One that does not answer in time may be busy: it
+        is waited for as before."""
+
+        async def reachable(peer: str) -> bool:
+            try:
+                _, _, writer = await asyncio.wait_for(
+                    self._p2p.call_binary_stream_handler(PeerID.from_base58(peer), self._verify_name),
+                    PROBE_TIMEOUT_S,
+                )
+            except asyncio.TimeoutError:
+                return True
+            except Exception:
+                return False
+            writer.close()
+            return True
+
+        while True:
+            await asyncio.sleep(PROBE_EVERY_S)
+            waiting = {p for s in state.reductions for p in s.waiting() if p != self._peer_id}
+            if not any(not s.closed for s in state.reductions):
+                return
+            for peer, alive in zip(waiting, await asyncio.gather(*map(reachable, waiting)), strict=True):
+                if not alive:
+                    self._log(state.group.round, "no stream reaches %s: not waiting for its parts", peer[-8:])
+                    state.mail.lost(peer)
+                    for session in state.reductions:
+                        session.drop(peer)
 
     def _withdraw(self, ready: asyncio.Future[RoundState | None], failure: RoundFailed) -> None:
         """Tell the round's other members that this peer leaves it (`verification.WITHDRAW`), and

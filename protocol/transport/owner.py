@@ -338,6 +338,13 @@ class OwnerSession:
         self._update_all_in()
         return True
 
+    def waiting(self) -> list[str]:
+        """The members whose parts this open reduction still waits for and that have sent nothing."""
+        if self.closed:
+            return []
+        taken = set(self.contributions) | self.receiving | self.dropped
+        return [m for m in self.group.members if m not in taken]
+
     def drop(self, peer: str) -> None:
         """`peer` broke the protocol after its header was accepted: never wait for it again."""
         self.receiving.discard(peer)

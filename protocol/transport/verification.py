@@ -97,6 +97,7 @@ WITHDRAW = "withdraw"
 owner broke, or answered nothing in time) says so to the others, with whom it could not reach, so
 they do not wait out the budget for its reveal (unsigned: the stream names its sender)."""
 WITHDRAW_CHARS = 200  # the most characters of a withdrawal's reason
+RESEND_S = 0.5  # a statement whose stream broke once open is sent again this much later, once
 DEFEND = "defend"
 """A member whose projection check of an owner's part failed asks the owner which contributors'
 projections (or inner products with the answer) were false; the owner answers with their payloads,
@@ -374,10 +375,8 @@ async def send_statement(
             _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(peer), handler)
         except (asyncio.TimeoutError, asyncio.CancelledError):
             raise
-        except Exception:
-            if on_unreachable is not None:
-                on_unreachable()
-            raise
+        except Exception as e:
+            raise _Unreachable() from e
         mine = Meter()
         try:
             await write_frame(writer, {"v": PROTOCOL_VERSION, "r": round, "k": kind, "s": wire}, [], mine)
@@ -388,11 +387,28 @@ async def send_statement(
             mine.checks_sent, mine.checks_received = mine.wire_sent, mine.wire_received
             meter.add(mine)
 
-    try:
-        return await asyncio.wait_for(send(), timeout=timeout_s)
-    except Exception as e:
-        logger.debug("sending a %s to %s failed: %r", kind, peer[-8:], e)
-        return False
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    for attempt in range(2):
+        try:
+            return await asyncio.wait_for(send(), timeout=max(0.0, deadline - loop.time()))
+        except _Unreachable as e:
+            logger.debug("sending a %s to %s: unreachable: %r", kind, peer[-8:], e.__cause__)
+            if on_unreachable is not None:
+                on_unreachable()
+            return False
+        except Exception as e:
+            logger.debug("sending a %s to %s failed: %r", kind, peer[-8:], e)
+            if isinstance(e, asyncio.TimeoutError) or attempt == 1:
+                return False
+        # The stream broke once open: the peer may have died after it opened (an owner killed
+        # just after its last answer, say); whether a new one opens tells.
+        await asyncio.sleep(min(RESEND_S, max(0.0, deadline - loop.time())))
+    return False
+
+
+class _Unreachable(Exception):
+    """No stream to the peer could be opened."""
 
 
 @dataclass(frozen=True)
