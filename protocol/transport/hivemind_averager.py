@@ -139,6 +139,16 @@ sent nothing, or it died) is first left out; twice as long each time again withi
 key that joins groups to hold them to the part deadline holds few."""
 
 
+def _repeat(seen: dict[str, tuple[int, float]], peer: str, now: float) -> int:
+    """Count `peer` once more in `seen` (peer -> (times, last time)), forgetting whatever is older
+    than `BAN_S`; returns how many times it has been counted within `BAN_S` of each other."""
+    for old in [p for p, (_, last) in seen.items() if now - last >= BAN_S]:
+        del seen[old]
+    times, _ = seen.get(peer, (0, now))
+    seen[peer] = (times + 1, now)
+    return times + 1
+
+
 @dataclass(frozen=True)
 class Verdict:
     """Why this peer leaves another out of its rounds, whether signed statements show it, and until
@@ -316,18 +326,12 @@ class HivemindAverager:
             if caught.gone and not caught.proven:
                 # A node that died restarts under its key: the first time within BAN_S it is not
                 # left out at all; again, as a silence (a key that leaves rounds on purpose).
-                self._departures = {p: v for p, v in self._departures.items() if now - v[1] < BAN_S}
-                times, last = self._departures.get(peer, (0, now))
-                times = times + 1 if now - last < BAN_S else 1
-                self._departures[peer] = (times, now)
+                times = _repeat(self._departures, peer, now)
                 if times == 1:
                     continue
                 until = now + min(EXCLUDE_SEEN_S, EXCLUDE_SILENT_S * 2 ** (times - 2))
             elif caught.silent and not caught.proven:
-                self._silences = {p: v for p, v in self._silences.items() if now - v[1] < BAN_S}
-                times, last = self._silences.get(peer, (0, now))
-                times = times + 1 if now - last < BAN_S else 1
-                self._silences[peer] = (times, now)
+                times = _repeat(self._silences, peer, now)
                 until = now + min(EXCLUDE_SEEN_S, EXCLUDE_SILENT_S * 2 ** (times - 1))
             if peer != self._peer_id:
                 self._verdicts[peer] = Verdict(why, caught.proven, until)
