@@ -107,9 +107,14 @@ class ScriptedSwarm:
         self.published_at: float | None = None
         self.behind = False  # `sync` always catches up
         self.solo_rounds = 0  # rounds applied alone since the last with company, as `vouch` counts
+        self.level: list[str] = []  # the peers at our round and θ, standing by it
 
     def others_apply(self) -> None:
         self.published, self.published_at = 1, time.monotonic()
+
+    def level_peers(self, theta_hash: str) -> list[str]:
+        """The peers at our round and θ: `level` until they publish round 1."""
+        return list(self.level) if self.published == 0 else []
 
     def head(self, *, trusted: bool = True) -> SwarmHead | None:
         return SwarmHead(self.published, "", ["others"], Counter())
@@ -287,3 +292,76 @@ def test_a_late_delta_no_fresh_peer_takes_is_dropped_and_the_peer_opens_the_next
     # dropped too, and the next local round's Δ went in late.
     assert loop.ops.counters.dropped == (1 if overlap == "off" else 2)
     assert peer.state.round == 2
+
+
+class ReadingAverager(ScriptedAverager):
+    """A scripted averager that says who registered for a try and the group they make
+    (`RoundReader`): `others` register at the `register_at`-th read after the call, a group of
+    their own that publishes its round (`publish`) at the `publish_at`-th; or, `member`, they
+    registered in time for ours (their reads missed us, say) and the group they make has us."""
+
+    def __init__(
+        self,
+        answers: list[str],
+        others: list[str],
+        *,
+        register_at: int = 0,
+        publish: Callable[[], None] = lambda: None,
+        publish_at: int = 0,
+        member: bool = False,
+    ) -> None:
+        super().__init__("me", answers)
+        self.others, self.register_at, self.member = others, register_at, member
+        self.publish, self.publish_at = publish, publish_at
+        self.reads = 0
+
+    def round_view(self, round: int) -> tuple[frozenset[str], tuple[str, ...]] | None:
+        self.reads += 1
+        if self.reads == self.publish_at:
+            self.publish()
+        if self.member:
+            return frozenset(["me", *self.others]), tuple(sorted(["me", *self.others]))
+        if self.reads < self.register_at:
+            return frozenset(["me"]), ("me",)
+        return frozenset(["me", *self.others]), tuple(sorted(self.others))
+
+
+@pytest.mark.parametrize("overlap", ["off", "rebase"])
+def test_a_round_averaged_alone_while_the_peers_level_with_it_had_yet_to_register_gives_way_to_theirs(
+    corpus: Corpus, overlap: str
+) -> None:
+    """Our node closed its round alone before the peers at its round and θ registered (their local
+    rounds end seconds later, or they were writing the checkpoint ours skipped after a restart):
+    the round they open cannot have it. It does not apply its own (a fork, as CI saw after a
+    restart), but waits for theirs and takes it; its Δ goes in late (without overlap)."""
+    peer = _peer(corpus, "me", overlap)
+    swarm = ScriptedSwarm(peer, _others_round_zero(corpus))
+    swarm.level = ["other"]
+    averager = ReadingAverager(
+        ["alone", "alone"], ["other"], register_at=3, publish=swarm.others_apply, publish_at=5
+    )
+    loop = _loop(peer, averager, swarm, timeout_s=30.0)
+    loop.run(lambda: loop.ops.counters.applied >= 1)
+
+    assert averager.reads >= 5  # it waited for their round, through their registration
+    assert swarm.published_at is not None
+    first, second = averager.calls
+    assert (first.round_id, first.join_only) == (0, False)
+    # Not round 0's next try, nor its own round 0: their round 1, after they published round 0.
+    assert (second.round_id, second.join_only) == (1 * ROUND_ID_STRIDE, True)
+    assert second.at >= swarm.published_at
+    assert loop.ops.counters.applied == 1 and peer.state.round == 2
+
+
+def test_a_round_alone_is_applied_when_the_others_registrations_make_it_a_member(corpus: Corpus) -> None:
+    """The peers level with it registered in time for its round (their reads missed its record,
+    or they came as it closed): by the registrations it is a member of their round, which fails
+    without it, and they follow it. It applies its own at once, as before."""
+    peer = _peer(corpus, "me")
+    swarm = ScriptedSwarm(peer, _others_round_zero(corpus))
+    swarm.level = ["other"]
+    averager = ReadingAverager(["alone"], ["other"], member=True)
+    loop = _loop(peer, averager, swarm, timeout_s=30.0)
+    loop.run(lambda: loop.ops.counters.applied >= 1)
+    assert averager.reads == 1 and len(averager.calls) == 1
+    assert peer.state.round == 1 and swarm.published == 0

@@ -27,7 +27,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from ...protocol.algorithms.allreduce import Contribution
-from ...protocol.transport.averager import Averager, FailureAware, MemberResult, NotOpened, Policing
+from ...protocol.transport.averager import (
+    Averager,
+    FailureAware,
+    MemberResult,
+    NotOpened,
+    Policing,
+    RoundReader,
+)
 from ..operations.control import AveragingInfo
 from ..operations.metrics import NodeMetrics
 from ..training.peer import Peer, overlap_this_round
@@ -40,6 +47,7 @@ logger = logging.getLogger(__name__)
 MAX_ATTEMPTS = 3
 # How often a node waiting for the outcome of a failed try reads the swarm's head.
 SETTLE_POLL_S = 0.25
+DEFER_POLL_S = 0.5  # how often a node that averaged alone looks whether the peers level with it finished
 WAIT_POLL_S = 0.25  # how often a wait for an averaging call looks whether the node is stopping
 # Averager round ids are single-use: id = round × stride + the number of earlier tries at that round.
 # Peers that reach a round meet at its first id; after a round failed everywhere they meet at the next.
@@ -162,7 +170,8 @@ class RoundLoop:
             contribution, info = self.peer.contribute(local, bandwidth_bps=self._link_bps)
             if contribution is None:
                 return False  # too stale: dropped, counted by the caller
-            future = pool.submit(self._average, contribution, info, self._next_round_id())
+            round_id = self._next_round_id()
+            future = pool.submit(self._average, contribution, info, round_id)
             try:
                 self._await(future)
                 result = future.result()
@@ -175,30 +184,66 @@ class RoundLoop:
             if result is None:
                 logger.info("[%s round=%d] no group this time (attempt %d)", *self._tag(), attempt)
                 continue
-            if self._finished_without_us(result):
-                continue  # caught up over the round: the Δ goes in late, joining the next one
             self._applied(result, info)
             return True
         return False
 
-    def _finished_without_us(self, result: MemberResult) -> bool:
+    def _went_on_without_us(self, result: MemberResult, round_id: int) -> bool:
         """Whether a round this node averaged alone, where it had company last time, is one the
-        peers it averaged with finished without it: it reads the head again (records that came in
-        while it averaged, or that a pause kept it from reading) and catches up to them, and then
-        does not apply its own (a fork). Peers that have gone (they no longer answer) leave it
-        theirs to finish alone."""
+        peers it was level with finish without it; then it does not apply its own (a fork) but
+        catches up to theirs (its Δ goes in late, or under overlap is dropped). Records of theirs
+        may have come in while it averaged, or a pause kept it from reading them. While peers at
+        its round and θ stand by their state and either have not registered for the round yet or
+        make a group of their own there, it waits for theirs, at most the averaging timeout: a
+        node whose local round is seconds shorter than theirs, or one back from a restart without
+        the checkpoint they were writing, closed its round before they came. Peers that have gone
+        (they no longer answer) leave it theirs to finish alone; so do registrations that make
+        this node a member of the round (its round is the round: those that came later follow it).
+        Runs on the averaging thread: under overlap, training goes on meanwhile."""
         if tuple(result.members) != (self.peer.peer_id,) or self.sync.solo_rounds:
             return False
         start = self.peer.state.round
-        self.sync.sync()
-        if self.peer.state.round == start:
-            return False
-        logger.info(
-            "[%s round=%d] the peers it averaged with finished round %d without it: caught up instead",
-            *self._tag(),
-            start,
-        )
-        return True
+        deadline = time.monotonic() + self.cfg.average_timeout_s
+        theta_hash, waited = None, False
+        while True:
+            head = self.sync.head(trusted=False)
+            if head is not None and head.round > start:
+                logger.info(
+                    "[%s round=%d] the peers level with it finished round %d without it: it takes theirs",
+                    *self._tag(),
+                    start,
+                )
+                return True
+            if time.monotonic() >= deadline or self._should_stop():
+                return False
+            theta_hash = theta_hash or self.peer.state.theta_hash()
+            pending = self._averaging_without_us(round_id, theta_hash)
+            if not pending:
+                return False
+            if not waited:
+                logger.info(
+                    "[%s round=%d] averaged round %d alone while %d peers at its θ do: awaiting theirs",
+                    *self._tag(),
+                    start,
+                    len(pending),
+                )
+                waited = True
+            time.sleep(DEFER_POLL_S)
+
+    def _averaging_without_us(self, round_id: int, theta_hash: str) -> list[str]:
+        """The peers at this node's round and θ (and standing by it) that have yet to register for
+        try `round_id` (a round they open now cannot have this node, which averaged it already),
+        or that are members of the group the registrations make where this node is not; [] also
+        when the averager cannot say (`RoundReader`)."""
+        if not isinstance(self.averager, RoundReader):
+            return []
+        level = self.sync.level_peers(theta_hash)
+        view = self.averager.round_view(round_id) if level else None
+        if view is None:
+            return []
+        registered, members = view
+        apart = self.peer.peer_id not in members
+        return [p for p in level if p not in registered or (apart and p in members)]
 
     # ---- one-step-delay overlap --------------------------------------------------------------
 
@@ -378,7 +423,11 @@ class RoundLoop:
                 # the peers back into step), and a window of seconds would let it average alone.
                 patience_s=0.0 if late else (self._last_compute_s or 0.0),
             )
-            error = "" if result is not None else "no complete group this round"
+            if result is not None and self._went_on_without_us(result, round_id):
+                # Not applied: as after a failed try, the next sync catches up to theirs.
+                result, error = None, "averaged alone while the peers level with it averaged without it"
+            else:
+                error = "" if result is not None else "no complete group this round"
             return result
         except NotOpened as e:
             error, registered = f"late, dropped: {e}", False

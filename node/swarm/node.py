@@ -54,9 +54,11 @@ from .sync import SwarmSync, updates_of
 logger = logging.getLogger(__name__)
 
 RECORD_TTL_S = 600.0
-# Fault injection for tests, read once at start (`answer_delay_from_env`, `die_at_from_env`); never
+# Fault injection for tests, read once at start (`answer_delay_from_env`, `register_delay_from_env`,
+# `die_at_from_env`); never
 # set in production.
 SLOW_ANSWERS_ENV = "ADLOCO_FAULT_SLOW_ANSWERS"
+SLOW_REGISTRATION_ENV = "ADLOCO_FAULT_SLOW_REGISTRATION"
 DIE_AT_ENV = "ADLOCO_FAULT_DIE_AT"
 
 
@@ -119,6 +121,7 @@ class SwarmNode:
         self.data_shard = _data_shard(swarm)
         check_model(cfg.model, vocab_size=tokenizer.vocab_size, max_seq_len=max(1024, cfg.seq_len))
         self._answer_delay = answer_delay_from_env(os.environ)
+        self._register_delay = register_delay_from_env(os.environ)
         self._die_at = die_at_from_env(os.environ)
         # hivemind forks the DHT process from this one: started before the model is built, it does
         # not inherit the weights and state, whose pages it would otherwise keep (copy-on-write) as
@@ -184,6 +187,7 @@ class SwarmNode:
             admission=self.admission,
             scorer=shard_scorer(self.peer),
             answer_delay=self._answer_delay,
+            register_delay=self._register_delay,
             on_stage=self._die_at,
         )
         # fp32 is the largest encoding of the pseudo-gradient: a bound for every codec of the run.
@@ -312,18 +316,37 @@ def shard_scorer(peer: Peer) -> RoundScorer | None:
     )
 
 
+def _round_and_seconds(environ: Mapping[str, str], name: str) -> tuple[int, float] | None:
+    """A fault knob's "R:S" (None: unset)."""
+    text = environ.get(name)
+    if not text:
+        return None
+    try:
+        return int(text.split(":")[0]), float(text.split(":")[1])
+    except (IndexError, ValueError):
+        raise UserError(f"{name}: expected ROUND:SECONDS, got {text!r}") from None
+
+
 def answer_delay_from_env(environ: Mapping[str, str]) -> Callable[[int], float] | None:
     """The test knob ADLOCO_FAULT_SLOW_ANSWERS="R:S": in round R (numbered as the status events
     number a round applied), this node reads its owners' answers S seconds late in every averaging
     call (`HivemindAverager.answer_delay`: a member on a stalled machine). Unset: None, no cost."""
-    text = environ.get(SLOW_ANSWERS_ENV)
-    if not text:
+    knob = _round_and_seconds(environ, SLOW_ANSWERS_ENV)
+    if knob is None:
         return None
-    try:
-        first, seconds = int(text.split(":")[0]), float(text.split(":")[1])
-    except (IndexError, ValueError):
-        raise UserError(f"{SLOW_ANSWERS_ENV}: expected ROUND:SECONDS, got {text!r}") from None
+    first, seconds = knob
     return lambda round_id: seconds if round_id // ROUND_ID_STRIDE + 1 == first else 0.0
+
+
+def register_delay_from_env(environ: Mapping[str, str]) -> Callable[[int], float] | None:
+    """The test knob ADLOCO_FAULT_SLOW_REGISTRATION="R:S": from round R on (numbered as the status
+    events number a round applied), this node registers for each averaging call S seconds late
+    (`HivemindAverager.register_delay`: its local rounds end later than its peers'). Unset: None."""
+    knob = _round_and_seconds(environ, SLOW_REGISTRATION_ENV)
+    if knob is None:
+        return None
+    first, seconds = knob
+    return lambda round_id: seconds if round_id // ROUND_ID_STRIDE + 1 >= first else 0.0
 
 
 def die_at_from_env(environ: Mapping[str, str]) -> Callable[[str, int], None] | None:

@@ -434,6 +434,13 @@ class SwarmSync:
             )
         return [r for r in others if r.peer_id in serving]
 
+    def level_peers(self, theta_hash: str) -> list[str]:
+        """The peers whose latest state record is this node's round at `theta_hash` (its θ) and
+        that stand by it now: they are averaging the next round, or about to."""
+        round = self.peer.state.round
+        level = [r for r in self.records.states() if r.round == round and r.theta_hash == theta_hash]
+        return [r.peer_id for r in self._live(level)]
+
     def sync(self) -> int:
         """Reach the swarm's published round (or heal a fork at it); returns the rounds advanced."""
         start = self.peer.state.round

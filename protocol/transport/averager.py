@@ -104,6 +104,14 @@ class FailureAware(Protocol):
 
 
 @runtime_checkable
+class RoundReader(Protocol):
+    """An averager that can say who registered for a round and the group they make (the network
+    one): a peer that averaged a round alone asks whether the others formed one without it."""
+
+    def round_view(self, round: int) -> tuple[frozenset[str], tuple[str, ...]] | None: ...
+
+
+@runtime_checkable
 class Averager(Protocol):
     """One peer's handle on the swarm's averaging; `average` blocks the calling (trainer) thread."""
 

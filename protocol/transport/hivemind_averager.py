@@ -198,6 +198,9 @@ class HivemindAverager:
       member reads each owner's answer that much later (its parts have gone out; its own owner side
       is not held), as a member on a stalled machine would. Tests race a leaving owner with it.
       None (the default) costs nothing.
+    - `register_delay`: fault injection, round -> seconds: this peer registers for the round that
+      much after the call (its local round ended later: a slower machine, or a checkpoint written
+      between rounds). None (the default) costs nothing.
     - `scorer`: contribution scoring (`TrainConfig.score`, `scoring.Scorer`): this peer, as an owner,
       judges each member's Δ over its parts by the loss change on a batch of its own data, and
       rejects every part of a member it excludes (the "rejected part" warnings say why). None (the
@@ -222,6 +225,7 @@ class HivemindAverager:
         aggregate: Aggregate = MEAN,
         on_stage: Callable[[str, int], None] | None = None,
         answer_delay: Callable[[int], float] | None = None,
+        register_delay: Callable[[int], float] | None = None,
         admission: Admission | None = None,
         scorer: Scorer | None = None,
     ) -> None:
@@ -245,6 +249,7 @@ class HivemindAverager:
         self.admission = admission or Admission()
         self._on_stage = on_stage
         self._answer_delay = answer_delay
+        self._register_delay = register_delay
         digest = hashlib.sha256(prefix.encode()).hexdigest()[:24]
         self._handler_name = f"adloco.allreduce.v{PROTOCOL_VERSION}.{digest}"
         self._rounds: dict[int, tuple[float, asyncio.Future[RoundState | None]]] = {}
@@ -420,6 +425,16 @@ class HivemindAverager:
             future.cancel()
             return None
         except concurrent.futures.CancelledError:  # shutdown() cancelled the round
+            return None
+
+    def round_view(self, round: int) -> tuple[frozenset[str], tuple[str, ...]] | None:
+        """`Matchmaker.round_view` (None when the DHT could not be read, or after shutdown)."""
+        if self._closed:
+            return None
+        try:
+            return self._call(self._matchmaker.round_view(round), timeout=MARK_TIMEOUT_S)
+        except Exception as e:
+            self._log(round, "could not read the registrations: %r", e, level=logging.DEBUG)
             return None
 
     def failed_everywhere(self, round: int) -> bool:
@@ -636,6 +651,8 @@ class HivemindAverager:
         loop = asyncio.get_running_loop()
         # What we commit to (our payloads' digests and norms), worked out while the group forms.
         facts = loop.run_in_executor(self._verify_executor, own_facts, contribution.payloads)
+        if self._register_delay is not None:
+            await asyncio.sleep(self._register_delay(round))
         group = await self._matchmaker.matchmake(
             round,
             layout_of(contribution.payloads),

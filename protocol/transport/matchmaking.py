@@ -525,6 +525,15 @@ class Matchmaker:
             return None
         return form_group(self.prefix, round, members, layout, records.workers)
 
+    async def round_view(self, round: int) -> tuple[frozenset[str], tuple[str, ...]]:
+        """Who has registered for `round` so far, and the group those registrations make: a
+        registrant that averaged it alone asks whether the others formed a round without it
+        (`RoundLoop._finished_without_us`); RoundFailed on DHT errors."""
+        key = f"{self.prefix}.round{round}"
+        records = await self._read(key)
+        _, members = records.close_and_members(self.window_s, self.grace_s)
+        return frozenset(records.times), members
+
     async def mark_failed(self, round: int) -> None:
         """Say that this peer's try at `round` failed after its group formed (see the module
         docstring); a DHT error is logged, not raised: the others then wait out the bound."""
