@@ -112,6 +112,9 @@ class ScriptedSwarm:
     def others_apply(self) -> None:
         self.published, self.published_at = 1, time.monotonic()
 
+    def holders_stand(self, head: SwarmHead) -> bool:
+        return True
+
     def level_peers(self, theta_hash: str) -> list[str]:
         """The peers at our round and θ: `level` until they publish round 1."""
         return list(self.level) if self.published == 0 else []

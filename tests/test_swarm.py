@@ -442,12 +442,8 @@ def test_a_node_left_behind_by_peers_that_have_gone_finishes_its_rounds_alone(
     import os
 
     peers = _bootstrap(procs, tmp_path)
-    nodes = [
-        _start_node(
-            procs, tmp_path, f"n{i}", peers, "--rounds", "3", "--data-shard", str(i), "--overlap", "off"
-        )
-        for i in range(3)
-    ]
+    args = ["--rounds", "3", "--overlap", "off", "--log-level", "INFO"]
+    nodes = [_start_node(procs, tmp_path, f"n{i}", peers, *args, "--data-shard", str(i)) for i in range(3)]
     frozen, frozen_status = nodes[2]
     wait_for(lambda: max(_rounds(frozen_status), default=0) >= 2, timeout=180, what="round 2")
     os.killpg(frozen.pid, signal.SIGSTOP)

@@ -192,7 +192,9 @@ class RoundLoop:
         """Whether a round this node averaged alone, where it had company last time, is one the
         peers it was level with finish without it; then it does not apply its own (a fork) but
         catches up to theirs (its Δ goes in late, or under overlap is dropped). Records of theirs
-        may have come in while it averaged, or a pause kept it from reading them. While peers at
+        may have come in while it averaged, or a pause kept it from reading them; they count while
+        their writers stand by them (`SwarmSync.holders_stand`: a node thawed after its peers left
+        must not give way to their records). While peers at
         its round and θ stand by their state and either have not registered for the round yet or
         make a group of their own there, it waits for theirs, at most the averaging timeout: a
         node whose local round is seconds shorter than theirs, or one back from a restart without
@@ -206,8 +208,8 @@ class RoundLoop:
         deadline = time.monotonic() + self.cfg.average_timeout_s
         theta_hash, waited = None, False
         while True:
-            head = self.sync.head(trusted=False)
-            if head is not None and head.round > start:
+            head = self.sync.head()
+            if head is not None and head.round > start and self.sync.holders_stand(head):
                 logger.info(
                     "[%s round=%d] the peers level with it finished round %d without it: it takes theirs",
                     *self._tag(),

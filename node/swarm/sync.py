@@ -457,10 +457,10 @@ class SwarmSync:
             if not self._sync_once():
                 break
         head = self._head
-        self.behind = head is not None and head.round > self.peer.state.round and self._holders_stand(head)
+        self.behind = head is not None and head.round > self.peer.state.round and self.holders_stand(head)
         return self.peer.state.round - start
 
-    def _holders_stand(self, head: SwarmHead) -> bool:
+    def holders_stand(self, head: SwarmHead) -> bool:
         """Whether a holder of the head this node is behind still stands by its state (asked over
         the network: only when a catch-up left this node behind). Then a round this node opened
         would be one the others finished: it joins only. When the holders have all gone (their run
