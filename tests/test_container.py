@@ -421,6 +421,7 @@ def stop(stack: Stack, service: str, grace_s: float) -> tuple[float, int]:
 # ---- the tests -----------------------------------------------------------------------------------
 
 
+@pytest.mark.long  # the image build alone is ~7 minutes on a cold machine
 @pytest.mark.timeout(1500)
 def test_compose_swarm_trains_and_stops(cpu_image: tuple[str, float], stack: Stack) -> None:
     image, build_s = cpu_image

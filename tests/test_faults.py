@@ -63,6 +63,7 @@ LEAVER_ARGS = [
 SLOW_READ_S = 3.0
 
 
+@pytest.mark.long
 @pytest.mark.timeout(180)
 def test_an_owner_leaving_after_its_last_round_delivers_the_answers_a_slow_member_still_reads(
     procs: Procs, tmp_path: Path
@@ -126,6 +127,7 @@ DYING_ARGS = [*FAST_NODE_ARGS, *LOOPBACK, "--model", "small-llama", "--codec", "
               "--b-max", "64"]  # fmt: skip
 
 
+@pytest.mark.long
 @pytest.mark.timeout(300)
 def test_an_owner_killed_mid_answer_costs_the_survivors_one_try_and_its_restart_rejoins_them(
     procs: Procs, tmp_path: Path

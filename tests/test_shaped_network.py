@@ -107,6 +107,7 @@ def _check_link_is_shaped(star: netns.Star, procs: Procs) -> None:
     assert sink.wait(timeout=10) == 0
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("overlap", ["off", "mix"])
 def test_nodes_behind_shaped_links_agree_and_send_the_codec_payload(
     star: netns.Star, procs: Procs, tmp_path: Path, overlap: str

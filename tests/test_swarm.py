@@ -182,6 +182,7 @@ def _join_one_after_the_other(procs: Procs, tmp_path: Path) -> JoinedSwarm:
 # once: issue 12's fork, where that retry opened the round again, alone (5 of 6 runs forked before
 # the fix). test_round_loop.py pins the rule itself. The plain joiner is tested with the hijacker
 # below (it joins, takes the honest state, and contributes).
+@pytest.mark.long
 @pytest.mark.timeout(540)  # the first of the two sets up the `joined` swarm
 def test_joiner_downloads_verified_state_and_contributes(joined: JoinedSwarm) -> None:
     procs, first, status = joined.procs, joined.first, joined.late
@@ -210,6 +211,7 @@ def test_joiner_downloads_verified_state_and_contributes(joined: JoinedSwarm) ->
     )
 
 
+@pytest.mark.long
 @pytest.mark.timeout(540)
 def test_joiner_too_far_behind_to_replay_downloads_in_chunks_from_several_donors(
     joined: JoinedSwarm,
@@ -259,6 +261,7 @@ def test_killed_node_does_not_stop_the_others(procs: Procs, tmp_path: Path) -> N
     assert all(a[r] == b[r] for r in common), (a, b)
 
 
+@pytest.mark.long
 def test_slow_node_contributes_late_and_corrected_without_holding_others(
     procs: Procs, tmp_path: Path
 ) -> None:
@@ -372,6 +375,7 @@ def test_nodes_on_different_kernel_paths_hold_identical_theta(procs: Procs, tmp_
     print(f"\nrounds in common: {common()}; codecs: {[records[0][r]['codec'] for r in common()]}")
 
 
+@pytest.mark.long
 def test_a_peer_claiming_a_far_ahead_round_cannot_hijack_nodes_that_averaged_together_nor_a_joiner(
     procs: Procs, tmp_path: Path
 ) -> None:
