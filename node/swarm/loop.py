@@ -208,6 +208,10 @@ class RoundLoop:
         deadline = time.monotonic() + self.cfg.average_timeout_s
         theta_hash, waited = None, False
         while True:
+            theta_hash = theta_hash or self.peer.state.theta_hash()
+            pending = self._averaging_without_us(round_id, theta_hash)
+            # The head after the level peers: peers that left our level between the two reads have
+            # published their round by the second (read the other way round, they fell between).
             head = self.sync.head()
             if head is not None and head.round > start and self.sync.holders_stand(head):
                 logger.info(
@@ -216,11 +220,7 @@ class RoundLoop:
                     start,
                 )
                 return True
-            if time.monotonic() >= deadline or self._should_stop():
-                return False
-            theta_hash = theta_hash or self.peer.state.theta_hash()
-            pending = self._averaging_without_us(round_id, theta_hash)
-            if not pending:
+            if not pending or time.monotonic() >= deadline or self._should_stop():
                 return False
             if not waited:
                 logger.info(
