@@ -194,11 +194,11 @@ class RoundLoop:
         catches up to theirs (its Δ goes in late, or under overlap is dropped). Records of theirs
         may have come in while it averaged, or a pause kept it from reading them; they count while
         their writers stand by them (`SwarmSync.holders_stand`: a node thawed after its peers left
-        must not give way to their records). While peers at
-        its round and θ stand by their state and either have not registered for the round yet or
-        make a group of their own there, it waits for theirs, at most the averaging timeout: a
-        node whose local round is seconds shorter than theirs, or one back from a restart without
-        the checkpoint they were writing, closed its round before they came. Peers that have gone
+        must not give way to their records). While peers at its round and θ stand by their state
+        and either have not registered for the round yet or make a group of their own there, it
+        waits for theirs, at most the averaging timeout: a node whose local round is seconds
+        shorter than theirs, or one back from a restart without the checkpoint they were writing,
+        closed its round before they came. Peers that have gone
         (they no longer answer) leave it theirs to finish alone; so do registrations that make
         this node a member of the round (its round is the round: those that came later follow it).
         Runs on the averaging thread: under overlap, training goes on meanwhile."""

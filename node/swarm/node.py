@@ -55,8 +55,7 @@ logger = logging.getLogger(__name__)
 
 RECORD_TTL_S = 600.0
 # Fault injection for tests, read once at start (`answer_delay_from_env`, `register_delay_from_env`,
-# `die_at_from_env`); never
-# set in production.
+# `die_at_from_env`); never set in production.
 SLOW_ANSWERS_ENV = "ADLOCO_FAULT_SLOW_ANSWERS"
 SLOW_REGISTRATION_ENV = "ADLOCO_FAULT_SLOW_REGISTRATION"
 DIE_AT_ENV = "ADLOCO_FAULT_DIE_AT"

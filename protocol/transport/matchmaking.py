@@ -528,7 +528,7 @@ class Matchmaker:
     async def round_view(self, round: int) -> tuple[frozenset[str], tuple[str, ...]]:
         """Who has registered for `round` so far, and the group those registrations make: a
         registrant that averaged it alone asks whether the others formed a round without it
-        (`RoundLoop._finished_without_us`); RoundFailed on DHT errors."""
+        (`RoundLoop._went_on_without_us`); RoundFailed on DHT errors."""
         key = f"{self.prefix}.round{round}"
         records = await self._read(key)
         _, members = records.close_and_members(self.window_s, self.grace_s)
