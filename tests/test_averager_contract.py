@@ -34,6 +34,7 @@ from typing import Any, cast
 
 import pytest
 import torch
+from hivemind.utils import get_dht_time
 
 from adloco.node.swarm.loop import ROUND_ID_STRIDE
 from adloco.protocol.algorithms import codecs
@@ -522,6 +523,7 @@ def test_alone_timeouts_and_misuse(swarm: Swarm) -> None:
 _VICTIM = """
 import sys, time
 import torch
+from hivemind.utils import get_dht_time
 from adloco.protocol.algorithms.allreduce import Contribution
 from adloco.protocol.algorithms.codecs import encode_tensors, make_codec
 from adloco.protocol.transport.hivemind_averager import HivemindAverager
@@ -752,6 +754,7 @@ class LyingRound:
     contributions: list[Contribution]
     outcomes: list[Outcome]
     logs: str
+    bystander: Averager | None = None  # a node of the run in no group with the liar
 
     @property
     def honest(self) -> list[Averager]:
@@ -772,17 +775,20 @@ def _round_with_a_lying_owner(
     per_member: Callable[[Any, Any, str], Any] | None = None,
     aggregate: Aggregate = MEAN,
     contributions_of: Callable[[Sequence[Averager]], list[Contribution]] | None = None,
+    bystander: bool = False,
 ) -> Iterator[LyingRound]:
     """The liar's reductions give `lie(answer, session)` (re-signed: the liar signs its own lie), or
     each member `per_member(answer, session, member)`; the other two are honest. Every owner runs
     `aggregate`; the members contribute `contributions_of(averagers)` (default: `_contributions`).
-    Yields once every member returned."""
+    With `bystander`, a fourth averager of the run reads the evidence board every 0.5 s and averages
+    nothing. Yields once every member returned."""
     from adloco.protocol.transport import owner as owner_module
 
     swarm = Swarm("hivemind")
     try:
-        swarm.add_nodes(3)
+        swarm.add_nodes(4 if bystander else 3)
         averagers = _by_dealing([swarm.averager(i, aggregate=aggregate) for i in range(3)], SHAPES, spec=spec)
+        watching = swarm.averager(3, evidence_every_s=0.5) if bystander else None
         liar = averagers[0]
         real_reduce = owner_module.reduce_owned
 
@@ -812,7 +818,7 @@ def _round_with_a_lying_owner(
         )
         with caplog.at_level("WARNING"):
             outcomes = _average_together(averagers, contributions, round=0, spec=spec)
-        yield LyingRound(averagers, liar, contributions, outcomes, caplog.text)
+        yield LyingRound(averagers, liar, contributions, outcomes, caplog.text, watching)
     finally:
         swarm.close()
 
@@ -909,8 +915,38 @@ def test_an_owner_answering_each_member_differently_is_caught_by_its_two_signatu
             return answer
         return _scaled(1.001, "int8")(answer, session)
 
-    with _round_with_a_lying_owner(monkeypatch, caplog, "int8", 16, per_member=each) as round:
+    with _round_with_a_lying_owner(monkeypatch, caplog, "int8", 16, per_member=each, bystander=True) as round:
         _assert_caught_by_the_honest(round, "otherwise than this peer")
+        _assert_convicted_from_the_board(round, "signed two different answers in round 0")
+
+
+def _assert_convicted_from_the_board(round: LyingRound, why: str) -> None:
+    """A node of the run that was in no group with the liar leaves it out too, on the evidence the
+    honest members published (`evidence.EvidenceBoard`), within a few reads of the board; and what
+    the liar publishes there against an honest member (two statements in its name, signed with the
+    liar's key; junk) convicts nobody."""
+    from adloco.protocol.transport.evidence import Evidence
+    from adloco.protocol.transport.statements import REVEAL, Signer
+
+    bystander: Any = round.bystander
+    liar: Any = round.liar
+    framed = round.honest[0].peer_id
+    forged = [Signer(liar.dht.identity).sign([REVEAL, 0, b"g" * 32, framed, x]) for x in "ab"]
+    record = [Evidence.equivocated(REVEAL, *forged).to_wire(), ["junk"], b"junk"]
+    liar.dht.store(  # outlives any record the liar's averager stored under its key
+        "run-a.evidence", record, expiration_time=get_dht_time() + 3600, subkey=liar.dht.identity.subkey
+    )
+    deadline = time.monotonic() + 15
+    while round.liar.peer_id not in bystander.verdicts() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    verdict = bystander.verdicts().get(round.liar.peer_id)
+    assert verdict is not None, "the bystander never read the evidence"
+    assert verdict.proven and why in verdict.why and "evidence published by" in verdict.why, verdict
+    assert round.liar.peer_id in bystander.excluded()  # its registrations ask the others to, too
+    board = bystander.dht.get("run-a.evidence", latest=True)
+    assert board.value[liar.dht.identity.subkey].value == record  # there to be read
+    time.sleep(4 * bystander.evidence_every_s)
+    assert set(bystander.verdicts()) == {round.liar.peer_id}  # nobody else
 
 
 def _only_its_own(answer: Any, session: Any) -> Any:

@@ -99,6 +99,7 @@ from ..algorithms.trust import WorkLedger, accepted_work
 from ..algorithms.verify import payload_digest
 from .admission import Admission
 from .averager import MemberResult, Misconduct
+from .evidence import DROPPED, EvidenceBoard
 from .identity import NodeDHT
 from .matchmaking import Caught, Group, Matchmaker, RoundFailed, layout_of, matchmaking_bound_s
 from .member import OwnerUnreachable, assemble, fetch
@@ -206,6 +207,8 @@ class HivemindAverager:
       rejects every part of a member it excludes (the "rejected part" warnings say why). None (the
       default) turns it off. It runs on the reduction's thread within `reduce_timeout_s`: raise that
       if scoring owners make members give up.
+    - `evidence_every_s`: how often this peer reads the run's evidence board (`_watch_board`): a
+      liar caught elsewhere is left out here within this much (and a DHT read's time) of it.
     """
 
     def __init__(
@@ -228,6 +231,7 @@ class HivemindAverager:
         register_delay: Callable[[int], float] | None = None,
         admission: Admission | None = None,
         scorer: Scorer | None = None,
+        evidence_every_s: float = 5.0,
     ) -> None:
         _check_knobs(prefix, window_s, grace_s, part_timeout_s, reduce_timeout_s, record_ttl_s)
         if not bandwidth_bps > 0 or not slack >= 1 or not 0 < chunk_bytes <= MAX_CHUNK_BYTES:
@@ -246,6 +250,7 @@ class HivemindAverager:
         self.outlier_factor = check_outlier_factor(outlier_factor)
         self.aggregate = aggregate
         self.scorer = scorer
+        self.evidence_every_s = evidence_every_s
         self.admission = admission or Admission()
         self._on_stage = on_stage
         self._answer_delay = answer_delay
@@ -317,14 +322,38 @@ class HivemindAverager:
             on_evidence=lambda peer, why: self._convict(Caught(why, {peer: why}, proven=True)),
         )
         self._call(self._p2p.add_binary_stream_handler(self._verify_name, checks.serve), timeout=30)
+        self._board = EvidenceBoard(self.dht, prefix=self.prefix, ttl_s=EXCLUDE_PROVEN_S)
+        self._call(self._start(self._watch_board()), timeout=30)
 
     @property
     def peer_id(self) -> str:
         """This peer's libp2p id (base58), the id contributions must carry."""
         return self._peer_id
 
+    async def _start(self, coro: Coroutine[Any, Any, Any]) -> None:
+        self._spawn(coro)
+
+    async def _watch_board(self) -> None:
+        """Every `evidence_every_s`, convict the peers that evidence new on the run's board proves
+        to have lied (`evidence.EvidenceBoard`): a liar one node caught is left out by all."""
+        while True:
+            await asyncio.sleep(self.evidence_every_s)
+            try:
+                found = await asyncio.wait_for(self._board.read(), MARK_TIMEOUT_S)
+            except Exception as e:  # a read that failed or timed out: the next one may not
+                logger.debug("reading the evidence board: %r", e)
+                continue
+            for convicted in found:
+                why = f"{convicted.why} (evidence published by {convicted.published_by[-8:]})"
+                if convicted.peer != self._peer_id:
+                    logger.warning("[%s] leaving %s out: %s", self._peer_id[-8:], convicted.peer[-8:], why)
+                self._convict(Caught(why, {convicted.peer: why}, proven=True))
+
     def _convict(self, caught: Caught) -> None:
-        """Leave the peers `caught` names out of this peer's next rounds (`excluded`)."""
+        """Leave the peers `caught` names out of this peer's next rounds (`excluded`), and publish
+        the evidence it holds to the run (`evidence.EvidenceBoard`)."""
+        if caught.evidence:
+            self._spawn(self._board.publish(caught.evidence))
         now = self._loop.time()
         until = now + (EXCLUDE_PROVEN_S if caught.proven else EXCLUDE_SEEN_S)
         for peer, why in caught.culprits.items():
@@ -887,13 +916,16 @@ class HivemindAverager:
             )
 
     def _pass_on(self, ready: asyncio.Future[RoundState | None], caught: Caught) -> None:
-        """Send the evidence `caught` holds to every other member of the round's group: they convict
-        the culprit on its own signatures, without having seen what we saw."""
+        """Send the evidence of a drop `caught` holds to every other member of the round's group at
+        once: they convict the culprit on its own signatures, without having seen what we saw (and
+        every node of the run does, from the board: `_watch_board`)."""
         state = _formed(ready)
         if state is None or not caught.evidence:
             return
-        for receipt, statement in caught.evidence:
-            body = [receipt.to_wire(), statement.to_wire()]
+        for evidence in caught.evidence:
+            if evidence.kind != DROPPED:  # an accusation carries a drop; the board carries all of it
+                continue
+            body = [evidence.first.to_wire(), evidence.second.to_wire()]
             for peer in state.group.members:
                 if peer != self._peer_id and peer not in caught.culprits:
                     self._send_statement(state, peer, ACCUSE, body, self.reduce_timeout_s)

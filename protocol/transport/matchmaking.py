@@ -71,6 +71,7 @@ from hivemind.utils.serializer import MSGPackSerializer
 from ..algorithms.trust import MAX_WORKERS, core, eligible_owners, owner_order
 from .admission import Admission
 from .averager import NotOpened
+from .evidence import Evidence
 from .identity import NodeDHT, peer_of_subkey
 
 logger = logging.getLogger(__name__)
@@ -122,9 +123,9 @@ class Caught(RoundFailed):
         self.proven = proven
         self.silent = silent
         self.gone = gone
-        # Pairs of the culprits' own signed statements that prove it to any other peer (an owner's
-        # receipt and its answer leaving the member out): passed on to the group (`verification`).
-        self.evidence: list[tuple[Any, Any]] = []
+        # The culprits' own signed statements that prove it to any other peer (`evidence.Evidence`):
+        # passed on to the group (`verification`) and published to the run (`evidence.EvidenceBoard`).
+        self.evidence: list[Evidence] = []
 
 
 OPEN_QUORUM = 2  # registrations that open a round (see the module docstring)

@@ -28,6 +28,7 @@ from ..algorithms.allreduce import Contribution, gather_reports
 from ..algorithms.codecs import payload_codec, payload_shape
 from ..algorithms.parts import merge_rejected
 from .averager import MemberResult
+from .evidence import Evidence
 from .matchmaking import Caught, RoundFailed
 from .owner import Answer, RoundState, reports_digest, shape_error, size_list, str_list
 from .statements import (
@@ -332,7 +333,7 @@ async def assemble(
             dict.fromkeys(dropping, "left out our contribution it had taken"),
             proven=len(evidence) == len(dropping),
         )
-        caught.evidence = [(r.signed, st.signed) for r, st in evidence if st is not None]
+        caught.evidence = [Evidence.dropped(r.signed, st.signed) for r, st in evidence if st is not None]
         raise caught
     outsiders = {o for o, a in answers.items() if not set(a.contributors) <= set(state.group.members)}
     if outsiders:

@@ -24,7 +24,7 @@ Digests and norms are listed in the layout's order of the parts (every member's,
 Every field is type-checked and bounded where a statement is parsed (`parse`): nothing a peer signs
 is trusted beyond its signature. Two statements of one kind, round and group with different
 contents from the same author prove that it told different peers different things
-(`Equivocation`); anyone holding both can check it.
+(`evidence.Evidence`); anyone holding both can check it.
 """
 
 from __future__ import annotations
@@ -532,23 +532,6 @@ def dropped_after_receipt(receipt: Receipt, statement: AnswerStatement) -> bool:
     return statement.commitments[statement.contributors.index(receipt.member)] != receipt.commitment
 
 
-@dataclass(frozen=True)
-class Equivocation:
-    """Two statements of one kind, round and group, signed by the same peer, that differ: proof that
-    it told different peers different things. `check` verifies it from the statements alone."""
-
-    peer: str
-    first: Signed
-    second: Signed
-
-    def check(self, keys: KeyRing, kind: str) -> bool:
-        try:
-            a, b = keys.open(self.first, kind, self.peer), keys.open(self.second, kind, self.peer)
-        except BadStatement:
-            return False
-        return a[:3] == b[:3] and self.first.body != self.second.body
-
-
 @dataclass
 class Mailbox:
     """The reveals and projections other members sent this peer for one round (the first of each
@@ -559,7 +542,7 @@ class Mailbox:
 
     reveals: dict[str, Reveal] = field(default_factory=dict)
     projections: dict[str, Projections] = field(default_factory=dict)
-    equivocations: dict[str, tuple[Signed, Signed]] = field(default_factory=dict)
+    equivocations: dict[str, tuple[str, Signed, Signed]] = field(default_factory=dict)  # kind, both
     gone: dict[str, str] = field(default_factory=dict)
     unreachable: set[str] = field(default_factory=set)
     withdrawals: dict[str, list[str]] = field(default_factory=dict)
@@ -583,7 +566,7 @@ class Mailbox:
         if held is None:
             box[statement.peer] = statement
         elif held.signed.body != statement.signed.body:
-            self.equivocations.setdefault(statement.peer, (held.signed, statement.signed))
+            self.equivocations.setdefault(statement.peer, (kind, held.signed, statement.signed))
         self.changed.set()
 
     async def wait(self, ready: Callable[[], bool], deadline: float) -> bool:

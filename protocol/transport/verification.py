@@ -59,10 +59,12 @@ from ..algorithms.trust import grace_s
 from ..algorithms.trust import seeders as seeders_of
 from ..algorithms.verify import Claim, Misanswer, Misprojection
 from .admission import Admission
+from .evidence import Evidence
 from .matchmaking import Caught
 from .owner import Answer, RoundState
 from .statements import (
     ANSWER,
+    COMMIT,
     PROJECT,
     REVEAL,
     AnswerStatement,
@@ -440,8 +442,11 @@ class Part:
     scale: float = 0.0  # CenteredClip's c: τ is c × the median distance
 
 
-def _fail(culprit: str, why: str, *, proven: bool) -> Caught:
-    return Caught(f"{culprit[-8:]}: {why}", {culprit: why}, proven=proven)
+def _fail(culprit: str, why: str, *, proven: bool, evidence: Evidence | None = None) -> Caught:
+    """`culprit` caught for `why`; `evidence`: its statements that prove it to anyone (`evidence`)."""
+    caught = Caught(f"{culprit[-8:]}: {why}", {culprit: why}, proven=proven)
+    caught.evidence = [] if evidence is None else [evidence]
+    return caught
 
 
 def check_statements(
@@ -478,7 +483,10 @@ def check_statements(
             held = commitments.setdefault(commitment.peer, commitment)
             if held.signed.body != commitment.signed.body:
                 raise _fail(
-                    commitment.peer, "committed to different contributions with different owners", proven=True
+                    commitment.peer,
+                    "committed to different contributions with different owners",
+                    proven=True,
+                    evidence=Evidence.equivocated(COMMIT, held.signed, commitment.signed),
                 )
         if statement.reports and answer.metadata is not None:  # the reducer relays the reports
             for commitment, report in zip(answer.commitments, answer.metadata, strict=True):
@@ -892,8 +900,13 @@ def _left(mail: Mailbox, seeders: Sequence[str]) -> Caught:
 
 
 def _check_equivocations(mail: Mailbox) -> None:
-    for peer in mail.equivocations:
-        raise _fail(peer, "sent this peer two different statements of one round", proven=True)
+    for peer, (kind, first, second) in mail.equivocations.items():
+        raise _fail(
+            peer,
+            "sent this peer two different statements of one round",
+            proven=True,
+            evidence=Evidence.equivocated(kind, first, second),
+        )
 
 
 def _compare_answers(reveal: Reveal, statements: Mapping[str, AnswerStatement], state: RoundState) -> None:
@@ -915,4 +928,9 @@ def _compare_answers(reveal: Reveal, statements: Mapping[str, AnswerStatement], 
         if other is None:
             raise _fail(reveal.peer, f"revealed no answer of {reducer[-8:]}", proven=True)
         if other.body != statement.signed.body:
-            raise _fail(reducer, f"answered {reveal.peer[-8:]} otherwise than this peer", proven=True)
+            raise _fail(
+                reducer,
+                f"answered {reveal.peer[-8:]} otherwise than this peer",
+                proven=True,
+                evidence=Evidence.equivocated(ANSWER, statement.signed, other),
+            )
