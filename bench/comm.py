@@ -12,7 +12,7 @@ inner steps per peer, so every run sees the same training tokens.
   the DiLoCo runs' inner lr. Bytes as a ring all-reduce sends them: per peer per step
   2(n−1)/n × 4P sent and as many received.
 - DiLoCo: the simulator's sync rounds of H inner steps (`node/sim/engine.py`) at the setup's inner
-  lr and outer step, chosen like DDP's lr by a grid (`--tune`, docs/decisions.md), bytes exactly as
+  lr and outer step, chosen like DDP's lr by a grid (`--tune`, docs/decisions/ 032), bytes exactly as
   the in-process transport counts its payloads (`parts.round_traffic`: each part to its owner, the
   owner's answer to every other member), plus the members' reports as the swarm relays them (each
   to one owner, who answers every member with all of them), which the in-process transport leaves

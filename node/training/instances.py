@@ -60,7 +60,7 @@ class InnerConfig:
     Two: the test pools every instance of every peer (one degree of freedom each, so a swarm of P
     peers has at least P, what AdLoCo's own code gathers from P nodes), and each further chunk makes
     the round's first step slower (smaller matrix products, one more pass of hooks): on this CPU 4
-    chunks cost 4 % of an H = 10 round, 2 cost 2 % (docs/decisions.md, "Two chunks for the test").
+    chunks cost 4 % of an H = 10 round, 2 cost 2 % (docs/decisions/039-two-chunks-for-the-test.md).
     """
 
     lr: float = 4e-4

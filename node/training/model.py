@@ -356,7 +356,7 @@ def _config_from_path(path: Path, *, spec: str) -> PretrainedConfig:
 def _check_vocab(config: PretrainedConfig, *, spec: str, vocab_size: int) -> None:
     # Smaller would index past the embedding; larger (a padded table) is refused too: the weights are
     # random, so the padding buys nothing, and a vocabulary that differs from the tokenizer's is
-    # far more often the wrong tokenizer than a deliberate padding (docs/decisions.md).
+    # far more often the wrong tokenizer than a deliberate padding (docs/decisions/ 019: tokenizers).
     ours = getattr(config, "vocab_size", None)
     if ours != vocab_size:
         raise UserError(

@@ -36,8 +36,8 @@ from .codecs import Codec, decode, sum_payload, sum_payload_bytes, to_cpu_float
 Downlink = Literal["encode", "feedback", "gather"]
 DOWNLINKS: tuple[Downlink, ...] = ("encode", "feedback", "gather")
 SPARSE_DEFAULT: Downlink = "feedback"
-"""What "auto" means for a sparse codec (docs/decisions.md: measured against "gather" and
-"encode" in bench/comm.py). Every other codec re-encodes ("encode")."""
+"""What "auto" means for a sparse codec (docs/decisions/ 032, the downlink of a sparse round: measured
+against "gather" and "encode" in bench/comm.py). Every other codec re-encodes ("encode")."""
 _ROUND_KEY = "round"
 _RESIDUAL_PREFIX = "residual/"
 _INNER_PREFIX = "codec/"

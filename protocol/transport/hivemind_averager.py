@@ -51,7 +51,7 @@ check every part they did not reduce. A failed check raises `Caught`, naming the
 this peer leaves them out of its next rounds, and its readiness records say so (`excluded`;
 `matchmaking.outvoted`). So:
 - an owner that answers a lie, or different bytes to different members, fails the round for every
-  honest member and is in no later group (decisions.md, "Verified reducers");
+  honest member and is in no later group (docs/decisions/044-verified-reducers.md);
 - every seeder of the round must reveal its secret: one that does not fails the round everywhere,
   once, and is named; another member that does not costs the others a grace, once
   (`trust.GRACE_S`).
