@@ -37,7 +37,7 @@ from adloco.node.cli.node import (
 from adloco.node.sim.engine import ATTACKS, forge
 from adloco.node.swarm.node import SwarmNode
 from adloco.protocol.algorithms.codecs import decode, make_codec, payload_codec
-from adloco.protocol.transport import hivemind_averager, owner
+from adloco.protocol.transport import owner, round_exchange
 from adloco.protocol.transport.matchmaking import RoundFailed
 from adloco.protocol.transport.owner import Answer, OwnerHandler, OwnerSession
 
@@ -93,19 +93,19 @@ def attack_as_owner(attack: str) -> None:
 
         OwnerHandler._answer = never  # type: ignore[method-assign]
     elif attack == "mute":
-        real_verify = hivemind_averager.verify_round
+        real_verify = round_exchange.verify_round
 
         async def withheld(**kw: Any) -> Any:
             return await real_verify(**{**kw, "send": lambda *args: None})
 
-        hivemind_averager.verify_round = withheld
+        round_exchange.verify_round = withheld
     elif attack == "silent":  # registers and joins groups, then sends no owner its parts
 
         async def hold(self: Any, *args: Any, **kwargs: Any) -> Any:
-            await asyncio.sleep(self.part_timeout_s)  # then registers again for the next try
+            await asyncio.sleep(self.averager.part_timeout_s)  # then registers again for the next try
             raise RoundFailed("silent")
 
-        hivemind_averager.HivemindAverager._exchange = hold  # type: ignore[method-assign]
+        round_exchange.RoundExchange._exchange = hold  # type: ignore[method-assign]
 
 
 def _session_with(session: OwnerSession, result: Answer) -> OwnerSession:

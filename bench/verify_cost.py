@@ -3,7 +3,7 @@ round time and bytes side by side with the checks skipped, over the real p2pd.
 
 1. `components`: the GPT-2 124M parameter shapes (148 tensors, 124.4M values), int8, three
    members. Per member and round, timed on this machine (median of `--repeats`):
-   - the checks: the digests and norms it commits to (`hivemind_averager.own_facts`), its
+   - the checks: the digests and norms it commits to (`round_exchange.own_facts`), its
      projections (`verification.own_projections`), and checking the answers of the parts it did not
      reduce (`verification.check_part`: decode, norm bound, projection; two thirds of the model);
    - beside them, the round's work without them: encoding its contribution (int8), reducing the
@@ -46,7 +46,7 @@ from adloco.protocol.algorithms.allreduce import Contribution
 from adloco.protocol.algorithms.codecs import decode, encode_tensors, make_codec
 from adloco.protocol.algorithms.parts import Aggregate, Clip, assign_parts, reduce_part
 from adloco.protocol.algorithms.report import PeerReport
-from adloco.protocol.transport import hivemind_averager, verification
+from adloco.protocol.transport import round_exchange, verification
 from adloco.protocol.transport.identity import create_identity
 from adloco.protocol.transport.statements import AnswerStatement, Commitment, Projections, Reveal, Signer
 
@@ -103,14 +103,14 @@ def components(shapes: dict[str, tuple[int, ...]], repeats: int, aggregate: Aggr
     answers: dict[str, bytes] = {}
     clips: dict[str, Clip | None] = {}
     claims: dict[str, list[verify.Claim]] = {}
-    facts = [hivemind_averager.own_facts(p) for p in payloads]
+    facts = [round_exchange.own_facts(p) for p in payloads]
     for k in keys:
         at = keys.index(k)
         claims[k] = [verify.Claim(100.0, 100.0, facts[j][1][at], facts[j][0][at]) for j in range(n)]
     _reduce(others, payloads, claims, aggregate, answers, clips)  # the other owners' answers
     for _ in range(repeats):
         for name, fn in {
-            "commit (digests, norms)": lambda: hivemind_averager.own_facts(payloads[0]),
+            "commit (digests, norms)": lambda: round_exchange.own_facts(payloads[0]),
             "own projections": lambda: verification.own_projections(payloads[0], keys, seed),
             "encode (int8)": lambda: _payloads(shapes, 0)[1],
             "reduce owned third": lambda: _reduce(mine, payloads, claims, aggregate, answers, clips),
@@ -286,7 +286,7 @@ def rounds(shapes: dict[str, tuple[int, ...]], count: int, aggregate: Aggregate)
         )
         for d in dhts
     ]
-    real = hivemind_averager.verify_round
+    real = round_exchange.verify_round
 
     async def skipped(**kw: Any) -> dict[str, str]:
         return {}
@@ -302,7 +302,7 @@ def rounds(shapes: dict[str, tuple[int, ...]], count: int, aggregate: Aggregate)
             contributions.append(Contribution(a.peer_id, payloads, 100.0, 100.0, report))
         for r in range(2 * count + 2):  # a warm-up round of each first
             mode = "checked" if r % 2 == 0 else "unchecked"
-            setattr(hivemind_averager, "verify_round", real if mode == "checked" else skipped)  # noqa: B010
+            setattr(round_exchange, "verify_round", real if mode == "checked" else skipped)  # noqa: B010
             seconds, results = _one_round(averagers, contributions, r)
             if r >= 2:
                 samples[mode].append(max(seconds))
@@ -311,7 +311,7 @@ def rounds(shapes: dict[str, tuple[int, ...]], count: int, aggregate: Aggregate)
                     checks.append(statistics.mean(res.traffic.checks_sent for res in results))
             print(f"round {r} {mode}: {max(seconds):.2f} s", file=sys.stderr)
     finally:
-        setattr(hivemind_averager, "verify_round", real)  # noqa: B010
+        setattr(round_exchange, "verify_round", real)  # noqa: B010
         for a in averagers:
             a.shutdown()
         for d in dhts:

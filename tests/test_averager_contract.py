@@ -686,7 +686,7 @@ def test_member_killed_mid_round_never_stalls_the_others(
     already open when it died loses that part, and then both return None (nobody may apply a round
     with a part missing). An owner reading the half-sent stream drops the member at once rather
     than waiting for it to the part deadline, and one it never reached is found gone (no stream
-    to it opens: `HivemindAverager._watch_members`) and dropped too, long before that deadline."""
+    to it opens: `RoundExchange._watch_members`) and dropped too, long before that deadline."""
     with _a_round_with_a_member_killed(tmp_path, stage=stage, victim_owns=victim_owns) as killed:
         print(killed.report(f"member killed at {stage!r}, owning {victim_owns}"))
         outcomes, survivors = killed.outcomes, killed.survivors
@@ -1157,16 +1157,16 @@ def _work_together(averagers: Sequence[Averager], *, seed: int) -> None:
 
 def _mute(monkeypatch: pytest.MonkeyPatch, mute: Any) -> None:
     """`mute` sends its parts and takes the answers, then sends no reveal and no projection."""
-    from adloco.protocol.transport import hivemind_averager, verification
+    from adloco.protocol.transport import round_exchange, verification
 
-    real = verification.verify_round  # what hivemind_averager calls, patched there
+    real = verification.verify_round  # what round_exchange calls, patched there
 
     async def withheld(**kw: Any) -> dict[str, str]:
         if kw["peer_id"] == mute.peer_id:
             kw = {**kw, "send": lambda *args: None}
         return await real(**kw)
 
-    monkeypatch.setattr(hivemind_averager, "verify_round", withheld)
+    monkeypatch.setattr(round_exchange, "verify_round", withheld)
 
 
 def test_a_fresh_key_that_withholds_its_reveal_costs_the_round_nothing(
@@ -1205,17 +1205,22 @@ def test_a_fresh_key_that_withholds_its_reveal_costs_the_round_nothing(
         swarm.close()
 
 
-def _silent(averager: Any) -> None:
+def _silent(monkeypatch: pytest.MonkeyPatch, averager: Any) -> None:
     """`averager` joins groups (and, as an owner, reduces and answers) but sends no owner its parts."""
+    from adloco.protocol.transport.round_exchange import RoundExchange
 
-    async def hold(*args: Any) -> None:
+    real = RoundExchange._exchange
+
+    async def exchange(self: RoundExchange) -> Any:
+        if self.averager is not averager:
+            return await real(self)
         await asyncio.sleep(PART_TIMEOUT_S + REDUCE_TIMEOUT_S)
         raise RoundFailed("silent")
 
-    averager._exchange = hold
+    monkeypatch.setattr(RoundExchange, "_exchange", exchange)
 
 
-def test_an_owner_that_sends_no_other_owner_its_parts_costs_one_try() -> None:
+def test_an_owner_that_sends_no_other_owner_its_parts_costs_one_try(monkeypatch: pytest.MonkeyPatch) -> None:
     """A fresh swarm (every member owns): one member answers for its parts and sends the other owners
     none of its own. Every honest member sees that alike from the answers and fails the try, naming
     it as silent; the retry completes without it."""
@@ -1224,7 +1229,7 @@ def test_an_owner_that_sends_no_other_owner_its_parts_costs_one_try() -> None:
         swarm.add_nodes(3)
         averagers = [swarm.averager(i) for i in range(3)]
         silent: Any = averagers[2]
-        _silent(silent)
+        _silent(monkeypatch, silent)
         contributions = _contributions(averagers, "int8", seed=35)
         first = _average_together(averagers, contributions, round=0, spec="int8")
         assert [o.result for o in first] == [None, None, None]
@@ -1261,12 +1266,14 @@ def test_an_owner_reducing_under_another_rule_costs_one_try_not_every_round() ->
         swarm.close()
 
 
-def test_a_fresh_key_that_sends_nothing_holds_a_round_a_grace_not_the_deadline_then_is_left_out() -> None:
+def test_a_fresh_key_that_sends_nothing_holds_a_round_a_grace_not_the_deadline_then_is_left_out(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Three peers that worked together own the parts; a fresh key joins their group and sends no
     owner anything. The owners wait for it a grace once their own parts are in (`trust.GRACE_S`),
     not to their part deadline (15 s here), and the round completes without it; every member sees it
     in no answer and leaves it out a while (`EXCLUDE_SILENT_S`), so the next round is the three's."""
-    from adloco.protocol.transport.hivemind_averager import EXCLUDE_SILENT_S
+    from adloco.protocol.transport.conduct import EXCLUDE_SILENT_S
 
     swarm = Swarm("hivemind")
     try:
@@ -1275,7 +1282,7 @@ def test_a_fresh_key_that_sends_nothing_holds_a_round_a_grace_not_the_deadline_t
         averagers = [swarm.averager(i, part_timeout_s=part_deadline_s) for i in range(4)]
         old, silent = averagers[:3], cast(Any, averagers[3])
         _work_together(old, seed=36)
-        _silent(silent)
+        _silent(monkeypatch, silent)
         everyone = _contributions(averagers, "int8", seed=37)
         held = _average_together(averagers, everyone, round=WORK_MIN_ROUNDS, spec="int8")
         _assert_matches_reduce_group(held[:3], everyone[:3], "int8")
@@ -1715,7 +1722,7 @@ def test_a_member_lying_to_one_owner_only_does_not_fail_the_round_for_the_others
     reports) are the two that every owner admitted. Failing the round on the split, as before,
     would let one member stop every round this way."""
     from adloco.protocol.algorithms.claims import ClaimBounds
-    from adloco.protocol.transport import hivemind_averager, member
+    from adloco.protocol.transport import member, round_exchange
 
     shapes = {"embed": (48, 32), "proj": (48, 32)}
     swarm = Swarm("hivemind")
@@ -1724,7 +1731,7 @@ def test_a_member_lying_to_one_owner_only_does_not_fail_the_round_for_the_others
         averagers = _by_dealing([swarm.averager(i) for i in range(3)], shapes)
         liar = averagers[2].peer_id
         contributions = _contributions(averagers, "int8", seed=31, shapes=shapes)
-        real_fetch = member.fetch  # what hivemind_averager calls, patched there below
+        real_fetch = member.fetch  # what round_exchange calls, patched there below
 
         async def lying_fetch(p2p: Any, handler: str, state: Any, **kw: Any) -> Any:
             if kw["peer_id"] == liar and kw["keys"] == ["embed"]:
@@ -1732,7 +1739,7 @@ def test_a_member_lying_to_one_owner_only_does_not_fail_the_round_for_the_others
                 kw = {**kw, "contribution": dataclasses.replace(kw["contribution"], weight=1e12)}
             return await real_fetch(p2p, handler, state, **kw)
 
-        monkeypatch.setattr(hivemind_averager, "fetch", lying_fetch)
+        monkeypatch.setattr(round_exchange, "fetch", lying_fetch)
         bounds = ClaimBounds(max_tokens=1000.0, max_weight_per_token=10.0)
         outcomes = _average_together(averagers, contributions, round=0, spec="int8", bounds=bounds)
         assert outcomes[2].result is None
@@ -1759,7 +1766,7 @@ def test_a_member_announcing_or_sending_more_than_its_parts_is_dropped_and_the_o
     round without it, equal to `reduce_group` over them."""
     from hivemind.p2p import PeerID
 
-    from adloco.protocol.transport import hivemind_averager, member
+    from adloco.protocol.transport import member, round_exchange
     from adloco.protocol.transport.member import request_header
     from adloco.protocol.transport.wire import PROTOCOL_VERSION, read_frame, write_frame
 
@@ -1771,7 +1778,7 @@ def test_a_member_announcing_or_sending_more_than_its_parts_is_dropped_and_the_o
         liar = averagers[2]
         contributions = _contributions(averagers, "int8", seed=13, shapes=shapes)
         replies: list[tuple[dict[str, Any], bytes]] = []
-        real_fetch = member.fetch  # what hivemind_averager calls, patched there below
+        real_fetch = member.fetch  # what round_exchange calls, patched there below
 
         async def lying_fetch(p2p: Any, handler: str, state: Any, **kw: Any) -> Any:
             if kw["peer_id"] != liar.peer_id:
@@ -1801,7 +1808,7 @@ def test_a_member_announcing_or_sending_more_than_its_parts_is_dropped_and_the_o
                 writer.close()
             raise RoundFailed("the liar is done")
 
-        monkeypatch.setattr(hivemind_averager, "fetch", lying_fetch)
+        monkeypatch.setattr(round_exchange, "fetch", lying_fetch)
         outcomes = _average_together(averagers, contributions, round=0, spec="int8")
         honest_outcomes, (liar_outcome,) = outcomes[:2], outcomes[2:]
         assert liar_outcome.result is None
@@ -1825,7 +1832,7 @@ def test_an_owner_counts_an_answer_given_only_once_the_member_has_read_it(
     an answer in flight, and both hold `reduce_group`'s result."""
     import contextvars
 
-    from adloco.protocol.transport import hivemind_averager, member, wire
+    from adloco.protocol.transport import member, round_exchange, wire
 
     swarm = Swarm("hivemind")
     try:
@@ -1849,7 +1856,7 @@ def test_an_owner_counts_an_answer_given_only_once_the_member_has_read_it(
             read_done[owner] = time.monotonic()
             return body
 
-        monkeypatch.setattr(hivemind_averager, "fetch", fetch)
+        monkeypatch.setattr(round_exchange, "fetch", fetch)
         monkeypatch.setattr(member, "read_chunks", read_chunks)
         contributions = _contributions(averagers, "int8", seed=21)
         results: list[MemberResult | None] = [None, None]

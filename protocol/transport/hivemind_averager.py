@@ -8,6 +8,13 @@ member.py sends each owner this member's payloads of its parts and assembles the
 owner.py collects the members' payloads of the parts this peer owns, reduces them once with
 `parts.reduce_parts` and answers everyone with the same bytes.
 
+This module holds the protocol's description below, the averager's lifecycle (its loop thread, its
+P2P replica and stream handlers, a shutdown that delivers the answers it owes) and a call from its
+registration to its result, with what it tells the round's other members when the round fails: over
+500 lines because the description is the protocol's one account. One member's round from its
+group on runs in round_exchange.py, whom it leaves out in conduct.py, the run's evidence board in
+evidence.py.
+
 **Deadlines from bytes.** A round's phases take as long as their bytes need: every peer derives,
 from the group and the payload sizes (which the group id covers), the most bytes one peer moves in
 the round (`parts.most_bytes_moved`), and gives each phase `wire.bytes_timeout` of them, with the
@@ -23,7 +30,7 @@ bytes, identical `members` and `reports`. Consequences, all accepted for now:
   complete without it;
 - an owner no stream reaches (dead before the exchange, or a registration nobody serves) is stood
   in for: each member asks the members after it in the group's order for its parts, and the first
-  that takes them reduces them in its own session (`_stand_in`). A member accepts a stand-in's
+  that takes them reduces them in its own session (`RoundExchange._stand_in`). A member accepts a stand-in's
   parts only when every answer names the same contributors and the replaced owner is not one of
   them, and accepts an owner's own parts only when that owner contributed to some other owner:
   so no member can hold a stand-in's bytes for parts another member got from their owner;
@@ -75,46 +82,38 @@ import hashlib
 import logging
 import secrets
 import threading
-from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
-from hivemind.p2p import P2P, PeerID
+from hivemind.p2p import P2P
 
 from ..algorithms.allreduce import Contribution
 from ..algorithms.claims import UNBOUNDED, ClaimBounds
-from ..algorithms.codecs import Codec, decode, payload_codec, payload_shape
+from ..algorithms.codecs import Codec
 from ..algorithms.parts import (
     DEFAULT_OUTLIER_FACTOR,
     MEAN,
     Aggregate,
     check_outlier_factor,
-    deal_parts,
-    most_bytes_moved,
-    tensor_norm,
 )
 from ..algorithms.scoring import Scorer
 from ..algorithms.trust import WorkLedger, accepted_work
-from ..algorithms.verify import payload_digest
 from .admission import Admission
 from .averager import MemberResult, Misconduct
+from .conduct import EXCLUDE_PROVEN_S, Verdict, Verdicts
 from .evidence import DROPPED, EvidenceBoard
 from .identity import NodeDHT
-from .matchmaking import Caught, Group, Matchmaker, RoundFailed, layout_of, matchmaking_bound_s
-from .member import OwnerUnreachable, assemble, fetch
-from .owner import BAN_S, Answer, Incoming, OwnerHandler, OwnerSession, RoundState
+from .matchmaking import Caught, Matchmaker, RoundFailed, layout_of, matchmaking_bound_s
+from .owner import OwnerHandler, OwnerSession, RoundState
+from .round_exchange import RoundExchange, own_facts
 from .statements import Commitment, Signed, Signer
-from .turns import SendTurn, chain, send_order, turn_budget_s
 from .verification import (
     ACCUSE,
     WITHDRAW,
     WITHDRAW_CHARS,
-    Settings,
     VerifyHandler,
-    ask_defense,
     send_statement,
-    verify_round,
 )
 from .verification import handler_name as verification_handler
 from .wire import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, PROTOCOL_VERSION, bytes_timeout, daemon_listen_maddr
@@ -125,39 +124,6 @@ _T = TypeVar("_T")
 
 
 MARK_TIMEOUT_S = 5.0  # storing or reading the failures of a try (`Matchmaker.mark_failed`)
-PROBE_EVERY_S = 1.0  # how often an owner asks whether the members it still waits for are there
-PROBE_TIMEOUT_S = 2.0  # a member whose stream does not open within this may be busy: waited for
-EXCLUDE_PROVEN_S = BAN_S
-"""How long a peer caught by its own signed statements is left out of this peer's rounds (a lie
-anyone can check), as long as an owner bans a member that broke the protocol."""
-EXCLUDE_SEEN_S = BAN_S / 5
-"""How long a peer caught only by this peer's observation (a silence, an answer that failed its
-projection) is left out: a failure an honest peer can have (a dropped link) costs it less."""
-EXCLUDE_SILENT_S = EXCLUDE_SEEN_S / 4
-"""How long a member that sent no owner its parts (`Caught.silent`: it joined the group and then
-sent nothing, or it died) is first left out; twice as long each time again within `BAN_S`, up to
-`EXCLUDE_SEEN_S`. A node that died and restarts under its key loses no more than its restart; a
-key that joins groups to hold them to the part deadline holds few."""
-
-
-def _repeat(seen: dict[str, tuple[int, float]], peer: str, now: float) -> int:
-    """Count `peer` once more in `seen` (peer -> (times, last time)), forgetting whatever is older
-    than `BAN_S`; returns how many times it has been counted within `BAN_S` of each other."""
-    for old in [p for p, (_, last) in seen.items() if now - last >= BAN_S]:
-        del seen[old]
-    times, _ = seen.get(peer, (0, now))
-    seen[peer] = (times + 1, now)
-    return times + 1
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """Why this peer leaves another out of its rounds, whether signed statements show it, and until
-    when (the averager's loop time)."""
-
-    why: str
-    proven: bool
-    until: float
 
 
 class HivemindAverager:
@@ -263,11 +229,8 @@ class HivemindAverager:
         # a later call may take them up afresh (`average`).
         self._alone: set[int] = set()
         self._lost_owners: dict[int, set[str]] = {}  # round -> owners whose exchange broke here
-        self._verdicts: dict[str, Verdict] = {}  # peers caught lying or silent, left out for a while
         self._worked = WorkLedger()  # whose work this peer took lately (`trust`)
         self._laggards: set[str] = set()  # non-seeders whose reveal missed its grace (`verify_round`)
-        self._silences: dict[str, tuple[int, float]] = {}  # peer -> (times seen silent, last time)
-        self._departures: dict[str, tuple[int, float]] = {}  # peer -> (times it left a round, last time)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._calls: set[asyncio.Task[Any]] = set()  # our `average` calls running on the loop
         self._closed = False
@@ -290,6 +253,7 @@ class HivemindAverager:
         maddr = self.dht.run_coroutine(daemon_listen_maddr)
         self._p2p: P2P = self._call(P2P.replicate(maddr), timeout=30)
         self._peer_id: str = str(self._p2p.peer_id.to_base58())
+        self._conduct = Verdicts(self._peer_id)  # whom this peer leaves out, why, how long
         self._matchmaker = Matchmaker(
             self.dht,
             peer_id=self._peer_id,
@@ -354,22 +318,8 @@ class HivemindAverager:
         the evidence it holds to the run (`evidence.EvidenceBoard`)."""
         if caught.evidence:
             self._spawn(self._board.publish(caught.evidence))
-        now = self._loop.time()
-        until = now + (EXCLUDE_PROVEN_S if caught.proven else EXCLUDE_SEEN_S)
-        for peer, why in caught.culprits.items():
-            if caught.gone and not caught.proven:
-                # A node that died restarts under its key: the first time within BAN_S it is not
-                # left out at all; again, as a silence (a key that leaves rounds on purpose).
-                times = _repeat(self._departures, peer, now)
-                if times == 1:
-                    continue
-                until = now + min(EXCLUDE_SEEN_S, EXCLUDE_SILENT_S * 2 ** (times - 2))
-            elif caught.silent and not caught.proven:
-                times = _repeat(self._silences, peer, now)
-                until = now + min(EXCLUDE_SEEN_S, EXCLUDE_SILENT_S * 2 ** (times - 1))
-            if peer != self._peer_id:
-                self._verdicts[peer] = Verdict(why, caught.proven, until)
-                self._worked.forget(peer)  # its trust is earned again, by work after its exclusion
+        for peer in self._conduct.convict(caught, self._loop.time()):
+            self._worked.forget(peer)  # its trust is earned again, by work after its exclusion
 
     def workers(self) -> list[str]:
         """The peers whose work this peer took lately (`trust.WorkLedger.listed`), less those it
@@ -381,14 +331,13 @@ class HivemindAverager:
         records carry them; `matchmaking.outvoted`): those whose lies or silences it caught as a
         member (`verification`), and the members its owners banned for breaking the protocol."""
         now = self._loop.time()
-        caught = [p for p, v in list(self._verdicts.items()) if v.until > now]
+        caught = list(self._conduct.current(now))
         banned = [p for p, until in list(self._handler.banned.items()) if until > now]
         return sorted(set(caught) | set(banned))
 
     def verdicts(self) -> dict[str, Verdict]:
         """The peers this peer caught as a member and still leaves out, with why."""
-        now = self._loop.time()
-        return {p: v for p, v in list(self._verdicts.items()) if v.until > now}
+        return self._conduct.current(self._loop.time())
 
     def misconduct(self) -> Misconduct:
         """What this peer's owners caught (`owner.OwnerHandler`): rule breaks since start, bans now."""
@@ -693,7 +642,6 @@ class HivemindAverager:
             return None
         self._stage("grouped", round)
         grouped_at = loop.time()
-        keys = list(contribution.payloads)
         digests, norms = await facts
         secret = secrets.token_bytes(32)
         commitment = Commitment.make(
@@ -707,99 +655,25 @@ class HivemindAverager:
             report=bytes(contribution.metadata),
             secret=secret,
         )
-        layout = {k: i for i, k in enumerate(keys)}
-        sizes = [len(contribution.payloads[k]) for k in keys]
-        # Parts go to the members the others' work lists make eligible (`trust`), in the group's order.
-        owner_index = deal_parts(sizes, group.members, group.owners)
-        owners = {k: group.members[i] for k, i in zip(keys, owner_index, strict=True)}
-        members = len(group.members)
-        answer_sizes = [
-            codec.for_part(k).answer_bytes(payload_shape(contribution.payloads[k]), size, members)
-            for k, size in zip(keys, sizes, strict=True)
-        ]
-        moved = most_bytes_moved(sizes, owner_index, members, answer_sizes)
-        by_owner = parts_by_owner(owners)
-        metadata_owner = next(iter(owners.values()))
-
-        def new_session(owner: str) -> OwnerSession:
-            return self._new_session(
-                owner,
-                group,
-                contribution,
-                by_owner[owner],
-                owner == metadata_owner,
-                codec,
-                moved,
-                grouped_at,
-                bounds,
-                layout,
-            )
-
-        session = None
-        if self._peer_id in by_owner:
-            session = new_session(self._peer_id)
-            # Our own slot is released below once we have taken the result (not on the wire).
-            session.admit(self._peer_id, _incoming(contribution, by_owner[self._peer_id], commitment))
-        stand_in_for: dict[str, OwnerSession] = {}
-
-        def take_over(keys: list[str]) -> OwnerSession | None:
-            owner = owners.get(keys[0]) if keys else None
-            if owner is None or owner == self._peer_id or by_owner[owner] != keys:
-                return None
-            if owner not in stand_in_for:
-                stand_in_for[owner] = new_session(owner)
-                stand_in_for[owner].drop(owner)  # an owner never sends its own parts
-                state.reductions.append(stand_in_for[owner])
-            return stand_in_for[owner]
-
-        state = RoundState(group, session, take_over=take_over, layout=layout, own=commitment)
-        state.reductions = [session] if session is not None else []
+        exchange = RoundExchange(
+            self,
+            group=group,
+            contribution=contribution,
+            codec=codec,
+            bounds=bounds,
+            commitment=commitment,
+            secret=secret,
+            grouped_at=grouped_at,
+        )
+        state = exchange.state
         ready.set_result(state)
         owned = len(state.session.keys) if state.session else 0
-        self._log(round, "group of %d, owning %d of %d parts", len(group.members), owned, len(keys))
-        watch = self._spawn(self._watch_members(state))
-        try:
-            result = await self._exchange(
-                state, contribution, keys, owners, by_owner, metadata_owner, codec, moved, grouped_at
-            )
-            # A member within its exchange budget may reveal as late as that budget allows.
-            reveal_by = (
-                grouped_at
-                + self._exchange_budget_s(moved)
-                + self.phase_s(moved, floor_s=self.reduce_timeout_s)
-            )
-            await self._check(state, result, contribution, secret, bounds, moved, reveal_by)
-            # A member in no answer joined the group and sent no owner its parts (or died): it held
-            # every owner to the part deadline. Every member sees the same answers.
-            sent = set().union(*(a.contributors for a in state.answers.values()))
-            absent = [m for m in group.members if m not in sent and m != self._peer_id]
-            dead = [m for m in absent if m in state.mail.unreachable]
-            if dead:  # no stream reached them: they died (a restart under the key is welcome)
-                self._convict(Caught("left", dict.fromkeys(dead, "unreachable"), proven=False, gone=True))
-                self._log(round, "%s left the round: no stream reaches them", sorted(p[-8:] for p in dead))
-            absent = [m for m in absent if m not in dead]
-            if absent:
-                self._convict(
-                    Caught(
-                        "sent nothing",
-                        dict.fromkeys(absent, "sent no owner its parts"),
-                        proven=False,
-                        silent=True,
-                    )
-                )
-                self._log(
-                    round,
-                    "leaving out %s a while: they sent no owner their parts",
-                    sorted(p[-8:] for p in absent),
-                )
-        finally:
-            watch.cancel()
-            # Members slower with their checks may still ask us to show the payloads we reduced.
-            loop.call_later(self.phase_s(moved, floor_s=self.reduce_timeout_s), state.release)
+        self._log(round, "group of %d, owning %d of %d parts", len(group.members), owned, len(exchange.keys))
+        result = await exchange.run()
         # What the checks moved counts too (their frames carry no payload).
         traffic = state.meter.traffic(result.traffic.exchange_s)
         weights = {m: state.commitments[m].weight for m in result.members if m in state.commitments}
-        work = accepted_work(weights, result.rejected, len(keys))
+        work = accepted_work(weights, result.rejected, len(exchange.keys))
         # A member that withheld its reveal from us earns nothing in our ledger (whose lists are our
         # own word): a key that takes the answers and never reveals never comes to seed a round.
         self._worked.count({m: 0.0 if m in self._laggards else w for m, w in work.items()}, me=self._peer_id)
@@ -822,98 +696,6 @@ class HivemindAverager:
             sum(result.rejected.values()),
         )
         return result
-
-    async def _exchange(
-        self,
-        state: RoundState,
-        contribution: Contribution,
-        keys: list[str],
-        owners: dict[str, str],
-        by_owner: dict[str, list[str]],
-        metadata_owner: str,
-        codec: Codec,
-        moved: int,
-        grouped_at: float,
-    ) -> MemberResult:
-        """Send our parts, gather every owner's answer and assemble them (`member.assemble`)."""
-        stand_ins: dict[str, str] = {}
-        try:
-            answers = await self._collect(
-                state, contribution, by_owner, metadata_owner, codec, moved, stand_ins
-            )
-        finally:
-            if state.session is not None:
-                state.session.answered()
-        if stand_ins:
-            self._log(
-                state.group.round,
-                "stood in for unreachable owners: %s",
-                {o[-8:]: f[-8:] for o, f in stand_ins.items()},
-            )
-        state.answers = answers
-        return await assemble(
-            state,
-            peer_id=self._peer_id,
-            keys=keys,
-            owners=owners,
-            answers=answers,
-            idle_timeout_s=self.phase_s(moved, floor_s=self.reduce_timeout_s),
-            exchange_s=asyncio.get_running_loop().time() - grouped_at,
-            stand_ins=stand_ins,
-        )
-
-    async def _check(
-        self,
-        state: RoundState,
-        result: MemberResult,
-        contribution: Contribution,
-        secret: bytes,
-        bounds: ClaimBounds,
-        moved: int,
-        reveal_by: float,
-    ) -> None:
-        """`verification.verify_round` of the answers (Caught when they do not check out); an owner
-        that shows some contributor's projections false convicts it."""
-        assert state.own is not None
-        budget = self.phase_s(moved, floor_s=self.reduce_timeout_s)
-
-        def defend(owner: str, key: str, listed: list[Signed]) -> Awaitable[dict[str, bytes]]:
-            return ask_defense(
-                self._p2p,
-                self._verify_name,
-                owner,
-                round=state.group.round,
-                key=key,
-                projections=listed,
-                size=len(contribution.payloads[key]),
-                timeout_s=budget,
-                meter=state.meter,
-            )
-
-        liars = await verify_round(
-            state=state,
-            answers=state.answers,
-            members=result.members,
-            peer_id=self._peer_id,
-            own=state.own,
-            secret=secret,
-            payloads=contribution.payloads,
-            settings=Settings(
-                self.aggregate, self.outlier_factor, bounds.reference_tokens, self.scorer is not None
-            ),
-            signer=self._signer,
-            send=lambda peer, kind, signed: self._send_statement(state, peer, kind, signed, budget),
-            defend=defend,
-            executor=self._verify_executor,
-            budget_s=budget,
-            reveal_by=reveal_by,
-            laggards=self._laggards,
-        )
-        if liars:
-            self._convict(Caught("false projections", liars, proven=True))
-            self._log(
-                state.group.round, "owners showed false projections of %s", sorted(p[-8:] for p in liars)
-            )
 
     def _pass_on(self, ready: asyncio.Future[RoundState | None], caught: Caught) -> None:
         """Send the evidence of a drop `caught` holds to every other member of the round's group at
@@ -949,38 +731,6 @@ class HivemindAverager:
             )
         )
 
-    async def _watch_members(self, state: RoundState) -> None:
-        """While our reductions wait for members' parts, ask every `PROBE_EVERY_S` whether each
-        member that has sent them nothing yet is still there: one to which no stream opens at all
-        has died (or left the network) and is not waited for until the part deadline (it cost every
-        owner that deadline, 15 s at its floor). One that does not answer in time may be busy: it
-        is waited for as before."""
-
-        async def reachable(peer: str) -> bool:
-            try:
-                _, _, writer = await asyncio.wait_for(
-                    self._p2p.call_binary_stream_handler(PeerID.from_base58(peer), self._verify_name),
-                    PROBE_TIMEOUT_S,
-                )
-            except asyncio.TimeoutError:
-                return True
-            except Exception:
-                return False
-            writer.close()
-            return True
-
-        while True:
-            await asyncio.sleep(PROBE_EVERY_S)
-            waiting = {p for s in state.reductions for p in s.waiting() if p != self._peer_id}
-            if not any(not s.closed for s in state.reductions):
-                return
-            for peer, alive in zip(waiting, await asyncio.gather(*map(reachable, waiting)), strict=True):
-                if not alive:
-                    self._log(state.group.round, "no stream reaches %s: not waiting for its parts", peer[-8:])
-                    state.mail.lost(peer)
-                    for session in state.reductions:
-                        session.drop(peer)
-
     def _withdraw(self, ready: asyncio.Future[RoundState | None], failure: RoundFailed) -> None:
         """Tell the round's other members that this peer leaves it (`verification.WITHDRAW`), and
         whom it blames, so none waits out its budget for our reveal or projections."""
@@ -1014,179 +764,6 @@ class HivemindAverager:
         """The configured rate, or the one this peer measured if faster (`phase_s`, send turns)."""
         return max(self.bandwidth_bps, self.measured_bps or 0.0)
 
-    def _new_session(
-        self,
-        owner: str,
-        group: Group,
-        contribution: Contribution,
-        keys: list[str],
-        with_metadata: bool,
-        codec: Codec,
-        moved: int,
-        grouped_at: float,
-        bounds: ClaimBounds,
-        layout: Mapping[str, int],
-    ) -> OwnerSession:
-        """A reduction of `keys` (ours, or an unreachable owner's), running from now."""
-        # From the headers: our own payloads are decoded once, with the others', when we reduce.
-        shapes = {k: payload_shape(contribution.payloads[k]) for k in keys}
-        session = OwnerSession(
-            group=group,
-            keys=keys,
-            shapes=shapes,
-            sizes=[len(contribution.payloads[k]) for k in keys],
-            codec=codec,
-            outlier_factor=self.outlier_factor,
-            aggregate=self.aggregate,
-            scorer=self.scorer,
-            bounds=bounds,
-            with_metadata=with_metadata,
-            deadline=grouped_at + self.phase_s(moved, floor_s=self.part_timeout_s, measured=True),
-            # Only frees the stream of a member that stopped reading: never sooner than the member
-            # itself gives up (its whole budget), so load on this peer cannot cut an answer short.
-            answer_timeout_s=self._exchange_budget_s(moved),
-            on_stage=self._on_stage,
-            owner=owner,
-            turn_budget_s=turn_budget_s(sum(len(contribution.payloads[k]) for k in keys), self._best_bps()),
-            signer=self._signer,
-            layout=layout,
-            codecs={k: payload_codec(contribution.payloads[k]) for k in keys},
-        )
-        self._spawn(session.run(self._executor))
-        return session
-
-    async def _collect(
-        self,
-        state: RoundState,
-        contribution: Contribution,
-        by_owner: Mapping[str, list[str]],
-        metadata_owner: str,
-        codec: Codec,
-        moved: int,
-        stand_ins: dict[str, str],
-    ) -> dict[str, Answer]:
-        """Every owner's answer for its parts (our own session's included); RoundFailed otherwise.
-
-        The parts of an owner no stream can be opened to are asked of the members after it in the
-        group's order (`_stand_in`); `stand_ins` records who answered for whom.
-        """
-        # An owner's average of part k is a payload of k's shape from the round's codec, or a
-        # contributor's payload forwarded as is, or (downlink gather) all of them in one sum payload.
-        members = len(state.group.members)
-        bounds = {
-            k: codec.for_part(k).answer_bytes(payload_shape(p), len(p), members)
-            for k, p in contribution.payloads.items()
-        }
-        lost: set[str] = set()
-        p2p = self._p2p
-        delay_s = 0.0 if self._answer_delay is None else self._answer_delay(state.group.round)
-        if delay_s > 0:
-            p2p = cast(P2P, _LateAnswers(p2p, delay_s))
-
-        # Our payloads go to the owners one at a time, each member starting with another (`turns`).
-        order = [o for o in send_order(state.group.members, self._peer_id) if o in by_owner]
-        rate = self._best_bps()
-        sent = {o: sum(len(contribution.payloads[k]) for k in by_owner[o]) for o in order}
-        turns = chain(order, {o: turn_budget_s(sent[o], rate) for o in order})
-
-        async def answer_of(owner: str, keys: list[str]) -> Answer:
-            def ask(member: str, turn: SendTurn | None = None) -> Awaitable[Answer]:
-                return fetch(
-                    p2p,
-                    self._handler_name,
-                    state,
-                    peer_id=self._peer_id,
-                    owner=member,
-                    keys=keys,
-                    contribution=contribution,
-                    with_metadata=owner == metadata_owner,
-                    chunk_bytes=self.chunk_bytes,
-                    answer_bounds={k: bounds[k] for k in keys},
-                    on_stage=self._on_stage,
-                    turn=turn,
-                )
-
-            try:
-                return await ask(owner, turns.get(owner))
-            except RoundFailed as e:
-                lost.add(owner)
-                if not isinstance(e, OwnerUnreachable):
-                    raise
-                return await self._stand_in(state, contribution, owner, keys, ask, stand_ins, e)
-
-        fetches = {
-            owner: self._spawn(answer_of(owner, keys))
-            for owner, keys in by_owner.items()
-            if owner != self._peer_id
-        }
-        waits: list[asyncio.Future[Any]] = list(fetches.values())
-        if state.session is not None:
-            waits.append(self._spawn(state.session.done.wait()))
-        budget = self._exchange_budget_s(moved)
-        done, pending = await asyncio.wait(waits, timeout=budget, return_when=asyncio.FIRST_EXCEPTION)
-        for task in pending:
-            task.cancel()
-        failed = [t for t in done if t.exception() is not None]
-        if failed:
-            self._lost_owners[state.group.round] = lost
-            error = failed[0].exception()
-            raise error if isinstance(error, RoundFailed) else RoundFailed(str(error))
-        if pending:
-            # An owner silent for the whole budget is lost as one whose stream broke (cut off, or
-            # dead): the others need not wait for it to say that its try failed.
-            silent = {owner for owner, task in fetches.items() if task in pending}
-            self._lost_owners[state.group.round] = lost | silent
-            raise Caught(
-                f"no answer from {len(pending)} owner(s) within {budget:.1f} s",
-                dict.fromkeys(silent, f"took our parts and gave no answer within {budget:.1f} s"),
-                proven=False,
-            )
-        answers: dict[str, Answer] = {owner: task.result() for owner, task in fetches.items()}
-        if state.session is not None:
-            if state.session.result is None:
-                raise RoundFailed("our own reduction failed")
-            answers[self._peer_id] = state.session.result
-        return answers
-
-    async def _stand_in(
-        self,
-        state: RoundState,
-        contribution: Contribution,
-        owner: str,
-        keys: list[str],
-        ask: Callable[[str], Awaitable[Answer]],
-        stand_ins: dict[str, str],
-        unreachable: OwnerUnreachable,
-    ) -> Answer:
-        """The parts of `owner`, whom no stream reached, from the first member after it in the
-        group's order that takes them (this peer, in its own session for them, when it comes
-        first). Every member walks the same order, so all that reach nobody before agree on who
-        stands in; `member.assemble` takes the answer only if it cannot differ from what any other
-        member holds for those parts."""
-        owners = state.group.owners
-        at = owners.index(owner)
-        for member in (*owners[at + 1 :], *owners[:at]):
-            if member == self._peer_id:
-                session = state.take_over(keys)
-                assert session is not None  # they are `owner`'s parts, and we are not `owner`
-                if not session.admit(self._peer_id, _incoming(contribution, keys, state.own)):
-                    raise RoundFailed(f"standing in for {owner[-8:]}: the reduction had already closed")
-                try:
-                    await session.done.wait()
-                    answer = session.result
-                finally:
-                    session.answered()
-                if answer is None:
-                    raise RoundFailed(f"standing in for {owner[-8:]}: the reduction failed")
-            else:
-                try:
-                    answer = await ask(member)
-                except OwnerUnreachable:
-                    continue
-            stand_ins[owner] = member
-            return answer
-        raise unreachable
-
 
 def _settled(task: asyncio.Task[Any]) -> None:
     """A spawned task is over. Its failure was the round's (whoever awaited it has it), or comes from a
@@ -1199,58 +776,6 @@ def _settled(task: asyncio.Task[Any]) -> None:
 def _formed(future: asyncio.Future[RoundState | None]) -> RoundState | None:
     """This peer's state for a round once its group formed there; None before, or with no group."""
     return future.result() if future.done() and not future.cancelled() else None
-
-
-def parts_by_owner(owners: Mapping[str, str]) -> dict[str, list[str]]:
-    """Each owner's parts, in the order of the tensors."""
-    by_owner: dict[str, list[str]] = {}
-    for key, owner in owners.items():
-        by_owner.setdefault(owner, []).append(key)
-    return by_owner
-
-
-def _incoming(contribution: Contribution, keys: list[str], commitment: Commitment | None) -> Incoming:
-    """Our own contribution to the parts `keys`, as a session takes it (never on the wire)."""
-    own = {k: bytes(contribution.payloads[k]) for k in keys}
-    return Incoming(
-        float(contribution.weight), float(contribution.tokens), own, bytes(contribution.metadata), commitment
-    )
-
-
-def own_facts(payloads: Mapping[str, bytes]) -> tuple[list[bytes], list[float]]:
-    """What a member commits to of its payloads: their digests and the norms of their decoded values
-    (`statements.Commitment`), in the layout's order."""
-    digests = [payload_digest(p) for p in payloads.values()]
-    norms = [tensor_norm(decode(p)) for p in payloads.values()]
-    return digests, norms
-
-
-class _LateAnswers:
-    """Fault injection (`answer_delay`): a P2P whose streams hold back the reading of the answer.
-
-    A member's stream reads the owner's go frame (two reads: its length, its header), then the
-    answer; the third read waits `delay_s` first.
-    """
-
-    def __init__(self, p2p: P2P, delay_s: float) -> None:
-        self._p2p, self._delay_s = p2p, delay_s
-
-    async def call_binary_stream_handler(
-        self, peer_id: PeerID, handler: str
-    ) -> tuple[Any, _LateReader, asyncio.StreamWriter]:
-        info, reader, writer = await self._p2p.call_binary_stream_handler(peer_id, handler)
-        return info, _LateReader(reader, self._delay_s), writer
-
-
-class _LateReader:
-    def __init__(self, reader: asyncio.StreamReader, delay_s: float) -> None:
-        self._reader, self._delay_s, self._reads = reader, delay_s, 0
-
-    async def readexactly(self, n: int) -> bytes:
-        self._reads += 1
-        if self._reads == 3:
-            await asyncio.sleep(self._delay_s)
-        return await self._reader.readexactly(n)
 
 
 def _check_knobs(

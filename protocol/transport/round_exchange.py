@@ -1,0 +1,454 @@
+"""One member's round of a `HivemindAverager`, from its group to its checked result.
+
+Once matchmaking has formed the group and this member has signed its commitment, `RoundExchange`
+holds what the round's steps share (the group, the contribution and its layout, the parts each
+owner reduces, the bytes the round moves, when it was grouped) and runs them in order (the
+averager's module docstring says why each is so):
+
+1. deal the parts and open this member's own reductions (`owner.OwnerSession`), and, on demand, a
+   stand-in's for an owner no stream reaches (`_take_over`);
+2. send each owner this member's parts in send turns and gather every answer (`_collect`), asking
+   the next owners in the group's order for an unreachable owner's parts (`_stand_in`), while
+   `_watch_members` stops waiting for members to which no stream opens;
+3. assemble the answers (`member.assemble`) and check them (`verification.verify_round`);
+4. leave out the members that sent no owner their parts.
+
+It is part of its averager, split off for size: it uses the averager's loop, streams, signer,
+executors and verdicts as the averager's own methods do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING, Any, cast
+
+from hivemind.p2p import P2P, PeerID
+
+from ..algorithms.allreduce import Contribution
+from ..algorithms.claims import ClaimBounds
+from ..algorithms.codecs import Codec, decode, payload_codec, payload_shape
+from ..algorithms.parts import deal_parts, most_bytes_moved, tensor_norm
+from ..algorithms.verify import payload_digest
+from .averager import MemberResult
+from .matchmaking import Caught, Group, RoundFailed
+from .member import OwnerUnreachable, assemble, fetch
+from .owner import Answer, Incoming, OwnerSession, RoundState
+from .statements import Commitment, Signed
+from .turns import SendTurn, chain, send_order, turn_budget_s
+from .verification import Settings, ask_defense, verify_round
+
+if TYPE_CHECKING:
+    from .hivemind_averager import HivemindAverager
+
+PROBE_EVERY_S = 1.0  # how often an owner asks whether the members it still waits for are there
+PROBE_TIMEOUT_S = 2.0  # a member whose stream does not open within this may be busy: waited for
+
+
+class RoundExchange:
+    """One member's round from its group on (module doc)."""
+
+    def __init__(
+        self,
+        averager: HivemindAverager,
+        *,
+        group: Group,
+        contribution: Contribution,
+        codec: Codec,
+        bounds: ClaimBounds,
+        commitment: Commitment,
+        secret: bytes,
+        grouped_at: float,
+    ) -> None:
+        self.averager = averager
+        self.group = group
+        self.contribution = contribution
+        self.codec = codec
+        self.bounds = bounds
+        self.secret = secret
+        self.grouped_at = grouped_at
+        me = averager.peer_id
+        self.keys = keys = list(contribution.payloads)
+        self.layout = {k: i for i, k in enumerate(keys)}
+        sizes = [len(contribution.payloads[k]) for k in keys]
+        # Parts go to the members the others' work lists make eligible (`trust`), in the group's order.
+        owner_index = deal_parts(sizes, group.members, group.owners)
+        self.owners = {k: group.members[i] for k, i in zip(keys, owner_index, strict=True)}
+        members = len(group.members)
+        answer_sizes = [
+            codec.for_part(k).answer_bytes(payload_shape(contribution.payloads[k]), size, members)
+            for k, size in zip(keys, sizes, strict=True)
+        ]
+        self.moved = most_bytes_moved(sizes, owner_index, members, answer_sizes)
+        self.by_owner = parts_by_owner(self.owners)
+        self.metadata_owner = next(iter(self.owners.values()))
+        session = None
+        if me in self.by_owner:
+            session = self._new_session(me)
+            # Our own slot is released below once we have taken the result (not on the wire).
+            session.admit(me, _incoming(contribution, self.by_owner[me], commitment))
+        self._stand_in_for: dict[str, OwnerSession] = {}
+        self.state = RoundState(group, session, take_over=self._take_over, layout=self.layout, own=commitment)
+        self.state.reductions = [session] if session is not None else []
+
+    def _new_session(self, owner: str) -> OwnerSession:
+        """A reduction of `owner`'s parts (ours, or an unreachable owner's), running from now."""
+        a, contribution, keys = self.averager, self.contribution, self.by_owner[owner]
+        # From the headers: our own payloads are decoded once, with the others', when we reduce.
+        shapes = {k: payload_shape(contribution.payloads[k]) for k in keys}
+        session = OwnerSession(
+            group=self.group,
+            keys=keys,
+            shapes=shapes,
+            sizes=[len(contribution.payloads[k]) for k in keys],
+            codec=self.codec,
+            outlier_factor=a.outlier_factor,
+            aggregate=a.aggregate,
+            scorer=a.scorer,
+            bounds=self.bounds,
+            with_metadata=owner == self.metadata_owner,
+            deadline=self.grouped_at + a.phase_s(self.moved, floor_s=a.part_timeout_s, measured=True),
+            # Only frees the stream of a member that stopped reading: never sooner than the member
+            # itself gives up (its whole budget), so load on this peer cannot cut an answer short.
+            answer_timeout_s=a._exchange_budget_s(self.moved),
+            on_stage=a._on_stage,
+            owner=owner,
+            turn_budget_s=turn_budget_s(sum(len(contribution.payloads[k]) for k in keys), a._best_bps()),
+            signer=a._signer,
+            layout=self.layout,
+            codecs={k: payload_codec(contribution.payloads[k]) for k in keys},
+        )
+        a._spawn(session.run(a._executor))
+        return session
+
+    def _take_over(self, keys: list[str]) -> OwnerSession | None:
+        """This member's reduction of an unreachable owner's parts `keys` (opened at the first ask)."""
+        owner = self.owners.get(keys[0]) if keys else None
+        if owner is None or owner == self.averager.peer_id or self.by_owner[owner] != keys:
+            return None
+        if owner not in self._stand_in_for:
+            self._stand_in_for[owner] = self._new_session(owner)
+            self._stand_in_for[owner].drop(owner)  # an owner never sends its own parts
+            self.state.reductions.append(self._stand_in_for[owner])
+        return self._stand_in_for[owner]
+
+    async def run(self) -> MemberResult:
+        """Steps 2-4 of the module doc: the assembled, checked result (RoundFailed otherwise)."""
+        a, state, group = self.averager, self.state, self.group
+        loop = asyncio.get_running_loop()
+        watch = a._spawn(self._watch_members())
+        try:
+            result = await self._exchange()
+            # A member within its exchange budget may reveal as late as that budget allows.
+            reveal_by = (
+                self.grouped_at
+                + a._exchange_budget_s(self.moved)
+                + a.phase_s(self.moved, floor_s=a.reduce_timeout_s)
+            )
+            await self._check(result, reveal_by)
+            # A member in no answer joined the group and sent no owner its parts (or died): it held
+            # every owner to the part deadline. Every member sees the same answers.
+            sent = set().union(*(answer.contributors for answer in state.answers.values()))
+            absent = [m for m in group.members if m not in sent and m != a.peer_id]
+            dead = [m for m in absent if m in state.mail.unreachable]
+            if dead:  # no stream reached them: they died (a restart under the key is welcome)
+                a._convict(Caught("left", dict.fromkeys(dead, "unreachable"), proven=False, gone=True))
+                a._log(group.round, "%s left the round: no stream reaches them", sorted(p[-8:] for p in dead))
+            absent = [m for m in absent if m not in dead]
+            if absent:
+                a._convict(
+                    Caught(
+                        "sent nothing",
+                        dict.fromkeys(absent, "sent no owner its parts"),
+                        proven=False,
+                        silent=True,
+                    )
+                )
+                a._log(
+                    group.round,
+                    "leaving out %s a while: they sent no owner their parts",
+                    sorted(p[-8:] for p in absent),
+                )
+        finally:
+            watch.cancel()
+            # Members slower with their checks may still ask us to show the payloads we reduced.
+            loop.call_later(a.phase_s(self.moved, floor_s=a.reduce_timeout_s), state.release)
+        return result
+
+    async def _exchange(self) -> MemberResult:
+        """Send our parts, gather every owner's answer and assemble them (`member.assemble`)."""
+        a, state = self.averager, self.state
+        stand_ins: dict[str, str] = {}
+        try:
+            answers = await self._collect(stand_ins)
+        finally:
+            if state.session is not None:
+                state.session.answered()
+        if stand_ins:
+            a._log(
+                state.group.round,
+                "stood in for unreachable owners: %s",
+                {o[-8:]: f[-8:] for o, f in stand_ins.items()},
+            )
+        state.answers = answers
+        return await assemble(
+            state,
+            peer_id=a.peer_id,
+            keys=self.keys,
+            owners=self.owners,
+            answers=answers,
+            idle_timeout_s=a.phase_s(self.moved, floor_s=a.reduce_timeout_s),
+            exchange_s=asyncio.get_running_loop().time() - self.grouped_at,
+            stand_ins=stand_ins,
+        )
+
+    async def _collect(self, stand_ins: dict[str, str]) -> dict[str, Answer]:
+        """Every owner's answer for its parts (our own session's included); RoundFailed otherwise.
+
+        The parts of an owner no stream can be opened to are asked of the members after it in the
+        group's order (`_stand_in`); `stand_ins` records who answered for whom.
+        """
+        a, state, contribution, codec = self.averager, self.state, self.contribution, self.codec
+        # An owner's average of part k is a payload of k's shape from the round's codec, or a
+        # contributor's payload forwarded as is, or (downlink gather) all of them in one sum payload.
+        members = len(state.group.members)
+        bounds = {
+            k: codec.for_part(k).answer_bytes(payload_shape(p), len(p), members)
+            for k, p in contribution.payloads.items()
+        }
+        lost: set[str] = set()
+        p2p = a._p2p
+        delay_s = 0.0 if a._answer_delay is None else a._answer_delay(state.group.round)
+        if delay_s > 0:
+            p2p = cast(P2P, _LateAnswers(p2p, delay_s))
+
+        # Our payloads go to the owners one at a time, each member starting with another (`turns`).
+        order = [o for o in send_order(state.group.members, a.peer_id) if o in self.by_owner]
+        rate = a._best_bps()
+        sent = {o: sum(len(contribution.payloads[k]) for k in self.by_owner[o]) for o in order}
+        turns = chain(order, {o: turn_budget_s(sent[o], rate) for o in order})
+
+        async def answer_of(owner: str, keys: list[str]) -> Answer:
+            def ask(member: str, turn: SendTurn | None = None) -> Awaitable[Answer]:
+                return fetch(
+                    p2p,
+                    a._handler_name,
+                    state,
+                    peer_id=a.peer_id,
+                    owner=member,
+                    keys=keys,
+                    contribution=contribution,
+                    with_metadata=owner == self.metadata_owner,
+                    chunk_bytes=a.chunk_bytes,
+                    answer_bounds={k: bounds[k] for k in keys},
+                    on_stage=a._on_stage,
+                    turn=turn,
+                )
+
+            try:
+                return await ask(owner, turns.get(owner))
+            except RoundFailed as e:
+                lost.add(owner)
+                if not isinstance(e, OwnerUnreachable):
+                    raise
+                return await self._stand_in(owner, keys, ask, stand_ins, e)
+
+        fetches = {
+            owner: a._spawn(answer_of(owner, keys))
+            for owner, keys in self.by_owner.items()
+            if owner != a.peer_id
+        }
+        waits: list[asyncio.Future[Any]] = list(fetches.values())
+        if state.session is not None:
+            waits.append(a._spawn(state.session.done.wait()))
+        budget = a._exchange_budget_s(self.moved)
+        done, pending = await asyncio.wait(waits, timeout=budget, return_when=asyncio.FIRST_EXCEPTION)
+        for task in pending:
+            task.cancel()
+        failed = [t for t in done if t.exception() is not None]
+        if failed:
+            a._lost_owners[state.group.round] = lost
+            error = failed[0].exception()
+            raise error if isinstance(error, RoundFailed) else RoundFailed(str(error))
+        if pending:
+            # An owner silent for the whole budget is lost as one whose stream broke (cut off, or
+            # dead): the others need not wait for it to say that its try failed.
+            silent = {owner for owner, task in fetches.items() if task in pending}
+            a._lost_owners[state.group.round] = lost | silent
+            raise Caught(
+                f"no answer from {len(pending)} owner(s) within {budget:.1f} s",
+                dict.fromkeys(silent, f"took our parts and gave no answer within {budget:.1f} s"),
+                proven=False,
+            )
+        answers: dict[str, Answer] = {owner: task.result() for owner, task in fetches.items()}
+        if state.session is not None:
+            if state.session.result is None:
+                raise RoundFailed("our own reduction failed")
+            answers[a.peer_id] = state.session.result
+        return answers
+
+    async def _stand_in(
+        self,
+        owner: str,
+        keys: list[str],
+        ask: Callable[[str], Awaitable[Answer]],
+        stand_ins: dict[str, str],
+        unreachable: OwnerUnreachable,
+    ) -> Answer:
+        """The parts of `owner`, whom no stream reached, from the first member after it in the
+        group's order that takes them (this peer, in its own session for them, when it comes
+        first). Every member walks the same order, so all that reach nobody before agree on who
+        stands in; `member.assemble` takes the answer only if it cannot differ from what any other
+        member holds for those parts."""
+        state, me = self.state, self.averager.peer_id
+        owners = state.group.owners
+        at = owners.index(owner)
+        for member in (*owners[at + 1 :], *owners[:at]):
+            if member == me:
+                session = state.take_over(keys)
+                assert session is not None  # they are `owner`'s parts, and we are not `owner`
+                if not session.admit(me, _incoming(self.contribution, keys, state.own)):
+                    raise RoundFailed(f"standing in for {owner[-8:]}: the reduction had already closed")
+                try:
+                    await session.done.wait()
+                    answer = session.result
+                finally:
+                    session.answered()
+                if answer is None:
+                    raise RoundFailed(f"standing in for {owner[-8:]}: the reduction failed")
+            else:
+                try:
+                    answer = await ask(member)
+                except OwnerUnreachable:
+                    continue
+            stand_ins[owner] = member
+            return answer
+        raise unreachable
+
+    async def _check(self, result: MemberResult, reveal_by: float) -> None:
+        """`verification.verify_round` of the answers (Caught when they do not check out); an owner
+        that shows some contributor's projections false convicts it."""
+        a, state, contribution = self.averager, self.state, self.contribution
+        assert state.own is not None
+        budget = a.phase_s(self.moved, floor_s=a.reduce_timeout_s)
+
+        def defend(owner: str, key: str, listed: list[Signed]) -> Awaitable[dict[str, bytes]]:
+            return ask_defense(
+                a._p2p,
+                a._verify_name,
+                owner,
+                round=state.group.round,
+                key=key,
+                projections=listed,
+                size=len(contribution.payloads[key]),
+                timeout_s=budget,
+                meter=state.meter,
+            )
+
+        liars = await verify_round(
+            state=state,
+            answers=state.answers,
+            members=result.members,
+            peer_id=a.peer_id,
+            own=state.own,
+            secret=self.secret,
+            payloads=contribution.payloads,
+            settings=Settings(
+                a.aggregate, a.outlier_factor, self.bounds.reference_tokens, a.scorer is not None
+            ),
+            signer=a._signer,
+            send=lambda peer, kind, signed: a._send_statement(state, peer, kind, signed, budget),
+            defend=defend,
+            executor=a._verify_executor,
+            budget_s=budget,
+            reveal_by=reveal_by,
+            laggards=a._laggards,
+        )
+        if liars:
+            a._convict(Caught("false projections", liars, proven=True))
+            a._log(state.group.round, "owners showed false projections of %s", sorted(p[-8:] for p in liars))
+
+    async def _watch_members(self) -> None:
+        """While our reductions wait for members' parts, ask every `PROBE_EVERY_S` whether each
+        member that has sent them nothing yet is still there: one to which no stream opens at all
+        has died (or left the network) and is not waited for until the part deadline (it cost every
+        owner that deadline, 15 s at its floor). One that does not answer in time may be busy: it
+        is waited for as before."""
+        a, state = self.averager, self.state
+
+        async def reachable(peer: str) -> bool:
+            try:
+                _, _, writer = await asyncio.wait_for(
+                    a._p2p.call_binary_stream_handler(PeerID.from_base58(peer), a._verify_name),
+                    PROBE_TIMEOUT_S,
+                )
+            except asyncio.TimeoutError:
+                return True
+            except Exception:
+                return False
+            writer.close()
+            return True
+
+        while True:
+            await asyncio.sleep(PROBE_EVERY_S)
+            waiting = {p for s in state.reductions for p in s.waiting() if p != a.peer_id}
+            if not any(not s.closed for s in state.reductions):
+                return
+            for peer, alive in zip(waiting, await asyncio.gather(*map(reachable, waiting)), strict=True):
+                if not alive:
+                    a._log(state.group.round, "no stream reaches %s: not waiting for its parts", peer[-8:])
+                    state.mail.lost(peer)
+                    for session in state.reductions:
+                        session.drop(peer)
+
+
+def parts_by_owner(owners: Mapping[str, str]) -> dict[str, list[str]]:
+    """Each owner's parts, in the order of the tensors."""
+    by_owner: dict[str, list[str]] = {}
+    for key, owner in owners.items():
+        by_owner.setdefault(owner, []).append(key)
+    return by_owner
+
+
+def _incoming(contribution: Contribution, keys: list[str], commitment: Commitment | None) -> Incoming:
+    """Our own contribution to the parts `keys`, as a session takes it (never on the wire)."""
+    own = {k: bytes(contribution.payloads[k]) for k in keys}
+    return Incoming(
+        float(contribution.weight), float(contribution.tokens), own, bytes(contribution.metadata), commitment
+    )
+
+
+def own_facts(payloads: Mapping[str, bytes]) -> tuple[list[bytes], list[float]]:
+    """What a member commits to of its payloads: their digests and the norms of their decoded values
+    (`statements.Commitment`), in the layout's order."""
+    digests = [payload_digest(p) for p in payloads.values()]
+    norms = [tensor_norm(decode(p)) for p in payloads.values()]
+    return digests, norms
+
+
+class _LateAnswers:
+    """Fault injection (`answer_delay`): a P2P whose streams hold back the reading of the answer.
+
+    A member's stream reads the owner's go frame (two reads: its length, its header), then the
+    answer; the third read waits `delay_s` first.
+    """
+
+    def __init__(self, p2p: P2P, delay_s: float) -> None:
+        self._p2p, self._delay_s = p2p, delay_s
+
+    async def call_binary_stream_handler(
+        self, peer_id: PeerID, handler: str
+    ) -> tuple[Any, _LateReader, asyncio.StreamWriter]:
+        info, reader, writer = await self._p2p.call_binary_stream_handler(peer_id, handler)
+        return info, _LateReader(reader, self._delay_s), writer
+
+
+class _LateReader:
+    def __init__(self, reader: asyncio.StreamReader, delay_s: float) -> None:
+        self._reader, self._delay_s, self._reads = reader, delay_s, 0
+
+    async def readexactly(self, n: int) -> bytes:
+        self._reads += 1
+        if self._reads == 3:
+            await asyncio.sleep(self._delay_s)
+        return await self._reader.readexactly(n)
