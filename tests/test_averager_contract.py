@@ -1363,7 +1363,7 @@ def test_a_member_projecting_falsely_to_frame_an_owner_is_shown_up_and_the_round
     honest owners' parts then fail their checks, as if the owners had lied. Each member asks the
     owner, which shows the framer's payloads (they hash to its commitment and project otherwise):
     the round completes with `reduce_group`'s bytes, and every other member convicts the framer."""
-    from adloco.protocol.transport import verification
+    from adloco.protocol.transport import checks, verification
 
     swarm = Swarm("hivemind")
     try:
@@ -1371,7 +1371,7 @@ def test_a_member_projecting_falsely_to_frame_an_owner_is_shown_up_and_the_round
         averagers = sorted((swarm.averager(i) for i in range(3)), key=lambda a: a.peer_id)
         contributions = _contributions(averagers, "none", seed=22)
         framer = contributions[2]
-        real = verification.own_projections
+        real = checks.own_projections  # called by verification.verify_round: patched there
 
         def doubled(payloads: Any, layout: Any, seed: bytes) -> list[float]:
             values = real(payloads, layout, seed)
@@ -1484,7 +1484,7 @@ def test_a_member_sending_false_inner_products_to_frame_a_clipping_owner_is_show
     then reads small and the honest owners' clip factors for it (~0.3) look false. Each member asks
     the owner, which shows the framer's payloads (they hash to its commitment and give other inner
     products): the round completes with `reduce_group`'s bytes, and the framer is convicted."""
-    from adloco.protocol.transport import verification
+    from adloco.protocol.transport import checks, verification
 
     swarm = Swarm("hivemind")
     try:
@@ -1492,7 +1492,7 @@ def test_a_member_sending_false_inner_products_to_frame_a_clipping_owner_is_show
         averagers = sorted((swarm.averager(i, aggregate=CLIP) for i in range(3)), key=lambda a: a.peer_id)
         contributions = _flipped_contributions(averagers)
         framer = contributions[2]
-        real = verification.own_dots
+        real = checks.own_dots  # called by verification.verify_round: patched there
 
         def negated(payloads: Any, layout: Any, clipped: Any) -> list[float | None]:
             dots = real(payloads, layout, clipped)

@@ -136,7 +136,7 @@ def test_an_owner_killed_mid_answer_costs_the_survivors_one_try_and_its_restart_
     one member and is killed with its p2pd (SIGKILL of its process group, `ADLOCO_FAULT_DIE_AT`)
     before the other has read its answer (that one reads 3 s late, `ADLOCO_FAULT_SLOW_ANSWERS`). The
     one that had the answer finds the victim unreachable when it sends its reveal, the other's
-    exchange breaks and it withdraws (`verification.WITHDRAW`): both leave that try at once, neither
+    exchange breaks and it withdraws (`verify_streams.WITHDRAW`): both leave that try at once, neither
     waits for a dead peer's failure record, and the retry completes without it, with one θ on both
     in every round. Before: the one with the answer waited out the reveal budget (~45 s) and left
     the victim out for 120 s, so its restart, under the same key, trained alone. Restarted on its

@@ -37,7 +37,7 @@ bytes, identical `members` and `reports`. Consequences, all accepted for now:
 - an owner that dies mid-exchange takes its parts with it: everyone returns None for that round
   (consistent); each says so in the DHT (`Matchmaker.mark_failed`) so the next try opens at once;
   that holds when it dies after some members have read its answer and others not: a member whose
-  exchange broke withdraws from the round at once (`verification.WITHDRAW`, naming the owner), a
+  exchange broke withdraws from the round at once (`verify_streams.WITHDRAW`, naming the owner), a
   member holding every answer finds the dead owner unreachable when it sends its reveal
   (`Mailbox.lost`), and neither waits out the budget for a reveal that cannot come, nor for the
   dead peer's failure record (`failed_everywhere`); a peer's first departure within `BAN_S` does
@@ -108,14 +108,8 @@ from .matchmaking import Caught, Matchmaker, RoundFailed, layout_of, matchmaking
 from .owner import OwnerHandler, OwnerSession, RoundState
 from .round_exchange import RoundExchange, own_facts
 from .statements import Commitment, Signed, Signer
-from .verification import (
-    ACCUSE,
-    WITHDRAW,
-    WITHDRAW_CHARS,
-    VerifyHandler,
-    send_statement,
-)
-from .verification import handler_name as verification_handler
+from .verify_streams import ACCUSE, WITHDRAW, WITHDRAW_CHARS, VerifyHandler, send_statement
+from .verify_streams import handler_name as verification_handler
 from .wire import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, PROTOCOL_VERSION, bytes_timeout, daemon_listen_maddr
 
 logger = logging.getLogger(__name__)
@@ -732,7 +726,7 @@ class HivemindAverager:
         )
 
     def _withdraw(self, ready: asyncio.Future[RoundState | None], failure: RoundFailed) -> None:
-        """Tell the round's other members that this peer leaves it (`verification.WITHDRAW`), and
+        """Tell the round's other members that this peer leaves it (`verify_streams.WITHDRAW`), and
         whom it blames, so none waits out its budget for our reveal or projections."""
         state = _formed(ready)
         if state is None:

@@ -94,7 +94,7 @@ class Group:
 class RoundFailed(Exception):
     """This member cannot return a result for the round (the reason is logged). `blamed`: the peers
     whose failure it was, where this member saw whom (an owner whose stream broke), for the
-    withdrawal it sends the round's other members (`verification.WITHDRAW`)."""
+    withdrawal it sends the round's other members (`verify_streams.WITHDRAW`)."""
 
     def __init__(self, message: str = "", *, blamed: Sequence[str] = ()) -> None:
         super().__init__(message)

@@ -31,12 +31,14 @@ from ..algorithms.codecs import Codec, decode, payload_codec, payload_shape
 from ..algorithms.parts import deal_parts, most_bytes_moved, tensor_norm
 from ..algorithms.verify import payload_digest
 from .averager import MemberResult
+from .checks import Settings
 from .matchmaking import Caught, Group, RoundFailed
 from .member import OwnerUnreachable, assemble, fetch
 from .owner import Answer, Incoming, OwnerSession, RoundState
 from .statements import Commitment, Signed
 from .turns import SendTurn, chain, send_order, turn_budget_s
-from .verification import Settings, ask_defense, verify_round
+from .verification import verify_round
+from .verify_streams import ask_defense
 
 if TYPE_CHECKING:
     from .hivemind_averager import HivemindAverager

@@ -538,7 +538,7 @@ class Mailbox:
     from each member; a second, different one is kept as the proof that it equivocated), and the
     members known to have left the round (`gone`, why): one this peer could not open a stream to
     (`unreachable`: dead, or gone from the network), or one that said it withdrew (its exchange
-    failed, `verification.WITHDRAW`), naming whom it could not reach (`withdrawals`)."""
+    failed, `verify_streams.WITHDRAW`), naming whom it could not reach (`withdrawals`)."""
 
     reveals: dict[str, Reveal] = field(default_factory=dict)
     projections: dict[str, Projections] = field(default_factory=dict)
