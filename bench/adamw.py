@@ -37,7 +37,7 @@ def _rss_mib() -> float:
 def child(setting: str, steps: int) -> None:
     import torch
 
-    from adloco.node.training.model import build_model
+    from adloco.node.model.model import build_model
 
     sys.path.insert(0, str(HERE))
     from memory import GPT2_124M

@@ -45,7 +45,7 @@ def child_step(steps: int) -> None:
     """Time training steps of the 124M config in this process; print one JSON line."""
     import torch
 
-    from adloco.node.training.model import build_model
+    from adloco.node.model.model import build_model
 
     sys.path.insert(0, str(HERE))
     from memory import GPT2_124M

@@ -92,7 +92,7 @@ DHT_KWARGS: dict[str, Any] = {
 
 
 def llama_shapes(d: int, layers: int, vocab: int) -> dict[str, tuple[int, ...]]:
-    """The parameter shapes of an untied Llama with MLP width 4d (as node/training/model.py)."""
+    """The parameter shapes of an untied Llama with MLP width 4d (as node/model/model.py)."""
     shapes: dict[str, tuple[int, ...]] = {"embed": (vocab, d)}
     for i in range(layers):
         for name in ("q", "k", "v", "o"):

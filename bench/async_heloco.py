@@ -44,14 +44,14 @@ from typing import Any, Literal
 
 import torch
 
+from adloco.node.data.corpus import Corpus
+from adloco.node.data.sampling import evaluate, shard_documents
+from adloco.node.model.model import build_model
 from adloco.node.sim.engine import RoundRecord, SimConfig, Simulator, initial_val_loss, records_as_dicts
 from adloco.node.training.config import TrainConfig
-from adloco.node.training.corpus import Corpus
-from adloco.node.training.model import build_model
 from adloco.node.training.peer import Peer
 from adloco.node.training.rounds import ContributionInfo, LocalRound
 from adloco.node.training.runtime import load_data
-from adloco.node.training.sampling import evaluate, shard_documents
 from adloco.protocol.algorithms.heloco import HelocoConfig
 from adloco.protocol.algorithms.outer import OuterConfig
 from adloco.protocol.algorithms.pseudograd import tensors_hash

@@ -55,9 +55,9 @@ from typing import Any
 
 import torch
 
+from adloco.node.data.corpus import Corpus
 from adloco.node.sim.engine import RoundRecord, SimConfig, Simulator, initial_val_loss
 from adloco.node.training.config import TrainConfig
-from adloco.node.training.corpus import Corpus
 from adloco.node.training.peer import Peer
 from adloco.node.training.runtime import load_data
 from adloco.protocol.algorithms import adaptive, codecs

@@ -48,15 +48,15 @@ from typing import Any
 
 import torch
 
+from adloco.node.data.sampling import evaluate, validation_batches
+from adloco.node.model.devices import adamw, autocast, resolve_device, resolve_precision
+from adloco.node.model.loss import causal_lm_loss
+from adloco.node.model.model import build_model
 from adloco.node.sim.engine import SimConfig, Simulator
 from adloco.node.training.config import TrainConfig
-from adloco.node.training.devices import autocast, resolve_device, resolve_precision
-from adloco.node.training.instances import InnerConfig, adamw
-from adloco.node.training.loss import causal_lm_loss
-from adloco.node.training.model import build_model
+from adloco.node.training.instances import InnerConfig
 from adloco.node.training.peer import instance_sampler
 from adloco.node.training.runtime import load_data
-from adloco.node.training.sampling import evaluate, validation_batches
 from adloco.protocol.algorithms.outer import OuterConfig
 from adloco.protocol.algorithms.schedule import ScheduleConfig
 

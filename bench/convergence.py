@@ -47,14 +47,14 @@ from typing import Any
 import torch
 
 from adloco.bench.simruns import Row, SimRun, fmt, plot_curves, run_sim, set_threads, sim_config, spread
+from adloco.node.data.corpus import Corpus
+from adloco.node.data.sampling import evaluate, validation_batches
+from adloco.node.model.devices import adamw
+from adloco.node.model.loss import causal_lm_loss
+from adloco.node.model.model import build_model
 from adloco.node.training.config import TrainConfig
-from adloco.node.training.corpus import Corpus
-from adloco.node.training.instances import adamw
-from adloco.node.training.loss import causal_lm_loss
-from adloco.node.training.model import build_model
 from adloco.node.training.peer import instance_sampler
 from adloco.node.training.runtime import load_data
-from adloco.node.training.sampling import evaluate, validation_batches
 
 GOAL_PCT = 20.0
 """Issue 11 §2: full AdLoCo reaches the target in at least this much fewer rounds and simulated time."""

@@ -102,9 +102,9 @@ CHILD = """
 import json, sys, time
 args = json.loads(sys.argv[1])
 import datasets  # noqa: F401 (imported before the measurement, like all the loader needs)
-from adloco.node.training.corpus import load_corpus
-from adloco.node.training.sampling import TokenSampler, shard_corpus
-from adloco.node.training.tokenizer import load_tokenizer
+from adloco.node.data.corpus import load_corpus
+from adloco.node.data.sampling import TokenSampler, shard_corpus
+from adloco.node.data.tokenizer import load_tokenizer
 
 def status(field):
     for line in open("/proc/self/status"):

@@ -35,8 +35,8 @@ import torch
 # Run as `python bench/gpu.py`, this folder is on sys.path: the 124M config is memory.py's own.
 from memory import GPT2_124M
 
+from adloco.node.model.model import count_parameters
 from adloco.node.training.config import TrainConfig
-from adloco.node.training.model import count_parameters
 from adloco.node.training.peer import Peer
 from adloco.node.training.runtime import load_data
 from adloco.protocol.algorithms.allreduce import reduce_group

@@ -43,8 +43,8 @@ from pathlib import Path
 from typing import Any
 
 from adloco.bench.simruns import Row, SimRun, fmt, plot_curves, run_sim, set_threads, sim_config, spread
+from adloco.node.data.corpus import Corpus
 from adloco.node.sim.engine import SimConfig, Simulator
-from adloco.node.training.corpus import Corpus
 from adloco.node.training.rounds import ContributionInfo, LocalRound
 from adloco.node.training.runtime import load_data
 from adloco.protocol.algorithms.heloco import HelocoConfig

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from adloco.bench.simruns import SimRun, run_sim, set_threads, sim_config
-from adloco.node.training.model import build_model, count_parameters
+from adloco.node.model.model import build_model, count_parameters
 from adloco.node.training.runtime import load_data
 
 RESULTS = Path(__file__).resolve().parent / "results"

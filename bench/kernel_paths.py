@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from adloco.node.training.model import build_model
+from adloco.node.model.model import build_model
 from adloco.protocol.algorithms.adaptive import DEFAULT_CANDIDATES, choose_codec, measured_error
 from adloco.protocol.algorithms.codecs import LowRankCodec, decode, encode_tensors, make_codec
 from adloco.protocol.algorithms.outer import OuterConfig, outer_step

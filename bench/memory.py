@@ -141,7 +141,7 @@ def make_tokenizer(work: Path) -> Path:
 
 
 def count_parameters(config: Path) -> int:
-    from adloco.node.training.model import build_model
+    from adloco.node.model.model import build_model
 
     model = build_model(str(config), vocab_size=VOCAB)
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -150,7 +150,7 @@ def count_parameters(config: Path) -> int:
 def library_baseline(config: Path) -> int:
     """Peak RSS of a process that imports the libraries and builds the model once (4 B/param)."""
     code = (
-        "import sys, adloco.node.training.model as m;"
+        "import sys, adloco.node.model.model as m;"
         "m.build_model(sys.argv[1], vocab_size=int(sys.argv[2])); print(open('/proc/self/status').read())"
     )
     cmd = [sys.executable, "-c", code, str(config), str(VOCAB)]

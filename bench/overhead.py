@@ -48,13 +48,13 @@ from typing import Any
 
 import torch
 
+from adloco.node.data.sampling import TokenSampler, shard_corpus
+from adloco.node.model.devices import autocast
+from adloco.node.model.loss import causal_lm_loss
+from adloco.node.model.model import build_model, count_parameters, peak_flops, train_flops_per_token
 from adloco.node.training.config import TrainConfig
-from adloco.node.training.devices import autocast
-from adloco.node.training.loss import causal_lm_loss
-from adloco.node.training.model import build_model, count_parameters, peak_flops, train_flops_per_token
 from adloco.node.training.peer import Peer
 from adloco.node.training.runtime import load_data
-from adloco.node.training.sampling import TokenSampler, shard_corpus
 from adloco.protocol.algorithms.codecs import decode, make_codec
 
 try:  # imported by adloco-bench

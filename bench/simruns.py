@@ -21,8 +21,8 @@ from typing import Any
 import torch
 
 from adloco.node.cli.sim import build_parser, config_from_args
+from adloco.node.data.corpus import Corpus
 from adloco.node.sim.engine import SimConfig, Simulator, initial_val_loss
-from adloco.node.training.corpus import Corpus
 from adloco.node.training.rounds import RoundRecord
 
 Row = dict[str, Any]

@@ -25,17 +25,16 @@ from typing import Any
 
 import torch
 
-from adloco.node.training.config import InnerConfig
-from adloco.node.training.devices import autocast
-from adloco.node.training.instances import adamw
-from adloco.node.training.loss import causal_lm_loss
-from adloco.node.training.model import (
+from adloco.node.model.devices import adamw, autocast
+from adloco.node.model.loss import causal_lm_loss
+from adloco.node.model.model import (
     build_model,
     compile_layers,
     count_parameters,
     peak_flops,
     train_flops_per_token,
 )
+from adloco.node.training.config import InnerConfig
 
 try:  # imported by adloco-bench
     from .gpu import MODELS

@@ -128,7 +128,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, object]:
         model, params = str(config), count_parameters(config)
         extra = ["--tokenizer", str(make_tokenizer(work))]  # the config's vocabulary, as memory.py
     else:
-        from adloco.node.training.model import build_model
+        from adloco.node.model.model import build_model
 
         params = sum(p.numel() for p in build_model(model, vocab_size=256).parameters())
     node_args = _node_args(args)

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from adloco.errors import UserError
-from adloco.node.training.bmax import cpu_b_max, cuda_b_max, saved_activation_bytes
-from adloco.node.training.model import build_model
+from adloco.node.model.bmax import cpu_b_max, cuda_b_max, saved_activation_bytes
+from adloco.node.model.model import build_model
 
 
 @pytest.fixture(scope="module")

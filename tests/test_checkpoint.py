@@ -16,6 +16,10 @@ import pytest
 import torch
 
 from adloco.errors import UserError
+from adloco.node.data import sampling
+from adloco.node.data.corpus import Corpus
+from adloco.node.data.state import IncompatibleState
+from adloco.node.data.streams import digest
 from adloco.node.operations import checkpoint
 from adloco.node.operations.checkpoint import (
     check_checkpoint_dir,
@@ -26,13 +30,9 @@ from adloco.node.operations.checkpoint import (
     save_checkpoint,
     unflatten_state,
 )
-from adloco.node.training import sampling
 from adloco.node.training.config import TrainConfig
-from adloco.node.training.corpus import Corpus
 from adloco.node.training.peer import Peer
 from adloco.node.training.runtime import load_data
-from adloco.node.training.state import IncompatibleState
-from adloco.node.training.streams import digest
 from adloco.protocol.algorithms.allreduce import reduce_group
 
 CFG = TrainConfig(seq_len=32, batch_size=4, instances=2, inner_steps=2, b_max=4, max_corpus_mb=1)

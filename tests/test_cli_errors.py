@@ -23,7 +23,7 @@ import pytest
 from adloco.node.cli import entry as node_entry
 from adloco.node.cli import node as node_cli
 from adloco.node.cli import sim as sim_cli
-from adloco.node.training.tokenizer import train_bpe
+from adloco.node.data.tokenizer import train_bpe
 
 BIN = Path(sys.executable).parent
 MAINS: dict[str, Callable[[list[str]], int]] = {

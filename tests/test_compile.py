@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from adloco.errors import UserError
-from adloco.node.training import model as model_module
+from adloco.node.data.corpus import Corpus
+from adloco.node.model import model as model_module
+from adloco.node.model.loss import COMPILED_MARK
+from adloco.node.model.model import build_model, compile_layers, compile_missing, resolve_compile
 from adloco.node.training.config import TrainConfig
-from adloco.node.training.corpus import Corpus
-from adloco.node.training.loss import COMPILED_MARK
-from adloco.node.training.model import build_model, compile_layers, compile_missing, resolve_compile
 from adloco.node.training.peer import Peer
 from adloco.node.training.runtime import load_data
 from adloco.protocol.algorithms.switch import BatchPlan

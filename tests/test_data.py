@@ -1,4 +1,4 @@
-"""Corpus loading and splitting (training/corpus.py), sharding and sampling (sampling.py), tokenizers."""
+"""Corpus loading and splitting (data/corpus.py), sharding and sampling (sampling.py), tokenizers."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from adloco.errors import UserError
-from adloco.node.training.corpus import Corpus, DocTable, Document, load_corpus, stdlib_files
-from adloco.node.training.sampling import (
+from adloco.node.data.corpus import Corpus, DocTable, Document, load_corpus, stdlib_files
+from adloco.node.data.sampling import (
     TokenSampler,
     corpus_stream,
     restore_streams,
@@ -21,9 +21,9 @@ from adloco.node.training.sampling import (
     shard_documents,
     validation_batches,
 )
-from adloco.node.training.streams import TokenFile, TokenStream, digest
-from adloco.node.training.token_cache import token_dtype
-from adloco.node.training.tokenizer import ByteTokenizer, load_tokenizer
+from adloco.node.data.streams import TokenFile, TokenStream, digest
+from adloco.node.data.token_cache import token_dtype
+from adloco.node.data.tokenizer import ByteTokenizer, load_tokenizer
 
 ROWS = [{"text": f"row {i}: " + "the quick brown fox " * (i % 5 + 1), "id": i} for i in range(120)]
 

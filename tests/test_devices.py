@@ -18,11 +18,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from adloco.errors import UserError
-from adloco.node.training.bmax import STATS_TENSORS, cpu_b_max, saved_activation_bytes, static_bytes
+from adloco.node.data.corpus import Corpus
+from adloco.node.model.bmax import STATS_TENSORS, cpu_b_max, saved_activation_bytes, static_bytes
+from adloco.node.model.devices import Placement, precision_dtype
+from adloco.node.model.model import build_model, enable_activation_checkpointing
 from adloco.node.training.config import TrainConfig
-from adloco.node.training.corpus import Corpus
-from adloco.node.training.devices import Placement, precision_dtype
-from adloco.node.training.model import build_model, enable_activation_checkpointing
 from adloco.node.training.peer import Peer
 from adloco.node.training.runtime import load_data
 from adloco.protocol.algorithms.allreduce import reduce_group

@@ -14,9 +14,9 @@ import torch
 from adloco.errors import UserError
 from adloco.node.cli import sim as sim_cli
 from adloco.node.cli.options import train_config_from_args
+from adloco.node.data.corpus import Corpus
 from adloco.node.sim.engine import SimConfig, Simulator
 from adloco.node.training.config import TrainConfig
-from adloco.node.training.corpus import Corpus
 from adloco.node.training.peer import Peer
 from adloco.node.training.runtime import load_data
 from adloco.protocol.algorithms.allreduce import Contribution, reduce_group

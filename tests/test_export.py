@@ -165,7 +165,7 @@ def test_a_checkpoint_records_what_rebuilds_the_model(tmp_path: Path) -> None:
     state = peer.state_dict()
     from transformers import AutoModelForCausalLM
 
-    from adloco.node.training.model import config_from_json, model_fingerprint
+    from adloco.node.model.model import config_from_json, model_fingerprint
 
     rebuilt = AutoModelForCausalLM.from_config(config_from_json(state["model_config"]))
     assert model_fingerprint(rebuilt) == state["model_fingerprint"]

@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING, cast
 import pytest
 import torch
 
-from adloco.node.training import loss as loss_module
-from adloco.node.training.loss import TiedEmbedding, causal_lm_loss, fused_head
-from adloco.node.training.model import build_model, compile_missing
+from adloco.node.model import loss as loss_module
+from adloco.node.model.loss import TiedEmbedding, causal_lm_loss, fused_head
+from adloco.node.model.model import build_model, compile_missing
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -308,7 +308,7 @@ def test_gpt2s_activation_runs_fused_with_the_same_values_and_keeps_less_for_bac
     per layer for the backward pass."""
     from transformers.activations import NewGELUActivation
 
-    from adloco.node.training.model import TanhGELU
+    from adloco.node.model.model import TanhGELU
 
     model = _model(gpt2_config)
     swapped = [(m, n) for m in model.modules() for n, c in m.named_children() if isinstance(c, TanhGELU)]

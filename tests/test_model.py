@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from adloco.errors import UserError
-from adloco.node.training import model as model_module
-from adloco.node.training.model import (
+from adloco.node.data.sampling import evaluate
+from adloco.node.model import model as model_module
+from adloco.node.model.model import (
     DEFAULT_MODEL,
     PRESETS,
     build_model,
@@ -19,7 +20,6 @@ from adloco.node.training.model import (
     model_fingerprint,
     resolve_config,
 )
-from adloco.node.training.sampling import evaluate
 
 
 def _tiny_llama_dir(tmp_path: Path, *, vocab_size: int) -> Path:

@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from adloco.errors import UserError
+from adloco.node.data.corpus import Corpus
+from adloco.node.data.tokenizer import ByteTokenizer
 from adloco.node.training import instances
 from adloco.node.training.config import TrainConfig
-from adloco.node.training.corpus import Corpus
 from adloco.node.training.peer import Peer
 from adloco.node.training.replica import PeerState
 from adloco.node.training.runtime import load_data
-from adloco.node.training.tokenizer import ByteTokenizer
 from adloco.protocol.algorithms.allreduce import Contribution, reduce_group
 from adloco.protocol.algorithms.batchtest import BatchTest, grad_stats
 from adloco.protocol.algorithms.switch import BatchPlan

@@ -19,12 +19,12 @@ from dataclasses import dataclass
 
 import pytest
 
+from adloco.node.data.corpus import Corpus
 from adloco.node.operations.metrics import NodeMetrics
 from adloco.node.swarm.loop import ROUND_ID_STRIDE, LoopConfig, RoundLoop
 from adloco.node.swarm.ops import NodeOps, StatusLog
 from adloco.node.swarm.sync import SwarmHead
 from adloco.node.training.config import TrainConfig
-from adloco.node.training.corpus import Corpus
 from adloco.node.training.peer import Peer
 from adloco.node.training.replica import Update
 from adloco.node.training.runtime import load_data

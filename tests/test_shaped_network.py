@@ -67,7 +67,7 @@ def _expected_sent() -> tuple[list[list[int]], int, int]:
     the group may deal its parts (`matchmaking.form_group` draws one per round, which this test
     cannot recompute: the run's prefix and round ids are the node's), one Δ's int8 size, and its
     number of parts."""
-    from adloco.node.training.model import build_model
+    from adloco.node.model.model import build_model
     from adloco.protocol.algorithms.codecs import make_codec
     from adloco.protocol.algorithms.parts import assign_parts, round_traffic
 

@@ -38,7 +38,7 @@ def _hang_bound_s() -> float:
     `HivemindAverager.call_timeout_s` at the defaults and FAST_NODE_ARGS' window), the wait until
     that try is over (at most another call, `RoundLoop._settle`), the retry (a third), plus a minute
     for the local round, a catch-up and a restarted node's start."""
-    from adloco.node.training.model import build_model
+    from adloco.node.model.model import build_model
     from adloco.protocol.transport.matchmaking import matchmaking_bound_s
     from adloco.protocol.transport.wire import bytes_timeout
 

@@ -31,11 +31,11 @@ import pytest
 import torch
 
 from adloco.node.cli.processes import group_members
+from adloco.node.data.corpus import Corpus
 from adloco.node.swarm.offers import PROBE_HOLD_S, StateOffers
 from adloco.node.swarm.sync import Downloads, DownloadTarget, RemoteSource, updates_of
 from adloco.node.training.catchup import catch_up
 from adloco.node.training.config import TrainConfig
-from adloco.node.training.corpus import Corpus
 from adloco.node.training.peer import Peer
 from adloco.node.training.runtime import load_data
 from adloco.protocol.algorithms.allreduce import reduce_group

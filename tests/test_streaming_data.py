@@ -1,4 +1,4 @@
-"""The token cache and lazy sampling (training/token_cache.py, corpus.py, streams.py, sampling.py).
+"""The token cache and lazy sampling (data/token_cache.py, corpus.py, streams.py, sampling.py).
 
 Memory that does not grow with the corpus, no size cap, shards and validation that do not depend on
 file order or on which build made the cache, corrupt caches rebuilt, large files read in segments.
@@ -21,17 +21,17 @@ import pytest
 import torch
 
 from adloco.errors import UserError
-from adloco.node.training import corpus as corpus_module
-from adloco.node.training.corpus import SEGMENT_BYTES, Corpus, key_bucket, load_corpus, name_key
-from adloco.node.training.sampling import (
+from adloco.node.data import corpus as corpus_module
+from adloco.node.data.corpus import SEGMENT_BYTES, Corpus, key_bucket, load_corpus, name_key
+from adloco.node.data.sampling import (
     TokenSampler,
     restore_streams,
     shard_corpus,
     validation_batches,
 )
-from adloco.node.training.streams import TokenFile, TokenStream, digest
-from adloco.node.training.token_cache import token_dtype
-from adloco.node.training.tokenizer import ByteTokenizer
+from adloco.node.data.streams import TokenFile, TokenStream, digest
+from adloco.node.data.token_cache import token_dtype
+from adloco.node.data.tokenizer import ByteTokenizer
 
 _WORDS = [chr(97 + i % 26) * (i % 7 + 1) + chr(97 + i * 7 % 26) for i in range(60)]
 _pool = random.Random(42)
@@ -92,9 +92,9 @@ def _sha256(path: Path) -> str:
 PEAK_SCRIPT = """
 import json, sys
 import datasets  # noqa: F401  (imported before the measurement, like everything the loader needs)
-from adloco.node.training.corpus import load_corpus
-from adloco.node.training.sampling import shard_corpus, TokenSampler
-from adloco.node.training.tokenizer import ByteTokenizer
+from adloco.node.data.corpus import load_corpus
+from adloco.node.data.sampling import shard_corpus, TokenSampler
+from adloco.node.data.tokenizer import ByteTokenizer
 
 def status(field):
     for line in open("/proc/self/status"):
@@ -310,7 +310,7 @@ def test_a_corrupt_or_truncated_cache_is_rebuilt(
 def test_concurrent_loads_build_the_cache_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     _write_tree(tmp_path / "src", files=50, file_bytes=5_000)
     results: list[Corpus] = []
-    with caplog.at_level(logging.INFO, logger="adloco.node.training.token_cache"):
+    with caplog.at_level(logging.INFO, logger="adloco.node.data.token_cache"):
         threads = [
             threading.Thread(target=lambda: results.append(_load(tmp_path / "src", tmp_path / "cache")))
             for _ in range(3)

@@ -21,12 +21,9 @@ from adloco.errors import UserError
 from adloco.node.cli import entry
 from adloco.node.cli import launcher as sl
 from adloco.node.cli import node as node_cli
-from adloco.node.swarm import node as swarm_node
-from adloco.node.training.config import TrainConfig
-from adloco.node.training.corpus import Corpus, load_corpus, separator_tokens
-from adloco.node.training.peer import Peer
-from adloco.node.training.state import IncompatibleState
-from adloco.node.training.tokenizer import (
+from adloco.node.data.corpus import Corpus, load_corpus, separator_tokens
+from adloco.node.data.state import IncompatibleState
+from adloco.node.data.tokenizer import (
     EOS_TOKEN,
     ByteTokenizer,
     Tokenizer,
@@ -34,6 +31,9 @@ from adloco.node.training.tokenizer import (
     load_tokenizer,
     train_bpe,
 )
+from adloco.node.swarm import node as swarm_node
+from adloco.node.training.config import TrainConfig
+from adloco.node.training.peer import Peer
 from adloco.protocol.transport.dht import NetworkConfig
 
 BIN = Path(sys.executable).parent

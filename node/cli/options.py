@@ -10,8 +10,8 @@ from dataclasses import replace
 import torch
 
 from ...errors import UserError
+from ..model.devices import resolve_device, resolve_precision
 from ..training.config import PUBLIC_AGGREGATE, TrainConfig
-from ..training.devices import resolve_device, resolve_precision
 
 
 def finite_float(text: str) -> float:

@@ -6,7 +6,7 @@
 `tokenizer` trains a byte-level BPE tokenizer on the training documents of the corpus the same
 corpus flags give a node (`--dataset`, `--text-field`, `--max-corpus-mb`; the validation documents
 are left out) and writes its tokenizer.json, for every node's `--tokenizer`. `export` writes the θ of
-the newest usable checkpoint as a Hugging Face folder (node/training/export.py). Bad input ends with
+the newest usable checkpoint as a Hugging Face folder (node/model/export.py). Bad input ends with
 one line naming the option and exit code 2, as for the node.
 """
 
@@ -23,12 +23,12 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import UserError
+from ..data.corpus import Corpus
+from ..data.tokenizer import check_bpe_settings, load_tokenizer, train_bpe
+from ..model.export import check_exportable, describe, export_pretrained
 from ..operations.checkpoint import load_checkpoint
 from ..training.config import TrainConfig
-from ..training.corpus import Corpus
-from ..training.export import check_exportable, describe, export_pretrained
 from ..training.runtime import load_data, offline_hub
-from ..training.tokenizer import check_bpe_settings, load_tokenizer, train_bpe
 from .options import config_error, finite_float
 
 DEFAULT_VOCAB_SIZE = 8192

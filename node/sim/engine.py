@@ -45,13 +45,13 @@ from ...protocol.algorithms.parts import Aggregate
 from ...protocol.algorithms.scoring import SCORE_SEED_OFFSET, SCORE_SEQUENCES, RoundScorer, Score
 from ...protocol.transport.averager import MemberResult
 from ...protocol.transport.memory import MemoryAverager, MemoryHub
+from ..data.corpus import Corpus
+from ..data.sampling import TokenSampler, corpus_stream, evaluate
 from ..training.catchup import catch_up
 from ..training.config import TrainConfig
-from ..training.corpus import Corpus
 from ..training.peer import Peer, overlap_this_round
 from ..training.replica import PeerState, Update
 from ..training.rounds import ContributionInfo, LocalRound, RoundRecord
-from ..training.sampling import TokenSampler, corpus_stream, evaluate
 from .compute import StepCurve
 
 logger = logging.getLogger(__name__)

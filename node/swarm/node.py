@@ -36,16 +36,16 @@ from ...protocol.transport.hivemind_averager import HivemindAverager
 from ...protocol.transport.records import RunRecords, run_prefix
 from ...protocol.transport.state_transfer import StateServer, TransferSettings
 from ...protocol.transport.wire import DEFAULT_CHUNK_BYTES
+from ..data.corpus import Corpus
+from ..data.sampling import TokenSampler, evaluate
+from ..data.tokenizer import Tokenizer
+from ..model.model import check_model
 from ..operations.checkpoint import peek_checkpoint
 from ..operations.metrics import NodeMetrics
 from ..training.config import TrainConfig
-from ..training.corpus import Corpus
-from ..training.model import check_model
 from ..training.peer import Peer
 from ..training.rounds import RoundRecord
 from ..training.runtime import load_data
-from ..training.sampling import TokenSampler, evaluate
-from ..training.tokenizer import Tokenizer
 from .loop import ROUND_ID_STRIDE, LoopConfig, RoundLoop
 from .offers import StateOffers
 from .ops import NodeOps, StatusLog

@@ -1,1 +1,1 @@
-"""One peer's computation: model, data, MIT instances, the Peer, catch-up, the records of a round."""
+"""One peer's round: the Peer, its MIT instances, catch-up, replicated state, the records of a round."""

@@ -40,10 +40,10 @@ from ...protocol.algorithms.batchtest import GradStats, stats_from_sums
 from ...protocol.algorithms.merge import merge_weighted
 from ...protocol.algorithms.pseudograd import PseudoGradient
 from ...protocol.algorithms.switch import BatchPlan
-from .devices import Placement, autocast
-from .loss import TiedEmbedding, causal_lm_loss
-from .sampling import TokenSampler
-from .state import malformed, mapping, tensors_like
+from ..data.sampling import TokenSampler
+from ..data.state import malformed, mapping, tensors_like
+from ..model.devices import Placement, adamw, autocast
+from ..model.loss import TiedEmbedding, causal_lm_loss
 
 BatchStats = Literal["sums", "full", "none"]
 # What each batch test needs gathered in the first step of a round (`ScheduleConfig.test`).
@@ -96,7 +96,7 @@ class Instance:
     """A model instance with persistent AdamW state, fed by its own token stream.
 
     `placement` says where θ and the round start live (default: with the model, as on a CPU);
-    `autocast_dtype` is the precision of its forward passes (None: fp32), see `devices.py`.
+    `autocast_dtype` is the precision of its forward passes (None: fp32), see `model/devices.py`.
     `batch_stats` is what the first step of a round gathers for the batch test: "sums" (the norm
     test's), "full" (also the inner products the augmented test needs) or "none".
     """
@@ -456,18 +456,6 @@ class Instance:
 
 
 _RngState = tuple[torch.Tensor, torch.Tensor | None]
-
-
-def adamw(params: Sequence[torch.Tensor], **options: Any) -> torch.optim.AdamW:
-    """AdamW with PyTorch's fused kernel wherever the device has one (CPUs and GPUs alike).
-
-    On a CPU the default (one parameter at a time, no fused kernel) forms the update's temporaries
-    tensor by tensor: at GPT-2 124M a step took 202 ms and 294 MB above the state, the fused one
-    34 ms and nothing (bench/results/adamw.json). The inner optimizer's state never needs to be
-    bit-identical between peers: only θ does.
-    """
-    fused = {p.device.type for p in params} in ({"cpu"}, {"cuda"})
-    return torch.optim.AdamW(params, fused=fused or None, **options)
 
 
 def _rng_state(device: torch.device) -> _RngState:

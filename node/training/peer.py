@@ -46,12 +46,13 @@ from ...protocol.algorithms.pseudograd import PseudoGradient, TensorsHash, tenso
 from ...protocol.algorithms.report import PeerReport, dylu_ratio, hiding_inner_steps, overlap_byte_budget
 from ...protocol.algorithms.schedule import accumulation_for, next_schedule
 from ...protocol.algorithms.switch import BatchPlan
-from .bmax import probe_b_max
-from .config import TrainConfig, residual_dtype
-from .corpus import Corpus
-from .devices import Placement, resolve_device, resolve_precision
-from .instances import BATCH_STATS, Instance, InstanceRound
-from .model import (
+from ..data.corpus import Corpus
+from ..data.sampling import TokenSampler, evaluate, restore_streams, shard_corpus, validation_batches
+from ..data.state import IncompatibleState, integer, malformed, mapping, number
+from ..data.tokenizer import ByteTokenizer, Tokenizer, tokenizer_files
+from ..model.bmax import probe_b_max
+from ..model.devices import Placement, resolve_device, resolve_precision
+from ..model.model import (
     build_model,
     compile_layers,
     enable_activation_checkpointing,
@@ -60,11 +61,10 @@ from .model import (
     resolve_compile,
     train_flops_per_token,
 )
+from .config import TrainConfig, residual_dtype
+from .instances import BATCH_STATS, Instance, InstanceRound
 from .replica import HISTORY_ROUNDS, PeerState, Update, initial_state
 from .rounds import ContributionInfo, LocalRound
-from .sampling import TokenSampler, evaluate, restore_streams, shard_corpus, validation_batches
-from .state import IncompatibleState, integer, malformed, mapping, number
-from .tokenizer import ByteTokenizer, Tokenizer, tokenizer_files
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ class Peer:
     `vocab_size` is the model's; `tokenizer` is what `corpus` was tokenized with (default the byte
     tokenizer): its fingerprint is part of the peer's `fingerprint` and of its checkpoints.
     `placement`: where the instances train and where θ and the rest of the state live (default:
-    `Placement.for_training` of `cfg.device`: the state in host memory, see `devices.py`).
+    `Placement.for_training` of `cfg.device`: the state in host memory, see `model/devices.py`).
     """
 
     def __init__(

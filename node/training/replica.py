@@ -15,8 +15,8 @@ import torch
 
 from ...protocol.algorithms.pseudograd import tensors_hash
 from ...protocol.algorithms.schedule import Schedule
+from ..data.state import integer, mapping, tensors_like
 from .config import TrainConfig
-from .state import integer, mapping, tensors_like
 
 HISTORY_ROUNDS = 8  # averaged updates each peer keeps for laggards to replay
 

@@ -6,9 +6,9 @@ import ctypes
 import logging
 import os
 
+from ..data.corpus import Corpus, load_corpus
+from ..data.tokenizer import Tokenizer, load_tokenizer
 from .config import TrainConfig
-from .corpus import Corpus, load_corpus
-from .tokenizer import Tokenizer, load_tokenizer
 
 
 def offline_hub() -> None:

@@ -22,8 +22,8 @@ import torch
 
 from ...errors import UserError
 from ...protocol.algorithms.pseudograd import tensors_hash
+from ..data.state import mapping
 from .model import config_from_json, count_parameters
-from .state import mapping
 
 
 @dataclass(frozen=True)

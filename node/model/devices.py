@@ -15,7 +15,8 @@ page-locked memory from the rest of the machine.
 
 Precision: `resolve_precision` turns `--precision` into the dtype the instances' forward passes
 autocast to (bf16 by default on GPUs with native bf16); the master weights, gradients and AdamW
-state stay fp32, as θ does. `autocast` is the context every training forward runs in.
+state stay fp32, as θ does. `autocast` is the context every training forward runs in, and `adamw`
+the optimizer every instance (and the b_max probe) steps with, fused wherever the device has one.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -175,3 +177,15 @@ def autocast(device: torch.device, dtype: torch.dtype | None) -> AbstractContext
     if dtype is None:
         return nullcontext()
     return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def adamw(params: Sequence[torch.Tensor], **options: Any) -> torch.optim.AdamW:
+    """AdamW with PyTorch's fused kernel wherever the device has one (CPUs and GPUs alike).
+
+    On a CPU the default (one parameter at a time, no fused kernel) forms the update's temporaries
+    tensor by tensor: at GPT-2 124M a step took 202 ms and 294 MB above the state, the fused one
+    34 ms and nothing (bench/results/adamw.json). The inner optimizer's state never needs to be
+    bit-identical between peers: only θ does.
+    """
+    fused = {p.device.type for p in params} in ({"cpu"}, {"cuda"})
+    return torch.optim.AdamW(params, fused=fused or None, **options)

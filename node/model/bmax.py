@@ -21,8 +21,7 @@ from collections.abc import Callable
 import torch
 
 from ...errors import UserError
-from .devices import autocast
-from .instances import adamw
+from .devices import adamw, autocast
 from .loss import causal_lm_loss
 
 logger = logging.getLogger(__name__)
@@ -34,9 +33,9 @@ UPPER = 4096
 # the residual is bf16 by default).
 INSTANCE_BYTES = 16
 STATE_BYTES = 16
-# The norm-test statistics pass (instances.py `_ChunkSums`) holds, beside the step's gradients, the
-# micro-batch gradient it is reading and its deviation from the mean: at most this many tensors of
-# the largest parameter's size at once.
+# The norm-test statistics pass (node/training/instances.py `_ChunkSums`) holds, beside the step's
+# gradients, the micro-batch gradient it is reading and its deviation from the mean: at most this
+# many tensors of the largest parameter's size at once.
 STATS_TENSORS = 3
 
 
