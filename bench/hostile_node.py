@@ -39,7 +39,8 @@ from adloco.node.swarm.node import SwarmNode
 from adloco.protocol.algorithms.codecs import decode, make_codec, payload_codec
 from adloco.protocol.transport import owner, round_exchange
 from adloco.protocol.transport.matchmaking import RoundFailed
-from adloco.protocol.transport.owner import Answer, OwnerHandler, OwnerSession
+from adloco.protocol.transport.owner import Answer, OwnerSession
+from adloco.protocol.transport.owner_streams import OwnerHandler
 
 OWNER_ATTACKS = ("owner-scaled", "owner-noise", "owner-split", "owner-stall", "mute", "silent")
 

@@ -11,7 +11,7 @@ libp2p). Each node publishes its own credential in the DHT, under the run's `cre
 (`records.RunRecords.publish_credential`), so the others learn it (`Admission.select`).
 
 `Admission.admits(peer)` is asked where a peer's input enters: its state and readiness records
-(`records.RunRecords`, `matchmaking`), its averaging stream (`owner.OwnerHandler`), its state
+(`records.RunRecords`, `matchmaking`), its averaging stream (`owner_streams.OwnerHandler`), its state
 request (`state_transfer.StateServer`). A peer not (yet) known is refused; the callers re-read the
 credentials once for each peer they do not know yet, and at most every `REFRESH_S` for peers looked up
 in vain, before refusing one.

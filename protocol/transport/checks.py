@@ -136,7 +136,7 @@ def check_statements(
                 )
         if statement.reports and answer.metadata is not None:  # the reducer relays the reports
             for commitment, report in zip(answer.commitments, answer.metadata, strict=True):
-                # An empty report is one elided for its size (`owner.Request`): dropped alike.
+                # An empty report is one elided for its size (`owner_streams.Request`): dropped alike.
                 if report and digest(report) != commitment.report:
                     raise blame(reducer, f"relayed another report of {commitment.peer[-8:]}", proven=True)
         scored = [frozenset(i for i, code in codes.items() if code == SCORED) for codes in statement.codes]

@@ -105,7 +105,8 @@ from .conduct import EXCLUDE_PROVEN_S, Verdict, Verdicts
 from .evidence import DROPPED, EvidenceBoard
 from .identity import NodeDHT
 from .matchmaking import Caught, Matchmaker, RoundFailed, layout_of, matchmaking_bound_s
-from .owner import OwnerHandler, OwnerSession, RoundState
+from .owner import OwnerSession, RoundState
+from .owner_streams import OwnerHandler
 from .round_exchange import RoundExchange, own_facts
 from .statements import Commitment, Signed, Signer
 from .verify_streams import ACCUSE, WITHDRAW, WITHDRAW_CHARS, VerifyHandler, send_statement
@@ -334,7 +335,7 @@ class HivemindAverager:
         return self._conduct.current(self._loop.time())
 
     def misconduct(self) -> Misconduct:
-        """What this peer's owners caught (`owner.OwnerHandler`): rule breaks since start, bans now."""
+        """What this peer's owners caught (`owner_streams.OwnerHandler`): rule breaks, bans now."""
         handler = self._handler
         return Misconduct(violations=handler.violations, banned=handler.active_bans(self._loop.time()))
 
