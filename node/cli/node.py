@@ -5,6 +5,9 @@
 joins a swarm (`node/swarm/node.py`); with no --peers it starts a new swarm as its first peer and trains
 alone until others join, printing the multiaddrs they can use. `--offline` trains alone without
 any networking (`node/solo/trainer.py`). Bad input ends with one line naming the option and exit code 2.
+
+Over 500 lines, one idea: the adloco-node command, its flag groups and how each becomes a setting or
+a one-line refusal; split by flag group, a reader would follow one flag across several files.
 """
 
 from __future__ import annotations

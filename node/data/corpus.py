@@ -16,6 +16,10 @@ the order files are listed in: each document carries a 64-bit key (the first 8 b
 of its relative path, or of its text for a data row) and goes to validation iff the key's bucket is
 below `val_percent`; `Corpus.fingerprint` names exactly which files were used, since peers on
 different Python versions see slightly different stdlib files.
+
+Over 500 lines, one idea: reading a corpus into the token cache from any of its sources (folders,
+file lists, the Hugging Face Hub, the standard library, text rows) and splitting it; each source is
+small and exists only for `load_corpus`.
 """
 
 from __future__ import annotations

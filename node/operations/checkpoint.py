@@ -9,6 +9,9 @@ saved before) and then atomically repoints `latest`; older checkpoints beyond `k
 after that. Every file's sha256 is in the manifest: `load_checkpoint` verifies it and falls back to
 the previous checkpoint when the newest is truncated or corrupt, or its state is refused as malformed
 (research/reliability_ops.md A12, BI-13, F-11). One node per directory.
+
+Over 500 lines, one idea: the checkpoint's format on disk and its atomic write, listing, reading and
+verification; the helpers below (escaping, hashing, fsync, pruning, the manifest) serve only it.
 """
 
 from __future__ import annotations

@@ -15,6 +15,9 @@ as soon as it lands (or, if the local round ends first, after waiting for it), a
 progress is moved onto the new θ. Under auto a round overlaps only while the last averaging call
 took no longer than the last local round; otherwise it waits for the update first. Each round's
 record says how long the node sat idle waiting for communication (`wait_s`).
+
+Over 500 lines, one idea: `RoundLoop`, the swarm round from the node's side (contribute, average,
+check the head, apply, checkpoint), steps that share the loop's state and read in order.
 """
 
 from __future__ import annotations

@@ -33,6 +33,9 @@ few seconds (`NodeDHT.rejoin`: a DHT cut off long enough has forgotten every oth
 does not retry by itself). Ahead of the live peers' head, it takes their state when its own θ at the
 head's round was another (its rounds alone are another lineage, which a swarm of more peers
 outweighs); a peer merely behind it on its own lineage catches up to it instead.
+
+Over 500 lines, one idea: where the swarm is (its head, from vouched and live records) and how a
+node gets there (catch-up, downloads, fork healing), which `SwarmSync` decides from that head alone.
 """
 
 from __future__ import annotations

@@ -22,6 +22,9 @@ model's gradients is ever held (the memory stays at the training floor):
   backward pass over the same micro-batches yields each g_m again (`_chunk_stats`), one extra
   forward and backward per round;
 - with no batch test ("none") nothing is gathered.
+
+Over 500 lines, one idea: an MIT instance's inner loop, with the batch test's statistics gathered
+inside it (`_RunningSums`, `_ChunkSums`, which exist only for that loop).
 """
 
 from __future__ import annotations

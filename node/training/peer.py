@@ -17,6 +17,10 @@ train round r+1 while r is averaged, apply r's update when it lands (`apply_roun
 from `train_round`'s `on_step` callback, between two inner steps). Every change of θ then moves the
 instances' progress onto the new θ (`Instance.shift`), and MIT merges decided meanwhile wait for the
 local round to end.
+
+Over 500 lines, one idea: `Peer`, one peer's half of a round (train, contribute, apply, adopt a
+state, merge instances), whose methods share the replica, the instances and the error-feedback
+residual; split, each half would reach into the other's state.
 """
 
 from __future__ import annotations

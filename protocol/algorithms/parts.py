@@ -26,6 +26,10 @@ Scoring (issue 10 §3, `scoring.py`): given a `scorer`, `reduce_parts` first jud
 by the loss change its Δ over these parts makes on a batch the owner holds, and leaves the ones it
 excludes out of every part, reported as rejections like the screening's, before the screening and
 the aggregate rule see the rest.
+
+Over 500 lines, one idea: what an owner does with its parts (assignment, screening, the aggregation
+rules, the reduction) and the bytes that costs (`round_traffic`); the verifiable form of
+CenteredClip lives beside the rule it must reproduce bit for bit.
 """
 
 from __future__ import annotations

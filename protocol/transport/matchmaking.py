@@ -52,6 +52,10 @@ A member whose try failed after its group formed says so under f"{prefix}.round{
 (`all_failed`), no call of that try is running anywhere it could complete, and the next try may
 open at once instead of after the longest a call may take. A member that never says so (dead, or
 hostile) only leaves the wait at that bound, as before.
+
+Over 500 lines, one idea: the group rule and the `Matchmaker` that reads the DHT for it; the pure
+rule (`close_and_members`, `form_group`, `outvoted`, the parsing of records) is the larger half,
+tested on its own, and this docstring is its one account.
 """
 
 from __future__ import annotations

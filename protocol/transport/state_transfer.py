@@ -23,6 +23,10 @@ each peer: at most `per_peer` requests in flight at once, one of them "updates" 
 refused at once, before any work), and at most `serve_concurrency` chunk requests and a quarter as
 many update streams for all peers together. The updates the
 receiver replays are checked by the θ hash they lead to (`node/training/catchup.py`).
+
+Over 500 lines, one idea: `StateServer`, one peer's side of state transfer, serving (manifests,
+chunks, kept updates) and downloading from several donors; both share its stream handler, offers and
+per-peer limits; the manifest's format is manifest.py.
 """
 
 from __future__ import annotations

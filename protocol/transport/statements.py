@@ -25,6 +25,9 @@ Every field is type-checked and bounded where a statement is parsed (`parse`): n
 is trusted beyond its signature. Two statements of one kind, round and group with different
 contents from the same author prove that it told different peers different things
 (`evidence.Evidence`); anyone holding both can check it.
+
+Over 500 lines, one idea: what a peer may sign. The statement kinds, each with its make and parse,
+share the bounds and field checks at the top; `Mailbox` keeps the ones a round receives.
 """
 
 from __future__ import annotations
