@@ -4,6 +4,7 @@ bytes and are gone after `close()`."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -135,22 +136,40 @@ def _transfer(lan: netlan.Lan, size: int) -> None:
         sink.wait()
 
 
+def _retransmitted(ns: str) -> int:
+    """TCP's count of segments it sent again in namespace `ns` (its /proc/net/snmp), since it was made."""
+    snmp = subprocess.run(
+        ["ip", "netns", "exec", ns, "cat", "/proc/net/snmp"], capture_output=True, text=True, check=True
+    ).stdout
+    names, values = (line.split()[1:] for line in snmp.splitlines() if line.startswith("Tcp:"))
+    return int(dict(zip(names, values, strict=True))["RetransSegs"])
+
+
+def _mtu(ns: str, dev: str) -> int:
+    return int(json.loads(netlan.ip("-n", ns, "-j", "link", "show", "dev", dev))[0]["mtu"])
+
+
 @pytest.mark.netns
 def test_the_namespaces_count_what_a_host_sent_and_are_gone_after_close() -> None:
     why = netlan.available()
     if why is not None:
         pytest.skip(why)
     size = 2_000_000
-    for lan in (netlan.Loopback(2), netlan.Star(2, rate_mbit=100)):
+    for lan, dev in ((netlan.Loopback(2), "lo"), (netlan.Star(2, rate_mbit=100), "eth0")):
         with lan:
-            before = lan.counts()
+            before, resent = lan.counts(), _retransmitted(lan.hosts[0])
             t0 = time.monotonic()
             _transfer(lan, size)
             seconds = time.monotonic() - t0
             sent = (lan.counts()[0] - before[0]).tx_payload
             # Less the headers of a timestamped TCP segment per packet (the handshake's are larger or
-            # smaller): within 1 % of what TCP carried.
-            assert 0.99 * size <= sent <= 1.01 * size, (type(lan).__name__, sent)
+            # smaller): within 1 % of what TCP carried, and what it sent again is sent too. Under
+            # load a segment can be dropped between the namespace's sockets and sent again: a fresh
+            # clone's suite counted 2,046,748 bytes once, and 1 retransmission in 12 transfers here
+            # under four busy loops added 14,873. Each one is at most a packet of the device's MTU.
+            resent = _retransmitted(lan.hosts[0]) - resent
+            most = 1.01 * size + resent * _mtu(lan.hosts[0], dev)
+            assert 0.99 * size <= sent <= most, (type(lan).__name__, sent, resent)
             if isinstance(lan, netlan.Star):
                 assert seconds >= 0.95 * size * 8 / 100e6, "the link is not shaped"
         assert lan.prefix not in netlan.ip("netns", "list")
