@@ -71,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--attack",
         choices=ATTACKS,
         default="none",
-        help="what they send: -1000 Δ, -Δ claiming the most weight allowed, a random or a fixed direction",
+        help="what they send: -1000 Δ, -Δ claiming the most weight allowed, a random or a fixed direction;"
+        " stall: earn the work to own parts, then take them and never answer (sync mode)",
     )
     return p
 
@@ -135,6 +136,8 @@ def run(cfg: SimConfig, out: Path, *, quiet: bool = False) -> list[RoundRecord]:
         "corpus_fingerprint": corpus.fingerprint,
         "tokenizer_fingerprint": tokenizer.fingerprint,
         "wall_s": time.perf_counter() - t0,
+        "tries_lost": sim.tries_lost,  # to stallers (`--attack stall`)
+        "stalled_s": sim.stalled_s,
     }
     (out / "run.json").write_text(json.dumps(summary, indent=1, default=str))
     plot_runs({cfg.mode: records_as_dicts(records)}, out, initial_loss=initial)

@@ -38,13 +38,18 @@ from typing import Any, Literal
 
 import torch
 
+from ...protocol.algorithms.adaptive import predicted_wire_bytes
 from ...protocol.algorithms.allreduce import Contribution
 from ...protocol.algorithms.claims import ClaimBounds
 from ...protocol.algorithms.codecs import decode, make_codec
 from ...protocol.algorithms.parts import Aggregate
 from ...protocol.algorithms.scoring import SCORE_SEED_OFFSET, SCORE_SEQUENCES, RoundScorer, Score
+from ...protocol.algorithms.trust import WORK_MIN_ROUNDS
 from ...protocol.transport.averager import MemberResult
+from ...protocol.transport.conduct import Verdicts
+from ...protocol.transport.matchmaking import Caught
 from ...protocol.transport.memory import MemoryAverager, MemoryHub
+from ...protocol.transport.wire import bytes_timeout
 from ..data.corpus import Corpus
 from ..data.sampling import TokenSampler, corpus_stream, evaluate
 from ..training.catchup import catch_up
@@ -61,7 +66,11 @@ AVERAGE_TIMEOUT_S = 600.0
 # What a hostile virtual peer sends in place of its Δ (issue 10 §3), each tensor encoded in int8:
 # flip1000: −1000 Δ; flip: −Δ, claiming the most tokens and weight the schedule allows (flip3: −3 Δ
 # so); random: a fresh Gaussian direction each round at Δ's norm; constant: one fixed direction at Δ's norm.
-ATTACKS = ("none", "flip1000", "flip", "flip3", "random", "constant")
+# stall (issue 25 §2, sync mode): the liveness attack, modelled in simulated time (`Simulator._stalls`).
+ATTACKS = ("none", "flip1000", "flip", "flip3", "random", "constant", "stall")
+# The averaging exchange's floors and slack a swarm node runs with (adloco-node's defaults): a try a
+# staller fails costs its members the exchange budget they wait for the answers.
+PART_FLOOR_S, REDUCE_FLOOR_S, EXCHANGE_SLACK = 15.0, 10.0, 4.0
 
 
 def forge(honest: Contribution, attack: str, *, seed: int, bounds: ClaimBounds) -> Contribution:
@@ -140,6 +149,8 @@ class SimConfig:
             raise ValueError(f"attack must be one of {', '.join(ATTACKS)}, got {self.attack!r}")
         if (self.hostile > 0) != (self.attack != "none"):
             raise ValueError("hostile peers need an attack, and an attack needs hostile peers")
+        if self.attack == "stall" and self.mode != "sync":
+            raise ValueError("the stall attack is modelled in sync mode only")
 
     def slowdown_of(self, index: int) -> float:
         return self.slowdown[index % len(self.slowdown)]
@@ -221,6 +232,12 @@ class Simulator:
         self.records: list[RoundRecord] = []
         self.bytes_total = 0
         self.tokens_total = 0
+        # The stall attack: whom the honest peers leave out (they all see a stall alike), and each
+        # staller's rounds of accepted work since it was last caught (`_stalls`).
+        self.conduct = Verdicts("honest")
+        self.earned = {i: 0 for i in range(cfg.peers) if cfg.is_hostile(i)}
+        self.tries_lost = 0
+        self.stalled_s = 0.0
 
     def _scorer(self, corpus: Corpus) -> RoundScorer | None:
         """The hub's scorer (`TrainConfig.score`): from the most advanced peer's θ (the members'
@@ -329,7 +346,12 @@ class Simulator:
     def _group_round(self, members: list[int], pending: dict[int, _Pending], close: float) -> RoundRecord:
         """Contribute, average and apply one round; the members' next local rounds are started."""
         schedule_used = max(self.peers, key=lambda p: p.state.round).state.schedule
+        if self.cfg.attack == "stall":
+            members, close = self._stalls(members, close)
         exchange = self._exchange(members, pending)
+        for i in members:
+            if i in self.earned and self.peers[i].peer_id in exchange.result.members:
+                self.earned[i] += 1
         done_at = close + exchange.comm_s
         landing = _Landing(result=exchange.result, at=done_at)
         locals_ = [pending[i].local for i in members]
@@ -338,6 +360,49 @@ class Simulator:
         if len(hashes) != 1:
             raise AssertionError(f"members of round {schedule_used.round} diverged: {len(hashes)} distinct θ")
         return self._record(exchange, locals_, done_at, hashes.pop(), waits, schedule_used.batch)
+
+    def _stalls(self, members: list[int], close: float) -> tuple[list[int], float]:
+        """The stall attack (issue 25 §2) under the swarm's rules, in simulated time: who is left of
+        `members` and when their try that completes closes.
+
+        A staller plays its best known strategy: it contributes honestly until its work would let it
+        own parts (`trust.WORK_MIN_ROUNDS` rounds of accepted work), then takes the parts it owns and
+        never answers. That try fails for everyone once the members have waited out their exchange
+        budget (`_exchange_budget_s`: what a node waits, from the round's bytes and its floors); they
+        leave it out as the averager does (`conduct.Verdicts`: an unanswered owner, seen, not proven)
+        and forget its work, and the next try completes without it. Left out, it trains nothing;
+        back, it earns again. Stallers never own parts of a fresh swarm's first try here (it has no
+        work record yet: `trust.eligible_owners`), the case issue 25 notes as still open."""
+        while True:
+            left_out = self.conduct.current(close)
+            present = [i for i in members if self.peers[i].peer_id not in left_out]
+            stalling = [i for i in present if self.earned.get(i, 0) >= WORK_MIN_ROUNDS]
+            if not stalling:
+                return present, close
+            budget = self._exchange_budget_s(present)
+            close += budget
+            self.tries_lost += 1
+            self.stalled_s += budget
+            why = "took our parts and gave no answer"
+            culprits = {self.peers[i].peer_id: why for i in stalling}
+            self.conduct.convict(Caught(why, culprits, proven=False), close)
+            for i in stalling:
+                self.earned[i] = 0
+
+    def _exchange_budget_s(self, members: list[int]) -> float:
+        """How long a member waits for every answer (`HivemindAverager._exchange_budget_s` at
+        adloco-node's default floors): each phase `EXCHANGE_SLACK` times the most bytes one member
+        moves at the link's rate (a member's Δ up and the averages of its parts back, about twice a
+        Δ), never less than its floor."""
+        peer = self.peers[members[0]]
+        theta = dict(zip(peer.names, peer.state.theta, strict=True))
+        delta = predicted_wire_bytes(peer.state.schedule.codec, theta)
+        rate = self.cfg.bandwidth_mbps * 1e6 / 8
+        moved = 2 * delta
+        return sum(
+            bytes_timeout(moved, rate, slack=EXCHANGE_SLACK, floor_s=f)
+            for f in (PART_FLOOR_S, REDUCE_FLOOR_S)
+        )
 
     def _exchange(self, members: list[int], pending: dict[int, _Pending]) -> _Exchange:
         """Catch the members up, average their contributions through their averagers, time it."""
@@ -355,7 +420,7 @@ class Simulator:
         ]
         infos = [info for _, info in offers]
         contributing = [
-            (i, self._attack(i, c) if self.cfg.is_hostile(i) else c)
+            (i, self._attack(i, c) if self.cfg.is_hostile(i) and self.cfg.attack != "stall" else c)
             for i, (c, _) in zip(members, offers, strict=True)
             if c is not None
         ]
