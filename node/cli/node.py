@@ -30,6 +30,7 @@ from ...protocol.transport.manifest import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES,
 from ...protocol.transport.state_transfer import TransferSettings
 from ...protocol.transport.wire import DEFAULT_CHUNK_BYTES as DEFAULT_EXCHANGE_CHUNK
 from ...protocol.transport.wire import MAX_CHUNK_BYTES as MAX_EXCHANGE_CHUNK
+from ...protocol.transport.wire import PART_FLOOR_S, REDUCE_FLOOR_S
 from ...settings import EPILOG, add_config_argument, parse_settings
 from ..operations import reachability
 from ..operations.checkpoint import check_checkpoint_dir
@@ -208,13 +209,13 @@ def add_exchange_arguments(p: argparse.ArgumentParser) -> None:
     ex.add_argument(
         "--part-timeout-s",
         type=finite_float,
-        default=15.0,
+        default=PART_FLOOR_S,
         help="floor of the part deadline: an owner waits at least this long for a silent member (s)",
     )
     ex.add_argument(
         "--reduce-timeout-s",
         type=finite_float,
-        default=10.0,
+        default=REDUCE_FLOOR_S,
         help="floor of the answer phase (s): the owners' reductions and answers; raise it if members"
         " give up with 'no answer from owner(s)' on a slow CPU",
     )

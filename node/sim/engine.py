@@ -49,7 +49,7 @@ from ...protocol.transport.averager import MemberResult
 from ...protocol.transport.conduct import Verdicts
 from ...protocol.transport.matchmaking import Caught
 from ...protocol.transport.memory import MemoryAverager, MemoryHub
-from ...protocol.transport.wire import bytes_timeout
+from ...protocol.transport.wire import EXCHANGE_SLACK, PART_FLOOR_S, REDUCE_FLOOR_S, exchange_budget_s
 from ..data.corpus import Corpus
 from ..data.sampling import TokenSampler, corpus_stream, evaluate
 from ..training.catchup import catch_up
@@ -68,9 +68,6 @@ AVERAGE_TIMEOUT_S = 600.0
 # so); random: a fresh Gaussian direction each round at Δ's norm; constant: one fixed direction at Δ's norm.
 # stall (issue 25 §2, sync mode): the liveness attack, modelled in simulated time (`Simulator._stalls`).
 ATTACKS = ("none", "flip1000", "flip", "flip3", "random", "constant", "stall")
-# The averaging exchange's floors and slack a swarm node runs with (adloco-node's defaults): a try a
-# staller fails costs its members the exchange budget they wait for the answers.
-PART_FLOOR_S, REDUCE_FLOOR_S, EXCHANGE_SLACK = 15.0, 10.0, 4.0
 
 
 def forge(honest: Contribution, attack: str, *, seed: int, bounds: ClaimBounds) -> Contribution:
@@ -390,18 +387,18 @@ class Simulator:
                 self.earned[i] = 0
 
     def _exchange_budget_s(self, members: list[int]) -> float:
-        """How long a member waits for every answer (`HivemindAverager._exchange_budget_s` at
-        adloco-node's default floors): each phase `EXCHANGE_SLACK` times the most bytes one member
-        moves at the link's rate (a member's Δ up and the averages of its parts back, about twice a
-        Δ), never less than its floor."""
+        """How long a member waits for every answer (`wire.exchange_budget_s`, as the averager, at
+        adloco-node's default floors and slack), for the most bytes one member moves: about twice a
+        Δ (its Δ up, the averages of its parts back) at the link's rate."""
         peer = self.peers[members[0]]
         theta = dict(zip(peer.names, peer.state.theta, strict=True))
-        delta = predicted_wire_bytes(peer.state.schedule.codec, theta)
-        rate = self.cfg.bandwidth_mbps * 1e6 / 8
-        moved = 2 * delta
-        return sum(
-            bytes_timeout(moved, rate, slack=EXCHANGE_SLACK, floor_s=f)
-            for f in (PART_FLOOR_S, REDUCE_FLOOR_S)
+        moved = 2 * predicted_wire_bytes(peer.state.schedule.codec, theta)
+        return exchange_budget_s(
+            moved,
+            self.cfg.bandwidth_mbps * 1e6 / 8,
+            slack=EXCHANGE_SLACK,
+            part_floor_s=PART_FLOOR_S,
+            reduce_floor_s=REDUCE_FLOOR_S,
         )
 
     def _exchange(self, members: list[int], pending: dict[int, _Pending]) -> _Exchange:

@@ -35,7 +35,7 @@ from ...protocol.transport.dht import NetworkConfig, network_failure, start_dht,
 from ...protocol.transport.hivemind_averager import HivemindAverager
 from ...protocol.transport.records import RunRecords, run_prefix
 from ...protocol.transport.state_transfer import StateServer, TransferSettings
-from ...protocol.transport.wire import DEFAULT_CHUNK_BYTES
+from ...protocol.transport.wire import DEFAULT_CHUNK_BYTES, PART_FLOOR_S, REDUCE_FLOOR_S
 from ..data.corpus import Corpus
 from ..data.sampling import TokenSampler, evaluate
 from ..data.tokenizer import Tokenizer
@@ -86,8 +86,8 @@ class SwarmConfig:
     rounds: int = 0
     window_s: float = 3.0
     grace_s: float = 0.5
-    part_timeout_s: float = 15.0
-    reduce_timeout_s: float = 10.0
+    part_timeout_s: float = PART_FLOOR_S
+    reduce_timeout_s: float = REDUCE_FLOOR_S
     exchange_bandwidth_bps: float = 10e6 / 8
     exchange_chunk_bytes: int = DEFAULT_CHUNK_BYTES
     status_file: Path | None = None

@@ -111,7 +111,15 @@ from .round_exchange import RoundExchange, own_facts
 from .statements import Commitment, Signed, Signer
 from .verify_streams import ACCUSE, WITHDRAW, WITHDRAW_CHARS, VerifyHandler, send_statement
 from .verify_streams import handler_name as verification_handler
-from .wire import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, PROTOCOL_VERSION, bytes_timeout, daemon_listen_maddr
+from .wire import (
+    DEFAULT_CHUNK_BYTES,
+    EXCHANGE_SLACK,
+    MAX_CHUNK_BYTES,
+    PROTOCOL_VERSION,
+    bytes_timeout,
+    daemon_listen_maddr,
+    exchange_budget_s,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -182,7 +190,7 @@ class HivemindAverager:
         part_timeout_s: float = 10.0,
         reduce_timeout_s: float = 5.0,
         bandwidth_bps: float = 10e6 / 8,
-        slack: float = 4.0,
+        slack: float = EXCHANGE_SLACK,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         record_ttl_s: float = 120.0,
         outlier_factor: float | None = DEFAULT_OUTLIER_FACTOR,
@@ -742,8 +750,12 @@ class HivemindAverager:
 
     def _exchange_budget_s(self, moved: int) -> float:
         """How long a member waits for every answer after forming the group, at the configured rate."""
-        return self.phase_s(moved, floor_s=self.part_timeout_s) + self.phase_s(
-            moved, floor_s=self.reduce_timeout_s
+        return exchange_budget_s(
+            moved,
+            self.bandwidth_bps,
+            slack=self.slack,
+            part_floor_s=self.part_timeout_s,
+            reduce_floor_s=self.reduce_timeout_s,
         )
 
     def _measure(self, result: MemberResult) -> None:

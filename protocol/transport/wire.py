@@ -37,10 +37,28 @@ CHUNK_HEADER_BYTES = 64  # a chunk frame's header: {"v": ..., "n": [size]}
 _LEN = struct.Struct(">I")
 
 
+# What a swarm node's averaging exchange runs with unless told otherwise (adloco-node's
+# --part-timeout-s and --reduce-timeout-s, `HivemindAverager`'s slack); the simulator's staller
+# costs a try at these.
+PART_FLOOR_S = 15.0
+REDUCE_FLOOR_S = 10.0
+EXCHANGE_SLACK = 4.0
+
+
 def bytes_timeout(nbytes: int, rate_bps: float, *, slack: float, floor_s: float) -> float:
     """Seconds moving `nbytes` may take at an expected `rate_bps`: `slack` times what the bytes
     need at that rate, never less than `floor_s` (stream setup, latency, a busy peer)."""
     return max(floor_s, slack * nbytes / rate_bps)
+
+
+def exchange_budget_s(
+    moved: int, rate_bps: float, *, slack: float, part_floor_s: float, reduce_floor_s: float
+) -> float:
+    """How long a member waits for every answer once its group formed: the parts' phase and the
+    answers' phase, each `bytes_timeout` of the most bytes one member moves (`moved`)."""
+    return bytes_timeout(moved, rate_bps, slack=slack, floor_s=part_floor_s) + bytes_timeout(
+        moved, rate_bps, slack=slack, floor_s=reduce_floor_s
+    )
 
 
 @dataclass
