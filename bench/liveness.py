@@ -4,10 +4,10 @@ the clean run's time, under the swarm's rules (`adloco-sim --attack stall`, `Sim
 For each round length (set by the modelled seconds per sample), a clean run and a run whose last
 peer stalls, same seed and corpus; printed and written as JSON: the clean run's simulated time T,
 the rounds the attacked run applied by T over the clean run's (the issue's goal: >= 95 % with 1 in
-8), the tries lost and the seconds they cost. What a lost try costs is the exchange budget (at the
-0.6M default model's Δ, the floors: 15 s + 10 s), what bounds how often is the exclusion
-(`conduct.EXCLUDE_SEEN_S`) and the rounds of work a staller needs to own parts again
-(`trust.WORK_MIN_ROUNDS`).
+8), the tries lost and the seconds they cost. What a lost try costs is how late the staller is
+once the other owners have answered (`wire.late_answer_s`: their answer time plus 2 s at this
+size), what bounds how often is the rounds of work a record must span before it owns again
+(`trust.WorkLedger`: `WORK_MIN_ROUNDS`, `BAR_GROWTH` times more after each stall).
 
     python bench/liveness.py --peers 8 --rounds 40 --sec-per-sample 0.05 0.5 \
         --json bench/results/liveness.json

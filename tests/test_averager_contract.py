@@ -1329,6 +1329,55 @@ def test_an_owner_that_takes_the_parts_and_never_answers_costs_one_try(
         swarm.close()
 
 
+def test_an_owner_with_a_record_that_never_answers_costs_a_short_try_and_owns_nothing_after() -> None:
+    """Four peers that worked together (they list one another and all own parts), at the node's
+    default floors (an exchange budget of 25 s). One of them then takes the parts and never answers.
+    Once the other owners have answered, it is late by their times (`wire.late_answer_s`): the try
+    fails for everyone long before the budget. The honest three do not leave it out (an honest owner
+    may be slow once): they demote it (`trust.WorkLedger.demote`: no longer listed, and records need
+    `BAR_GROWTH` times more rounds), so the retry deals its parts to the three and it completes with
+    it as a member, with `reduce_group`'s bytes of all four contributions."""
+    from adloco.protocol.algorithms.trust import BAR_GROWTH
+    from adloco.protocol.transport.wire import PART_FLOOR_S, REDUCE_FLOOR_S
+
+    swarm = Swarm("hivemind")
+    try:
+        swarm.add_nodes(4)
+        floors = {"part_timeout_s": PART_FLOOR_S, "reduce_timeout_s": REDUCE_FLOOR_S}
+        at_floors = [swarm.averager(i, "run-a", **floors) for i in range(4)]
+        averagers = sorted(at_floors, key=lambda a: a.peer_id)
+        staller: Any = averagers[1]
+        honest = [a for a in averagers if a is not staller]
+        _work_together(averagers, seed=41)
+        for a in honest:
+            assert staller.peer_id in cast(Any, a).workers()
+
+        async def never(*args: Any) -> None:
+            await asyncio.sleep(3600)
+
+        staller._handler._answer = never
+        # Ten parts for four owners: each owns some (three parts would leave one owner without).
+        shapes = {f"t{i}": (4 * (i + 1), 16) for i in range(10)}
+        contributions = _contributions(averagers, "int8", seed=42, shapes=shapes)
+        stalled = _average_together(averagers, contributions, round=WORK_MIN_ROUNDS, spec="int8")
+        assert all(o.result is None for o in stalled)
+        budget = staller._exchange_budget_s(0)
+        assert budget >= PART_FLOOR_S + REDUCE_FLOOR_S
+        for o in stalled:
+            assert o.elapsed_s < WINDOW_S + GRACE_S + budget / 2, o.elapsed_s
+        for a in honest:
+            assert staller.peer_id not in cast(Any, a).verdicts()  # not left out ...
+            assert staller.peer_id not in cast(Any, a).workers()  # ... demoted
+            assert cast(Any, a)._worked.bar == WORK_MIN_ROUNDS * BAR_GROWTH
+        retry = _average_together(averagers, contributions, round=WORK_MIN_ROUNDS + 1, spec="int8")
+        _assert_matches_reduce_group(retry, contributions, "int8")
+        result = retry[0].result
+        assert result is not None and set(result.owners.values()) == {a.peer_id for a in honest}
+        assert set(result.members) == {a.peer_id for a in averagers}
+    finally:
+        swarm.close()
+
+
 def test_a_seeder_that_withholds_its_reveal_costs_one_try(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

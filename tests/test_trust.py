@@ -8,6 +8,8 @@ import hashlib
 import pytest
 
 from adloco.protocol.algorithms.trust import (
+    BAR_GROWTH,
+    MAX_BAR,
     WORK_FLOOR,
     WORK_MIN_ROUNDS,
     WORK_ROUNDS,
@@ -131,3 +133,32 @@ def test_a_peer_is_listed_after_its_work_counted_in_enough_recent_rounds_and_for
     for _ in range(WORK_ROUNDS - WORK_MIN_ROUNDS + 1):
         ledger.count({"me": 1.0, "c": 1.0}, me="me")
     assert ledger.listed() == ["c"]
+
+
+def test_each_late_owner_it_listed_makes_every_new_record_span_more_rounds_before_it_is_listed() -> None:
+    """`WorkLedger.demote`: a staller that earned ownership (`WORK_MIN_ROUNDS`) and stalled buys its
+    next stall, under its key or a fresh one, with `BAR_GROWTH` times more rounds of work; peers
+    listed already stay listed; the bar falls back a step after `MAX_BAR` rounds without a stall."""
+    ledger = WorkLedger()
+    everyone = {"me": 1.0, "a": 1.0, "s": 1.0}
+    for _ in range(WORK_MIN_ROUNDS):
+        ledger.count(everyone, me="me")
+    assert ledger.listed() == ["a", "s"]
+    ledger.demote("never-listed")  # a fresh swarm's late owner: nothing to take, nothing raised
+    assert ledger.bar == WORK_MIN_ROUNDS
+    ledger.demote("s")
+    assert ledger.bar == WORK_MIN_ROUNDS * BAR_GROWTH and ledger.listed() == ["a"]
+    rounds = 0
+    while True:
+        ledger.count({**everyone, "fresh": 1.0}, me="me")  # s again, and a re-keyed staller
+        rounds += 1
+        if ledger.listed() != ["a"]:
+            break
+    assert rounds == WORK_MIN_ROUNDS * BAR_GROWTH and ledger.listed() == ["a", "fresh", "s"]
+    ledger.demote("s")
+    assert ledger.bar == min(MAX_BAR, WORK_MIN_ROUNDS * BAR_GROWTH**2)
+    for _ in range(MAX_BAR - 1):
+        ledger.count(everyone, me="me")
+    assert ledger.bar == MAX_BAR
+    ledger.count(everyone, me="me")
+    assert ledger.bar == MAX_BAR // BAR_GROWTH

@@ -44,12 +44,16 @@ from ...protocol.algorithms.claims import ClaimBounds
 from ...protocol.algorithms.codecs import decode, make_codec
 from ...protocol.algorithms.parts import Aggregate
 from ...protocol.algorithms.scoring import SCORE_SEED_OFFSET, SCORE_SEQUENCES, RoundScorer, Score
-from ...protocol.algorithms.trust import WORK_MIN_ROUNDS
+from ...protocol.algorithms.trust import WorkLedger
 from ...protocol.transport.averager import MemberResult
-from ...protocol.transport.conduct import Verdicts
-from ...protocol.transport.matchmaking import Caught
 from ...protocol.transport.memory import MemoryAverager, MemoryHub
-from ...protocol.transport.wire import EXCHANGE_SLACK, PART_FLOOR_S, REDUCE_FLOOR_S, exchange_budget_s
+from ...protocol.transport.wire import (
+    EXCHANGE_SLACK,
+    PART_FLOOR_S,
+    REDUCE_FLOOR_S,
+    exchange_budget_s,
+    late_answer_s,
+)
 from ..data.corpus import Corpus
 from ..data.sampling import TokenSampler, corpus_stream, evaluate
 from ..training.catchup import catch_up
@@ -231,8 +235,7 @@ class Simulator:
         self.tokens_total = 0
         # The stall attack: whom the honest peers leave out (they all see a stall alike), and each
         # staller's rounds of accepted work since it was last caught (`_stalls`).
-        self.conduct = Verdicts("honest")
-        self.earned = {i: 0 for i in range(cfg.peers) if cfg.is_hostile(i)}
+        self.ledger = WorkLedger()
         self.tries_lost = 0
         self.stalled_s = 0.0
 
@@ -346,9 +349,8 @@ class Simulator:
         if self.cfg.attack == "stall":
             members, close = self._stalls(members, close)
         exchange = self._exchange(members, pending)
-        for i in members:
-            if i in self.earned and self.peers[i].peer_id in exchange.result.members:
-                self.earned[i] += 1
+        if self.cfg.attack == "stall":  # every honest member's ledger alike: the round's work
+            self.ledger.count(dict.fromkeys(exchange.result.members, 1.0))
         done_at = close + exchange.comm_s
         landing = _Landing(result=exchange.result, at=done_at)
         locals_ = [pending[i].local for i in members]
@@ -362,29 +364,35 @@ class Simulator:
         """The stall attack (issue 25 §2) under the swarm's rules, in simulated time: who is left of
         `members` and when their try that completes closes.
 
-        A staller plays its best known strategy: it contributes honestly until its work would let it
-        own parts (`trust.WORK_MIN_ROUNDS` rounds of accepted work), then takes the parts it owns and
-        never answers. That try fails for everyone once the members have waited out their exchange
-        budget (`_exchange_budget_s`: what a node waits, from the round's bytes and its floors); they
-        leave it out as the averager does (`conduct.Verdicts`: an unanswered owner, seen, not proven)
-        and forget its work, and the next try completes without it. Left out, it trains nothing;
-        back, it earns again. Stallers never own parts of a fresh swarm's first try here (it has no
-        work record yet: `trust.eligible_owners`), the case issue 25 notes as still open."""
+        A staller plays its best known strategy: it contributes honestly until the members list it
+        (`trust.WorkLedger`: the same code, one ledger for every honest member, which all see the
+        same rounds), so that it owns parts; then it takes them and never answers. The try fails
+        once most owners have answered and the rest are late (`wire.late_answer_s` of the honest
+        owners' answer time, the link's: `transfer_time` of a Δ each way), or where fewer than three
+        own, after the exchange budget (`_exchange_budget_s`). The members demote it (`demote`: its
+        record ends, and every record needs more rounds before it is listed) and the next try
+        completes with it as a member. It never needs a new key here: a late owner is not left out,
+        and a fresh key's record starts where a demoted one's does. Stallers own nothing in a fresh
+        swarm here (no record yet): there every member owns (`trust.eligible_owners`), the case the
+        decision record names as open."""
         while True:
-            left_out = self.conduct.current(close)
-            present = [i for i in members if self.peers[i].peer_id not in left_out]
-            stalling = [i for i in present if self.earned.get(i, 0) >= WORK_MIN_ROUNDS]
+            listed = set(self.ledger.listed())
+            owners = [i for i in members if self.peers[i].peer_id in listed]
+            stalling = [i for i in owners if self.cfg.is_hostile(i)]
             if not stalling:
-                return present, close
-            budget = self._exchange_budget_s(present)
-            close += budget
+                return members, close
+            if len(owners) >= 3:
+                peer = self.peers[members[0]]
+                theta = dict(zip(peer.names, peer.state.theta, strict=True))
+                delta = predicted_wire_bytes(peer.state.schedule.codec, theta)
+                cost = late_answer_s(self.transfer_time(delta, delta))
+            else:
+                cost = self._exchange_budget_s(members)
+            close += cost
             self.tries_lost += 1
-            self.stalled_s += budget
-            why = "took our parts and gave no answer"
-            culprits = {self.peers[i].peer_id: why for i in stalling}
-            self.conduct.convict(Caught(why, culprits, proven=False), close)
+            self.stalled_s += cost
             for i in stalling:
-                self.earned[i] = 0
+                self.ledger.demote(self.peers[i].peer_id)
 
     def _exchange_budget_s(self, members: list[int]) -> float:
         """How long a member waits for every answer (`wire.exchange_budget_s`, as the averager, at

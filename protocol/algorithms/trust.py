@@ -46,6 +46,13 @@ WORK_ROUNDS = 8
 WORK_MIN_ROUNDS = 3
 """A peer is listed once its work counted in this many of those rounds: a key made to stall or lie
 as an owner buys each try with that much accepted work first."""
+BAR_GROWTH = 4
+"""Each owner a peer demotes (`WorkLedger.demote`: it was late with its answer) multiplies the
+rounds of work this peer asks of a record before it lists it by this much, up to `MAX_BAR`: a key
+made to stall, fresh or not, buys each stall with more rounds of honest work than the last."""
+MAX_BAR = 48
+"""The most rounds of work `WorkLedger` asks of a record, and the rounds without a demotion after
+which its bar falls back one step."""
 MAX_WORKERS = 32
 """The most peers one record (a readiness or a state record) may list as workers."""
 GRACE_S = 1.0
@@ -122,12 +129,24 @@ def seeders(members: Sequence[str], owners: Collection[str]) -> list[str]:
 class WorkLedger:
     """Whose work one peer took in its last `WORK_ROUNDS` completed rounds (`earners` of each), and
     so whom its records list (`listed`). Thread-safe: the averager counts on its loop, the node
-    lists from its training thread too."""
+    lists from its training thread too.
+
+    A record is a peer's unbroken run of work here: it begins at the first round its work counted
+    and ends when none did in `WORK_ROUNDS` rounds, or when the peer is caught (`forget`) or was
+    late as an owner (`demote`). A peer is listed once its record spans `bar` rounds as well:
+    `WORK_MIN_ROUNDS` while no owner stalled, `BAR_GROWTH` times more after each one that did (up to
+    `MAX_BAR`), one step back after `MAX_BAR` rounds without. A staller that re-keys starts a record
+    as any newcomer does, so the rounds between its stalls grow with every stall; an honest newcomer
+    waits as long to own parts, and contributes all the while. Peers listed already stay listed."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._rounds = 0
         self._counted: dict[str, list[int]] = {}  # peer -> the rounds (this peer's count) it earned in
+        self._since: dict[str, int] = {}  # peer -> the round its record began
+        self._spanned: set[str] = set()  # peers whose record has spanned the bar in force
+        self.bar = WORK_MIN_ROUNDS  # the rounds a record spans before it is listed
+        self._raised_at = 0  # the round the bar last moved
 
     def count(self, work: Mapping[str, float], *, me: str = "") -> None:
         """One more completed round, in which the members of `work` did that work."""
@@ -136,23 +155,44 @@ class WorkLedger:
             for peer in earners(work):
                 if peer != me:
                     self._counted.setdefault(peer, []).append(self._rounds)
+                    self._since.setdefault(peer, self._rounds)
             for peer, rounds in list(self._counted.items()):
                 kept = [r for r in rounds if r > self._rounds - WORK_ROUNDS]
                 if kept:
                     self._counted[peer] = kept
                 else:
-                    del self._counted[peer]
+                    del self._counted[peer], self._since[peer]
+                    self._spanned.discard(peer)
+            if self.bar > WORK_MIN_ROUNDS and self._rounds - self._raised_at >= MAX_BAR:
+                self.bar, self._raised_at = max(WORK_MIN_ROUNDS, self.bar // BAR_GROWTH), self._rounds
+            self._spanned |= {p for p, since in self._since.items() if self._rounds - since + 1 >= self.bar}
 
     def forget(self, peer: str) -> None:
         """`peer` was caught: its trust is earned again, by work after its exclusion."""
         with self._lock:
             self._counted.pop(peer, None)
+            self._since.pop(peer, None)
+            self._spanned.discard(peer)
+
+    def demote(self, peer: str) -> None:
+        """`peer` was late with its answer as an owner: its record ends (`forget`) and, if it was
+        listed, every record needs `BAR_GROWTH` times more rounds before it is listed (the class doc)."""
+        listed = peer in self.listed()
+        self.forget(peer)
+        if listed:
+            with self._lock:
+                self.bar, self._raised_at = min(MAX_BAR, self.bar * BAR_GROWTH), self._rounds
 
     def listed(self, *, without: Collection[str] = ()) -> list[str]:
         """The peers whose work counted in at least `WORK_MIN_ROUNDS` of the last `WORK_ROUNDS`
-        rounds, the most recent first (ties by id), less `without`."""
+        rounds and whose record spans `bar` rounds, the most recent first (ties by id), less
+        `without`."""
         with self._lock:
-            last = {p: rounds[-1] for p, rounds in self._counted.items() if len(rounds) >= WORK_MIN_ROUNDS}
+            last = {
+                p: rounds[-1]
+                for p, rounds in self._counted.items()
+                if len(rounds) >= WORK_MIN_ROUNDS and p in self._spanned
+            }
         return sorted((p for p in last if p not in without), key=lambda p: (-last[p], p))
 
 

@@ -61,7 +61,13 @@ this peer leaves them out of its next rounds, and its readiness records say so (
   honest member and is in no later group (docs/decisions/044-verified-reducers.md);
 - every seeder of the round must reveal its secret: one that does not fails the round everywhere,
   once, and is named; another member that does not costs the others a grace, once
-  (`trust.GRACE_S`).
+  (`trust.GRACE_S`);
+- an owner that takes the parts and does not answer fails the try once most owners have answered
+  and it is late by their times (`wire.late_answer_s`), not after the exchange budget. An owner
+  this peer lists is not left out (an honest owner may be slow once) but demoted: it owns nothing
+  until it has earned again, and every record needs more work before it is listed
+  (`trust.WorkLedger.demote`); one it does not list (every member of a fresh swarm owns) is left
+  out a while, as one silent for the whole budget is.
 
 `MemberResult.traffic` counts payload bytes and every byte written to / read from the streams
 (framing: wire.py); libp2p's own framing and encryption below the stream are not counted.
@@ -321,6 +327,17 @@ class HivemindAverager:
         the evidence it holds to the run (`evidence.EvidenceBoard`)."""
         if caught.evidence:
             self._spawn(self._board.publish(caught.evidence))
+        if caught.late and not caught.proven:
+            # A late owner with a record loses it (it owns again once it has earned, with more work
+            # each time); one without (a fresh swarm's, where every member owns) is left out a while.
+            listed = set(self._worked.listed())
+            for peer in caught.culprits:
+                if peer in listed:
+                    self._worked.demote(peer)
+            unlisted = {p: why for p, why in caught.culprits.items() if p not in listed}
+            if not unlisted:
+                return
+            caught = Caught(str(caught), unlisted, proven=False)
         for peer in self._conduct.convict(caught, self._loop.time()):
             self._worked.forget(peer)  # its trust is earned again, by work after its exclusion
 

@@ -111,7 +111,10 @@ class Caught(RoundFailed):
     own observation (a silence, an answer that failed its check), which it alone can vouch for.
     `silent`: the culprits sent no other owner their parts (every member sees the same answers).
     `gone`: the culprits left the round after the answers (unreachable, or withdrawn): a node that
-    died, whose restart under its key must not find itself left out."""
+    died, whose restart under its key must not find itself left out.
+    `late`: owners that had not answered long after most others had (`round_exchange`): one with
+    a record owns nothing until it has earned again (`trust.WorkLedger.demote`) and is not left out
+    (an honest owner slow this once still contributes); one without is left out as seen."""
 
     def __init__(
         self,
@@ -121,12 +124,14 @@ class Caught(RoundFailed):
         proven: bool,
         silent: bool = False,
         gone: bool = False,
+        late: bool = False,
     ) -> None:
         super().__init__(message)
         self.culprits = culprits
         self.proven = proven
         self.silent = silent
         self.gone = gone
+        self.late = late
         # The culprits' own signed statements that prove it to any other peer (`evidence.Evidence`):
         # passed on to the group (`verification`) and published to the run (`evidence.EvidenceBoard`).
         self.evidence: list[Evidence] = []

@@ -1,10 +1,13 @@
 """The owner's side of a round: take the members' payloads of the parts it owns, reduce once, answer.
 
 An owner collects contributions until all members have sent (or were dropped) or its part deadline
-has passed (`OwnerSession.deadline`, derived from the bytes of the round); where the group's owners
-are some of its members (`trust`), until the owners' parts are in and a grace after (`trust.GRACE_S`:
-at least as long again as they took), so a key with no record that joins and sends nothing holds
-the round that long, not to the deadline. It then reduces its parts once
+has passed (`OwnerSession.deadline`, derived from the bytes of the round); once more than half of
+the group's owners (`trust`) have sent, until a grace after (`trust.grace_s`: twice as long as they
+took, at least `trust.GRACE_S`). So a key with no record that joins and sends nothing holds the
+round that long, not to the deadline; and an owner whose parts never come (one that withholds them
+from this owner alone, or died) cannot hold this owner's answer until its members give up on it as
+late (`round_exchange`, `wire.late_answer_s`): this owner reduces without it, and the round's
+members are those every owner admitted (`member.assemble`). It then reduces its parts once
 with `parts.reduce_parts` (screening out non-finite and outlier payloads), encodes each average once
 with its codec, and answers every member that contributed in time with the same bytes, the sorted
 list of contributors it included, how many of each one's parts it rejected and, for the owner of the
@@ -35,7 +38,7 @@ from ..algorithms.claims import UNBOUNDED, ClaimBounds
 from ..algorithms.codecs import Codec, payload_codec, payload_shape
 from ..algorithms.parts import MEAN, Aggregate, Clip, reduce_parts
 from ..algorithms.scoring import Scorer
-from ..algorithms.trust import grace_s, seeders
+from ..algorithms.trust import grace_s
 from .matchmaking import Group
 from .statements import (
     AnswerStatement,
@@ -249,8 +252,8 @@ class OwnerSession:
         self.idle = asyncio.Event()  # done, and every admitted member has been answered
         self._all_in = asyncio.Event()
         self._owners_in = asyncio.Event()
-        # Where only some members own, the others' parts are waited for a grace once the owners' are in.
-        self._graced = len(seeders(group.members, group.owners)) < len(group.members)
+        # Once more than half of the owners' parts are in, the rest are waited for a grace.
+        self._owners_needed = len(group.owners) // 2 + 1
         self._opened = asyncio.get_running_loop().time()
         self._answering = 0
         self.done_at: float | None = None  # loop time the reduction ended
@@ -291,17 +294,17 @@ class OwnerSession:
     def _update_all_in(self) -> None:
         if len(self.contributions) + len(self.dropped) == len(self.group.members):
             self._all_in.set()
-        if all(o in self.contributions or o in self.dropped for o in self.group.owners):
+        if (
+            sum(1 for o in self.group.owners if o in self.contributions or o in self.dropped)
+            >= self._owners_needed
+        ):
             self._owners_in.set()
 
     async def _wait_members(self) -> None:
-        """Until every member is in, or the deadline; where some members own nothing, until the
-        owners are in and a grace after (see the module doc)."""
+        """Until every member is in, or the deadline; once more than half of the owners are in,
+        until a grace after (see the module doc)."""
         loop = asyncio.get_running_loop()
         left = max(0.0, self.deadline - loop.time())
-        if not self._graced:
-            await asyncio.wait_for(self._all_in.wait(), timeout=left)
-            return
         either = [asyncio.ensure_future(e.wait()) for e in (self._all_in, self._owners_in)]
         try:
             await asyncio.wait(either, timeout=left, return_when=asyncio.FIRST_COMPLETED)
@@ -313,7 +316,7 @@ class OwnerSession:
         if not self._owners_in.is_set():
             raise asyncio.TimeoutError
         now = loop.time()
-        grace = grace_s(now - self._opened)
+        grace = grace_s(2 * (now - self._opened))
         await asyncio.wait_for(self._all_in.wait(), timeout=max(0.0, min(self.deadline, now + grace) - now))
 
     def answered(self) -> None:

@@ -20,7 +20,7 @@ executors and verdicts as the averager's own methods do.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 from hivemind.p2p import P2P, PeerID
@@ -39,6 +39,7 @@ from .statements import Commitment, Signed
 from .turns import SendTurn, chain, send_order, turn_budget_s
 from .verification import verify_round
 from .verify_streams import ask_defense
+from .wire import late_answer_s
 
 if TYPE_CHECKING:
     from .hivemind_averager import HivemindAverager
@@ -264,30 +265,73 @@ class RoundExchange:
         if state.session is not None:
             waits.append(a._spawn(state.session.done.wait()))
         budget = a._exchange_budget_s(self.moved)
-        done, pending = await asyncio.wait(waits, timeout=budget, return_when=asyncio.FIRST_EXCEPTION)
-        for task in pending:
-            task.cancel()
-        failed = [t for t in done if t.exception() is not None]
-        if failed:
-            a._lost_owners[state.group.round] = lost
-            error = failed[0].exception()
-            raise error if isinstance(error, RoundFailed) else RoundFailed(str(error))
-        if pending:
+        loop = asyncio.get_running_loop()
+        end = loop.time() + budget
+        took: dict[str, float] = {}  # owner -> seconds from the group's forming to its answer
+        late_at: float | None = None
+        pending = set(waits)
+        try:
+            while pending and loop.time() < min(end, late_at or end):
+                done, pending = await asyncio.wait(
+                    pending,
+                    timeout=min(end, late_at or end) - loop.time(),
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+                failed = [t for t in done if t.exception() is not None]
+                if failed:
+                    a._lost_owners[state.group.round] = lost
+                    error = failed[0].exception()
+                    raise error if isinstance(error, RoundFailed) else RoundFailed(str(error))
+                for owner, task in fetches.items():
+                    if task in done:
+                        took[owner] = loop.time() - self.grouped_at
+                late_at = self._late_at(took, sent, [o for o, t in fetches.items() if t in pending])
+        finally:
+            for waiting in pending:
+                waiting.cancel()
+        silent = {owner for owner, task in fetches.items() if task in pending}
+        if silent:
             # An owner silent for the whole budget is lost as one whose stream broke (cut off, or
             # dead): the others need not wait for it to say that its try failed.
-            silent = {owner for owner, task in fetches.items() if task in pending}
             a._lost_owners[state.group.round] = lost | silent
+            if loop.time() < end:  # most owners answered long before: it is late, not proven silent
+                waited = loop.time() - self.grouped_at
+                raise Caught(
+                    f"no answer from {len(silent)} owner(s) within {waited:.1f} s;"
+                    f" the other {len(took)} answered within {max(took.values()):.1f} s",
+                    dict.fromkeys(silent, f"took our parts and gave no answer within {waited:.1f} s"),
+                    proven=False,
+                    late=True,
+                )
             raise Caught(
-                f"no answer from {len(pending)} owner(s) within {budget:.1f} s",
+                f"no answer from {len(silent)} owner(s) within {budget:.1f} s",
                 dict.fromkeys(silent, f"took our parts and gave no answer within {budget:.1f} s"),
                 proven=False,
             )
+        if pending:  # our own reduction did not end within the budget
+            raise RoundFailed(f"our own reduction did not end within {budget:.1f} s")
         answers: dict[str, Answer] = {owner: task.result() for owner, task in fetches.items()}
         if state.session is not None:
             if state.session.result is None:
                 raise RoundFailed("our own reduction failed")
             answers[a.peer_id] = state.session.result
         return answers
+
+    def _late_at(
+        self, took: Mapping[str, float], sent: Mapping[str, int], waiting: Sequence[str]
+    ) -> float | None:
+        """The loop time past which the owners in `waiting` are late (`wire.late_answer_s`): once
+        more than half of the round's owners are in (`took`: the others that answered; our own
+        reduction when it is done), each waiting one gets as long as the slowest of the others took,
+        by its share of our bytes (`sent`: what we sent each owner)."""
+        session = self.state.session
+        ours = 0 if session is None else 1
+        done = len(took) + (1 if session is not None and session.done.is_set() else 0)
+        if not waiting or not took or 2 * done <= len(took) + len(waiting) + ours:
+            return None
+        slowest = max(took.values())
+        largest = max(sent[o] for o in took) or 1
+        return self.grouped_at + max(late_answer_s(slowest, sent[o] / largest) for o in waiting)
 
     async def _stand_in(
         self,

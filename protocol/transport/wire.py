@@ -45,6 +45,22 @@ REDUCE_FLOOR_S = 10.0
 EXCHANGE_SLACK = 4.0
 
 
+LATE_FACTOR = 4.0
+LATE_FLOOR_S = 2.0
+"""Once more than half of the round's owners are in, a member waits for the others' answers no
+longer than `late_answer_s` of the slowest answer in (`round_exchange`). An honest owner answers
+within it: once more than half of the owners' parts are in, it waits for the rest twice as long as
+they took (`owner`), so it reduces by three times that at most, and its larger share of the bytes
+scales the wait. An owner that never answers costs a try of about the round's own length, not the
+exchange budget, which is set for the slowest link the run admits."""
+
+
+def late_answer_s(took_s: float, scale: float = 1.0) -> float:
+    """Seconds from the group's forming a member waits for an owner's answer once most other owners'
+    are in, the slowest after `took_s`; `scale`: the owner's bytes over that owner's (at least 1)."""
+    return max(took_s + LATE_FLOOR_S, LATE_FACTOR * took_s * max(1.0, scale))
+
+
 def bytes_timeout(nbytes: int, rate_bps: float, *, slack: float, floor_s: float) -> float:
     """Seconds moving `nbytes` may take at an expected `rate_bps`: `slack` times what the bytes
     need at that rate, never less than `floor_s` (stream setup, latency, a busy peer)."""
