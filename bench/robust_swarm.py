@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -113,10 +114,13 @@ def main() -> None:
     for seed in args.seeds:
         for rule, score in [(r, sc) for r in args.rules for sc in args.scores]:
             for attack in args.attacks:
-                with tempfile.TemporaryDirectory(prefix="adloco-robust-") as work:
-                    run = one_run(
-                        Path(work), rule=rule, score=score, attack=attack, rounds=args.rounds, seed=seed
-                    )
+                work = Path(tempfile.mkdtemp(prefix="adloco-robust-"))
+                run = one_run(work, rule=rule, score=score, attack=attack, rounds=args.rounds, seed=seed)
+                if run["theta_agree"]:
+                    shutil.rmtree(work)
+                else:  # a fork is a bug report: every node's log stays for it
+                    run["logs"] = str(work)
+                    print(f"θ disagreed: the nodes' logs are in {work}", file=sys.stderr)
                 runs.append(run)
                 print(json.dumps(run), flush=True)
     clean = {(r["rule"], r["seed"]): r["val_loss"] for r in runs if r["attack"] == "none"}

@@ -57,9 +57,10 @@ MAX_WORKERS = 32
 """The most peers one record (a readiness or a state record) may list as workers."""
 GRACE_S = 1.0
 """How long, at least, a round's owners wait for what the other members send once the owners' own
-is in (their parts, reveals, projections): as long again as the owners' took, and never less than
-this. What the others send only adds to the round; waiting out a deadline for it would let a key
-with no record hold every round it joins."""
+is in (their reveals, projections: as long again as the owners' took, and never less than this;
+their parts: from once more than half of the owners' parts are in, twice as long again, `owner`).
+What the others send only adds to the round; waiting out a deadline for it would let a key with no
+record hold every round it joins, and a key that owns parts make an honest owner late."""
 
 
 def accepted_work(weights: Mapping[str, float], rejected: Mapping[str, int], parts: int) -> dict[str, float]:
