@@ -4,7 +4,11 @@ Runs the real entry points as separate processes and reads each process's own hi
 (VmHWM in /proc/PID/status, the kernel's peak resident set size) just before it exits:
 
 1. solo: `adloco-node --offline` for 2 rounds (one instance, fp32 AdamW, int8 codec);
-2. swarm: `adloco-swarm --nodes 3` for 2 rounds (a bootstrap peer and 3 nodes over the real p2pd),
+2. networked: `adloco-node` with the same flags but networked, alone as the first peer of a new
+   swarm (no --peers, no other node: its DHT process and p2pd run, every round goes through the
+   hivemind averager as a group of one) for 3 rounds; the node process's peak, and separately its
+   forked DHT process's and p2pd's (other processes, not counted in the node's);
+3. swarm: `adloco-swarm --nodes 3` for 2 rounds (a bootstrap peer and 3 nodes over the real p2pd),
    the peak of each node process.
 
 Alongside, the bytes per parameter the method cannot avoid (the floor: instance weights, gradients,
@@ -16,6 +20,7 @@ measured when the script runs. From the repository root:
 
     python bench/memory.py                       # solo + 3-node swarm, ~5 min on 2 cores, nodes of 5-6 GB
     python bench/memory.py --modes solo --repeats 3 --out /tmp/memory.json
+    python bench/memory.py --modes solo,networked --out /tmp/memory.json   # offline against networked
     python bench/memory.py --modes solo --node-arg=--residual-dtype --node-arg=float32
 """
 
@@ -169,6 +174,36 @@ def measure_solo(config: Path, tokenizer: Path, work: Path, node_args: list[str]
     return {"peak_bytes": float(watcher.peaks[watcher.root][1]), "wall_s": wall}
 
 
+# One data shard of one, as the offline node trains (its batch sizes, hence its peaks, follow its data).
+NETWORKED_ARGS = [
+    "--run-id", "memory", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--no-nat-port-map",
+    "--data-shards", "1", "--data-shard", "0",
+]  # fmt: skip
+
+
+def measure_networked(
+    config: Path, tokenizer: Path, work: Path, node_args: list[str], rounds: int = 3
+) -> dict[str, float]:
+    """The node alone as the first peer of a new swarm: the solo flags without --offline, no --peers."""
+    cmd = [
+        sys.executable, "-m", "adloco.node.cli.entry", "--rounds", str(rounds), *NETWORKED_ARGS,
+        "--control-port", "-1", "--model", str(config), "--tokenizer", str(tokenizer), *TRAIN_ARGS,
+        "--checkpoint-dir", str(work / f"ckpt-networked-{time.time_ns()}"), *node_args,
+    ]  # fmt: skip
+    watcher, wall = _run(cmd, cwd=work, timeout_s=1800)
+    peaks, parents = watcher.peaks, watcher.parents
+    # The node forks its DHT process (hivemind), which starts p2pd: separate processes, each with
+    # its own peak, reported apart from the node's.
+    dht = [pid for pid, (name, _) in peaks.items() if parents.get(pid) == watcher.root and "p2pd" not in name]
+    p2pd = [pid for pid, (name, _) in peaks.items() if "p2pd" in name]
+    return {
+        "peak_bytes": float(peaks[watcher.root][1]),
+        "dht_peak_bytes": float(sum(peaks[pid][1] for pid in dht)),
+        "p2pd_peak_bytes": float(sum(peaks[pid][1] for pid in p2pd)),
+        "wall_s": wall,
+    }
+
+
 def measure_swarm(
     config: Path, tokenizer: Path, work: Path, nodes: int, node_args: list[str]
 ) -> dict[str, object]:
@@ -198,8 +233,9 @@ def measure_swarm(
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--modes", default="solo,swarm", help="comma-separated: solo, swarm")
-    ap.add_argument("--repeats", type=int, default=1, help="solo runs (the median is reported)")
+    ap.add_argument("--modes", default="solo,swarm", help="comma-separated: solo, networked, swarm")
+    ap.add_argument("--repeats", type=int, default=1, help="solo and networked runs (the median is reported)")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of the networked node")
     ap.add_argument("--nodes", type=int, default=3)
     ap.add_argument(
         "--node-arg", action="append", default=[], help="one more flag for every node (repeatable)"
@@ -245,6 +281,21 @@ def main() -> None:
                 flush=True,
             )
             _write(args.out, result)  # kept if the swarm run fails
+        if "networked" in modes:
+            runs = [
+                measure_networked(config, tokenizer, work, args.node_arg, args.rounds)
+                for _ in range(args.repeats)
+            ]
+            peak = statistics.median(r["peak_bytes"] for r in runs)
+            result["networked"] = {"runs": runs, "median_peak_bytes": peak, "bytes_per_param": peak / params}
+            print(
+                f"networked, first peer alone: peak {peak / 2**30:.2f} GiB = {peak / params:.1f} B/param"
+                f" (median of {len(runs)}; runs {[round(r['peak_bytes'] / params, 1) for r in runs]});"
+                f" its DHT process {[round(r['dht_peak_bytes'] / 2**30, 2) for r in runs]} GiB, p2pd"
+                f" {[round(r['p2pd_peak_bytes'] / 2**30, 2) for r in runs]} GiB",
+                flush=True,
+            )
+            _write(args.out, result)
         if "swarm" in modes:
             swarm = measure_swarm(config, tokenizer, work, args.nodes, args.node_arg)
             node_peaks = swarm["node_peak_bytes"]

@@ -30,6 +30,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from ...protocol.algorithms.allreduce import Contribution
+from ...protocol.algorithms.pseudograd import PseudoGradient
 from ...protocol.transport.averager import (
     Averager,
     FailureAware,
@@ -298,6 +299,11 @@ class RoundLoop:
 
     def _launch(self, local: LocalRound, pool: ThreadPoolExecutor) -> _InFlight | None:
         contribution, info = self.peer.contribute(local, bandwidth_bps=self._link_bps)
+        # Encoded, Δ is not read again: under overlap a failed round's Δ is dropped, not contributed
+        # again. Released now, the next round's start does not compute it whole (`settle_delta`),
+        # which held 4 B/param through the whole overlapped round.
+        if isinstance(local.delta, PseudoGradient):
+            local.delta.release()
         if contribution is None:
             self._count_dropped(info.staleness)  # too stale
             return None

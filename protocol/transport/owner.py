@@ -481,9 +481,13 @@ class RoundState:
         return next((s for s in self.reductions if key in s.keys), None)
 
     def release(self) -> None:
-        """Free what our reductions kept for the checks."""
+        """Free what our reductions kept for the checks, and the answers' payloads: the caller's
+        result holds them (its kept updates, while kept), and with the reductions' payloads gone no
+        defense can be made of them (`verify_streams`). This state outlives the round by the
+        averager's `record_ttl_s`, so it kept every round's averaged update of that long."""
         for session in self.reductions:
             session.release()
+        self.answers = {owner: replace(a, payloads={}) for owner, a in self.answers.items()}
 
     @property
     def statement_bytes(self) -> int:

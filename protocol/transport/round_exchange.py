@@ -20,6 +20,7 @@ executors and verdicts as the averager's own methods do.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
@@ -74,6 +75,11 @@ class RoundExchange:
         self.keys = keys = list(contribution.payloads)
         self.layout = {k: i for i, k in enumerate(keys)}
         sizes = [len(contribution.payloads[k]) for k in keys]
+        # What a reduction of any part needs of our payloads (from their headers), so that a stand-in
+        # opened late needs no payload: they are released with the round (`_release`).
+        self.sizes = dict(zip(keys, sizes, strict=True))
+        self.shapes = {k: payload_shape(contribution.payloads[k]) for k in keys}
+        self.families = {k: payload_codec(contribution.payloads[k]) for k in keys}
         # Parts go to the members the others' work lists make eligible (`trust`), in the group's order.
         owner_index = deal_parts(sizes, group.members, group.owners)
         self.owners = {k: group.members[i] for k, i in zip(keys, owner_index, strict=True)}
@@ -96,14 +102,14 @@ class RoundExchange:
 
     def _new_session(self, owner: str) -> OwnerSession:
         """A reduction of `owner`'s parts (ours, or an unreachable owner's), running from now."""
-        a, contribution, keys = self.averager, self.contribution, self.by_owner[owner]
+        a, keys = self.averager, self.by_owner[owner]
         # From the headers: our own payloads are decoded once, with the others', when we reduce.
-        shapes = {k: payload_shape(contribution.payloads[k]) for k in keys}
+        shapes = {k: self.shapes[k] for k in keys}
         session = OwnerSession(
             group=self.group,
             keys=keys,
             shapes=shapes,
-            sizes=[len(contribution.payloads[k]) for k in keys],
+            sizes=[self.sizes[k] for k in keys],
             codec=self.codec,
             outlier_factor=a.outlier_factor,
             aggregate=a.aggregate,
@@ -116,10 +122,10 @@ class RoundExchange:
             answer_timeout_s=a._exchange_budget_s(self.moved),
             on_stage=a._on_stage,
             owner=owner,
-            turn_budget_s=turn_budget_s(sum(len(contribution.payloads[k]) for k in keys), a._best_bps()),
+            turn_budget_s=turn_budget_s(sum(self.sizes[k] for k in keys), a._best_bps()),
             signer=a._signer,
             layout=self.layout,
-            codecs={k: payload_codec(contribution.payloads[k]) for k in keys},
+            codecs={k: self.families[k] for k in keys},
         )
         a._spawn(session.run(a._executor))
         return session
@@ -174,9 +180,20 @@ class RoundExchange:
                 )
         finally:
             watch.cancel()
-            # Members slower with their checks may still ask us to show the payloads we reduced.
-            loop.call_later(a.phase_s(self.moved, floor_s=a.reduce_timeout_s), state.release)
+            # Members slower with their checks may still ask us to show the payloads we reduced; in
+            # a group of one there is nobody to ask.
+            alone = group.members == (a.peer_id,)
+            checks_s = 0.0 if alone else a.phase_s(self.moved, floor_s=a.reduce_timeout_s)
+            loop.call_later(checks_s, self._release)
         return result
+
+    def _release(self) -> None:
+        """The round's checks are over: free what our reductions kept, the answers' payloads and our
+        own (the caller's result holds the averaged ones). The round's state outlives the round by
+        the averager's `record_ttl_s` and reaches this exchange (`RoundState.take_over`), so until
+        now it held every recent round's payloads, ~2 bytes per parameter each at int8."""
+        self.state.release()
+        self.contribution = dataclasses.replace(self.contribution, payloads={})
 
     async def _exchange(self) -> MemberResult:
         """Send our parts, gather every owner's answer and assemble them (`member.assemble`)."""
