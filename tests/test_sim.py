@@ -305,13 +305,13 @@ def test_a_staller_costs_a_short_try_once_it_owns_parts_then_owns_nothing_for_lo
 
     train = replace(SMALL, instances=1, inner_steps=4, schedule=replace(SMALL.schedule, test="none"))
     corpus, tokenizer = load_data(train)
-    base = SimConfig(peers=4, rounds=8, train=train, sec_per_sample=0.05)
+    base = SimConfig(peers=4, rounds=6, train=train, sec_per_sample=0.05)
     clean = Simulator(base, corpus, vocab_size=tokenizer.vocab_size)
     clean_records = clean.run()
     stalled = Simulator(replace(base, hostile=1, attack="stall"), corpus, vocab_size=tokenizer.vocab_size)
     records = stalled.run()
-    assert clean.tries_lost == 0 and [r.group_size for r in clean_records] == [4] * 8
-    assert stalled.tries_lost == 1 and [r.group_size for r in records] == [4] * 8
+    assert clean.tries_lost == 0 and [r.group_size for r in clean_records] == [4] * 6
+    assert stalled.tries_lost == 1 and [r.group_size for r in records] == [4] * 6
     # The failed try delays the round after the staller's third by what its lateness cost.
     after = WORK_MIN_ROUNDS
     # The honest owners' answers take a Δ each way at the link's rate (a little less than the
