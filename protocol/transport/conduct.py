@@ -9,9 +9,9 @@ next rounds for a time that depends on how sure it is:
 - a departure (a member no stream reaches any more, or one that withdrew) not at all the first time
   within `BAN_S`: a node that died and restarts under its key is grouped again at once; again, as a
   silence (a key that leaves rounds on purpose);
-- a late owner (`Caught.late`) not at all: the averager takes its record of work instead, so it
-  owns nothing until it has earned again, and more work each time (`trust.WorkLedger.demote`), or
-  leaves it out as seen when it had no record.
+- a late owner (`Caught.late`) is not brought here when it had a record of work: the averager
+  takes the record instead (`trust.WorkLedger.demote`), so it owns nothing until it has earned
+  again, with more work each time; one without a record comes here as seen.
 Its readiness records then ask the others to leave them out too (`matchmaking.outvoted`).
 """
 
@@ -60,8 +60,6 @@ class Verdicts:
         until = now + (EXCLUDE_PROVEN_S if caught.proven else EXCLUDE_SEEN_S)
         left_out = []
         for peer, why in caught.culprits.items():
-            if caught.late and not caught.proven:
-                continue
             if caught.gone and not caught.proven:
                 times = _repeat(self._departures, peer, now)
                 if times == 1:
