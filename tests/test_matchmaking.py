@@ -41,6 +41,8 @@ from adloco.protocol.transport.matchmaking import (
 )
 from adloco.protocol.transport.wire import PROTOCOL_VERSION, Meter, read_frame, write_frame
 
+from procs import wait_for
+
 pytestmark = pytest.mark.timeout(60)
 
 
@@ -344,7 +346,8 @@ def test_a_try_failed_for_every_live_member_is_known_over_at_once(hivemind_swarm
     outcomes = _average_together(averagers, contributions, round=round, spec="int8")
     assert [o.result for o in outcomes] == [None, None]
     began = time.monotonic()
-    assert all(a.failed_everywhere(round) for a in averagers)  # type: ignore[attr-defined]
+    # Each says so without waiting for the store to land everywhere: known over within a few reads.
+    wait_for(lambda: all(a.failed_everywhere(round) for a in averagers), timeout=5, what="the marks")  # type: ignore[attr-defined]
     print(f"\nthe try is known over everywhere {time.monotonic() - began:.2f} s after the calls returned")
     # Without leaving the refusing owner out, the try would never be known over: it never says so.
     matchmaker: Any = averagers[0]._matchmaker  # type: ignore[attr-defined]
@@ -352,6 +355,37 @@ def test_a_try_failed_for_every_live_member_is_known_over_at_once(hivemind_swarm
     assert not averagers[0]._call(matchmaker.all_failed(round, members), timeout=10)  # type: ignore[attr-defined]
     # A round no group formed for is never over by this rule (the caller waits out the bound).
     assert not averagers[0].failed_everywhere(round + 1)  # type: ignore[attr-defined]
+
+
+def test_a_registrant_late_for_a_try_that_failed_knows_it_over_once_its_group_has_left_it(
+    hivemind_swarm: Swarm,
+) -> None:
+    """Two members and an owner that refuses them form a group; a third peer registers after the
+    close (late). Once the two have said their try failed, only the refusing owner is still in
+    it, which can complete nothing shared: the late one knows the try over and may retry with them
+    now, not after the longest a call may take. A late one whose group completed its round, which
+    nobody left, keeps waiting (for the head)."""
+    swarm = hivemind_swarm
+    swarm.add_nodes(4)
+    averagers = [swarm.averager(i) for i in range(3)]
+    round = 7
+    refuser = _phantom(swarm, round, refuse_with="no")
+    contributions = _contributions(averagers, "int8", seed=14)
+    late_by = WINDOW_S + GRACE_S + 1.0
+    outcomes = _average_together(averagers, contributions, round=round, spec="int8", delays=[0, 0, late_by])
+    assert [o.result for o in outcomes] == [None, None, None]
+    late: Any = averagers[2]
+    members, _ = late._call(late._matchmaker.left_try(round), timeout=10)
+    assert set(members) == {averagers[0].peer_id, averagers[1].peer_id, refuser}
+    wait_for(lambda: late.failed_everywhere(round), timeout=5, what="the late one to know the try over")
+    # A group that completed: nobody left it, and the late one waits as before.
+    round = 8
+    contributions = _contributions(averagers, "int8", seed=15)
+    outcomes = _average_together(averagers, contributions, round=round, spec="int8", delays=[0, 0, late_by])
+    assert [o.result is not None for o in outcomes] == [True, True, False]
+    members, left = late._call(late._matchmaker.left_try(round), timeout=10)
+    assert set(members) == {averagers[0].peer_id, averagers[1].peer_id} and not left
+    assert not late.failed_everywhere(round)
 
 
 def test_keys_with_no_record_cannot_open_time_or_hold_a_round_once_some_registrants_worked_together() -> None:

@@ -439,7 +439,8 @@ def test_a_node_left_behind_by_peers_that_have_gone_finishes_its_rounds_alone(
     procs: Procs, tmp_path: Path
 ) -> None:
     """Three nodes; once the third has applied round 2 its machine freezes (SIGSTOP to its process
-    group, p2pd included), and the other two average round 3 without it, then stop (--rounds 3).
+    group, p2pd included), and the other two average round 3 without it, together, then stop
+    (--rounds 3).
     Thawed, the third reads their records of round 3 and cannot catch up (nobody serves it): it
     must not wait for them as for live peers ahead (join-only: nobody ever opens its round again),
     but go on alone and finish its own rounds."""
@@ -458,8 +459,13 @@ def test_a_node_left_behind_by_peers_that_have_gone_finishes_its_rounds_alone(
         os.killpg(frozen.pid, signal.SIGCONT)
     theirs = _rounds(nodes[0][1])
     assert max(theirs) == 3 and max(_rounds(frozen_status)) == 2, (theirs, _rounds(frozen_status))
+    # The two averaged round 3 together (a member frozen mid-exchange fails their try; the retry
+    # must find them both, not each alone: two θ at round 3, and no head for the third to see).
+    assert theirs[3] == _rounds(nodes[1][1])[3], procs.log("n0")[-3000:] + procs.log("n1")[-3000:]
     assert frozen.wait(timeout=120) == 0, procs.log("n2")
     mine = [e for e in read_events(frozen_status) if e["event"] == "round"]
     assert [e["round"] for e in mine] == [1, 2, 3], procs.log("n2")
     assert mine[-1]["group_size"] == 1
-    assert "no longer answer: going on without them" in procs.log("n2"), procs.log("n2")
+    assert "no longer answer: going on without them" in procs.log("n2"), "\n".join(
+        procs.log(name)[-3000:] for name in ("n2", "n0", "n1")
+    )

@@ -132,7 +132,7 @@ logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 
-MARK_TIMEOUT_S = 5.0  # storing or reading the failures of a try (`Matchmaker.mark_failed`)
+MARK_TIMEOUT_S = 5.0  # reading a try's failures (`Matchmaker.all_failed`) or registrations
 
 
 class HivemindAverager:
@@ -438,8 +438,9 @@ class HivemindAverager:
     def failed_everywhere(self, round: int) -> bool:
         """Whether every member of the group this peer formed for `round` said its try failed there
         (`Matchmaker.mark_failed`), owners whose exchange with this peer broke aside: then no call
-        of that try is left running anywhere that could complete it. False when no group formed
-        here, or the DHT could not be read."""
+        of that try is left running anywhere that could complete it. Where this peer came late to
+        the try, whether the group that formed without it is over (`_late_try_over`). False when
+        it registered for no try there, or the DHT could not be read."""
         if self._closed:
             return False
         try:
@@ -452,7 +453,7 @@ class HivemindAverager:
         entry = self._rounds.get(round)
         state = None if entry is None else _formed(entry[1])
         if state is None:
-            return False
+            return round in self._joined and await self._late_try_over(round)
         # An owner whose exchange broke here has mostly died and gives its parts to nobody; one that
         # dropped only us and completed without us alone is at worst a fork the majority heals. So
         # too a member that left the checks (no stream reached it, or it withdrew): a dead peer never
@@ -464,6 +465,18 @@ class HivemindAverager:
             - set(self.excluded())
         )
         return await self._matchmaker.all_failed(round, sorted(waited))
+
+    async def _late_try_over(self, round: int) -> bool:
+        """Whether the group that formed for `round` without this peer (it registered after the
+        close) can no longer complete a round together: at most one of its members is still in it,
+        the others having said their try failed there or gone on to the next try. One member left
+        can complete it only alone, at worst a fork the majority heals. Without this, a peer one
+        DHT timeout late for a try that then failed waited out the whole bound, while the others
+        retried without it and each averaged alone."""
+        members, left = await self._matchmaker.left_try(round)
+        if not members or self._peer_id in members:
+            return False
+        return len(set(members) - left) <= 1
 
     def shutdown(self) -> None:
         """End the calls still running, deliver the answers this peer owes, remove the stream
@@ -631,8 +644,7 @@ class HivemindAverager:
             if state is None or state.group.members == (self._peer_id,):
                 self._alone.add(round)
         if ready.result() is not None:  # a group formed: its other members may wait on this try
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._matchmaker.mark_failed(round), MARK_TIMEOUT_S)
+            self._matchmaker.mark_failed(round)
         return None
 
     async def _run_round(

@@ -51,7 +51,10 @@ A member whose try failed after its group formed says so under f"{prefix}.round{
 (`mark_failed`, bound to its key like a registration); once every member of the group it read has
 (`all_failed`), no call of that try is running anywhere it could complete, and the next try may
 open at once instead of after the longest a call may take. A member that never says so (dead, or
-hostile) only leaves the wait at that bound, as before.
+hostile) only leaves the wait at that bound, as before. A registrant that came after the close
+reads the same board, and the next try's registrations, for the group that formed without it
+(`left_try`): once at most one of its members is still in it, that try cannot complete a shared
+round, and the late one retries with the others instead of waiting out the bound.
 
 Over 500 lines, one idea: the group rule and the `Matchmaker` that reads the DHT for it; the pure
 rule (`close_and_members`, `form_group`, `outvoted`, the parsing of records) is the larger half,
@@ -544,12 +547,17 @@ class Matchmaker:
         _, members = records.close_and_members(self.window_s, self.grace_s)
         return frozenset(records.times), members
 
-    async def mark_failed(self, round: int) -> None:
+    def mark_failed(self, round: int) -> None:
         """Say that this peer's try at `round` failed after its group formed (see the module
-        docstring); a DHT error is logged, not raised: the others then wait out the bound."""
+        docstring). Returns once the store is under way, not once it landed: the live replicas have
+        it in a round trip, but an unresponsive one (a frozen member) holds the store for two DHT
+        RPC timeouts, one in the search for the replicas and one in the store (6 s measured; asking
+        hivemind for the first replica's answer only does not shorten it), and a member that waited
+        registered its next try seconds after the others, who had each closed that try alone. A
+        DHT error is logged, not raised: the others then wait out the bound."""
         now = float(get_dht_time())
         try:
-            await self.dht.store(
+            stored = self.dht.store(
                 f"{self.prefix}.round{round}.failed",
                 self.peer_id,
                 expiration_time=now + self.record_ttl_s,
@@ -558,6 +566,28 @@ class Matchmaker:
             )
         except Exception as e:
             self._log(round, "could not say the try failed: %r", e, level=logging.DEBUG)
+            return
+
+        def landed(future: Any) -> None:
+            error = None if future.cancelled() else future.exception()
+            if error is not None:
+                self._log(round, "could not say the try failed: %r", error, level=logging.DEBUG)
+
+        stored.add_done_callback(landed)
+
+    async def left_try(self, round: int) -> tuple[tuple[str, ...], set[str]]:
+        """The group the registrations of try `round` make, and those of its members that have left
+        it: said their try failed (`mark_failed`), or registered for the next try (`round + 1`, the
+        caller's numbering of one round's tries). For a registrant that came late to that group;
+        RoundFailed on DHT errors."""
+        _, members = await self.round_view(round)
+        try:
+            found = await self.dht.get(f"{self.prefix}.round{round}.failed", latest=True, return_future=True)
+        except Exception as e:
+            raise RoundFailed(f"reading the failures failed: {e!r}") from e
+        later = await self._read(f"{self.prefix}.round{round + 1}")
+        left = parse_failures(None if found is None else found.value) | set(later.times)
+        return members, left & set(members)
 
     async def all_failed(self, round: int, members: Sequence[str]) -> bool:
         """Whether every one of `members` said its try at `round` failed."""

@@ -244,9 +244,13 @@ def live_beacons(dht: hivemind.DHT, run_id: str, *, alive_s: float) -> list[Beac
 DHT_CALL_TIMEOUT_S = 30.0  # a DHT call of the node's own process that takes longer: the DHT is gone
 
 
-SETTLE_S = 5.0
+DHT_RPC_TIMEOUT_S = 3.0  # hivemind's DHTNode wait_timeout (its default, which the node keeps)
+SETTLE_S = 3 * DHT_RPC_TIMEOUT_S
 """The most a stopping node waits for its last state record's store (`RunRecords.settle`): the
-replicas that answer take a round trip; a peer that left holds the store up to its RPC timeout."""
+replicas that answer take a round trip; an unresponsive one (a peer frozen, or gone with its
+connection still open) holds the store for two RPC timeouts, one in the search for the replicas
+and one in the store (6.0 s measured with one frozen peer of four), and a node that left after 5 s
+had stored its last record nowhere else in the time; one timeout more is the margin."""
 
 
 def dht_result(future: Any, what: str) -> Any:
