@@ -60,6 +60,7 @@ def test_quick_run_writes_every_key_of_results_json_and_a_report_of_the_goals(
 
 
 @pytest.mark.netns
+@pytest.mark.long
 @pytest.mark.timeout(300)
 def test_quick_system_section_runs_real_nodes_behind_shaped_links(tmp_path: Path) -> None:
     why = netns.available()

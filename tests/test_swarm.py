@@ -40,6 +40,7 @@ def _bootstrap(procs: Procs, tmp_path: Path) -> list[str]:
     return maddr_list
 
 
+@pytest.mark.long
 def test_three_nodes_of_a_private_run_agree_every_round_and_an_outsider_stays_apart(
     procs: Procs, tmp_path: Path
 ) -> None:
@@ -237,6 +238,7 @@ def test_joiner_too_far_behind_to_replay_downloads_in_chunks_from_several_donors
     print(f"\njoiner: downloaded round {downloads[0]['round']} in {downloads[0]['seconds']} s from {served}")
 
 
+@pytest.mark.long
 def test_killed_node_does_not_stop_the_others(procs: Procs, tmp_path: Path) -> None:
     peers = _bootstrap(procs, tmp_path)
     nodes = [
@@ -329,6 +331,7 @@ def test_slow_node_contributes_late_and_corrected_without_holding_others(
     assert slow_rounds[-1]["inner_steps"] < 8
 
 
+@pytest.mark.long
 def test_nodes_on_different_kernel_paths_hold_identical_theta(procs: Procs, tmp_path: Path) -> None:
     """Issue 9 §3: one node on torch's scalar kernels (no vector unit, so no FMA), one on another
     thread count with MKL's generic kernels, one as this machine runs by default; with the adaptive
@@ -435,6 +438,7 @@ def test_a_peer_claiming_a_far_ahead_round_cannot_hijack_nodes_that_averaged_tog
     assert losses[-1] < losses[1]
 
 
+@pytest.mark.long
 def test_a_node_left_behind_by_peers_that_have_gone_finishes_its_rounds_alone(
     procs: Procs, tmp_path: Path
 ) -> None:
