@@ -1329,6 +1329,7 @@ def test_an_owner_that_takes_the_parts_and_never_answers_costs_one_try(
         swarm.close()
 
 
+@pytest.mark.long  # four peers that work together first, then the default floors: ~30 s
 def test_an_owner_with_a_record_that_never_answers_costs_a_short_try_and_owns_nothing_after() -> None:
     """Four peers that worked together (they list one another and all own parts), at the node's
     default floors (an exchange budget of 25 s). One of them then takes the parts and never answers.

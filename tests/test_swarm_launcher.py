@@ -441,6 +441,7 @@ def test_two_nodes_train_one_round_and_stop_cleanly(procs: Procs, tmp_path: Path
     assert "[node0 round=" in log and "[node1 round=" in log
 
 
+@pytest.mark.long
 @pytest.mark.timeout(300)
 def test_sigterm_stops_a_training_swarm_gracefully(procs: Procs, tmp_path: Path) -> None:
     assert_node_takes_the_launcher_flags()
