@@ -581,21 +581,21 @@ class Matchmaker:
         caller's numbering of one round's tries). For a registrant that came late to that group;
         RoundFailed on DHT errors."""
         _, members = await self.round_view(round)
-        try:
-            found = await self.dht.get(f"{self.prefix}.round{round}.failed", latest=True, return_future=True)
-        except Exception as e:
-            raise RoundFailed(f"reading the failures failed: {e!r}") from e
         later = await self._read(f"{self.prefix}.round{round + 1}")
-        left = parse_failures(None if found is None else found.value) | set(later.times)
+        left = await self._failures(round) | set(later.times)
         return members, left & set(members)
 
     async def all_failed(self, round: int, members: Sequence[str]) -> bool:
         """Whether every one of `members` said its try at `round` failed."""
+        return set(members) <= await self._failures(round)
+
+    async def _failures(self, round: int) -> set[str]:
+        """The peers that said their try at `round` failed (`mark_failed`); RoundFailed on DHT errors."""
         try:
             found = await self.dht.get(f"{self.prefix}.round{round}.failed", latest=True, return_future=True)
         except Exception as e:
             raise RoundFailed(f"reading the failures failed: {e!r}") from e
-        return set(members) <= parse_failures(None if found is None else found.value)
+        return parse_failures(None if found is None else found.value)
 
     @property
     def poll_s(self) -> float:
