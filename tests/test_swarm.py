@@ -470,6 +470,10 @@ def test_a_node_left_behind_by_peers_that_have_gone_finishes_its_rounds_alone(
     mine = [e for e in read_events(frozen_status) if e["event"] == "round"]
     assert [e["round"] for e in mine] == [1, 2, 3], procs.log("n2")
     assert mine[-1]["group_size"] == 1
-    assert "no longer answer: going on without them" in procs.log("n2"), "\n".join(
-        procs.log(name)[-3000:] for name in ("n2", "n0", "n1")
-    )
+    # Frozen between rounds, it reads their records and goes on without them; frozen inside its
+    # matchmaking for round 3 (its registration stored, the others' group formed without it), its
+    # exchange finds nobody and it completes that round alone: either way, not waiting for them.
+    log = procs.log("n2")
+    assert (
+        "no longer answer: going on without them" in log or "left the round: no stream reaches them" in log
+    ), "\n".join(procs.log(name)[-3000:] for name in ("n2", "n0", "n1"))

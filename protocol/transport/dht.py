@@ -21,6 +21,13 @@ from .procfs import live_processes
 
 DHT = NodeDHT  # the handle the layers above hold, without importing hivemind themselves
 
+DHT_RPC_TIMEOUT_S = 3.0  # hivemind's DHTNode wait_timeout (its default, which the node keeps)
+DHT_STALL_S = 2 * DHT_RPC_TIMEOUT_S
+"""The longest one DHT call of ours waits on an unresponsive peer (frozen, or gone with its
+connection still open): a store waits out one RPC timeout in the search for the replicas and one in
+the store itself (6.0 s measured, four DHT peers, one frozen); a read, one. Every peer pays it at a
+moment of its own until hivemind drops that peer from its routing table."""
+
 
 @dataclass(frozen=True)
 class NetworkConfig:

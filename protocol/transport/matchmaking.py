@@ -29,8 +29,11 @@ first registrant waits at most two windows and two graces (`matchmaking_bound_s`
 patience of the round's first registration.
 
 Patience: a registrant that completed its last round with others expects them again, and registers
-with a patience (its own last local round, at most `MAX_PATIENCE_S`): a round it opens stays open
-that long for them, unless the group it expects is complete sooner (the early close below). Peers
+with a patience (its own last local round, at least `dht.DHT_STALL_S`, at most `MAX_PATIENCE_S`): a
+round it opens stays open that long for them, unless the group it expects is complete sooner (the
+early close below). The floor is for the DHT: a peer whose store or read waited on an unresponsive
+peer (one frozen) registers up to that much later than the others, or is seen that much later, and
+with local rounds shorter than that, each closed a round alone (a fork; record 056). Peers
 whose local rounds drift apart (under overlap nothing pulls them back into step; the fastest one
 finishes up to a local round before the slowest) then still meet, where a window of a few seconds
 let the fastest open a round alone and the others another: a fork. The round waits the lower median
@@ -78,6 +81,7 @@ from hivemind.utils.serializer import MSGPackSerializer
 from ..algorithms.trust import MAX_WORKERS, core, eligible_owners, owner_order
 from .admission import Admission
 from .averager import NotOpened
+from .dht import DHT_STALL_S
 from .evidence import Evidence
 from .identity import NodeDHT, peer_of_subkey
 
@@ -466,8 +470,8 @@ class Matchmaker:
         """This peer's group for `round`, or None when it came too late; RoundFailed on DHT errors;
         `NotOpened` when `join_only` waited `join_wait_s` and no other peer had registered.
         `patience_s`: how long a round this registration opens stays open for the group this peer
-        expects (capped at `MAX_PATIENCE_S`); it applies only while that group is more than this
-        peer (see the module docstring)."""
+        expects (at least `DHT_STALL_S`, at most `MAX_PATIENCE_S`); it applies only while that
+        group is more than this peer (see the module docstring)."""
         key = f"{self.prefix}.round{round}"
         until = math.inf
         patience = 0.0
@@ -479,7 +483,10 @@ class Matchmaker:
         else:
             expect = "" if self.expected is None else expectation(self.expected)
             if self.expected is not None and len(self.expected) > 1:
-                patience = min(MAX_PATIENCE_S, max(0.0, patience_s))
+                # At least a DHT stall: a peer of the group that a stall held back (its store, or
+                # a read, waited on an unresponsive peer) registers that much later than the
+                # others, and two rounds alone would fork.
+                patience = min(MAX_PATIENCE_S, max(DHT_STALL_S, patience_s))
         excluded = tuple(sorted(self.excluded())[:MAX_EXCLUDED])
         workers = tuple(self.workers())[:MAX_WORKERS]
         registered = await self._register(key, round, expect, patience, excluded, workers)

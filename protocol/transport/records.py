@@ -34,6 +34,7 @@ from pydantic.v1 import BaseModel, StrictStr, confloat, conint, conlist, constr
 
 from ..algorithms.trust import MAX_WORKERS
 from .admission import MAX_TOKEN_CHARS, Admission, credentials_key
+from .dht import DHT_RPC_TIMEOUT_S, DHT_STALL_S
 from .identity import NodeDHT, peer_of_subkey
 from .manifest import MAX_MANIFEST_BYTES
 
@@ -244,13 +245,11 @@ def live_beacons(dht: hivemind.DHT, run_id: str, *, alive_s: float) -> list[Beac
 DHT_CALL_TIMEOUT_S = 30.0  # a DHT call of the node's own process that takes longer: the DHT is gone
 
 
-DHT_RPC_TIMEOUT_S = 3.0  # hivemind's DHTNode wait_timeout (its default, which the node keeps)
-SETTLE_S = 3 * DHT_RPC_TIMEOUT_S
+SETTLE_S = DHT_STALL_S + DHT_RPC_TIMEOUT_S
 """The most a stopping node waits for its last state record's store (`RunRecords.settle`): the
-replicas that answer take a round trip; an unresponsive one (a peer frozen, or gone with its
-connection still open) holds the store for two RPC timeouts, one in the search for the replicas
-and one in the store (6.0 s measured with one frozen peer of four), and a node that left after 5 s
-had stored its last record nowhere else in the time; one timeout more is the margin."""
+replicas that answer take a round trip; an unresponsive one holds the store for `DHT_STALL_S`, and a
+node that left after 5 s had stored its last record nowhere else in the time; one RPC timeout more
+is the margin."""
 
 
 def dht_result(future: Any, what: str) -> Any:
