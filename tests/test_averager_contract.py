@@ -1266,6 +1266,7 @@ def test_an_owner_reducing_under_another_rule_costs_one_try_not_every_round() ->
         swarm.close()
 
 
+@pytest.mark.long
 def test_a_fresh_key_that_sends_nothing_holds_a_round_a_grace_not_the_deadline_then_is_left_out(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -98,6 +98,7 @@ def test_each_layer_is_compiled_and_a_copy_is_not() -> None:
     assert all(m._compiled_call_impl is None for m in twin.modules())
 
 
+@pytest.mark.long
 @needs_compiler
 def test_a_compiled_peer_trains_the_eager_peers_round(corpus: Corpus) -> None:
     """Both instances of a compiled peer (the second one a compiled copy) run the round an eager

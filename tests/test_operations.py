@@ -80,6 +80,7 @@ def test_sigterm_checkpoints_and_exits_0_within_30_s(procs: Procs, tmp_path: Pat
     assert not group_members(proc.pid), "p2pd or the DHT process outlived the node"
 
 
+@pytest.mark.long
 def test_p2pd_killed_under_a_running_node_ends_it_with_a_message_and_a_checkpoint(
     procs: Procs, tmp_path: Path
 ) -> None:
@@ -104,6 +105,7 @@ def test_p2pd_killed_under_a_running_node_ends_it_with_a_message_and_a_checkpoin
     assert not group_members(proc.pid), "the DHT process outlived the node"
 
 
+@pytest.mark.long
 def test_kill_9_resumes_losing_at_most_the_current_round(procs: Procs, tmp_path: Path) -> None:
     proc, status = _node(procs, tmp_path, "crash", "--rounds", "0")
     wait_for(lambda: len(_rounds(status)) >= 3, timeout=180, what="3 rounds")
@@ -122,6 +124,7 @@ def test_kill_9_resumes_losing_at_most_the_current_round(procs: Procs, tmp_path:
     assert [e["round"] for e in after] == [resumed[0]["round"] + 1]
 
 
+@pytest.mark.long
 def test_control_plane_status_checkpoint_and_drain(procs: Procs, tmp_path: Path) -> None:
     proc, status = _node(procs, tmp_path, "ctl", "--rounds", "0")
     address = _control_address(procs, "ctl")

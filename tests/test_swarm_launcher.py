@@ -414,6 +414,7 @@ def assert_node_takes_the_launcher_flags() -> None:
     )
 
 
+@pytest.mark.long
 @pytest.mark.timeout(300)
 def test_two_nodes_train_one_round_and_stop_cleanly(procs: Procs, tmp_path: Path) -> None:
     assert_node_takes_the_launcher_flags()
