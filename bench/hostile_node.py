@@ -8,7 +8,13 @@ flags, its own identity, real p2pd) and trains, then attacks every round (`--att
   the true average × −50, owner-noise with noise of the average's norm, owner-split each member
   with an answer of its own (the true one to the first, 1.001 × it to the others), owner-stall takes
   the parts and never answers;
-- mute: it sends its parts and takes the answers, then never reveals what it got.
+- mute: it sends its parts and takes the answers, then never reveals what it got;
+- as an owner again: owner-omit reduces without one member's parts it took (the first other one by
+  peer id), owner-rewrite relays another member's report with its tokens set to 10^9, owner-header
+  answers with a `rejected` field naming a peer that is no member;
+- as a member again: claim says its Δ is worth 10^12 tokens (weight and tokens), sum-bomb sends each
+  part as a `sum` payload of the same size and shape whose tiny sparse parts each decode to the whole
+  tensor, report sends an honest Δ with a forged report (a step time of 1 µs, a link of 1 bit/s).
 
 With "+rekey" after the attack (owner-stall+rekey), once the others leave it out it stops and
 joins again under a fresh key (0.1 s to make), as an attacker whose bans are keyed by peer id would:
@@ -34,15 +40,21 @@ from adloco.node.cli.node import (
     swarm_train_config,
     train_config_from_args,
 )
-from adloco.node.sim.engine import ATTACKS, forge
+from adloco.node.sim.engine import ATTACKS, forge, sum_bomb
 from adloco.node.swarm.node import SwarmNode
-from adloco.protocol.algorithms.codecs import decode, make_codec, payload_codec
+from adloco.protocol.algorithms.allreduce import Contribution
+from adloco.protocol.algorithms.codecs import decode, make_codec, payload_codec, payload_shape
+from adloco.protocol.algorithms.report import PeerReport
 from adloco.protocol.transport import owner, round_exchange
 from adloco.protocol.transport.matchmaking import RoundFailed
 from adloco.protocol.transport.owner import Answer, OwnerSession
 from adloco.protocol.transport.owner_streams import OwnerHandler
 
-OWNER_ATTACKS = ("owner-scaled", "owner-noise", "owner-split", "owner-stall", "mute", "silent")
+OWNER_ATTACKS = (
+    *("owner-scaled", "owner-noise", "owner-split", "owner-stall", "mute", "silent"),
+    *("owner-omit", "owner-rewrite", "owner-header"),
+)
+MEMBER_ATTACKS = ("claim", "sum-bomb", "report")  # an honest Δ, something else forged
 
 
 def _reencoded(answer: Answer, change: Any) -> Answer:
@@ -73,6 +85,30 @@ def attack_as_owner(attack: str) -> None:
             return answer, rejections
 
         owner.reduce_owned = lying
+    elif attack in ("owner-omit", "owner-rewrite", "owner-header"):
+        real_reduce = owner.reduce_owned
+
+        def dishonest(keys: Any, contributions: Any, *args: Any, **kwargs: Any) -> Any:
+            session = kwargs.get("signed_by")
+            me = None if session is None else session.__self__.signer.peer_id
+            others = sorted(p for p in contributions if p != me)
+            if attack == "owner-omit" and others:
+                contributions = {p: c for p, c in contributions.items() if p != others[0]}
+            answer, rejections = real_reduce(keys, contributions, *args, **kwargs)
+            if session is None or answer.statement is None:
+                return answer, rejections
+            if attack == "owner-rewrite" and answer.metadata is not None and len(answer.metadata) > 1:
+                metadata = list(answer.metadata)
+                at = next((i for i, m in enumerate(metadata) if _report_of(m) not in (None, me)), None)
+                if at is not None:
+                    forged = PeerReport.decode(metadata[at])
+                    metadata[at] = dataclasses.replace(forged, tokens=10**9).encode()
+                    answer = session.__self__.restate(dataclasses.replace(answer, metadata=tuple(metadata)))
+            elif attack == "owner-header":
+                answer = session.__self__.restate(dataclasses.replace(answer, rejected={"not-a-member": 1}))
+            return answer, rejections
+
+        owner.reduce_owned = dishonest
     elif attack == "owner-split":
         real_answer = OwnerHandler._answer
         told: dict[int, str] = {}
@@ -109,6 +145,26 @@ def attack_as_owner(attack: str) -> None:
         round_exchange.RoundExchange._exchange = hold  # type: ignore[method-assign]
 
 
+def _report_of(metadata: bytes) -> str | None:
+    """The peer a relayed report names (None: it does not parse)."""
+    try:
+        return PeerReport.decode(metadata).peer_id
+    except Exception:
+        return None
+
+
+def forge_member(honest: Contribution, attack: str) -> Contribution:
+    """A member's attack on what goes with its honest Δ (`MEMBER_ATTACKS`)."""
+    if attack == "claim":
+        return dataclasses.replace(honest, weight=1e12, tokens=1e12)
+    if attack == "sum-bomb":
+        bombs = {key: sum_bomb(len(p), payload_shape(p)) for key, p in honest.payloads.items()}
+        return dataclasses.replace(honest, payloads=bombs)
+    report = PeerReport.decode(honest.metadata)
+    forged = dataclasses.replace(report, step_time_s=1e-6, bandwidth_bps=1.0)
+    return dataclasses.replace(honest, metadata=forged.encode())
+
+
 def _session_with(session: OwnerSession, result: Answer) -> OwnerSession:
     """A copy of `session` answering 1.001 × its true result (re-signed)."""
     import copy
@@ -124,8 +180,9 @@ def main(argv: list[str]) -> int:
         at = argv.index("--attack")
         attack, argv = argv[at + 1], argv[:at] + argv[at + 2 :]
     attack, rekey = attack.removesuffix("+rekey"), attack.endswith("+rekey")
-    if attack not in (*ATTACKS[1:], *OWNER_ATTACKS):
-        raise SystemExit(f"--attack: one of {', '.join((*ATTACKS[1:], *OWNER_ATTACKS))}, +rekey optional")
+    known = (*ATTACKS[1:], *OWNER_ATTACKS, *MEMBER_ATTACKS)
+    if attack not in known:
+        raise SystemExit(f"--attack: one of {', '.join(known)}, +rekey optional")
     args = parse_settings(build_parser(), argv)
     if attack in OWNER_ATTACKS:
         attack_as_owner(attack)
@@ -168,6 +225,8 @@ def _run(args: Any, attack: str, *, rekey: bool) -> bool:
             if contribution is None:
                 return contribution, info
             calls += 1
+            if attack in MEMBER_ATTACKS:
+                return forge_member(contribution, attack), info
             forged = forge(contribution, attack, seed=calls << 20, bounds=node.peer.claim_bounds())
             return forged, info
 

@@ -41,7 +41,7 @@ import torch
 from ...protocol.algorithms.adaptive import predicted_wire_bytes
 from ...protocol.algorithms.allreduce import Contribution
 from ...protocol.algorithms.claims import ClaimBounds
-from ...protocol.algorithms.codecs import decode, make_codec
+from ...protocol.algorithms.codecs import decode, make_codec, sum_payload
 from ...protocol.algorithms.parts import Aggregate
 from ...protocol.algorithms.scoring import SCORE_SEED_OFFSET, SCORE_SEQUENCES, RoundScorer, Score
 from ...protocol.algorithms.trust import WorkLedger
@@ -100,6 +100,25 @@ def forge(honest: Contribution, attack: str, *, seed: int, bounds: ClaimBounds) 
         tokens = bounds.max_tokens if bounds.max_tokens is not None else tokens * 1e6
         weight = tokens * (bounds.max_weight_per_token or 1.0)
     return replace(honest, payloads=payloads, weight=weight, tokens=tokens)
+
+
+def sum_bomb(size: int, shape: tuple[int, ...]) -> bytes:
+    """A valid `sum` payload of exactly `size` bytes and this shape, of as many tiny sparse parts as
+    fit, each decoding to a whole tensor of the shape (issue 25's sum bomb: unbounded work from
+    small bytes). Used by tests/test_averager_contract.py and bench/hostile_node.py."""
+    numel = math.prod(shape)
+    lengths: dict[int, bytes] = {}
+    for k in range(1, 200):
+        part = make_codec(f"sparse:{k}/{numel}:1").encode("x", torch.ones(*shape))
+        lengths.setdefault(len(part), part)
+    tiny = min(lengths.items())[1]
+    empty = len(sum_payload([tiny], [1.0])) - len(tiny) - 8  # header and count
+    for count in range((size - empty) // (len(tiny) + 8), 0, -1):
+        left = size - empty - count * (len(tiny) + 8) - 8
+        if left in lengths:
+            parts = [tiny] * count + [lengths[left]]
+            return sum_payload(parts, [1.0] * len(parts))
+    raise ValueError(f"no sum payload of {size} bytes and shape {shape}")
 
 
 @dataclass(frozen=True)
