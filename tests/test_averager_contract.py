@@ -36,6 +36,7 @@ import pytest
 import torch
 from hivemind.utils import get_dht_time
 
+from adloco.node.sim.engine import sum_bomb
 from adloco.node.swarm.loop import ROUND_ID_STRIDE
 from adloco.protocol.algorithms import codecs
 from adloco.protocol.algorithms.allreduce import Contribution, reduce_group
@@ -1386,18 +1387,27 @@ def test_a_seeder_that_withholds_its_reveal_costs_one_try(
     """In a fresh swarm (nobody has a record: every member owns and seeds, `trust.seeders`), a member
     that sends its parts and takes the answers, then reveals nothing, fails the round for everyone
     (the direction needs its secret); each honest member names it, and the next try completes
-    without it."""
+    without it. The members' part deadline is 30 s (a run admitting slow links: the reveals may
+    come as late as ~40 s after the group formed), but the others' reveals came within a second: it
+    is late by their times (`wire.late_answer_s`) long before, and the try fails then (record 057;
+    before, at the end of the budget)."""
 
     swarm = Swarm("hivemind")
     try:
         swarm.add_nodes(3)
-        averagers = sorted((swarm.averager(i) for i in range(3)), key=lambda a: a.peer_id)
+        averagers = sorted(
+            (swarm.averager(i, part_timeout_s=30.0) for i in range(3)), key=lambda a: a.peer_id
+        )
         mute: Any = averagers[2]
         _mute(monkeypatch, mute)
         contributions = _contributions(averagers, "int8", seed=20)
         with caplog.at_level("WARNING"):
             first = _average_together(averagers, contributions, round=0, spec="int8")
             assert [o.result for o in first[:2]] == [None, None]
+            assert all(o.elapsed_s < WINDOW_S + GRACE_S + 10.0 for o in first[:2]), [
+                o.elapsed_s for o in first
+            ]
+            assert caplog.text.count("late by the others' times") == 2
             for honest in averagers[:2]:
                 assert "withheld its reveal" in honest.verdicts()[mute.peer_id].why  # type: ignore[attr-defined]
             retry = _average_together(averagers, contributions, round=1, spec="int8")
@@ -1563,24 +1573,6 @@ def test_a_member_sending_false_inner_products_to_frame_a_clipping_owner_is_show
         swarm.close()
 
 
-def _sum_bomb(size: int, shape: tuple[int, ...]) -> bytes:
-    """A valid sum payload of exactly `size` bytes and this shape, of as many tiny sparse parts as
-    fit (each decodes to a whole tensor of the shape)."""
-    numel = math.prod(shape)
-    lengths: dict[int, bytes] = {}
-    for k in range(1, 200):
-        part = make_codec(f"sparse:{k}/{numel}:1").encode("x", torch.ones(*shape))
-        lengths.setdefault(len(part), part)
-    tiny = min(lengths.items())[1]
-    empty = len(codecs.sum_payload([tiny], [1.0])) - len(tiny) - 8  # header and count
-    for count in range((size - empty) // (len(tiny) + 8), 0, -1):
-        left = size - empty - count * (len(tiny) + 8) - 8
-        if left in lengths:
-            parts = [tiny] * count + [lengths[left]]
-            return codecs.sum_payload(parts, [1.0] * len(parts))
-    raise AssertionError("no sum payload of that size")
-
-
 def test_a_member_sending_a_sum_payload_is_dropped_before_it_is_decoded(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1597,7 +1589,7 @@ def test_a_member_sending_a_sum_payload_is_dropped_before_it_is_decoded(
         contributions = _contributions(averagers, "int8", seed=21, shapes=shapes)
         liar = contributions[2]
         forged = dict(liar.payloads)
-        forged["embed"] = _sum_bomb(len(liar.payloads["embed"]), shapes["embed"])
+        forged["embed"] = sum_bomb(len(liar.payloads["embed"]), shapes["embed"])
         assert codecs.sum_count(forged["embed"]) >= 30 and codecs.payload_shape(forged["embed"]) == (48, 32)
         contributions[2] = dataclasses.replace(liar, payloads=forged)
         decodes = _count_decodes(monkeypatch)

@@ -425,6 +425,7 @@ class RoundExchange:
             executor=a._verify_executor,
             budget_s=budget,
             reveal_by=reveal_by,
+            grouped_at=self.grouped_at,
             laggards=a._laggards,
         )
         if liars:

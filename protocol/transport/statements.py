@@ -549,6 +549,7 @@ class Mailbox:
     gone: dict[str, str] = field(default_factory=dict)
     unreachable: set[str] = field(default_factory=set)
     withdrawals: dict[str, list[str]] = field(default_factory=dict)
+    arrived: dict[str, float] = field(default_factory=dict)  # loop time of each member's first reveal
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
     def lost(self, peer: str) -> None:
@@ -568,6 +569,8 @@ class Mailbox:
         held = box.get(statement.peer)
         if held is None:
             box[statement.peer] = statement
+            if kind == REVEAL:
+                self.arrived[statement.peer] = asyncio.get_running_loop().time()
         elif held.signed.body != statement.signed.body:
             self.equivocations.setdefault(statement.peer, (kind, held.signed, statement.signed))
         self.changed.set()

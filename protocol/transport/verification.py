@@ -11,7 +11,10 @@ Once every owner has answered (`member.assemble`), `verify_round`:
    round and waits for theirs: an owner that sent another member a different answer is caught by
    its two signed statements, and a secret must match its commitment. The seed is drawn from the
    secrets of the round's *seeders* (`trust.seeders`: its owners, or every member where fewer than
-   two own parts): a seeder that reveals nothing fails the round for everyone; any other member's
+   two own parts): a seeder that reveals nothing fails the round for everyone, as soon as it is late
+   by the others' times (once more than half of the seeders' reveals are in, ours counted, the rest
+   get `wire.late_answer_s` of the slowest, from the group's forming: record 057), not at the end of
+   the exchange budget, which is set for the slowest link the run admits; any other member's
    reveal is waited for a grace only (`trust.GRACE_S`, not at all for one that missed it last time), so a
    key that did no work and withholds its reveal costs the round nothing;
 3. derives the round's seed, projects its own payloads on it and sends the projections to every
@@ -87,6 +90,7 @@ from .statements import (
     Signer,
     digest,
 )
+from .wire import late_answer_s
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +111,7 @@ async def verify_round(
     executor: Executor,
     budget_s: float,
     reveal_by: float,
+    grouped_at: float | None = None,
     laggards: set[str] | None = None,
 ) -> dict[str, str]:
     """The module doc's three steps for one round; returns when every answer checked out, with the
@@ -114,6 +119,8 @@ async def verify_round(
     their true ones), and why. `reveal_by`: the loop time by which every member that is still
     within its exchange budget has sent its reveal (the group's formation plus that budget, plus
     `budget_s`); the wait for the reveals ends there, for secrets relayed by others `budget_s` later.
+    `grouped_at`: the loop time the group formed, from which a seeder's reveal is late (None: no
+    seeder is late before `reveal_by`).
 
     `answers`: each answer keyed by the owner whose parts it holds (reduced by it, by a stand-in,
     or by this peer);
@@ -147,7 +154,17 @@ async def verify_round(
     laggards = set() if laggards is None else laggards
     waited = [m for m in others if m in seeders or m not in laggards]
     secrets = await _gather_secrets(
-        mail, commitments, statements, state, waited, peer_id, secret, reveal_by, budget_s, seeders
+        mail,
+        commitments,
+        statements,
+        state,
+        waited,
+        peer_id,
+        secret,
+        reveal_by,
+        budget_s,
+        seeders,
+        grouped_at,
     )
     for peer in others:  # a seeder revealed (to someone): the round would have failed otherwise
         (laggards.discard if peer in mail.reveals or peer in seeders else laggards.add)(peer)
@@ -264,12 +281,14 @@ async def _gather_secrets(
     reveal_by: float,
     budget_s: float,
     seeders: Sequence[str],
+    grouped_at: float | None,
 ) -> dict[str, bytes]:
     """The seeders' secrets, each matching its commitment: from its reveal (whose answers must be
     ours), or relayed in another member's projections (a member may reveal to some members only:
     what one honest member holds, all then hold). Caught when one is missing `budget_s` after
-    `reveal_by`: nobody revealed it, or nobody passed it on in time. The reveals of `others` that
-    are not seeders are waited for a grace (`_wait_graced`) and checked like any."""
+    `reveal_by`, or a grace after it was late (`_late_reveal_at`): nobody revealed it, or nobody
+    passed it on in time. The reveals of `others` that are not seeders are waited for a grace and
+    checked like any."""
 
     def known() -> dict[str, bytes]:
         found = {peer_id: secret}
@@ -284,15 +303,21 @@ async def _gather_secrets(
                     found[peer] = value
         return found
 
+    loop = asyncio.get_running_loop()
     required = [p for p in seeders if p != peer_id]
-    await _wait_graced(
-        mail,
-        lambda: all(p in mail.reveals or p in mail.gone for p in required),
-        lambda: all(p in mail.reveals or p in mail.gone for p in others),
-        reveal_by,
-    )
+    start = loop.time()
+    late = await _wait_seeders(mail, required, seeders, peer_id, grouped_at, start, reveal_by)
+    if not late:  # the other members' reveals, a grace as long again (`trust.grace_s`)
+        grace = grace_s(loop.time() - start)
+        await mail.wait(
+            lambda: all(p in mail.reveals or p in mail.gone for p in others),
+            min(reveal_by, loop.time() + grace),
+        )
     if not all(p in known() for p in required):
-        await mail.wait(lambda: all(p in known() or p in mail.gone for p in required), reveal_by + budget_s)
+        relay_by = reveal_by + budget_s
+        if late and grouped_at is not None:  # relayed in a projection: a grace, not the budget
+            relay_by = min(relay_by, loop.time() + grace_s(loop.time() - grouped_at))
+        await mail.wait(lambda: all(p in known() or p in mail.gone for p in required), relay_by)
     _check_equivocations(mail)
     for peer, revealed in mail.reveals.items():
         commitment = commitments.get(peer)
@@ -305,11 +330,69 @@ async def _gather_secrets(
         raise _left(mail, [p for p in silent if p in mail.gone])
     if silent:
         raise Caught(
-            f"no reveal from {[p[-8:] for p in silent]}",
+            f"no reveal from {[p[-8:] for p in silent]}" + (" (late by the others' times)" if late else ""),
             dict.fromkeys(silent, "withheld its reveal"),
             proven=False,
+            late=late,
         )
     return secrets
+
+
+async def _wait_seeders(
+    mail: Mailbox,
+    required: Sequence[str],
+    seeders: Sequence[str],
+    peer_id: str,
+    grouped_at: float | None,
+    started: float,
+    reveal_by: float,
+) -> bool:
+    """Wait until every one of `required` (the other seeders) has revealed or left the round, at
+    most until `reveal_by`, and no longer once those still missing are late (`_late_reveal_at`);
+    True when they were late."""
+    loop = asyncio.get_running_loop()
+
+    def moved() -> int:
+        return len(mail.reveals) + len(mail.gone)
+
+    while any(p not in mail.reveals and p not in mail.gone for p in required):
+        late_at = (
+            None
+            if grouped_at is None
+            else _late_reveal_at(mail, required, seeders, peer_id, grouped_at, started)
+        )
+        deadline = reveal_by if late_at is None else min(reveal_by, late_at)
+        if loop.time() >= deadline:
+            return late_at is not None and late_at < reveal_by
+        await mail.wait(_changed(moved, moved()), deadline)
+    return False
+
+
+def _changed(count: Callable[[], int], seen: int) -> Callable[[], bool]:
+    """Whether `count()` has moved from `seen` (a mailbox wait that ends at any arrival)."""
+    return lambda: count() != seen
+
+
+def _late_reveal_at(
+    mail: Mailbox,
+    required: Sequence[str],
+    seeders: Sequence[str],
+    peer_id: str,
+    grouped_at: float,
+    started: float,
+) -> float | None:
+    """The loop time past which the seeders yet to reveal are late: once more than half of the
+    round's seeders have revealed (this member counted when it is one, from `started`), as long
+    after the group formed as `wire.late_answer_s` of the slowest of them. An honest seeder reveals
+    once its own exchange is over, and the others' show how long that takes on this run's links;
+    one that waits past it is treated as a late owner is (`Caught.late`: demoted where it had a
+    record, left out a while where not). None while too few are in."""
+    took = {p: mail.arrived[p] - grouped_at for p in required if p in mail.arrived}
+    if peer_id in seeders:
+        took[peer_id] = started - grouped_at
+    if 2 * len(took) <= len(seeders):
+        return None
+    return grouped_at + late_answer_s(max(0.0, *took.values()))
 
 
 def _left(mail: Mailbox, seeders: Sequence[str]) -> Caught:
