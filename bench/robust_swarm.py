@@ -3,9 +3,10 @@ and a fourth node (real p2pd, loopback, tiny-llama) train `--rounds` rounds; in 
 fourth is honest too, in the others it is bench/hostile_node.py sending a forged pseudo-gradient
 every round (the simulator's attacks: flip1000 = −1000 Δ, flip = −Δ claiming the most weight the
 round allows, random = noise at Δ's norm, constant = one noise direction every round), or lying as
-an owner (owner-scaled, owner-noise, owner-split, owner-stall), withholding its reveal (mute) or
-its parts (silent: it joins groups and sends no owner anything); `+rekey` after any of them: left
-out, it joins again under a fresh key. Every
+an owner (owner-scaled, owner-noise, owner-split, owner-stall, owner-omit, owner-rewrite,
+owner-header), withholding its reveal (mute) or its parts (silent: it joins groups and sends no
+owner anything), or sending an honest Δ with a forged claim (claim: 10^12 tokens), payload (sum-bomb)
+or report (report); `+rekey` after any of them: left out, it joins again under a fresh key. Every
 combination of `--rules` (the owners' `--aggregate`; "default": the flag left out, so a public
 run's default applies; the trimmed mean is refused in a public run, as every run here is),
 `--scores` (every node's `--score`: owners

@@ -28,19 +28,19 @@ The price: a round closes one window after its second registration instead of it
 first registrant waits at most two windows and two graces (`matchmaking_bound_s`), after the
 patience of the round's first registration.
 
-Patience: a registrant that completed its last round with others expects them again, and registers
-with a patience (its own last local round, at least `dht.DHT_STALL_S`, at most `MAX_PATIENCE_S`): a
-round it opens stays open that long for them, unless the group it expects is complete sooner (the
-early close below). The floor is for the DHT: a peer whose store or read waited on an unresponsive
-peer (one frozen) registers up to that much later than the others, or is seen that much later, and
-with local rounds shorter than that, each closed a round alone (a fork; record 056). Peers
-whose local rounds drift apart (under overlap nothing pulls them back into step; the fastest one
-finishes up to a local round before the slowest) then still meet, where a window of a few seconds
-let the fastest open a round alone and the others another: a fork. The round waits the lower median
-of the patience of the registrations dated within its first one's wait: one key claiming the most
-patience (60 s) held every round it opened open that long; now the honest registrations outvote it
-(a key claiming none can still cut an honest first registrant's wait short, at worst a fork the
-majority heals).
+Patience: a registrant that completed its last round with others expects them again (less those it
+now leaves out), and registers with a patience (its own last local round, at least
+`dht.DHT_STALL_S`, at most `MAX_PATIENCE_S`): a round it opens stays open that long for them, unless
+the group it expects is complete sooner (the early close below). The floor is for the DHT: a peer
+whose store or read waited on an unresponsive peer (one frozen) registers up to that much later than
+the others, or is seen that much later, and with local rounds shorter than that, each closed a round
+alone (a fork; record 056). Peers whose local rounds drift apart (under overlap nothing pulls them
+back into step; the fastest one finishes up to a local round before the slowest) then still meet,
+where a window of a few seconds let the fastest open a round alone and the others another: a fork.
+The round waits the lower median of the patience of the registrations dated within its first one's
+wait: one key claiming the most patience (60 s) held every round it opened open that long; now the
+honest registrations outvote it (a key claiming none can still cut an honest first registrant's wait
+short, at worst a fork the majority heals).
 
 A late contribution matchmakes with `join_only`: it registers at once, marked join-only, and waits
 (at most `join_wait_s`) for another peer to open the round; it never opens one itself.
@@ -481,8 +481,12 @@ class Matchmaker:
             until = float(get_dht_time()) + (self.record_ttl_s if join_wait_s is None else join_wait_s)
             expect = joining(until)
         else:
-            expect = "" if self.expected is None else expectation(self.expected)
-            if self.expected is not None and len(self.expected) > 1:
+            # The group it completed its last round with, less the peers it now leaves out: they
+            # will not come, and the others that caught them expect the same group (early close).
+            leaves_out = set(self.excluded())
+            expected = None if self.expected is None else [p for p in self.expected if p not in leaves_out]
+            expect = "" if expected is None else expectation(expected)
+            if expected is not None and len(expected) > 1:
                 # At least a DHT stall: a peer of the group that a stall held back (its store, or
                 # a read, waited on an unresponsive peer) registers that much later than the
                 # others, and two rounds alone would fork.
