@@ -110,6 +110,16 @@ def test_a_join_only_registration_opens_nothing_and_keeps_the_window_while_it_wa
     assert close_and_members({"j": 0.0}, 1.0, 0.3, expects={"j": joining(10.0)}) == (float("-inf"), ())
     waiting = close_and_members({**fresh, "j": 0.0}, 1.0, 0.3, expects={**expects, "j": joining(10.0)})
     assert waiting == (_approx(6.1), ("f1", "f2", "j"))
+    # Patient registrations (the floor, 6 s): the group they expect is complete at 5.1, and the
+    # waiting one gets the window after that, not the patience (which was for the group).
+    patient = close_and_members(
+        {**fresh, "j": 0.0},
+        1.0,
+        0.3,
+        expects={**expects, "j": joining(10.0)},
+        patience=dict.fromkeys(group, 6.0),
+    )
+    assert patient == (_approx(6.1), ("f1", "f2", "j"))
     gave_up = close_and_members({**fresh, "j": 0.0}, 1.0, 0.3, expects={**expects, "j": joining(4.0)})
     assert gave_up == (5.1, group)
     after = close_and_members({**fresh, "j": 5.2}, 1.0, 0.3, expects={**expects, "j": joining(20.0)})

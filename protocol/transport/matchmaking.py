@@ -222,7 +222,8 @@ def close_and_members(
       are exactly its members (at least `quorum` of them), and no join-only registrant waits, the
       round closes at the last of them, as soon as the group it expected is complete, instead of a
       window later (hivemind closes a group once it is full). Anyone else registering in between
-      (a newcomer expects another group) keeps the window.
+      (a newcomer expects another group) keeps the window; a join-only registrant waiting keeps it
+      too, a window after the expected group is complete (not the patience, which was for it).
     """
     if not records:
         raise ValueError("no registrations")
@@ -269,9 +270,12 @@ def close_and_members(
     for k, (peer, t) in enumerate(since):
         if not expected or t > close or expects.get(peer, "") != expected:
             break
-        if any(records[p] <= t for p in waiting):
-            break  # a late contribution waits to join: the window
         if k + 1 >= quorum and expectation([p for p, _ in since[: k + 1]]) == expected:
+            if any(records[p] <= t for p in waiting):
+                # A late contribution waits to join: it gets the window, but the patience was for
+                # the group, which is complete.
+                close = min(close, t + window_s)
+                break
             return t, tuple(sorted(p for p, _ in since[: k + 1]))
     members = [p for p, t in ordered if t <= close] + [p for p in waiting if records[p] <= close]
     members += [
