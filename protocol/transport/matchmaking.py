@@ -479,6 +479,7 @@ class Matchmaker:
         key = f"{self.prefix}.round{round}"
         until = math.inf
         patience = 0.0
+        leaves_out = self.excluded()
         if join_only:
             # Registered at once, marked join-only: it opens no round, and while it waits no round
             # closes early without it (`close_and_members`).
@@ -487,7 +488,6 @@ class Matchmaker:
         else:
             # The group it completed its last round with, less the peers it now leaves out: they
             # will not come, and the others that caught them expect the same group (early close).
-            leaves_out = set(self.excluded())
             expected = None if self.expected is None else [p for p in self.expected if p not in leaves_out]
             expect = "" if expected is None else expectation(expected)
             if expected is not None and len(expected) > 1:
@@ -495,7 +495,7 @@ class Matchmaker:
                 # a read, waited on an unresponsive peer) registers that much later than the
                 # others, and two rounds alone would fork.
                 patience = min(MAX_PATIENCE_S, max(DHT_STALL_S, patience_s))
-        excluded = tuple(sorted(self.excluded())[:MAX_EXCLUDED])
+        excluded = tuple(sorted(leaves_out)[:MAX_EXCLUDED])
         workers = tuple(self.workers())[:MAX_WORKERS]
         registered = await self._register(key, round, expect, patience, excluded, workers)
         mine = (registered, expect, patience, excluded, workers)

@@ -111,7 +111,7 @@ async def verify_round(
     executor: Executor,
     budget_s: float,
     reveal_by: float,
-    grouped_at: float | None = None,
+    grouped_at: float,
     laggards: set[str] | None = None,
 ) -> dict[str, str]:
     """The module doc's three steps for one round; returns when every answer checked out, with the
@@ -119,8 +119,7 @@ async def verify_round(
     their true ones), and why. `reveal_by`: the loop time by which every member that is still
     within its exchange budget has sent its reveal (the group's formation plus that budget, plus
     `budget_s`); the wait for the reveals ends there, for secrets relayed by others `budget_s` later.
-    `grouped_at`: the loop time the group formed, from which a seeder's reveal is late (None: no
-    seeder is late before `reveal_by`).
+    `grouped_at`: the loop time the group formed, from which a seeder's reveal is late.
 
     `answers`: each answer keyed by the owner whose parts it holds (reduced by it, by a stand-in,
     or by this peer);
@@ -281,7 +280,7 @@ async def _gather_secrets(
     reveal_by: float,
     budget_s: float,
     seeders: Sequence[str],
-    grouped_at: float | None,
+    grouped_at: float,
 ) -> dict[str, bytes]:
     """The seeders' secrets, each matching its commitment: from its reveal (whose answers must be
     ours), or relayed in another member's projections (a member may reveal to some members only:
@@ -315,7 +314,7 @@ async def _gather_secrets(
         )
     if not all(p in known() for p in required):
         relay_by = reveal_by + budget_s
-        if late and grouped_at is not None:  # relayed in a projection: a grace, not the budget
+        if late:  # relayed in a projection: a grace, not the budget
             relay_by = min(relay_by, loop.time() + grace_s(loop.time() - grouped_at))
         await mail.wait(lambda: all(p in known() or p in mail.gone for p in required), relay_by)
     _check_equivocations(mail)
@@ -343,7 +342,7 @@ async def _wait_seeders(
     required: Sequence[str],
     seeders: Sequence[str],
     peer_id: str,
-    grouped_at: float | None,
+    grouped_at: float,
     started: float,
     reveal_by: float,
 ) -> bool:
@@ -356,11 +355,7 @@ async def _wait_seeders(
         return len(mail.reveals) + len(mail.gone)
 
     while any(p not in mail.reveals and p not in mail.gone for p in required):
-        late_at = (
-            None
-            if grouped_at is None
-            else _late_reveal_at(mail, required, seeders, peer_id, grouped_at, started)
-        )
+        late_at = _late_reveal_at(mail, required, seeders, peer_id, grouped_at, started)
         deadline = reveal_by if late_at is None else min(reveal_by, late_at)
         if loop.time() >= deadline:
             return late_at is not None and late_at < reveal_by
