@@ -1804,9 +1804,11 @@ def test_a_member_announcing_or_sending_more_than_its_parts_is_dropped_and_the_o
 ) -> None:
     """The member that owns nothing (two equal parts, three members) lies to every owner: it
     announces one byte more per part, or announces the right sizes and sends its first part plus one
-    byte in one frame. The owners refuse it before reading a byte of that payload (their payload
-    counts are exactly those of the honest round) and drop it; the honest members complete the
-    round without it, equal to `reduce_group` over them."""
+    byte in one frame. Every owner refuses it before reading a byte of that payload (it answers the
+    oversized announcement with a refusal, or closes the stream on the oversized frame without a
+    word) and bans it; the honest members complete the round without it, equal to `reduce_group`
+    over them. (The honest members send once the liar has told every owner its lie: else, on a
+    loaded machine, an owner could reduce without the liar before its lie arrived.)"""
     from hivemind.p2p import PeerID
 
     from adloco.protocol.transport import member, round_exchange
@@ -1818,14 +1820,18 @@ def test_a_member_announcing_or_sending_more_than_its_parts_is_dropped_and_the_o
     try:
         swarm.add_nodes(3, identities=_identities(tmp_path, 3))
         averagers = _by_dealing([swarm.averager(i) for i in range(3)], shapes)
+        owners = [a.peer_id for a in averagers[:2]]
         liar = averagers[2]
         contributions = _contributions(averagers, "int8", seed=13, shapes=shapes)
-        replies: list[tuple[dict[str, Any], bytes]] = []
+        # owner -> (the go it answered, the bytes that followed on the stream): one per owner that
+        # answered the liar's header at all.
+        replies: dict[str, tuple[dict[str, Any], bytes]] = {}
+        ended: set[str] = set()  # the owners the liar's exchange with has ended
+        all_ended: list[asyncio.Event] = []  # made on the liar's loop
+        told_everyone = threading.Event()  # the same, for the honest members' loops
         real_fetch = member.fetch  # what round_exchange calls, patched there below
 
-        async def lying_fetch(p2p: Any, handler: str, state: Any, **kw: Any) -> Any:
-            if kw["peer_id"] != liar.peer_id:
-                return await real_fetch(p2p, handler, state, **kw)
+        async def tell(p2p: Any, state: Any, handler: str, owner: str, kw: dict[str, Any]) -> None:
             keys, payloads = kw["keys"], kw["contribution"].payloads
             header = request_header(
                 state,
@@ -1836,19 +1842,43 @@ def test_a_member_announcing_or_sending_more_than_its_parts_is_dropped_and_the_o
             )
             if lie == "announces_more":
                 header["s"] = [n + 1 for n in header["s"]]
-            _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(kw["owner"]), handler)
+            _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(owner), handler)
             try:
                 await write_frame(writer, header, [], state.meter)
                 go, _ = await read_frame(reader, state.meter, max_body=0)
                 rest = b""
+                replies[owner] = (go, rest)
                 if go.get("ok"):
-                    await write_frame(
-                        writer, {"v": PROTOCOL_VERSION}, [payloads[keys[0]] + b"\0"], state.meter
-                    )
-                    rest = await reader.read()  # the owner closes the stream without a word
-                replies.append((go, rest))
+                    # The owner closes the stream without a word, the payload unread. When the close
+                    # arrives decides whether the liar sees the end of the stream or a reset (on its
+                    # write's drain or on its read); either way, no byte of an answer.
+                    with contextlib.suppress(ConnectionError):
+                        await write_frame(
+                            writer, {"v": PROTOCOL_VERSION}, [payloads[keys[0]] + b"\0"], state.meter
+                        )
+                        while chunk := await reader.read(1 << 16):
+                            rest += chunk
+                    replies[owner] = (go, rest)
             finally:
                 writer.close()
+
+        async def lying_fetch(p2p: Any, handler: str, state: Any, **kw: Any) -> Any:
+            if kw["peer_id"] != liar.peer_id:
+                deadline = time.monotonic() + CALL_TIMEOUT_S / 2
+                while not told_everyone.is_set() and time.monotonic() < deadline:
+                    await asyncio.sleep(0.02)
+                return await real_fetch(p2p, handler, state, **kw)
+            if not all_ended:
+                all_ended.append(asyncio.Event())
+            try:
+                await tell(p2p, state, handler, kw["owner"], kw)
+            finally:
+                ended.add(kw["owner"])
+                if ended == set(owners):
+                    all_ended[0].set()
+                    told_everyone.set()
+            # The liar's first failed exchange would cancel the others: it fails once it told everyone.
+            await all_ended[0].wait()
             raise RoundFailed("the liar is done")
 
         monkeypatch.setattr(round_exchange, "fetch", lying_fetch)
@@ -1856,8 +1886,9 @@ def test_a_member_announcing_or_sending_more_than_its_parts_is_dropped_and_the_o
         honest_outcomes, (liar_outcome,) = outcomes[:2], outcomes[2:]
         assert liar_outcome.result is None
         _assert_matches_reduce_group(honest_outcomes, contributions[:2], "int8")
-        assert replies  # the liar stops at its first failed exchange (and cancels the others)
-        for go, rest in replies:
+        assert all(liar.peer_id in a._handler.banned for a in averagers[:2])  # type: ignore[attr-defined]
+        assert set(replies) == set(owners)
+        for go, rest in replies.values():
             if lie == "announces_more":
                 assert go["ok"] is False and "part sizes" in go["e"]
             else:
