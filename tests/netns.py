@@ -178,10 +178,14 @@ def star_lan(procs: Procs, hosts: int, **kwargs: Any) -> Iterator[Star]:
         assert not [ns for ns in namespaces() if ns.startswith(lan.prefix)]
 
 
+def tbf(rate_mbit: float) -> list[str]:
+    """tc's root qdisc for a link of `rate_mbit` Mbit/s: a token bucket, 32 KB deep, 100 ms of queue."""
+    return ["tbf", "rate", f"{rate_mbit}mbit", "burst", "32kb", "latency", "100ms"]
+
+
 def shape(ns: str, dev: str, rate_mbit: float) -> None:
-    """Token bucket on `dev`'s egress: `rate_mbit` Mbit/s, a 32 KB bucket, 100 ms of queue."""
-    tbf = ["tbf", "rate", f"{rate_mbit}mbit", "burst", "32kb", "latency", "100ms"]
-    tc(ns, "qdisc", "replace", "dev", dev, "root", *tbf)
+    """`dev`'s egress at `rate_mbit` Mbit/s (`tbf`)."""
+    tc(ns, "qdisc", "replace", "dev", dev, "root", *tbf(rate_mbit))
 
 
 def netns_of(pid: int) -> str:

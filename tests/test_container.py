@@ -21,16 +21,12 @@ and adloco-node:cuda) so the next build reuses their layers. `pytest -s` prints 
 from __future__ import annotations
 
 import json
-import os
-import re
-import shlex
 import shutil
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,118 +34,36 @@ import pytest
 import yaml
 
 from background import collect_outcome, container_image
-from netns import pid_alive
+from containers import (
+    CPU_IMAGE,
+    CUDA_IMAGE,
+    DOCKER,
+    HEALTHCHECK,
+    NODES,
+    ROOT,
+    SWARM_SERVICES,
+    Stack,
+    build_tool,
+    container_build,
+    container_state,
+    data_dir,
+    load_compose,
+    new_stack,
+    podman,
+    quiet,
+    remove_leftovers,
+    rlimits_settable,
+    run_args,
+    seconds,
+    status_events,
+    stop,
+    unusable,
+)
 from procs import wait_for
 
-ROOT = Path(__file__).resolve().parents[1]
-DOCKER = ROOT / "docker"
-COMPOSE = DOCKER / "compose.yaml"
-CPU_IMAGE = "localhost/adloco-node:cpu"
-CUDA_IMAGE = "localhost/adloco-node:cuda"
-PREFIX = "adloco-ctest-"
-NODES = ("node1", "node2", "node3")
-SWARM_SERVICES = ("bootstrap", *NODES)
-# Keys of a compose service this test knows how to turn into `podman run` arguments.
-KNOWN_KEYS = {
-    *("image", "build", "init", "shm_size", "ulimits", "stop_grace_period", "restart"),
-    *("depends_on", "entrypoint", "command", "environment", "volumes", "healthcheck"),
-}
-HEALTHCHECK = ["CMD", "adloco-node", "ctl", "--timeout", "5", "status"]
 STOP_LIMIT_S = 30.0  # DESIGN.md §4: exit 0 within 30 s of SIGTERM
 
 pytestmark = pytest.mark.container
-
-
-def build_tool() -> Path | None:
-    if os.environ.get("ADLOCO_CONTAINER_BUILD"):
-        path = Path(os.environ["ADLOCO_CONTAINER_BUILD"])
-        return path if path.is_file() else None
-    # Beside the repository (the workspace layout), or the workspace's shared folder for a clone
-    # made elsewhere (CI clones into a fresh folder).
-    candidates = [
-        ROOT.parent / "shared" / "tools" / "container-build",
-        Path("/work/shared/tools/container-build"),
-    ]
-    return next((path for path in candidates if path.is_file()), None)
-
-
-def podman_env() -> dict[str, str]:
-    """container-build's podman settings: its containers.conf (no default rlimits, cgroupfs)."""
-    env = dict(os.environ)
-    conf = Path(os.environ.get("ADLOCO_CONTAINER_CACHE", "/var/cache/adloco-container")) / "containers.conf"
-    if conf.is_file():
-        env["CONTAINERS_CONF"] = str(conf)
-    return env
-
-
-def podman(*args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    """podman as container-build runs it (runc as the runtime)."""
-    runc = shutil.which("runc") or "runc"
-    done = subprocess.run(
-        ["podman", "--runtime", runc, *args],
-        capture_output=True,
-        text=True,
-        env=podman_env(),
-        timeout=timeout,
-    )
-    if check and done.returncode != 0:
-        raise RuntimeError(f"podman {shlex.join(args)} (exit {done.returncode}): {quiet(done.stderr)}")
-    return done
-
-
-def quiet(text: str) -> str:
-    """podman output without its syslog noise (there is no syslog in this sandbox)."""
-    return "\n".join(line for line in text.splitlines() if "failed to connect to syslog" not in line)
-
-
-def from_images(dockerfile: Path) -> list[str]:
-    """The external images a Dockerfile's FROM lines name (not its own stages)."""
-    stages: set[str] = set()
-    images = []
-    for line in dockerfile.read_text().splitlines():
-        m = re.match(r"\s*FROM\s+(?:--\S+\s+)*(\S+)(?:\s+AS\s+(\S+))?", line, re.IGNORECASE)
-        if m is None:
-            continue
-        if m[1] not in stages and m[1] not in images:
-            images.append(m[1])
-        if m[2]:
-            stages.add(m[2])
-    return images
-
-
-def container_build(tool: Path, dockerfile: Path, tag: str, log: Path) -> float:
-    """Build `dockerfile` (context: the repository) as `tag`; returns the seconds it took."""
-    argv = [str(tool), "--tag", tag]
-    for image in from_images(dockerfile):
-        argv += ["--base-as", image]
-    # Docker image format: the OCI format has no HEALTHCHECK, and buildah drops it.
-    env = {**os.environ, "BUILDAH_FORMAT": "docker"}
-    t0 = time.monotonic()
-    with log.open("w") as f:
-        done = subprocess.run(
-            [*argv, str(dockerfile), str(ROOT)], stdout=f, stderr=subprocess.STDOUT, env=env
-        )
-    seconds = time.monotonic() - t0
-    tail = "\n".join(quiet(log.read_text()).splitlines()[-40:])
-    assert done.returncode == 0, f"building {dockerfile.name} failed (exit {done.returncode}):\n{tail}"
-    return seconds
-
-
-def unusable(tool: Path | None, folder: Path) -> str | None:
-    """Why the container tests cannot run here (their skip reason), or None: they need root and
-    container-build, and container-build must build a probe image."""
-    if os.geteuid() != 0:
-        return "container tests need root (podman with runc, as tools/container-build runs it)"
-    if tool is None:
-        return "container-build not found: set ADLOCO_CONTAINER_BUILD to its path"
-    (folder / "Dockerfile").write_text("FROM python:3.11-slim-bookworm\nRUN python3 -c 'import venv'\n")
-    argv = [str(tool), "--tag", f"localhost/{PREFIX}probe", "--base-as", "python:3.11-slim-bookworm"]
-    done = subprocess.run([*argv, str(folder / "Dockerfile"), str(folder)], capture_output=True, text=True)
-    if done.returncode != 0:
-        tail = "\n".join(quiet(done.stdout + done.stderr).splitlines()[-15:])
-        return f"container-build cannot build here (exit {done.returncode}):\n{tail}"
-    podman("rmi", f"localhost/{PREFIX}probe", check=False)
-    return None
 
 
 @pytest.fixture(scope="module")
@@ -217,166 +131,10 @@ def check_image_config(image: str) -> None:
     assert "adloco-node" in podman("run", "--rm", image, "--help").stdout
 
 
-# ---- leftovers and cleanup ------------------------------------------------------------------------
-
-
-def remove_leftovers() -> None:
-    """Remove containers, volumes and networks of earlier runs whose process is gone."""
-    kinds = {
-        "container": (["ps", "-a", "--format", "{{.Names}}"], ["rm", "-f", "-t", "0"]),
-        "volume": (["volume", "ls", "--format", "{{.Name}}"], ["volume", "rm", "-f"]),
-        "network": (["network", "ls", "--format", "{{.Name}}"], ["network", "rm", "-f"]),
-    }
-    for listing, remove in kinds.values():
-        for name in podman(*listing, check=False).stdout.split():
-            m = re.match(re.escape(PREFIX) + r"(\d+)-", name)
-            if m and not pid_alive(int(m[1])):
-                podman(*remove, name, check=False)
-
-
-@dataclass
-class Stack:
-    """The containers, volumes and network one test run created (removed by `down`)."""
-
-    prefix: str
-    containers: list[str]
-    volumes: list[str]
-
-    @property
-    def network(self) -> str:
-        return f"{self.prefix}net"
-
-    def name(self, service: str) -> str:
-        return f"{self.prefix}{service}"
-
-    def down(self) -> None:
-        for name in self.containers:
-            podman("rm", "-f", "-t", "0", name, check=False)
-        for name in self.volumes:
-            podman("volume", "rm", "-f", name, check=False)
-        podman("network", "rm", "-f", self.network, check=False)
-
-    def logs(self, service: str, lines: int = 40) -> str:
-        done = podman("logs", "--tail", str(lines), self.name(service), check=False)
-        return f"--- {service} ---\n" + quiet(done.stdout + done.stderr)
-
-    def all_logs(self) -> str:
-        return "\n".join(self.logs(s) for s in SWARM_SERVICES if self.name(s) in self.containers)
-
-
 @pytest.fixture
 def stack() -> Iterator[Stack]:
-    remove_leftovers()
-    s = Stack(prefix=f"{PREFIX}{os.getpid()}-{os.urandom(2).hex()}-", containers=[], volumes=[])
-    try:
+    with new_stack() as s:
         yield s
-    finally:
-        s.down()
-
-
-# ---- compose services as podman run arguments ----------------------------------------------------
-
-
-def load_compose() -> dict[str, Any]:
-    compose: dict[str, Any] = yaml.safe_load(COMPOSE.read_text())  # safe_load resolves the <<: merge keys
-    return compose
-
-
-def seconds(value: str | int | float) -> float:
-    """A compose duration ("40s", "1m30s", 40) in seconds."""
-    if isinstance(value, (int, float)):
-        return float(value)
-    parts = re.findall(r"(\d+(?:\.\d+)?)(ms|s|m|h)", value)
-    assert parts and "".join(n + u for n, u in parts) == value, f"unsupported duration {value!r}"
-    scale = {"ms": 0.001, "s": 1, "m": 60, "h": 3600}
-    return sum(float(n) * scale[u] for n, u in parts)
-
-
-def environment(spec: dict[str, Any]) -> dict[str, str]:
-    env = spec.get("environment") or {}
-    if isinstance(env, list):
-        env = dict(item.split("=", 1) for item in env)
-    return {k: str(v) for k, v in env.items()}
-
-
-def volume_args(spec: dict[str, Any], stack: Stack, named: set[str]) -> list[str]:
-    args = []
-    for entry in spec.get("volumes") or []:
-        source, target, *mode = entry.split(":")
-        if source in named:
-            source = stack.prefix + source
-            if source not in stack.volumes:
-                podman("volume", "create", source)
-                stack.volumes.append(source)
-        else:
-            source = str((DOCKER / source).resolve())
-        args += ["-v", ":".join([source, target, *mode])]
-    return args
-
-
-def run_args(
-    service: str,
-    spec: dict[str, Any],
-    *,
-    stack: Stack,
-    named: set[str],
-    image: str,
-    ulimits: bool,
-    extra_env: dict[str, str],
-) -> list[str]:
-    unknown = set(spec) - KNOWN_KEYS
-    assert not unknown, f"compose.yaml: {service} uses {sorted(unknown)}, which {__name__} does not map"
-    assert image.endswith("/" + spec["image"]), f"{service}: image {spec['image']} is not {image}"
-    args = ["run", "-d", "--name", stack.name(service), "--network", stack.network]
-    args += ["--network-alias", service]  # compose's service-name DNS
-    if spec.get("init"):
-        args.append("--init")
-    if "shm_size" in spec:
-        args += ["--shm-size", str(spec["shm_size"])]
-    if ulimits:
-        for name, limit in (spec.get("ulimits") or {}).items():
-            value = f"{limit['soft']}:{limit['hard']}" if isinstance(limit, dict) else str(limit)
-            args += ["--ulimit", f"{name}={value}"]
-    for key, value in {**environment(spec), **extra_env}.items():
-        args += ["-e", f"{key}={value}"]
-    args += volume_args(spec, stack, named)
-    entrypoint = spec.get("entrypoint")
-    if entrypoint is not None:
-        args += ["--entrypoint", json.dumps(entrypoint) if isinstance(entrypoint, list) else entrypoint]
-    command = spec.get("command") or []
-    args.append(image)
-    args += shlex.split(command) if isinstance(command, str) else [str(c) for c in command]
-    return args
-
-
-def rlimits_settable(image: str) -> bool:
-    """False where the runtime may not set rlimits (runc fails 'operation not permitted' here)."""
-    done = podman("run", "--rm", "--ulimit", "nofile=1024:1024", "--entrypoint", "true", image, check=False)
-    return done.returncode == 0
-
-
-def data_dir(stack: Stack, spec: dict[str, Any]) -> Path:
-    """The host path of the named volume a service mounts at /data."""
-    for entry in spec.get("volumes") or []:
-        source, target, *_ = entry.split(":")
-        if target == "/data":
-            mount = podman("volume", "inspect", "--format", "{{.Mountpoint}}", stack.prefix + source)
-            return Path(mount.stdout.strip())
-    raise AssertionError("no volume at /data")
-
-
-def status_events(path: Path) -> list[dict[str, Any]]:
-    try:
-        lines = path.read_text().splitlines()
-    except FileNotFoundError:
-        return []
-    return [json.loads(line) for line in lines if line.strip().endswith("}")]
-
-
-def container_state(stack: Stack, service: str) -> tuple[str, int]:
-    done = podman("inspect", "--format", "{{.State.Status}} {{.State.ExitCode}}", stack.name(service))
-    status, code = done.stdout.split()
-    return status, int(code)
 
 
 def check_health(stack: Stack, service: str, spec: dict[str, Any], image_check: list[str]) -> None:
@@ -408,14 +166,6 @@ def check_targets(stack: Stack, via: str) -> None:
     targets = prometheus_targets()
     done = podman("exec", stack.name(via), "python", "-c", fetch, *targets, check=False, timeout=60)
     assert done.returncode == 0, f"scraping {targets} from {via} failed: {done.stderr}"
-
-
-def stop(stack: Stack, service: str, grace_s: float) -> tuple[float, int]:
-    """SIGTERM as compose sends it; (seconds until the container was gone, its exit code)."""
-    t0 = time.monotonic()
-    podman("stop", "-t", str(int(grace_s)), stack.name(service), timeout=grace_s + 30)
-    took = time.monotonic() - t0
-    return took, container_state(stack, service)[1]
 
 
 # ---- the tests -----------------------------------------------------------------------------------
@@ -495,6 +245,39 @@ def test_compose_swarm_trains_and_stops(cpu_image: tuple[str, float], stack: Sta
         assert final, f"{node}: no final checkpoint in its status file"
         assert events[-1]["event"] == "done", f"{node}: last event {events[-1]}"
     assert bootstrap_code == 0, f"the bootstrap exited {bootstrap_code} on SIGTERM\n{logs}"
+
+
+@pytest.mark.long
+@pytest.mark.timeout(1500)
+def test_a_node_container_killed_mid_exchange_runs_again_on_its_volume_and_the_swarm_stays_one(
+    cpu_image: tuple[str, float], tmp_path: Path
+) -> None:
+    """One run of `bench/kill_restart.py --containers` (issue 26, as an operator tried it): the
+    compose file's bootstrap and three nodes, each node behind its own 20 Mbit/s link; node3 dies as
+    an owner once one member has read its answer ('answered': one survivor has that answer, the
+    other not), its processes killed with SIGKILL inside the container, and runs again 2 s later on
+    its volume. No round is applied with two θ (by the survivors, the victim before its death or the
+    node run again), the survivors go on, and the node run again keeps its peer id, resumes from its
+    checkpoint and averages with the survivors on their θ. `-s` prints the figures."""
+    image, _ = cpu_image
+    out = tmp_path / "kill_restart.json"
+    argv = [
+        *(sys.executable, str(ROOT / "bench" / "kill_restart.py"), "--containers", "--image", image),
+        *("--runs", "1", "--stages", "answered", "--rounds", "16", "--out", str(out)),
+        *("--keep", str(tmp_path / "kept")),
+    ]
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=1200)
+    finally:
+        remove_leftovers()  # a bench killed by the timeout left its containers; its pid is gone
+    assert done.returncode == 0, quiet(done.stdout[-4000:] + done.stderr[-4000:])
+    (run,) = json.loads(out.read_text())["runs"]
+    print(f"\n[container] kill and restart: {json.dumps(run)}")
+    assert "error" not in run, run["error"]
+    assert run["fork"] == []
+    assert run["survivors_lost_s"] is not None and min(run["survivors_rounds"]) == 16
+    assert run["peer_id_kept"] and run["resumed_from"] is not None
+    assert run["rejoin_s"] is not None and run["rounds_together"] >= 1
 
 
 @pytest.mark.slow  # 160 s more on a cold machine; run with -m "container and slow"
