@@ -608,15 +608,16 @@ class KilledRound:
 
 @contextlib.contextmanager
 def _a_round_with_a_member_killed(
-    tmp_path: Path, *, stage: str, victim_owns: str, round: int = 0
+    tmp_path: Path, *, stage: str, victim_owns: str, round: int = 0, expecting_the_victim: bool = False
 ) -> Iterator[KilledRound]:
     """SIGKILL a member (its whole process group: python, DHT process, p2pd) when it reaches `stage`
     of `round` (its `on_stage` hook holds it there until the kill).
 
     Two tensors of equal size among three members in dealing order: the first two members own one
     each, the third owns nothing. The victim is the third (`victim_owns` "nothing") or the first
-    ("a_part"). Yields once the survivors' calls returned; the swarm is closed and the victim's
-    group killed on the way out, pass or fail.
+    ("a_part"). With `expecting_the_victim`, the survivors expect the three of them at their next
+    registration (as after a round completed together). Yields once the survivors' calls returned;
+    the swarm is closed and the victim's group killed on the way out, pass or fail.
     """
     shapes = {"embed": (48, 32), "proj": (48, 32)}
     identities = _identities(tmp_path, 3, dealing=(shapes, round))
@@ -660,6 +661,9 @@ def _a_round_with_a_member_killed(
         proc.stdin.write("go\n")
         proc.stdin.flush()
         _read_line(proc, f"AT {stage}", timeout=10, log=log_path)
+        if expecting_the_victim:  # read at their next registration (this round's group has formed)
+            for a in survivors:
+                a._matchmaker.expected = (*(b.peer_id for b in survivors), victim)  # type: ignore[attr-defined]
         os.killpg(proc.pid, signal.SIGKILL)
         killed_s = time.monotonic() - began
         proc.wait(timeout=10)
@@ -724,14 +728,20 @@ def test_an_owner_killed_mid_reduce_fails_the_round_everywhere_and_the_retry_com
 ) -> None:
     """SIGKILL an owner once every contribution is in and before it reduces (so before it answers):
     both survivors return None within the bound (nothing applied), and the next try of the round
-    (the loop's next round id) completes between the two with reduce_group's bytes."""
+    (the loop's next round id) completes between the two with reduce_group's bytes. The survivors
+    expected the three of them; the owner whose stream broke under them is no longer expected, so
+    the retry closes once both survivors are in (it waited out the patience, at least
+    `dht.DHT_STALL_S`, for the dead owner before: issue 26)."""
     round = 3 * ROUND_ID_STRIDE
     with _a_round_with_a_member_killed(
-        tmp_path, stage="reducing", victim_owns="a_part", round=round
+        tmp_path, stage="reducing", victim_owns="a_part", round=round, expecting_the_victim=True
     ) as killed:
         print(killed.report("owner killed at 'reducing'"))
         assert [o.result for o in killed.outcomes] == [None, None]
         assert all(o.elapsed_s < KILLED_BOUND_S for o in killed.outcomes)
+        both = sorted(a.peer_id for a in killed.survivors)
+        for a in killed.survivors:
+            assert sorted(a._matchmaker.expected) == both  # type: ignore[attr-defined]
         retry = _average_together(killed.survivors, killed.contributions, round=round + 1, spec="int8")
         print(
             f"retry as round id {round + 1}: returned after",

@@ -635,12 +635,15 @@ class HivemindAverager:
             self._withdraw(ready, e)
         except RoundFailed as e:
             self._log(round, "no result: %s", e, level=logging.WARNING)
+            self._matchmaker.departed(e.blamed)  # owners whose stream broke, or never opened
             self._withdraw(ready, e)
         finally:
             self._calls.discard(call)
             if not ready.done():
                 ready.set_result(None)
             state = ready.result()
+            if state is not None:  # the members no stream reached: our next rounds do not wait for them
+                self._matchmaker.departed(state.mail.unreachable)
             if state is None or state.group.members == (self._peer_id,):
                 self._alone.add(round)
         if ready.result() is not None:  # a group formed: its other members may wait on this try

@@ -29,18 +29,18 @@ first registrant waits at most two windows and two graces (`matchmaking_bound_s`
 patience of the round's first registration.
 
 Patience: a registrant that completed its last round with others expects them again (less those it
-now leaves out), and registers with a patience (its own last local round, at least
-`dht.DHT_STALL_S`, at most `MAX_PATIENCE_S`): a round it opens stays open that long for them, unless
-the group it expects is complete sooner (the early close below). The floor is for the DHT: a peer
-whose store or read waited on an unresponsive peer (one frozen) registers up to that much later than
-the others, or is seen that much later, and with local rounds shorter than that, each closed a round
-alone (a fork; record 056). Peers whose local rounds drift apart (under overlap nothing pulls them
-back into step; the fastest one finishes up to a local round before the slowest) then still meet,
-where a window of a few seconds let the fastest open a round alone and the others another: a fork.
-The round waits the lower median of the patience of the registrations dated within its first one's
-wait: one key claiming the most patience (60 s) held every round it opened open that long; now the
-honest registrations outvote it (a key claiming none can still cut an honest first registrant's wait
-short, at worst a fork the majority heals).
+now leaves out, and those it saw leave a round since: `departed`), and registers with a patience
+(its own last local round, at least `dht.DHT_STALL_S`, at most `MAX_PATIENCE_S`): a round it opens
+stays open that long for them, unless the group it expects is complete sooner (the early close
+below). The floor is for the DHT: a peer whose store or read waited on an unresponsive peer (one
+frozen) registers up to that much later than the others, or is seen that much later, and with local
+rounds shorter than that, each closed a round alone (a fork; record 056). Peers whose local rounds
+drift apart (under overlap nothing pulls them back into step; the fastest one finishes up to a local
+round before the slowest) then still meet, where a window of a few seconds let the fastest open a
+round alone and the others another: a fork. The round waits the lower median of the patience of the
+registrations dated within its first one's wait: one key claiming the most patience (60 s) held
+every round it opened open that long; now the honest registrations outvote it (a key claiming none
+can still cut an honest first registrant's wait short, at worst a fork the majority heals).
 
 A late contribution matchmakes with `join_only`: it registers at once, marked join-only, and waits
 (at most `join_wait_s`) for another peer to open the round; it never opens one itself.
@@ -71,7 +71,7 @@ import hashlib
 import logging
 import math
 import statistics
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -461,6 +461,16 @@ class Matchmaker:
         # The members of the last group this peer completed a round with: its registrations expect
         # them again (`close_and_members`'s early close); None before the first.
         self.expected: tuple[str, ...] | None = None
+
+    def departed(self, peers: Iterable[str]) -> None:
+        """`peers` left a round this peer was in (no stream to them opened, or theirs broke): its
+        next registrations no longer expect them, so that its round closes once the others are in
+        rather than after the patience (a member killed mid-round held every survivor's next round
+        open that long; issue 26). One that comes back is expected again once it completes a
+        round with this peer."""
+        gone = set(peers)
+        if self.expected is not None and gone:
+            self.expected = tuple(p for p in self.expected if p not in gone)
 
     async def matchmake(
         self,
