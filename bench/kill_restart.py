@@ -15,26 +15,58 @@ volume does. Per run, printed and written to bench/results/kill_restart.json:
 
     python bench/kill_restart.py                        # 10 runs, ~15 min on 2 cores
     python bench/kill_restart.py --runs 2 --stages answered --out /tmp/k.json
+
+`--containers` runs the same fault over real containers as volunteers run them: the image that
+tests/test_container.py builds (localhost/adloco-node:cpu), the bootstrap and the three node services
+of docker/compose.yaml started with podman (tests/containers.py), each node behind its own link of
+`--rate-mbit` (20) Mbit/s both ways (tbf on its veth's two ends), checkpoints every 2 rounds on its
+volume. The victim dies at its stage as above (its process group killed with SIGKILL inside the
+container: the container exits 137), is removed, and `--restart-s` later runs again from the same
+volume (same key, same checkpoints), as `docker run -v node3-data:/data ...` does. Needs root,
+podman and the built image; results in bench/results/kill_restart_containers.json.
+
+    python bench/kill_restart.py --containers           # 10 runs, ~25 min on 2 cores
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import itertools
 import json
+import os
 import shutil
 import signal
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from robust_swarm import TRAIN
 from swarm import NET, Node, _finish, _wait
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+import containers  # the test suite's podman helpers and compose services (tests/containers.py)
+
 RESULTS = Path(__file__).resolve().parent / "results" / "kill_restart.json"
+CONTAINER_RESULTS = RESULTS.with_name("kill_restart_containers.json")
+DIE_AT_ENV = "ADLOCO_FAULT_DIE_AT"  # node/swarm/node.py's test knob
+VICTIM = containers.NODES[-1]
+# The process runs' training settings, as the containers' environment (ADLOCO_<OPTION>), and the
+# same seed: rounds of about 2 s.
+CONTAINER_ENV = {
+    **{
+        f"ADLOCO_{flag[2:].upper().replace('-', '_')}": value
+        for flag, value in zip(TRAIN[::2], TRAIN[1::2], strict=True)
+    },
+    "ADLOCO_SEED": "0",
+    "ADLOCO_CHECKPOINT_EVERY": "2",
+    "ADLOCO_STATUS_FILE": "/data/status.jsonl",
+}
 STAGES = ("grouped", "sending", "reducing", "answered")
 
 
@@ -80,7 +112,27 @@ def one_run(
             node.kill()
     survivors = [{e["round"]: e for e in n.rounds()} for n in nodes[:2]]
     restarted = {e["round"]: e for e in nodes[3].rounds()}
-    applied = [*survivors, {e["round"]: e for e in victim.rounds()}, restarted]
+    # Up: its first status event, once its model, data and DHT have started (and it has resumed).
+    up_s = min(e["time"] for e in _all_events(nodes[3])) - restarted_at
+    run = {"stage": stage, "kill_round": kill_round, "seed": seed, "restart_s": restart_s}
+    victim_rounds = {e["round"]: e for e in victim.rounds()}
+    return run | measure(
+        survivors, victim_rounds, restarted, killed_at=killed_at, restarted_at=restarted_at, up_s=up_s
+    )
+
+
+def measure(
+    survivors: list[dict[int, dict[str, Any]]],
+    victim: dict[int, dict[str, Any]],
+    restarted: dict[int, dict[str, Any]],
+    *,
+    killed_at: float,
+    restarted_at: float,
+    up_s: float,
+) -> dict[str, Any]:
+    """What the kill cost, from the round events (round -> status event) of the two survivors, the
+    victim before its death and the node started again."""
+    applied = [*survivors, victim, restarted]
     forks = sorted(
         r for r in set().union(*applied) if len({a[r]["theta_hash"] for a in applied if r in a}) > 1
     )
@@ -89,23 +141,150 @@ def one_run(
     round_s = statistics.median(b - a for a, b in itertools.pairwise(times[1:]))  # the first: start-up
     together = sorted(e["time"] for r, e in restarted.items() if e["group_size"] == 3 and r in survivors[0])
     rejoin_s = together[0] - restarted_at if together else None
-    # Up: its first status event, once its model, data and DHT have started (and it has resumed).
-    up_s = min(e["time"] for e in _all_events(nodes[3])) - restarted_at
+    # The first round it applied with the survivors' θ, in whatever group.
+    agreed = sorted(
+        e["time"]
+        for r, e in restarted.items()
+        if r in survivors[0] and e["theta_hash"] == survivors[0][r]["theta_hash"]
+    )
+    lost_s = after[0] - killed_at if after else None
     return {
-        "stage": stage,
-        "kill_round": kill_round,
-        "seed": seed,
         "fork": forks,
         "round_s": round(round_s, 2),
-        "survivors_lost_s": round(after[0] - killed_at, 2) if after else None,
+        "survivors_lost_s": None if lost_s is None else round(lost_s, 2),
+        "survivors_lost_rounds": None if lost_s is None else round(lost_s / round_s, 1),
         "survivors_rounds": [len(s) for s in survivors],
-        "restart_s": restart_s,
+        "agree_s": round(agreed[0] - restarted_at, 1) if agreed else None,
+        "agree_after_up_rounds": round((agreed[0] - restarted_at - up_s) / round_s, 1) if agreed else None,
         "rejoin_s": None if rejoin_s is None else round(rejoin_s, 1),
         "rejoin_rounds": None if rejoin_s is None else round(rejoin_s / round_s, 1),
         "up_s": round(up_s, 1),
         "rejoin_after_up_rounds": None if rejoin_s is None else round((rejoin_s - up_s) / round_s, 1),
         "rounds_together": len(together),
     }
+
+
+def one_container_run(
+    work: Path, *, stage: str, kill_round: int, rounds: int, restart_s: float, seed: int, rate_mbit: float,
+    image: str,
+) -> dict[str, Any]:  # fmt: skip
+    """One run over containers (the module doc); the containers' logs are copied to `work`."""
+    compose = containers.load_compose()
+    services = compose["services"]
+    named = set(compose.get("volumes") or {})
+    ulimits = _rlimits_settable(image)
+    env = {**CONTAINER_ENV, "ADLOCO_ROUNDS": str(rounds)}
+    with containers.new_stack() as stack:
+
+        def start(service: str, extra: dict[str, str]) -> None:
+            args = containers.run_args(
+                service,
+                services[service],
+                stack=stack,
+                named=named,
+                image=image,
+                ulimits=ulimits,
+                extra_env=extra,
+            )
+            if stack.name(service) not in stack.containers:
+                stack.containers.append(stack.name(service))
+            containers.podman(*args)
+            if service in containers.NODES:
+                containers.shape_link(stack, service, rate_mbit)
+
+        def state(service: str) -> tuple[str, int]:
+            return containers.container_state(stack, service)
+
+        def wait(what: str, ok: Callable[[], bool], timeout_s: float, watch: tuple[str, ...]) -> None:
+            deadline = time.time() + timeout_s
+            while not ok():
+                failed = {n: state(n) for n in watch if state(n)[0] != "running"}
+                if failed:
+                    raise SystemExit(f"{what}: {failed} stopped\n{_logs(stack, work)}")
+                if time.time() > deadline:
+                    raise SystemExit(f"{what}: not within {timeout_s:.0f} s\n{_logs(stack, work)}")
+                time.sleep(0.25)
+
+        try:
+            containers.podman("network", "create", stack.network)
+            start("bootstrap", {})
+            survivors = tuple(n for n in containers.NODES if n != VICTIM)
+            for node in survivors:
+                start(node, env)
+            start(VICTIM, {**env, DIE_AT_ENV: f"{stage}:{kill_round}"})
+            wait("the kill", lambda: state(VICTIM)[0] != "running", 600, ("bootstrap", *survivors))
+            killed_at = time.time()
+            if state(VICTIM) != ("exited", 128 + signal.SIGKILL):
+                raise SystemExit(f"the victim is {state(VICTIM)}, not killed\n{_logs(stack, work)}")
+            shutil.copy(_status(stack, services, VICTIM), work / "victim.jsonl")
+            time.sleep(restart_s)
+            containers.podman("rm", "-f", "-t", "0", stack.name(VICTIM))  # the volume stays
+            restarted_at = time.time()
+            start(VICTIM, env)
+            done = lambda n: state(n)[0] != "running"  # noqa: E731
+            wait("the survivors' rounds", lambda: all(done(n) for n in survivors), 900, ("bootstrap",))
+            if any(state(n) != ("exited", 0) for n in survivors):
+                raise SystemExit(f"survivors: { {n: state(n) for n in survivors} }\n{_logs(stack, work)}")
+            # The restarted node runs to the same round; a short wait, then it is stopped as compose does.
+            with contextlib.suppress(SystemExit):
+                wait("the restarted node's rounds", lambda: done(VICTIM), 30, ())
+            if not done(VICTIM):
+                containers.stop(stack, VICTIM, 40)
+            events = {n: _events(_status(stack, services, n)) for n in containers.NODES}
+            _logs(stack, work)
+        finally:
+            stack.down()
+    victim_events = _events(work / "victim.jsonl")
+    after = [e for e in events[VICTIM] if e["time"] >= restarted_at]
+    up_s = min(e["time"] for e in after) - restarted_at
+    rounds_of = lambda evs: {e["round"]: e for e in evs if e["event"] == "round"}  # noqa: E731
+    run = {
+        "stage": stage,
+        "kill_round": kill_round,
+        "seed": seed,
+        "restart_s": restart_s,
+        "rate_mbit": rate_mbit,
+    }
+    # Its key and checkpoints on the volume: the same peer id, and the round it resumed from.
+    starts = [e["peer_id"] for e in [*victim_events, *after] if e["event"] == "start"]
+    resumed = [e["round"] for e in after if e["event"] == "resumed"]
+    run |= {
+        "peer_id_kept": len(starts) == 2 and len(set(starts)) == 1,
+        "resumed_from": (resumed or [None])[0],
+    }
+    return run | measure(
+        [rounds_of(events[n]) for n in survivors],
+        rounds_of(victim_events),
+        rounds_of(after),
+        killed_at=killed_at,
+        restarted_at=restarted_at,
+        up_s=up_s,
+    )
+
+
+@functools.cache
+def _rlimits_settable(image: str) -> bool:
+    return containers.rlimits_settable(image)
+
+
+def _status(stack: Any, services: dict[str, Any], node: str) -> Path:
+    return containers.data_dir(stack, services[node]) / "status.jsonl"
+
+
+def _events(path: Path) -> list[dict[str, Any]]:
+    return containers.status_events(path)
+
+
+def _logs(stack: Any, work: Path) -> str:
+    """Every container's log written to `work`; the last lines of each, to print."""
+    tails = []
+    for name in stack.containers:
+        done = containers.podman("logs", name, check=False)
+        (work / f"{name.removeprefix(stack.prefix)}.log").write_text(
+            containers.quiet(done.stdout + done.stderr)
+        )
+        tails.append(stack.logs(name.removeprefix(stack.prefix), lines=15))
+    return "\n".join(tails)
 
 
 def _all_events(node: Node) -> list[dict[str, Any]]:
@@ -119,24 +298,43 @@ def main() -> None:
     p.add_argument("--kill-round", type=int, default=3)
     p.add_argument("--rounds", type=int, default=30, help="the survivors' rounds")
     p.add_argument("--restart-s", type=float, default=2.0)
-    p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument(
+        "--out", type=Path, default=None, help="default: bench/results/kill_restart[_containers].json"
+    )
     p.add_argument("--keep", type=Path, default=None, help="copy the folders of odd runs here")
+    p.add_argument("--keep-all", action="store_true", help="with --keep: every run's folder")
+    p.add_argument("--containers", action="store_true", help="containers of the image (module doc)")
+    p.add_argument("--image", default=containers.CPU_IMAGE, help="with --containers: the image")
+    p.add_argument("--rate-mbit", type=float, default=20.0, help="with --containers: each node's link")
     args = p.parse_args()
+    if args.out is None:
+        args.out = CONTAINER_RESULTS if args.containers else RESULTS
+    if args.containers:
+        why = _containers_unusable(args.image)
+        if why is not None:
+            raise SystemExit(f"--containers: {why}")
     runs = []
     t0 = time.time()
     for i in range(args.runs):
         stage = args.stages[i % len(args.stages)]
         with tempfile.TemporaryDirectory(prefix="kill-") as tmp:
             try:
-                run = one_run(
-                    Path(tmp), stage=stage, kill_round=args.kill_round, rounds=args.rounds,
-                    restart_s=args.restart_s, seed=i,
-                )  # fmt: skip
+                common = {"stage": stage, "kill_round": args.kill_round, "rounds": args.rounds, "seed": i}
+                if args.containers:
+                    run = one_container_run(
+                        Path(tmp),
+                        **common,
+                        restart_s=args.restart_s,
+                        rate_mbit=args.rate_mbit,
+                        image=args.image,
+                    )
+                else:
+                    run = one_run(Path(tmp), **common, restart_s=args.restart_s)
                 lost = run["survivors_lost_s"] or 0
                 odd = bool(run["fork"]) or run["rejoin_s"] is None or lost > 4 * run["round_s"]
             except SystemExit as e:  # a node that failed: recorded, and the next run goes on
                 run, odd = {"stage": stage, "error": str(e)}, True
-            if odd and args.keep is not None:  # the logs and status files, to read
+            if (odd or args.keep_all) and args.keep is not None:  # the logs and status files, to read
                 shutil.copytree(tmp, args.keep / f"run{i}")
         runs.append(run)
         print(json.dumps(run), flush=True)
@@ -146,6 +344,14 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     record = {"command": " ".join(sys.argv), "summary": summary, "runs": runs}
     args.out.write_text(json.dumps(record, indent=1))
+
+
+def _containers_unusable(image: str) -> str | None:
+    if os.geteuid() != 0:
+        return "needs root (podman with runc, as tools/container-build runs it)"
+    if containers.podman("image", "exists", image, check=False).returncode != 0:
+        return f"no image {image}: build it first (pytest -m long tests/test_container.py builds it)"
+    return None
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
