@@ -166,14 +166,14 @@ def measure(
 
 def one_container_run(
     work: Path, *, stage: str, kill_round: int, rounds: int, restart_s: float, seed: int, rate_mbit: float,
-    image: str,
+    image: str, node_env: dict[str, str],
 ) -> dict[str, Any]:  # fmt: skip
     """One run over containers (the module doc); the containers' logs are copied to `work`."""
     compose = containers.load_compose()
     services = compose["services"]
     named = set(compose.get("volumes") or {})
     ulimits = _rlimits_settable(image)
-    env = {**CONTAINER_ENV, "ADLOCO_ROUNDS": str(rounds)}
+    env = {**CONTAINER_ENV, "ADLOCO_ROUNDS": str(rounds), **node_env}
     with containers.new_stack() as stack:
 
         def start(service: str, extra: dict[str, str]) -> None:
@@ -231,6 +231,8 @@ def one_container_run(
             if not done(VICTIM):
                 containers.stop(stack, VICTIM, 40)
             events = {n: _events(_status(stack, services, n)) for n in containers.NODES}
+            for node in containers.NODES:  # kept with the logs (`--keep`)
+                shutil.copy(_status(stack, services, node), work / f"{node}.jsonl")
             _logs(stack, work)
         finally:
             stack.down()
@@ -306,6 +308,10 @@ def main() -> None:
     p.add_argument("--containers", action="store_true", help="containers of the image (module doc)")
     p.add_argument("--image", default=containers.CPU_IMAGE, help="with --containers: the image")
     p.add_argument("--rate-mbit", type=float, default=20.0, help="with --containers: each node's link")
+    p.add_argument(
+        "--node-env", action="append", default=[], metavar="KEY=VALUE",
+        help="with --containers: more environment for the nodes (e.g. ADLOCO_LOG_LEVEL=INFO)",
+    )  # fmt: skip
     args = p.parse_args()
     if args.out is None:
         args.out = CONTAINER_RESULTS if args.containers else RESULTS
@@ -327,6 +333,7 @@ def main() -> None:
                         restart_s=args.restart_s,
                         rate_mbit=args.rate_mbit,
                         image=args.image,
+                        node_env=dict(kv.split("=", 1) for kv in args.node_env),
                     )
                 else:
                     run = one_run(Path(tmp), **common, restart_s=args.restart_s)

@@ -108,6 +108,7 @@ from ..algorithms.trust import WorkLedger, accepted_work
 from .admission import Admission
 from .averager import MemberResult, Misconduct
 from .conduct import EXCLUDE_PROVEN_S, Verdict, Verdicts
+from .dht import DHT_RPC_TIMEOUT_S, DHT_STALL_S
 from .evidence import DROPPED, EvidenceBoard
 from .identity import NodeDHT
 from .matchmaking import Caught, Matchmaker, RoundFailed, layout_of, matchmaking_bound_s
@@ -132,7 +133,12 @@ logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 
-MARK_TIMEOUT_S = 5.0  # reading a try's failures (`Matchmaker.all_failed`) or registrations
+# Reading a try's failures (`Matchmaker.all_failed`) or registrations: one DHT read, which waits up
+# to `DHT_STALL_S` on an unresponsive replica (a killed container's address answers nothing), and a
+# round trip more. At 5 s, every read that met the dead peer was cut short and the survivor of a
+# killed owner waited out the whole averaging timeout (110 s) for its failed try, while the other
+# survivor, told sooner, averaged alone: a fork (issue 26, containers).
+MARK_TIMEOUT_S = DHT_STALL_S + DHT_RPC_TIMEOUT_S
 
 
 class HivemindAverager:

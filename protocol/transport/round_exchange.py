@@ -325,6 +325,12 @@ class RoundExchange:
                 dict.fromkeys(silent, f"took our parts and gave no answer within {budget:.1f} s"),
                 proven=False,
             )
+        if lost:
+            # Owners no stream reached, whose parts others stood in for: should the try still fail
+            # (its checks), the next waits for them to say so no more than for a broken stream (a
+            # dead owner never says; the survivors of one held the next try for the whole averaging
+            # timeout, while a member whose own exchange broke averaged alone: a fork).
+            a._lost_owners[state.group.round] = set(lost)
         if pending:  # our own reduction did not end within the budget
             raise RoundFailed(f"our own reduction did not end within {budget:.1f} s")
         answers: dict[str, Answer] = {owner: task.result() for owner, task in fetches.items()}
