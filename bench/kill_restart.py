@@ -195,6 +195,9 @@ def one_container_run(
         def state(service: str) -> tuple[str, int]:
             return containers.container_state(stack, service)
 
+        def done(service: str) -> bool:  # exited (not "stopping": its exit code is not known yet)
+            return state(service)[0] in ("exited", "stopped")
+
         def wait(what: str, ok: Callable[[], bool], timeout_s: float, watch: tuple[str, ...]) -> None:
             deadline = time.time() + timeout_s
             while not ok():
@@ -212,18 +215,17 @@ def one_container_run(
             for node in survivors:
                 start(node, env)
             start(VICTIM, {**env, DIE_AT_ENV: f"{stage}:{kill_round}"})
-            wait("the kill", lambda: state(VICTIM)[0] != "running", 600, ("bootstrap", *survivors))
+            wait("the kill", lambda: done(VICTIM), 600, ("bootstrap", *survivors))
             killed_at = time.time()
-            if state(VICTIM) != ("exited", 128 + signal.SIGKILL):
+            if state(VICTIM)[1] != 128 + signal.SIGKILL:
                 raise SystemExit(f"the victim is {state(VICTIM)}, not killed\n{_logs(stack, work)}")
             shutil.copy(_status(stack, services, VICTIM), work / "victim.jsonl")
             time.sleep(restart_s)
             containers.podman("rm", "-f", "-t", "0", stack.name(VICTIM))  # the volume stays
             restarted_at = time.time()
             start(VICTIM, env)
-            done = lambda n: state(n)[0] != "running"  # noqa: E731
             wait("the survivors' rounds", lambda: all(done(n) for n in survivors), 900, ("bootstrap",))
-            if any(state(n) != ("exited", 0) for n in survivors):
+            if any(state(n)[1] != 0 for n in survivors):
                 raise SystemExit(f"survivors: { {n: state(n) for n in survivors} }\n{_logs(stack, work)}")
             # The restarted node runs to the same round; a short wait, then it is stopped as compose does.
             with contextlib.suppress(SystemExit):
