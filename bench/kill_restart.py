@@ -131,8 +131,12 @@ def measure(
     up_s: float,
 ) -> dict[str, Any]:
     """What the kill cost, from the round events (round -> status event) of the two survivors, the
-    victim before its death and the node started again."""
-    applied = [*survivors, victim, restarted]
+    victim before its death and the node started again. A fork is a round two of them applied with
+    different θ while the survivors ran: the restarted node goes on alone once they have finished
+    their rounds and stopped (as a node left behind by peers that have gone does), and a round it
+    applies then is not one."""
+    ended = max(e["time"] for s in survivors for e in s.values())
+    applied = [*survivors, victim, {r: e for r, e in restarted.items() if e["time"] <= ended}]
     forks = sorted(
         r for r in set().union(*applied) if len({a[r]["theta_hash"] for a in applied if r in a}) > 1
     )
