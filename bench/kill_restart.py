@@ -181,18 +181,10 @@ def one_container_run(
     with containers.new_stack() as stack:
 
         def start(service: str, extra: dict[str, str]) -> None:
-            args = containers.run_args(
-                service,
-                services[service],
-                stack=stack,
-                named=named,
-                image=image,
-                ulimits=ulimits,
-                extra_env=extra,
+            spec = services[service]
+            containers.run_service(
+                stack, service, spec, named=named, image=image, ulimits=ulimits, extra_env=extra
             )
-            if stack.name(service) not in stack.containers:
-                stack.containers.append(stack.name(service))
-            containers.podman(*args)
             if service in containers.NODES:
                 containers.shape_link(stack, service, rate_mbit)
 
@@ -236,13 +228,13 @@ def one_container_run(
                 wait("the restarted node's rounds", lambda: done(VICTIM), 30, ())
             if not done(VICTIM):
                 containers.stop(stack, VICTIM, 40)
-            events = {n: _events(_status(stack, services, n)) for n in containers.NODES}
-            for node in containers.NODES:  # kept with the logs (`--keep`)
+            for node in containers.NODES:  # read from here, and kept with the logs (`--keep`)
                 shutil.copy(_status(stack, services, node), work / f"{node}.jsonl")
             _logs(stack, work)
         finally:
             stack.down()
-    victim_events = _events(work / "victim.jsonl")
+    events = {n: containers.status_events(work / f"{n}.jsonl") for n in containers.NODES}
+    victim_events = containers.status_events(work / "victim.jsonl")
     after = [e for e in events[VICTIM] if e["time"] >= restarted_at]
     up_s = min(e["time"] for e in after) - restarted_at
     rounds_of = lambda evs: {e["round"]: e for e in evs if e["event"] == "round"}  # noqa: E731
@@ -277,10 +269,6 @@ def _rlimits_settable(image: str) -> bool:
 
 def _status(stack: Any, services: dict[str, Any], node: str) -> Path:
     return containers.data_dir(stack, services[node]) / "status.jsonl"
-
-
-def _events(path: Path) -> list[dict[str, Any]]:
-    return containers.status_events(path)
 
 
 def _logs(stack: Any, work: Path) -> str:

@@ -268,6 +268,26 @@ def run_args(
     return args
 
 
+def run_service(
+    stack: Stack,
+    service: str,
+    spec: dict[str, Any],
+    *,
+    named: set[str],
+    image: str,
+    ulimits: bool,
+    extra_env: dict[str, str],
+) -> None:
+    """Start `service` as compose does (`run_args`), its container recorded in `stack` (once: a
+    container removed and started again under its name is the same entry)."""
+    args = run_args(
+        service, spec, stack=stack, named=named, image=image, ulimits=ulimits, extra_env=extra_env
+    )
+    if stack.name(service) not in stack.containers:
+        stack.containers.append(stack.name(service))
+    podman(*args)
+
+
 def rlimits_settable(image: str) -> bool:
     """False where the runtime may not set rlimits (runc fails 'operation not permitted' here)."""
     done = podman("run", "--rm", "--ulimit", "nofile=1024:1024", "--entrypoint", "true", image, check=False)

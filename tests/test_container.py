@@ -53,7 +53,7 @@ from containers import (
     quiet,
     remove_leftovers,
     rlimits_settable,
-    run_args,
+    run_service,
     seconds,
     status_events,
     stop,
@@ -190,11 +190,7 @@ def test_compose_swarm_trains_and_stops(cpu_image: tuple[str, float], stack: Sta
         spec = services[service]
         assert set(spec.get("depends_on") or []) <= {s for s in SWARM_SERVICES if s != service}
         extra = {"ADLOCO_STATUS_FILE": "/data/status.jsonl"} if service in NODES else {}
-        args = run_args(
-            service, spec, stack=stack, named=named, image=image, ulimits=ulimits, extra_env=extra
-        )
-        stack.containers.append(stack.name(service))
-        podman(*args)
+        run_service(stack, service, spec, named=named, image=image, ulimits=ulimits, extra_env=extra)
 
     status = {n: data_dir(stack, services[n]) / "status.jsonl" for n in NODES}
 
