@@ -363,12 +363,49 @@ def test_a_try_failed_for_every_live_member_is_known_over_at_once(hivemind_swarm
     # Each says so without waiting for the store to land everywhere: known over within a few reads.
     wait_for(lambda: all(a.failed_everywhere(round) for a in averagers), timeout=5, what="the marks")  # type: ignore[attr-defined]
     print(f"\nthe try is known over everywhere {time.monotonic() - began:.2f} s after the calls returned")
-    # Without leaving the refusing owner out, the try would never be known over: it never says so.
+    # The refusing owner never says so; the members' marks name it as gone, which is what ends the
+    # wait for it. A member nobody named and that never said so keeps the try open.
     matchmaker: Any = averagers[0]._matchmaker  # type: ignore[attr-defined]
     members = sorted({*(a.peer_id for a in averagers), refuser})
-    assert not averagers[0]._call(matchmaker.all_failed(round, members), timeout=10)  # type: ignore[attr-defined]
+    assert averagers[0]._call(matchmaker.all_left(round, members), timeout=10)  # type: ignore[attr-defined]
+    silent = "QmSilentMemberThatNeverSaidItsTryFailed"  # a member id only: nobody named it
+    assert not averagers[0]._call(matchmaker.all_left(round, [*members, silent]), timeout=10)  # type: ignore[attr-defined]
     # A round no group formed for is never over by this rule (the caller waits out the bound).
     assert not averagers[0].failed_everywhere(round + 1)  # type: ignore[attr-defined]
+
+
+def test_a_member_that_never_says_its_try_failed_has_left_once_another_member_names_it_or_it_registered_again(
+    hivemind_swarm: Swarm,
+) -> None:
+    """The wait for a failed try's members (`Matchmaker.all_left`) ends for one that never says so,
+    as a dead owner or a peer restarted from its checkpoint never does, once a member that said so
+    names it among those it saw leave, or once it registered for the next try (issue 26 in CI: a
+    survivor that had read the dead owner's answer waited 110 s for it, and the three peers each
+    averaged the round alone). A name from a peer outside the try's members ends nothing."""
+    swarm = hivemind_swarm
+    swarm.add_nodes(4)
+    a, b, outsider = (swarm.averager(i) for i in range(3))
+    round = 9
+    mm: Any = a._matchmaker  # type: ignore[attr-defined]
+    dead = str(swarm.dhts[3].identity.peer_id)
+
+    def left(members: list[str]) -> bool:
+        return a._call(mm.all_left(round, members), timeout=10)  # type: ignore[attr-defined,no-any-return]
+
+    def marks() -> set[str]:
+        return set(a._call(mm._failures(round), timeout=10))  # type: ignore[attr-defined]
+
+    outsider._matchmaker.mark_failed(round, [dead])  # type: ignore[attr-defined]
+    b._matchmaker.mark_failed(round)  # type: ignore[attr-defined]
+    wait_for(lambda: marks() == {outsider.peer_id, b.peer_id}, timeout=5, what="the two marks")
+    assert not left([b.peer_id, dead])  # the one who named it is no member of this try
+    # Its later mark replaces the first.
+    b._matchmaker.mark_failed(round, [dead])  # type: ignore[attr-defined]
+    wait_for(lambda: left([b.peer_id, dead]), timeout=5, what="a member's mark naming the dead owner")
+    # A peer that registered for the next try (round + 1) is in no call of this one.
+    assert not left([a.peer_id])
+    _phantom(swarm, round + 1, refuse_with=None)  # swarm.dhts[3]: the restarted peer, registering again
+    wait_for(lambda: left([dead]), timeout=5, what="the next try's registration")
 
 
 def test_a_registrant_late_for_a_try_that_failed_knows_it_over_once_its_group_has_left_it(

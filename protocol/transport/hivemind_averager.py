@@ -442,9 +442,10 @@ class HivemindAverager:
             return None
 
     def failed_everywhere(self, round: int) -> bool:
-        """Whether every member of the group this peer formed for `round` said its try failed there
-        (`Matchmaker.mark_failed`), owners whose exchange with this peer broke aside: then no call
-        of that try is left running anywhere that could complete it. Where this peer came late to
+        """Whether every member of the group this peer formed for `round` has left that try
+        (`Matchmaker.all_left`: said its try failed there, or went on to the next try, or another
+        member saw it leave), owners whose exchange with this peer broke aside: then no call of that
+        try is left running anywhere that could complete it. Where this peer came late to
         the try, whether the group that formed without it is over (`_late_try_over`). False when
         it registered for no try there, or the DHT could not be read."""
         if self._closed:
@@ -470,7 +471,7 @@ class HivemindAverager:
             - set(state.mail.gone)
             - set(self.excluded())
         )
-        return await self._matchmaker.all_failed(round, sorted(waited))
+        return await self._matchmaker.all_left(round, sorted(waited))
 
     async def _late_try_over(self, round: int) -> bool:
         """Whether the group that formed for `round` without this peer (it registered after the
@@ -652,8 +653,8 @@ class HivemindAverager:
                 self._matchmaker.departed(state.mail.unreachable)
             if state is None or state.group.members == (self._peer_id,):
                 self._alone.add(round)
-        if ready.result() is not None:  # a group formed: its other members may wait on this try
-            self._matchmaker.mark_failed(round)
+        if state is not None:  # a group formed: its other members may wait on this try
+            self._matchmaker.mark_failed(round, self._lost_owners.get(round, set()) | set(state.mail.gone))
         return None
 
     async def _run_round(

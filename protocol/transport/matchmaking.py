@@ -51,13 +51,15 @@ closes at the last of them rather than a window later, unless a join-only regist
 (`close_and_members`).
 
 A member whose try failed after its group formed says so under f"{prefix}.round{r}.failed"
-(`mark_failed`, bound to its key like a registration); once every member of the group it read has
-(`all_failed`), no call of that try is running anywhere it could complete, and the next try may
-open at once instead of after the longest a call may take. A member that never says so (dead, or
-hostile) only leaves the wait at that bound, as before. A registrant that came after the close
-reads the same board, and the next try's registrations, for the group that formed without it
-(`left_try`): once at most one of its members is still in it, that try cannot complete a shared
-round, and the late one retries with the others instead of waiting out the bound.
+(`mark_failed`, bound to its key like a registration, naming the members it saw leave); once every
+member of the group it read has, or has registered for the next try, or was seen to leave by one
+that said so (`all_left`), no call of that try is running anywhere it could complete, and the next
+try may open at once instead of after the longest a call may take. A member that never says so and
+that nobody saw leave (frozen, or hostile) only leaves the wait at that bound, as before. A
+registrant that came after the close reads the same board, and the next try's registrations, for the
+group that formed without it (`left_try`): once at most one of its members is still in it, that try
+cannot complete a shared round, and the late one retries with the others instead of waiting out the
+bound.
 
 Over 500 lines, one idea: the group rule and the `Matchmaker` that reads the DHT for it; the pure
 rule (`close_and_members`, `form_group`, `outvoted`, the parsing of records) is the larger half,
@@ -308,16 +310,24 @@ def form_group(
     return Group(round, tuple(members), group_id, owners)
 
 
-def parse_failures(value: Any) -> set[str]:
-    """The peers that said their try failed, from a DHT dictionary value; an entry naming another
-    peer than the one whose key signed it is ignored."""
+def parse_failures(value: Any) -> dict[str, frozenset[str]]:
+    """The peers that said their try failed, each with the members it saw leave that try (at most
+    `MAX_EXCLUDED`), from a DHT dictionary value; an entry naming another peer than the one whose
+    key signed it, or malformed, is ignored."""
     if not isinstance(value, dict):
-        return set()
-    return {
-        record
-        for subkey, item in value.items()
-        if isinstance(record := getattr(item, "value", None), str) and record == peer_of_subkey(subkey)
-    }
+        return {}
+    found = {}
+    for subkey, item in value.items():
+        record = getattr(item, "value", None)
+        if (
+            isinstance(record, (list, tuple))
+            and len(record) == 2
+            and isinstance(record[0], str)
+            and record[0] == peer_of_subkey(subkey)
+            and _peers(record[1], MAX_EXCLUDED)
+        ):
+            found[record[0]] = frozenset(record[1])
+    return found
 
 
 MAX_EXCLUDED = 16
@@ -572,19 +582,20 @@ class Matchmaker:
         _, members = records.close_and_members(self.window_s, self.grace_s)
         return frozenset(records.times), members
 
-    def mark_failed(self, round: int) -> None:
-        """Say that this peer's try at `round` failed after its group formed (see the module
-        docstring). Returns once the store is under way, not once it landed: the live replicas have
-        it in a round trip, but an unresponsive one (a frozen member) holds the store for two DHT
-        RPC timeouts, one in the search for the replicas and one in the store (6 s measured; asking
-        hivemind for the first replica's answer only does not shorten it), and a member that waited
-        registered its next try seconds after the others, who had each closed that try alone. A
-        DHT error is logged, not raised: the others then wait out the bound."""
+    def mark_failed(self, round: int, left: Collection[str] = ()) -> None:
+        """Say that this peer's try at `round` failed after its group formed (see the module docstring),
+        naming the members it saw leave that try (`left`, at most `MAX_EXCLUDED`): an owner whose
+        stream broke, a member no stream reached. Returns once the store is under way, not once it
+        landed: the live replicas have it in a round trip, but an unresponsive one (a frozen member)
+        holds the store for two DHT RPC timeouts, one in the search for the replicas and one in the
+        store (6 s measured; asking hivemind for the first replica's answer only does not shorten it),
+        and a member that waited registered its next try seconds after the others, who had each closed
+        that try alone. A DHT error is logged, not raised: the others then wait out the bound."""
         now = float(get_dht_time())
         try:
             stored = self.dht.store(
                 f"{self.prefix}.round{round}.failed",
-                self.peer_id,
+                [self.peer_id, sorted(left)[:MAX_EXCLUDED]],
                 expiration_time=now + self.record_ttl_s,
                 subkey=self.dht.identity.subkey,
                 return_future=True,
@@ -605,17 +616,33 @@ class Matchmaker:
         it: said their try failed (`mark_failed`), or registered for the next try (`round + 1`, the
         caller's numbering of one round's tries). For a registrant that came late to that group;
         RoundFailed on DHT errors."""
-        _, members = await self.round_view(round)
-        later = await self._read(f"{self.prefix}.round{round + 1}")
-        left = await self._failures(round) | set(later.times)
-        return members, left & set(members)
+        (_, members), (failures, later) = await asyncio.gather(self.round_view(round), self._leavers(round))
+        return members, (set(failures) | later) & set(members)
 
-    async def all_failed(self, round: int, members: Sequence[str]) -> bool:
-        """Whether every one of `members` said its try at `round` failed."""
-        return set(members) <= await self._failures(round)
+    async def all_left(self, round: int, members: Sequence[str]) -> bool:
+        """Whether every one of `members` has left its try at `round`: said that the try failed
+        there (`mark_failed`), or registered for the next try (a peer makes one call at a time, and
+        a peer restarted from its checkpoint is in no call of its former life), or one of `members`
+        that said so saw it leave. A dead owner never says; the members whose streams to it broke
+        do, and a member that read the dead owner's answer before the others' exchanges failed then
+        stops waiting for it when it reads them, not at the averaging timeout (110 s, while the
+        restarted peer and the other survivor each averaged alone: a fork in CI's run of issue 26).
+        A member that names others falsely only ends this wait early: the next try opens sooner,
+        at worst a fork the majority heals. RoundFailed on DHT errors."""
+        failures, later = await self._leavers(round)
+        seen_leave = {p for member in members for p in failures.get(member, ())}
+        return set(members) - seen_leave <= set(failures) | later
 
-    async def _failures(self, round: int) -> set[str]:
-        """The peers that said their try at `round` failed (`mark_failed`); RoundFailed on DHT errors."""
+    async def _leavers(self, round: int) -> tuple[dict[str, frozenset[str]], set[str]]:
+        """The failure marks of try `round`, and the registrants of the next try (read at once)."""
+        failures, later = await asyncio.gather(
+            self._failures(round), self._read(f"{self.prefix}.round{round + 1}")
+        )
+        return failures, set(later.times)
+
+    async def _failures(self, round: int) -> dict[str, frozenset[str]]:
+        """The peers that said their try at `round` failed (`mark_failed`), each with the members it
+        saw leave; RoundFailed on DHT errors."""
         try:
             found = await self.dht.get(f"{self.prefix}.round{round}.failed", latest=True, return_future=True)
         except Exception as e:
