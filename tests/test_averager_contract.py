@@ -608,10 +608,23 @@ class KilledRound:
 
 @contextlib.contextmanager
 def _a_round_with_a_member_killed(
-    tmp_path: Path, *, stage: str, victim_owns: str, round: int = 0, expecting_the_victim: bool = False
+    tmp_path: Path,
+    *,
+    stage: str,
+    victim_owns: str,
+    round: int = 0,
+    expecting_the_victim: bool = False,
+    frozen: bool = False,
+    side: int = 32,
+    late_reader: float = 0.0,
+    **knobs: Any,
 ) -> Iterator[KilledRound]:
     """SIGKILL a member (its whole process group: python, DHT process, p2pd) when it reaches `stage`
-    of `round` (its `on_stage` hook holds it there until the kill).
+    of `round` (its `on_stage` hook holds it there until the kill). `frozen`: no kill until the
+    survivors returned; the hook holds its event loop, so its streams stay open and answer nothing,
+    as a killed container's address does (no reset). `side`: the tensors' second dimension (an
+    answer larger than the streams' buffers is written as its member reads it). `late_reader`: the
+    second survivor reads its answers that many seconds late. `knobs`: the survivors' settings.
 
     Two tensors of equal size among three members in dealing order: the first two members own one
     each, the third owns nothing. The victim is the third (`victim_owns` "nothing") or the first
@@ -619,7 +632,7 @@ def _a_round_with_a_member_killed(
     registration (as after a round completed together). Yields once the survivors' calls returned;
     the swarm is closed and the victim's group killed on the way out, pass or fail.
     """
-    shapes = {"embed": (48, 32), "proj": (48, 32)}
+    shapes = {"embed": (48, side), "proj": (48, side)}
     identities = _identities(tmp_path, 3, dealing=(shapes, round))
     victim_identity = identities.pop(2 if victim_owns == "nothing" else 0)
     swarm = Swarm("hivemind")
@@ -628,8 +641,9 @@ def _a_round_with_a_member_killed(
     log = log_path.open("w")
     try:
         swarm.add_nodes(2, identities=identities)
-        survivors = [swarm.averager(i) for i in range(2)]
-        knobs = {
+        late: dict[str, Any] = {"answer_delay": lambda _: late_reader} if late_reader else {}
+        survivors = [swarm.averager(0, **knobs), swarm.averager(1, **knobs, **late)]
+        victim_knobs = {
             "window_s": WINDOW_S,
             "grace_s": GRACE_S,
             "part_timeout_s": PART_TIMEOUT_S,
@@ -638,7 +652,7 @@ def _a_round_with_a_member_killed(
         }
         victim_kwargs = {**DHT_KWARGS, "identity_path": str(victim_identity), "check_if_identity_free": False}
         maddr = str(swarm.dhts[0].get_visible_maddrs()[0])
-        args = [maddr, "run-a", stage, str(round), repr(victim_kwargs), repr(shapes), repr(knobs)]
+        args = [maddr, "run-a", stage, str(round), repr(victim_kwargs), repr(shapes), repr(victim_knobs)]
         proc = subprocess.Popen(
             [sys.executable, "-c", _VICTIM, *args],
             stdin=subprocess.PIPE,
@@ -664,9 +678,10 @@ def _a_round_with_a_member_killed(
         if expecting_the_victim:  # read at their next registration (this round's group has formed)
             for a in survivors:
                 a._matchmaker.expected = (*(b.peer_id for b in survivors), victim)  # type: ignore[attr-defined]
-        os.killpg(proc.pid, signal.SIGKILL)
+        if not frozen:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
         killed_s = time.monotonic() - began
-        proc.wait(timeout=10)
         runner.join(timeout=CALL_TIMEOUT_S + 10)
         assert len(outcomes) == 2, "a survivor never returned"
         yield KilledRound(swarm, survivors, contributions, outcomes, victim, killed_s)
@@ -750,6 +765,33 @@ def test_an_owner_killed_mid_reduce_fails_the_round_everywhere_and_the_retry_com
         )
         _assert_matches_reduce_group(retry, killed.contributions, "int8")
         assert all(o.elapsed_s < killed.swarm.round_bound_s for o in retry)
+
+
+def test_an_owner_frozen_once_one_member_read_its_answer_fails_the_try_for_both_at_once(
+    tmp_path: Path,
+) -> None:
+    """An owner's loop freezes once one member has read its whole answer; its streams stay open and
+    answer nothing (as a killed container's address does). The other member gets no answer and
+    withdraws, saying it never revealed. The member holding every answer needs that member's
+    secret, which then cannot come (nobody can relay a reveal never sent): it fails the try at
+    once, not at its reveal deadline a reduction phase later (issue 26 in CI: 45 s there, and the
+    other survivor waited as long for its mark). The reduction phase is 8 s here, so the deadline
+    would come at least 8 s after the other member gave up."""
+    phase_s = 8.0
+    with _a_round_with_a_member_killed(
+        tmp_path,
+        stage="answered",
+        victim_owns="a_part",
+        frozen=True,
+        side=40_000,  # answers of ~2 MB: the second is still being written when the owner freezes
+        late_reader=2.0,
+        reduce_timeout_s=phase_s,
+        bandwidth_bps=1e9,  # loopback: the exchange budget is its floors, within the call's timeout
+    ) as frozen:
+        print(frozen.report("owner frozen at 'answered'"))
+        assert [o.result for o in frozen.outcomes] == [None, None]
+        first, last = sorted(o.elapsed_s for o in frozen.outcomes)
+        assert last - first < phase_s / 2, (first, last)
 
 
 Lie = Callable[[Any, Any], Any]  # (the owner's true Answer, its OwnerSession) -> the Answer it gives

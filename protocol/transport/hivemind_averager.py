@@ -782,7 +782,7 @@ class HivemindAverager:
         members = state.group.members
         named = failure.culprits if isinstance(failure, Caught) else failure.blamed
         blamed = [p for p in named if p in members]
-        body = [str(failure)[:WITHDRAW_CHARS], blamed]
+        body = [str(failure)[:WITHDRAW_CHARS], blamed, state.revealed]
         for peer in members:
             if peer != self._peer_id:
                 self._send_statement(state, peer, WITHDRAW, body, self.reduce_timeout_s)

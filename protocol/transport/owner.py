@@ -475,6 +475,7 @@ class RoundState:
     receipts: dict[str, Receipt] = field(default_factory=dict)  # each owner's, for our parts
     seed: bytes | None = None  # the round's direction seed, once every secret is in
     commitments: dict[str, Commitment] = field(default_factory=dict)  # every contributor's, once checked
+    revealed: bool = False  # whether this peer has sent the others its reveal (`verify_round`)
 
     def reduction_of(self, key: str) -> OwnerSession | None:
         """Our reduction of part `key`, if we made one."""

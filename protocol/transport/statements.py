@@ -541,7 +541,9 @@ class Mailbox:
     from each member; a second, different one is kept as the proof that it equivocated), and the
     members known to have left the round (`gone`, why): one this peer could not open a stream to
     (`unreachable`: dead, or gone from the network), or one that said it withdrew (its exchange
-    failed, `verify_streams.WITHDRAW`), naming whom it could not reach (`withdrawals`)."""
+    failed, `verify_streams.WITHDRAW`), naming whom it could not reach (`withdrawals`), and whether
+    it had sent its reveal (one that had not, `unrevealed`, sent it to nobody: no member can relay
+    its secret)."""
 
     reveals: dict[str, Reveal] = field(default_factory=dict)
     projections: dict[str, Projections] = field(default_factory=dict)
@@ -549,6 +551,7 @@ class Mailbox:
     gone: dict[str, str] = field(default_factory=dict)
     unreachable: set[str] = field(default_factory=set)
     withdrawals: dict[str, list[str]] = field(default_factory=dict)
+    unrevealed: set[str] = field(default_factory=set)
     arrived: dict[str, float] = field(default_factory=dict)  # loop time of each member's first reveal
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -558,8 +561,11 @@ class Mailbox:
         self.gone.setdefault(peer, "unreachable")
         self.changed.set()
 
-    def withdrew(self, peer: str, why: str, blamed: list[str]) -> None:
-        """`peer` said it leaves the round (`why`), as it could not reach `blamed`."""
+    def withdrew(self, peer: str, why: str, blamed: list[str], revealed: bool) -> None:
+        """`peer` said it leaves the round (`why`), as it could not reach `blamed`, having sent its
+        reveal or not (`revealed`)."""
+        if peer not in self.withdrawals and not revealed:
+            self.unrevealed.add(peer)
         self.withdrawals.setdefault(peer, blamed)
         self.gone.setdefault(peer, f"withdrew: {why}")
         self.changed.set()

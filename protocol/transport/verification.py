@@ -146,6 +146,7 @@ async def verify_round(
         secret=secret,
     )
     others = [m for m in members if m != peer_id]
+    state.revealed = True
     for peer in others:
         send(peer, REVEAL, reveal.signed)
     mail = state.mail
@@ -306,6 +307,12 @@ async def _gather_secrets(
     required = [p for p in seeders if p != peer_id]
     start = loop.time()
     late = await _wait_seeders(mail, required, seeders, peer_id, grouped_at, start, reveal_by)
+    # A seeder that withdrew before revealing sent its secret to nobody, so nobody can relay it: the
+    # round fails now, not at `reveal_by` (where a dead owner's address answered nothing, the member
+    # that had read its answer waited there 45 s, and the other survivor as long for its mark).
+    unrevealed = [p for p in required if p in mail.unrevealed and p not in known()]
+    if unrevealed:
+        raise _left(mail, unrevealed)
     if not late:  # the other members' reveals, a grace as long again (`trust.grace_s`)
         grace = grace_s(loop.time() - start)
         await mail.wait(
@@ -347,14 +354,17 @@ async def _wait_seeders(
     reveal_by: float,
 ) -> bool:
     """Wait until every one of `required` (the other seeders) has revealed or left the round, at
-    most until `reveal_by`, and no longer once those still missing are late (`_late_reveal_at`);
-    True when they were late."""
+    most until `reveal_by`, and no longer once those still missing are late (`_late_reveal_at`) or
+    one withdrew without revealing (`Mailbox.unrevealed`: the round cannot complete); True when
+    they were late."""
     loop = asyncio.get_running_loop()
 
     def moved() -> int:
         return len(mail.reveals) + len(mail.gone)
 
     while any(p not in mail.reveals and p not in mail.gone for p in required):
+        if any(p in mail.unrevealed and p not in mail.reveals for p in required):
+            return False
         late_at = _late_reveal_at(mail, required, seeders, peer_id, grouped_at, started)
         deadline = reveal_by if late_at is None else min(reveal_by, late_at)
         if loop.time() >= deadline:

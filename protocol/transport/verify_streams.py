@@ -99,8 +99,8 @@ class VerifyHandler:
             if kind == DEFEND:
                 await self._defend(header, state, writer, meter)
             elif kind == WITHDRAW:
-                why, blamed = _withdrawal(header.get("s"), state.group.members)
-                state.mail.withdrew(remote, why, blamed)
+                why, blamed, revealed = _withdrawal(header.get("s"), state.group.members)
+                state.mail.withdrew(remote, why, blamed, revealed)
                 await write_frame(writer, {"v": PROTOCOL_VERSION, "ok": True}, [], meter)
             elif kind == ACCUSE:
                 self._accusation(header, state)
@@ -214,14 +214,17 @@ class VerifyHandler:
         await write_chunks(writer, body, self._chunk_bytes, meter)
 
 
-def _withdrawal(body: Any, members: Sequence[str]) -> tuple[str, list[str]]:
-    """A withdrawal's reason and the members it could not reach (ValueError if malformed)."""
-    if not isinstance(body, list) or len(body) != 2 or not isinstance(body[0], str):
-        raise ValueError("a withdrawal is a reason and the members it could not reach")
-    blamed = body[1]
+def _withdrawal(body: Any, members: Sequence[str]) -> tuple[str, list[str], bool]:
+    """A withdrawal's reason, the members it could not reach, and whether its sender had revealed
+    (ValueError if malformed)."""
+    if not isinstance(body, list) or len(body) != 3 or not isinstance(body[0], str):
+        raise ValueError("a withdrawal is a reason, the members it could not reach and whether it revealed")
+    blamed, revealed = body[1], body[2]
     if not isinstance(blamed, list) or len(blamed) > len(members) or not set(blamed) <= set(members):
         raise ValueError("a withdrawal may name only members of the group")
-    return body[0][:WITHDRAW_CHARS], [str(p) for p in blamed]
+    if not isinstance(revealed, bool):
+        raise ValueError("a withdrawal says whether its sender revealed, true or false")
+    return body[0][:WITHDRAW_CHARS], [str(p) for p in blamed], revealed
 
 
 async def ask_defense(
