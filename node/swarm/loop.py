@@ -224,6 +224,15 @@ class RoundLoop:
                     start,
                 )
                 return True
+            if pending and time.monotonic() >= deadline:
+                logger.warning(
+                    "[%s round=%d] %d peers level with it neither joined nor finished round %d within"
+                    " %.0f s: it applies its own",
+                    *self._tag(),
+                    len(pending),
+                    start,
+                    self.cfg.average_timeout_s,
+                )
             if not pending or time.monotonic() >= deadline or self._should_stop():
                 return False
             if not waited:
@@ -396,9 +405,20 @@ class RoundLoop:
             if head is not None and head.round > failed_round:
                 return True
             if aware is not None and aware.failed_everywhere(round_id):
-                logger.info("round %d: the try failed for every member; trying again now", failed_round)
+                logger.info(
+                    "round %d: the try failed for every member (known %.1f s after it failed here);"
+                    " trying again now",
+                    failed_round,
+                    time.monotonic() - failed_at,
+                )
                 return True
             time.sleep(SETTLE_POLL_S)
+        logger.warning(
+            "round %d: its try %d not known over anywhere after %.0f s (the averaging timeout); trying again",
+            failed_round,
+            round_id,
+            self.cfg.average_timeout_s,
+        )
         return True
 
     def _next_round_id(self) -> int:
