@@ -5,7 +5,7 @@ drawn from `--stages` per run: `ADLOCO_FAULT_DIE_AT`, see node/swarm/node.py), a
 later it starts again with the same key and checkpoint folder, as a container restarted on its
 volume does. Per run, printed and written to bench/results/kill_restart.json:
 
-- `fork`: a round two nodes applied with different θ (there must be none);
+- `fork`: a round two nodes applied with different θ while both survivors ran (there must be none);
 - `survivors_lost_s`: seconds from the kill to the survivors' next applied round, against their
   median round (`round_s`): what the dead peer cost them;
 - `rejoin_s`: seconds from the restart (the process start, model and DHT start-up included) to the
@@ -132,11 +132,12 @@ def measure(
 ) -> dict[str, Any]:
     """What the kill cost, from the round events (round -> status event) of the two survivors, the
     victim before its death and the node started again. A fork is a round two of them applied with
-    different θ while the survivors ran: the restarted node goes on alone once they have finished
-    their rounds and stopped (as a node left behind by peers that have gone does), and a round it
-    applies then is not one."""
-    ended = max(e["time"] for s in survivors for e in s.values())
-    applied = [*survivors, victim, {r: e for r, e in restarted.items() if e["time"] <= ended}]
+    different θ while all the survivors ran: once one has applied its last round and stopped, the
+    others go on alone (as a node left behind by peers that have gone does: a survivor still
+    chasing the others' rounds, or the restarted node), and a round they apply then is not one."""
+    ended = min(max(e["time"] for e in s.values()) for s in survivors)
+    during = [{r: e for r, e in rounds.items() if e["time"] <= ended} for rounds in (*survivors, restarted)]
+    applied = [*during, victim]
     forks = sorted(
         r for r in set().union(*applied) if len({a[r]["theta_hash"] for a in applied if r in a}) > 1
     )

@@ -252,11 +252,12 @@ def test_a_node_container_killed_mid_exchange_runs_again_on_its_volume_and_no_li
     compose file's bootstrap and three nodes, each node behind its own 20 Mbit/s link; node3 dies as
     an owner once one member has read its answer ('answered': one survivor has that answer, the
     other not), its processes killed with SIGKILL inside the container, and runs again 2 s later on
-    its volume. While the survivors run, no round is applied with two θ (by them, the victim before
+    its volume. While both survivors run, no round is applied with two θ (by them, the victim before
     its death or the node run again); the survivors go on to their last round, and the node run
     again keeps its peer id and resumes from its checkpoint. Not asserted: that it averages with the
     survivors within their 16 rounds, which it does not always do yet (record 058: it chases them
-    one round behind). `-s` prints the figures."""
+    one round behind, and so, in one run of six, did a survivor the two others left behind).
+    `-s` prints the figures."""
     image, _ = cpu_image
     out = tmp_path / "kill_restart.json"
     argv = [
