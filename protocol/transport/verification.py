@@ -27,13 +27,17 @@ Once every owner has answered (`member.assemble`), `verify_round`:
    products give (`verify.check_clip`).
 
 A member that leaves the round before it has checked it (its exchange with an owner broke, or an
-owner answered nothing) says so to the others (`WITHDRAW`, with whom it blames), and a member to
-which no stream opens when this member sends it a statement has left too (`Mailbox.lost`: dead, or
-gone from the network): nobody waits for their reveals or projections. A seeder gone before its
-secret reached this member fails the round at once (`Caught.gone`), naming it where this member
-could not reach it, and a withdrawn one (with whom it blamed) unless this member found some peer
-of the round unreachable itself, which bears the withdrawal out (issue 26: an owner that died with
-some members holding its answer and others not cost the survivors the whole reveal budget, ~45 s).
+owner answered nothing) says so to the others (`WITHDRAW`, with whom it blames and whether it had
+revealed), and a member to which no stream opens when this member sends it a statement has left
+too (`Mailbox.lost`: dead, or gone from the network): nobody waits for their reveals or
+projections. A seeder gone before its secret reached this member fails the round (`Caught.gone`),
+naming it where this member could not reach it, and a withdrawn one (with whom it blamed) unless
+this member found some peer of the round unreachable itself, which bears the withdrawal out
+(issue 26: an owner that died with some members holding its answer and others not cost the
+survivors the whole reveal budget, ~45 s). One that withdrew before revealing fails it at once,
+without waiting for the other seeders' reveals: nobody can relay a reveal never sent (record 059:
+the dead owner, whose container's address answered nothing, held the member holding its answer
+to the reveal deadline).
 
 Any failure raises `Caught` naming the peers at fault: with `proven` when this member holds their
 signed statements that show it (an equivocation, a screening its own commitments contradict), else
