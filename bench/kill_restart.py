@@ -113,7 +113,7 @@ def one_run(
     survivors = [{e["round"]: e for e in n.rounds()} for n in nodes[:2]]
     restarted = {e["round"]: e for e in nodes[3].rounds()}
     # Up: its first status event, once its model, data and DHT have started (and it has resumed).
-    up_s = min(e["time"] for e in _all_events(nodes[3])) - restarted_at
+    up_s = min(e["time"] for e in containers.status_events(nodes[3].status)) - restarted_at
     run = {"stage": stage, "kill_round": kill_round, "seed": seed, "restart_s": restart_s}
     victim_rounds = {e["round"]: e for e in victim.rounds()}
     return run | measure(
@@ -282,10 +282,6 @@ def _logs(stack: Any, work: Path) -> str:
         )
         tails.append(stack.logs(name.removeprefix(stack.prefix), lines=15))
     return "\n".join(tails)
-
-
-def _all_events(node: Node) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in node.status.read_text().splitlines() if line.strip()]
 
 
 def main() -> None:
