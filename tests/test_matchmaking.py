@@ -100,6 +100,28 @@ def test_a_round_closes_once_the_group_its_registrants_expect_is_complete() -> N
     assert close_and_members({"a": 5.0}, 1.0, 0.3, expects={"a": expectation(["a"])}) == (6.0, ("a",))
 
 
+def test_a_join_only_registrant_the_group_expects_completes_it_when_it_registers() -> None:
+    """Peers that completed a round expect, with each other, a peer that came after its close (one
+    round behind, catching up: record 059). Its join-only registration completes the group they
+    expect: the round closes there, not at the patience, and it is a member. While it has not come,
+    the round keeps its patience; after it, as late as the patience, it is no member."""
+    group = ("a", "b", "c")
+    expects = {"a": expectation(group), "b": expectation(group), "c": joining(20.0)}
+    patience = {"a": 6.0, "b": 6.0}
+    opened = {"a": 5.0, "b": 5.1}
+    came = close_and_members({**opened, "c": 5.6}, 1.0, 0.3, expects=expects, patience=patience)
+    assert came == (5.6, group)
+    assert close_and_members(opened, 1.0, 0.3, expects=expects, patience=patience) == (11.0, ("a", "b"))
+    late = close_and_members({**opened, "c": 11.2}, 1.0, 0.3, expects=expects, patience=patience)
+    assert late == (11.0, ("a", "b"))
+    # A join-only registrant nobody expects keeps the window after the expected group, as before.
+    pair = {"a": expectation(("a", "b")), "b": expectation(("a", "b")), "c": joining(20.0)}
+    assert close_and_members({**opened, "c": 5.05}, 1.0, 0.3, expects=pair, patience=patience) == (
+        _approx(6.1),
+        group,
+    )
+
+
 def test_a_join_only_registration_opens_nothing_and_keeps_the_window_while_it_waits() -> None:
     """A late contribution registers at once, marked join-only until it gives up: alone it opens no
     round; while it waits, the fresh peers' round keeps its window and takes it in; once it gave up,

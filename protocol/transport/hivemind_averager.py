@@ -139,6 +139,10 @@ _T = TypeVar("_T")
 # killed owner waited out the whole averaging timeout (110 s) for its failed try, while the other
 # survivor, told sooner, averaged alone: a fork (issue 26, containers).
 MARK_TIMEOUT_S = DHT_STALL_S + DHT_RPC_TIMEOUT_S
+# The most a completed round waits to read who came after its close (`_chasers`): a read takes tens
+# of milliseconds; one that meets an unresponsive replica is not waited for.
+CHASER_READ_S = 0.5
+PARTNER_ROUNDS = 64  # the completed rounds a peer remembers whom it averaged with (`_chasers`)
 
 
 class HivemindAverager:
@@ -245,6 +249,8 @@ class HivemindAverager:
         self._alone: set[int] = set()
         self._lost_owners: dict[int, set[str]] = {}  # round -> owners whose exchange broke here
         self._worked = WorkLedger()  # whose work this peer took lately (`trust`)
+        self._partners: dict[str, int] = {}  # peer -> this peer's completed round they last shared
+        self._completed = 0  # rounds this peer completed
         self._laggards: set[str] = set()  # non-seeders whose reveal missed its grace (`verify_round`)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._calls: set[asyncio.Task[Any]] = set()  # our `average` calls running on the loop
@@ -472,6 +478,21 @@ class HivemindAverager:
             - set(self.excluded())
         )
         return await self._matchmaker.all_left(round, sorted(waited))
+
+    async def _chasers(self, round: int, members: tuple[str, ...]) -> set[str]:
+        """`Matchmaker.chasers` of `round` that completed a round with this peer in its last
+        `PARTNER_ROUNDS` (a node restarted from its checkpoint comes back after more rounds than the
+        work ledger keeps), less those it leaves out; none when the DHT does not answer within
+        `CHASER_READ_S`."""
+        try:
+            late = await asyncio.wait_for(self._matchmaker.chasers(round, members), CHASER_READ_S)
+        except (asyncio.TimeoutError, RoundFailed):
+            return set()
+        out = set(self.excluded())
+        chasers = {p for p in late if p in self._partners and p not in out}
+        if chasers:
+            self._log(round, "expecting %s, who came after the close", sorted(p[-8:] for p in chasers))
+        return chasers
 
     async def _late_try_over(self, round: int) -> bool:
         """Whether the group that formed for `round` without this peer (it registered after the
@@ -727,8 +748,15 @@ class HivemindAverager:
             received_bytes={self._peer_id: traffic.wire_received},
         )
         self._measure(result)
-        # The next round's registration expects this group again: it closes once they are all in.
-        self._matchmaker.expected = group.members
+        # The next round's registration expects this group again, and the former partners that came
+        # after its close, catching up: it closes once they are all in (a join-only registration
+        # counts), where it closed before a chaser could come (record 059).
+        self._completed += 1
+        self._partners.update(dict.fromkeys(group.members, self._completed))
+        for peer in [p for p, n in self._partners.items() if self._completed - n >= PARTNER_ROUNDS]:
+            del self._partners[peer]
+        chasers = await self._chasers(round, group.members)
+        self._matchmaker.expected = tuple(sorted({*group.members, *chasers}))
         self._log(
             round,
             "averaged with %d members, %d wire bytes out, %d in, %d parts rejected",

@@ -269,16 +269,34 @@ def close_and_members(
         ((p, t) for p, t in records.items() if deadlines[p] is None and t >= earliest[p]),
         key=lambda item: (item[1], item[0]),
     )
-    for k, (peer, t) in enumerate(since):
-        if not expected or t > close or expects.get(peer, "") != expected:
+    # The openers in time order, with the join-only registrations among them: a join-only
+    # registrant the group expects (a member one round behind, catching up) completes it when it
+    # registers, as an opener does.
+    events = sorted([*since, *((p, records[p]) for p in waiting)], key=lambda item: (item[1], item[0]))
+    openers_in: list[str] = []
+    for peer, t in events:
+        if not expected or t > close:
             break
-        if k + 1 >= quorum and expectation([p for p, _ in since[: k + 1]]) == expected:
-            if any(records[p] <= t for p in waiting):
+        if peer in waiting:
+            joined = [p for p in waiting if records[p] <= t]
+            if len(openers_in) >= quorum and expectation([*openers_in, *joined]) == expected:
+                return t, tuple(sorted({*openers_in, *joined}))
+            continue
+        if expects.get(peer, "") != expected:
+            break
+        openers_in.append(peer)
+        if len(openers_in) < quorum:
+            continue
+        joined = [p for p in waiting if records[p] <= t]
+        if expectation([*openers_in, *joined]) == expected:
+            return t, tuple(sorted({*openers_in, *joined}))
+        if expectation(openers_in) == expected:
+            if joined:
                 # A late contribution waits to join: it gets the window, but the patience was for
                 # the group, which is complete.
                 close = min(close, t + window_s)
                 break
-            return t, tuple(sorted(p for p, _ in since[: k + 1]))
+            return t, tuple(sorted(openers_in))
     members = [p for p, t in ordered if t <= close] + [p for p in waiting if records[p] <= close]
     members += [
         p
@@ -581,6 +599,12 @@ class Matchmaker:
         records = await self._read(key)
         _, members = records.close_and_members(self.window_s, self.grace_s)
         return frozenset(records.times), members
+
+    async def chasers(self, round: int, members: Collection[str]) -> set[str]:
+        """The join-only registrants of `round` outside its group `members`: peers that came after
+        the close, one round behind and catching up (RoundFailed on DHT errors)."""
+        records = await self._read(f"{self.prefix}.round{round}")
+        return {p for p, e in records.expects.items() if p not in members and join_deadline(e) is not None}
 
     def mark_failed(self, round: int, left: Collection[str] = ()) -> None:
         """Say that this peer's try at `round` failed after its group formed (see the module docstring),
