@@ -46,9 +46,10 @@ A late contribution matchmakes with `join_only`: it registers at once, marked jo
 (at most `join_wait_s`) for another peer to open the round; it never opens one itself.
 
 Early close: each registration says which group its registrant expects (the last it completed a
-round with); when the first registrations are exactly that group, all expecting it, the round
-closes at the last of them rather than a window later, unless a join-only registrant waits
-(`close_and_members`).
+round with, and the former partners that registered for that round after its close: a peer one
+round behind, catching up); when the first registrations are exactly that group, all expecting it,
+the round closes at the last of them rather than a window later, unless a join-only registrant
+waits (`close_and_members`). An expected peer's join-only registration counts as its arrival.
 
 A member whose try failed after its group formed says so under f"{prefix}.round{r}.failed"
 (`mark_failed`, bound to its key like a registration, naming the members it saw leave); once every
