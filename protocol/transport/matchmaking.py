@@ -278,20 +278,16 @@ def close_and_members(
     for peer, t in events:
         if not expected or t > close:
             break
-        if peer in waiting:
-            joined = [p for p in waiting if records[p] <= t]
-            if len(openers_in) >= quorum and expectation([*openers_in, *joined]) == expected:
-                return t, tuple(sorted({*openers_in, *joined}))
-            continue
-        if expects.get(peer, "") != expected:
-            break
-        openers_in.append(peer)
+        if peer not in waiting:
+            if expects.get(peer, "") != expected:
+                break
+            openers_in.append(peer)
         if len(openers_in) < quorum:
             continue
         joined = [p for p in waiting if records[p] <= t]
         if expectation([*openers_in, *joined]) == expected:
             return t, tuple(sorted({*openers_in, *joined}))
-        if expectation(openers_in) == expected:
+        if peer not in waiting and expectation(openers_in) == expected:
             if joined:
                 # A late contribution waits to join: it gets the window, but the patience was for
                 # the group, which is complete.
