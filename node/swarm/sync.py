@@ -536,7 +536,9 @@ class SwarmSync:
         if head.quorum and not self._confirmed(head):
             return False
         source = RemoteSource(self.server, head.holders, self.downloads, head.target)
-        return self._run_catch_up(head, source, head.theta_hash, replay=replay, event=event)
+        return self._run_catch_up(
+            head, source, head.theta_hash, replay=replay, event=event, to_round=head.round
+        )
 
     def _confirmed(self, head: SwarmHead) -> bool:
         """Whether a quorum of the head's donors serve its manifest themselves: a record names its
@@ -567,11 +569,25 @@ class SwarmSync:
         return False
 
     def _run_catch_up(
-        self, head: SwarmHead, source: RemoteSource, expected_hash: str, *, replay: bool, event: str
+        self,
+        head: SwarmHead,
+        source: RemoteSource,
+        expected_hash: str,
+        *,
+        replay: bool,
+        event: str,
+        to_round: int | None = None,
     ) -> bool:
         start = self.peer.state.round
         try:
-            done = catch_up(self.peer, source, expected_hash=expected_hash, replay=replay, lock=self.lock)
+            done = catch_up(
+                self.peer,
+                source,
+                expected_hash=expected_hash,
+                replay=replay,
+                lock=self.lock,
+                to_round=to_round,
+            )
         except Exception as e:  # donors that left or answered badly: the next sync tries again
             logger.warning("[%s round=%d] catch-up failed: %s", *self._tag(), e)
             return False

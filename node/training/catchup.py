@@ -48,10 +48,15 @@ def catch_up(
     expected_hash: str,
     replay: bool = True,
     lock: AbstractContextManager[object] | None = None,
+    to_round: int | None = None,
 ) -> CatchUp:
     """Bring `peer` to the source's state: replay the kept updates if they start at the peer's round
     and end at `expected_hash` (worked out before any is applied: `Peer.replayed_hash`), otherwise
     (or with `replay` False: a fork) download the full state.
+
+    `to_round`: the round `expected_hash` is θ's at. A holder that moved on since the caller read
+    it keeps updates past that round; only those before it are replayed (what lies beyond is
+    nothing the caller can check), rather than found not to end at the hash and downloaded.
 
     Fetching runs outside `lock`, changing the peer inside it (the swarm's state server reads the
     peer from another thread). Raises ValueError when the downloaded θ does not match
@@ -60,7 +65,8 @@ def catch_up(
     guard = lock if lock is not None else contextlib.nullcontext()
     start = peer.state.round
     if replay:
-        updates = [u for u in source.updates(start) if u.round >= start]
+        end = to_round if to_round is not None else float("inf")
+        updates = [u for u in source.updates(start) if start <= u.round < end]
         if updates and updates[0].round == start:
             # Checked before it is committed: updates that do not lead to `expected_hash` (a holder
             # serving poisoned ones, say) are worked out on copies, one tensor at a time, and never
