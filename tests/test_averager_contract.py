@@ -1383,6 +1383,44 @@ def test_an_owner_that_takes_the_parts_and_never_answers_costs_one_try(
         swarm.close()
 
 
+def test_a_partner_late_as_an_owner_in_a_fresh_swarm_is_grouped_again_once_and_left_out_the_second_time(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Issue 26: a node killed while it reduced, in a swarm too fresh for records (every member
+    owns), looks to the others like an owner late with its answer. One that completed a round with
+    them before is taken for a departure: not left out, so its restart under its key is grouped
+    again at once (a container restarted this way chased the survivors for 27 rounds, left out as
+    seen for `EXCLUDE_SEEN_S`). Late again within `BAN_S`, it is left out as a silence."""
+    swarm = Swarm("hivemind")
+    try:
+        swarm.add_nodes(3)
+        averagers = sorted((swarm.averager(i) for i in range(3)), key=lambda a: a.peer_id)
+        victim: Any = averagers[0]
+        honest = averagers[1:]
+        contributions = _contributions(averagers, "int8", seed=23)
+        first = _average_together(averagers, contributions, round=0, spec="int8")
+        _assert_matches_reduce_group(first, contributions, "int8")
+        assert not any(cast(Any, a).workers() for a in averagers)  # fresh: nobody listed yet
+        answer = victim._handler._answer
+
+        async def never(*args: Any) -> None:
+            await asyncio.sleep(3600)
+
+        victim._handler._answer = never  # dead while it reduces
+        with caplog.at_level("WARNING"):
+            died = _average_together(averagers, contributions, round=1, spec="int8")
+        assert [o.result for o in died[1:]] == [None, None]
+        assert all(victim.peer_id not in cast(Any, a).excluded() for a in honest)
+        victim._handler._answer = answer  # restarted: it answers again
+        again = _average_together(averagers, contributions, round=2, spec="int8")
+        _assert_matches_reduce_group(again, contributions, "int8")
+        victim._handler._answer = never
+        _average_together(averagers, contributions, round=3, spec="int8")
+        assert all(victim.peer_id in cast(Any, a).excluded() for a in honest)
+    finally:
+        swarm.close()
+
+
 @pytest.mark.long  # four peers that work together first, then the default floors: ~30 s
 def test_an_owner_with_a_record_that_never_answers_costs_a_short_try_and_owns_nothing_after() -> None:
     """Four peers that worked together (they list one another and all own parts), at the node's

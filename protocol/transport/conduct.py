@@ -11,7 +11,9 @@ next rounds for a time that depends on how sure it is:
   silence (a key that leaves rounds on purpose);
 - a late owner (`Caught.late`) is not brought here when it had a record of work: the averager
   takes the record instead (`trust.WorkLedger.demote`), so it owns nothing until it has earned
-  again, with more work each time; one without a record comes here as seen.
+  again, with more work each time; one without a record that completed a round with this peer
+  before (a fresh swarm's partner: a node killed while it reduced looks the same) comes here as a
+  departure, any other as seen.
 Its readiness records then ask the others to leave them out too (`matchmaking.outvoted`).
 """
 

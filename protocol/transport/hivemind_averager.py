@@ -341,15 +341,23 @@ class HivemindAverager:
             self._spawn(self._board.publish(caught.evidence))
         if caught.late and not caught.proven:
             # A late owner with a record loses it (it owns again once it has earned, with more work
-            # each time); one without (a fresh swarm's, where every member owns) is left out a while.
+            # each time); one without (a fresh swarm's, where every member owns) is left out a while,
+            # unless it completed a round with this peer before: a node that died while it reduced
+            # looks the same, and its restart under its key must find itself grouped again (issue
+            # 26), so it counts as a departure (not left out the first time within `BAN_S`; again,
+            # as a silence). A key that stalls its first round as an owner is left out as before.
             listed = set(self._worked.listed())
             for peer in caught.culprits:
                 if peer in listed:
                     self._worked.demote(peer)
             unlisted = {p: why for p, why in caught.culprits.items() if p not in listed}
-            if not unlisted:
+            partners = {p: why for p, why in unlisted.items() if p in self._partners}
+            if partners:
+                self._convict(Caught(str(caught), partners, proven=False, gone=True))
+            strangers = {p: why for p, why in unlisted.items() if p not in partners}
+            if not strangers:
                 return
-            caught = Caught(str(caught), unlisted, proven=False)
+            caught = Caught(str(caught), strangers, proven=False)
         for peer in self._conduct.convict(caught, self._loop.time()):
             self._worked.forget(peer)  # its trust is earned again, by work after its exclusion
 

@@ -124,7 +124,8 @@ class Caught(RoundFailed):
     died, whose restart under its key must not find itself left out.
     `late`: owners that had not answered long after most others had (`round_exchange`): one with
     a record owns nothing until it has earned again (`trust.WorkLedger.demote`) and is not left out
-    (an honest owner slow this once still contributes); one without is left out as seen."""
+    (an honest owner slow this once still contributes); one without is left out as seen, or as a
+    departure when it completed a round with this member before (`conduct`)."""
 
     def __init__(
         self,
