@@ -88,11 +88,11 @@ import hashlib
 import logging
 import secrets
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Collection, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from hivemind.p2p import P2P
+from hivemind.p2p import P2P, PeerID
 
 from ..algorithms.allreduce import Contribution
 from ..algorithms.claims import UNBOUNDED, ClaimBounds
@@ -143,6 +143,7 @@ MARK_TIMEOUT_S = DHT_STALL_S + DHT_RPC_TIMEOUT_S
 # of milliseconds; one that meets an unresponsive replica is not waited for.
 CHASER_READ_S = 0.5
 PARTNER_ROUNDS = 64  # the completed rounds a peer remembers whom it averaged with (`_chasers`)
+HANG_UP_S = 1.0  # the most a failed try waits for its daemon to close a connection (`_hang_up`)
 
 
 class HivemindAverager:
@@ -654,6 +655,7 @@ class HivemindAverager:
         call = asyncio.current_task()
         assert call is not None
         self._calls.add(call)
+        broke: set[str] = set()  # peers whose connections this try's failure closes (`_hang_up`)
         try:
             return await asyncio.wait_for(
                 self._run_round(
@@ -672,6 +674,7 @@ class HivemindAverager:
         except RoundFailed as e:
             self._log(round, "no result: %s", e, level=logging.WARNING)
             self._matchmaker.departed(e.blamed)  # owners whose stream broke, or never opened
+            broke.update(e.blamed)
             self._withdraw(ready, e)
         finally:
             self._calls.discard(call)
@@ -684,7 +687,29 @@ class HivemindAverager:
                 self._alone.add(round)
         if state is not None:  # a group formed: its other members may wait on this try
             self._matchmaker.mark_failed(round, self._lost_owners.get(round, set()) | set(state.mail.gone))
+            broke |= self._lost_owners.get(round, set()) | set(state.mail.unreachable)
+        # Before the call returns, so before this peer's next try opens a stream to any of them.
+        await self._hang_up(round, broke)
         return None
+
+    async def _hang_up(self, round: int, peers: Collection[str]) -> None:
+        """Close this peer's libp2p connections to `peers`, owners and members that broke off or went
+        silent in a try: a killed peer's connection is never reset (its container's address answers
+        nothing), and libp2p opened the first streams to its restart under the same key over that
+        dead connection, where they hung for seconds (a survivor's parts reached its other owner
+        too late, and that owner caught it). The next stream to a live one dials it again."""
+        peers = sorted(set(peers) - {self._peer_id})
+        if not peers:
+            return
+        client = self._p2p._client
+
+        async def hang_up(peer: str) -> None:
+            try:
+                await asyncio.wait_for(client.disconnect(PeerID.from_base58(peer)), HANG_UP_S)
+            except Exception as e:  # an id that does not parse, a daemon that is slow: nothing to undo
+                self._log(round, "could not hang up on %s: %r", peer[-8:], e, level=logging.DEBUG)
+
+        await asyncio.gather(*(hang_up(p) for p in peers))
 
     async def _run_round(
         self,
