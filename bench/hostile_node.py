@@ -16,6 +16,11 @@ flags, its own identity, real p2pd) and trains, then attacks every round (`--att
   part as a `sum` payload of the same size and shape whose tiny sparse parts each decode to the whole
   tensor, report sends an honest Δ with a forged report (a step time of 1 µs, a link of 1 bit/s).
 
+As a peer that serves state (issue 25 §3): hijack trains nothing and publishes, every 2 s, a signed
+state record of round 10^6 whose state (random weights) it serves to whoever asks (the far-ahead
+hijack issue 10 tested first; tests/test_swarm.py runs this mode); replay-poison trains and averages honestly, but the kept updates it
+serves laggards to replay are the true ones × −50, re-encoded (printed each time it serves them).
+
 With "+rekey" after the attack (owner-stall+rekey), once the others leave it out it stops and
 joins again under a fresh key (0.1 s to make), as an attacker whose bans are keyed by peer id would:
 it catches up like any joiner and attacks again whenever it is given the chance.
@@ -28,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import sys
+import time
 from typing import Any
 
 import torch
@@ -49,12 +55,15 @@ from adloco.protocol.transport import owner, round_exchange
 from adloco.protocol.transport.matchmaking import RoundFailed
 from adloco.protocol.transport.owner import Answer, OwnerSession
 from adloco.protocol.transport.owner_streams import OwnerHandler
+from adloco.protocol.transport.state_transfer import UpdateRecord
 
 OWNER_ATTACKS = (
     *("owner-scaled", "owner-noise", "owner-split", "owner-stall", "mute", "silent"),
     *("owner-omit", "owner-rewrite", "owner-header"),
 )
 MEMBER_ATTACKS = ("claim", "sum-bomb", "report")  # an honest Δ, something else forged
+HOLDER_ATTACKS = ("hijack", "replay-poison")  # what it serves to laggards and joiners
+HIJACK_ROUND = 10**6
 
 
 def _reencoded(answer: Answer, change: Any) -> Answer:
@@ -145,6 +154,44 @@ def attack_as_owner(attack: str) -> None:
         round_exchange.RoundExchange._exchange = hold  # type: ignore[method-assign]
 
 
+def _hijack(node: SwarmNode) -> bool:
+    """Random weights at round `HIJACK_ROUND`, published and served until the process is stopped."""
+    try:
+        with node.lock, torch.no_grad():
+            generator = torch.Generator().manual_seed(666)
+            for t in node.peer.state.theta:
+                t.copy_(torch.randn(t.shape, generator=generator))
+            node.peer.state.round = HIJACK_ROUND
+        while True:
+            node.sync.publish()
+            print(f"hostile node: published round {HIJACK_ROUND} as {node.peer_id}", flush=True)
+            time.sleep(2.0)
+    finally:
+        node.shutdown()
+
+
+def _poison_replays(node: SwarmNode) -> None:
+    """Serve laggards the kept updates × −50 (the state server reads them through this name)."""
+    from adloco.node.swarm import node as node_module
+
+    honest = node_module.updates_of
+
+    def poisoned(peer: Any, lock: Any, from_round: int) -> list[UpdateRecord]:
+        records = honest(peer, lock, from_round)
+        out = []
+        for r in records:
+            averaged = {}
+            for key, payload in r.averaged.items():
+                family = payload_codec(payload)
+                codec = make_codec(family if family in ("none", "fp16", "int8", "int4") else "int8")
+                averaged[key] = codec.encode(key, decode(payload) * -50.0)
+            out.append(dataclasses.replace(r, averaged=averaged))
+        print(f"hostile node: served {len(out)} poisoned updates from round {from_round}", flush=True)
+        return out
+
+    node_module.updates_of = poisoned  # type: ignore[assignment]
+
+
 def _report_of(metadata: bytes) -> str | None:
     """The peer a relayed report names (None: it does not parse)."""
     try:
@@ -180,7 +227,7 @@ def main(argv: list[str]) -> int:
         at = argv.index("--attack")
         attack, argv = argv[at + 1], argv[:at] + argv[at + 2 :]
     attack, rekey = attack.removesuffix("+rekey"), attack.endswith("+rekey")
-    known = (*ATTACKS[1:], *OWNER_ATTACKS, *MEMBER_ATTACKS)
+    known = (*ATTACKS[1:], *OWNER_ATTACKS, *MEMBER_ATTACKS, *HOLDER_ATTACKS)
     if attack not in known:
         raise SystemExit(f"--attack: one of {', '.join(known)}, +rekey optional")
     args = parse_settings(build_parser(), argv)
@@ -216,7 +263,11 @@ def _run(args: Any, attack: str, *, rekey: bool) -> bool:
 
         matchmaker._log = watch
     calls = 0
-    if attack not in OWNER_ATTACKS:
+    if attack == "hijack":
+        return _hijack(node)
+    if attack == "replay-poison":
+        _poison_replays(node)
+    if attack not in (*OWNER_ATTACKS, *HOLDER_ATTACKS):
         honest = node.peer.contribute
 
         def hostile(local: Any, **kwargs: Any) -> Any:

@@ -66,7 +66,11 @@ def _descendants(pid: int) -> list[int]:
     found, frontier = [], [pid]
     while frontier:
         parent = frontier.pop()
-        for task in Path(f"/proc/{parent}/task").glob("*"):
+        try:
+            tasks = list(Path(f"/proc/{parent}/task").glob("*"))
+        except FileNotFoundError:  # it exited while we looked
+            continue
+        for task in tasks:
             try:
                 children = (task / "children").read_text().split()
             except FileNotFoundError:

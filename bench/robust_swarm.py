@@ -6,7 +6,11 @@ round allows, random = noise at Δ's norm, constant = one noise direction every 
 an owner (owner-scaled, owner-noise, owner-split, owner-stall, owner-omit, owner-rewrite,
 owner-header), withholding its reveal (mute) or its parts (silent: it joins groups and sends no
 owner anything), or sending an honest Δ with a forged claim (claim: 10^12 tokens), payload (sum-bomb)
-or report (report); `+rekey` after any of them: left out, it joins again under a fresh key. Every
+or report (report), or serving laggards a far-ahead state (hijack: it trains nothing) or poisoned
+kept updates (replay-poison); `+rekey` after any of them: left out, it joins again under a fresh key.
+`--join-at K` starts an honest fifth node once the first applied K rounds: it catches up from the
+holders of the head (the fourth node among them) and trains on; its seconds to its first round on
+the honest θ, any round it applied on another θ, and how it caught up are recorded. Every
 combination of `--rules` (the owners' `--aggregate`; "default": the flag left out, so a public
 run's default applies; the trimmed mean is refused in a public run, as every run here is),
 `--scores` (every node's `--score`: owners
@@ -20,6 +24,7 @@ rounds of its own past theirs). A rule with scoring on is labelled `rule+score`.
     python bench/robust_swarm.py                       # 2 rules x 5 runs, ~10 min on 2 cores
     python bench/robust_swarm.py --rules mean clip:1 --attacks none flip --rounds 8
     python bench/robust_swarm.py --rules mean --scores loss --out bench/results/robust_swarm_score.json
+    python bench/robust_swarm.py --rules default --attacks none hijack replay-poison --join-at 4
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from swarm import NET, Node, _finish, _wait
+from swarm import NET, Node, _events, _finish, _wait
 
 RESULTS = Path(__file__).resolve().parent / "results" / "robust_swarm.json"
 TRAIN = [
@@ -44,7 +49,9 @@ TRAIN = [
 HOSTILE = str(Path(__file__).resolve().parent / "hostile_node.py")
 
 
-def one_run(work: Path, *, rule: str, score: str, attack: str, rounds: int, seed: int) -> dict[str, Any]:
+def one_run(
+    work: Path, *, rule: str, score: str, attack: str, rounds: int, seed: int, join_at: int = 0
+) -> dict[str, Any]:
     t0 = time.monotonic()
     maddrs = work / "bootstrap.json"
     boot = ["adloco-bootstrap", "--identity-path", str(work / "b.key"), *NET[:3]]
@@ -63,6 +70,12 @@ def one_run(work: Path, *, rule: str, score: str, attack: str, rounds: int, seed
             planned = "0" if i == 3 else str(rounds)
             cmd = [*program, *common, "--rounds", planned, "--data-shard", str(i), *TRAIN, *NET]
             nodes.append(Node(f"n{i}", cmd, work))
+        if join_at:
+            # An honest joiner, once the first node applied `join_at` rounds: it catches up from
+            # the holders (the hostile node among them) and trains on until stopped.
+            _wait("the join", lambda: len(nodes[0].rounds()) >= join_at, 600, nodes)
+            cmd = ["adloco-node", *common, "--rounds", "0", "--data-shard", "0", *TRAIN, *NET]
+            nodes.append(Node("joiner", cmd, work))
         _finish(nodes[:3], work, "honest nodes")
     finally:
         for node in [*nodes, bootstrap]:
@@ -74,7 +87,9 @@ def one_run(work: Path, *, rule: str, score: str, attack: str, rounds: int, seed
     # went on alone after the others had applied their --rounds, has no record of it, or its own).
     reached = [{e["round"]: e["theta_hash"] for e in n.rounds()} for n in nodes[:3]]
     shared = set.intersection(*(set(r) for r in reached))
+    joined = _joiner(nodes[4], reached, work) if join_at else {}
     return {
+        **joined,
         "wall_s": round(wall_s, 1),
         "dropped": statistics.median(f.get("dropped", 0) for f in finals),  # Δs of honest nodes never applied
         "rule": rule if score == "off" else f"{rule}+{score}",
@@ -97,6 +112,29 @@ def one_run(work: Path, *, rule: str, score: str, attack: str, rounds: int, seed
     }
 
 
+def _joiner(joiner: Node, reached: list[dict[int, str]], work: Path) -> dict[str, Any]:
+    """How the joiner did: seconds from its start to its first round on the honest nodes' θ, rounds
+    it applied on another θ than theirs, how it caught up, and how often the hostile node served
+    poisoned updates (replay-poison)."""
+    honest: dict[int, str] = {}
+    for r in reached:
+        honest.update(r)
+    events = _events(joiner.status)
+    rounds = [e for e in events if e["event"] == "round"]
+    agreed = next((e for e in rounds if honest.get(e["round"]) == e["theta_hash"]), None)
+    hostile_log = work / "n3.log"
+    served = hostile_log.read_text().count("poisoned updates") if hostile_log.exists() else 0
+    return {
+        "joiner_agree_s": None if agreed is None else round(agreed["time"] - joiner.started, 1),
+        "joiner_rounds": len(rounds),
+        "joiner_foreign": sum(
+            1 for e in rounds if e["round"] in honest and honest[e["round"]] != e["theta_hash"]
+        ),
+        "joiner_catch_ups": [e["how"] for e in events if e["event"] in ("catch_up", "fork_healed")],
+        "poisoned_served": served,
+    }
+
+
 def _gap(value: float, base: float | None) -> str:
     return "" if base is None else f"{100 * (value / base - 1):+.1f} %"
 
@@ -108,6 +146,7 @@ def main() -> None:
     p.add_argument("--attacks", nargs="+", default=["none", "flip1000", "flip", "random", "constant"])
     p.add_argument("--rounds", type=int, default=12)
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
+    p.add_argument("--join-at", type=int, default=0, help="start an honest joiner after this round (0: none)")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args()
     runs = []
@@ -116,7 +155,15 @@ def main() -> None:
         for rule, score in [(r, sc) for r in args.rules for sc in args.scores]:
             for attack in args.attacks:
                 work = Path(tempfile.mkdtemp(prefix="adloco-robust-"))
-                run = one_run(work, rule=rule, score=score, attack=attack, rounds=args.rounds, seed=seed)
+                run = one_run(
+                    work,
+                    rule=rule,
+                    score=score,
+                    attack=attack,
+                    rounds=args.rounds,
+                    seed=seed,
+                    join_at=args.join_at,
+                )
                 if run["theta_agree"]:
                     shutil.rmtree(work)
                 else:  # a fork is a bug report: every node's log stays for it
@@ -131,7 +178,14 @@ def main() -> None:
         mean = _gap(r["val_loss"], clean.get(("mean", r["seed"])))
         print(f"{r['rule']:<14} {r['attack']:<10} {r['val_loss']:>9.4f} {same:>20} {mean:>14}")
     payload = {
-        "setup": {"nodes": 4, "hostile": 1, "rounds": args.rounds, "model": "tiny-llama", "train": TRAIN},
+        "setup": {
+            "nodes": 4,
+            "hostile": 1,
+            "rounds": args.rounds,
+            "join_at": args.join_at,
+            "model": "tiny-llama",
+            "train": TRAIN,
+        },
         "seconds": round(time.time() - t0, 1),
         "runs": runs,
     }

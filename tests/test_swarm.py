@@ -383,8 +383,8 @@ def test_a_peer_claiming_a_far_ahead_round_cannot_hijack_nodes_that_averaged_tog
     procs: Procs, tmp_path: Path
 ) -> None:
     """Issue 10's hijack: once two nodes have averaged a round, a third peer of the run publishes a
-    signed state record of round 10^6 and serves random weights under it (tests/hijacker.py).
-    Believed, it would make both download and adopt its state. Now neither moves toward it. A fresh
+    signed state record of round 10^6 and serves random weights under it (bench/hostile_node.py's
+    hijack). Believed, it would make both download and adopt its state. Now neither moves toward it. A fresh
     joiner started after the forged record is out has averaged with nobody: it weighs the live peers
     (two honest, one hijacker), takes the honest state first, and then contributes with the two (a
     group of three), holding their θ after every round it applies: a round averaged apart from them
@@ -401,9 +401,10 @@ def test_a_peer_claiming_a_far_ahead_round_cannot_hijack_nodes_that_averaged_tog
         return any(e["event"] == "round" and e["group_size"] == 2 for e in read_events(status))
 
     wait_for(lambda: all(averaged_together(s) for _, s in nodes), timeout=180, what="a round of both")
+    hostile = Path(__file__).parent.parent / "bench" / "hostile_node.py"
     hijacker = procs.start(
         "hijacker",
-        ["python", str(Path(__file__).parent / "hijacker.py"), "--peers", *peers, "--run-id", "r",
+        ["python", str(hostile), "--attack", "hijack", "--peers", *peers, "--run-id", "r",
          "--data-shard", "3", *FAST],
     )  # fmt: skip
     wait_for(lambda: "published round" in procs.log("hijacker"), timeout=120, what="the forged record")
