@@ -17,9 +17,10 @@ flags, its own identity, real p2pd) and trains, then attacks every round (`--att
   tensor, report sends an honest Δ with a forged report (a step time of 1 µs, a link of 1 bit/s).
 
 As a peer that serves state (issue 25 §3): hijack trains nothing and publishes, every 2 s, a signed
-state record of round 10^6 whose state (random weights) it serves to whoever asks (the far-ahead
-hijack issue 10 tested first; tests/test_swarm.py runs this mode); replay-poison trains and averages honestly, but the kept updates it
-serves laggards to replay are the true ones × −50, re-encoded (printed each time it serves them).
+state record of round 10^6 whose state (random weights) it serves to whoever asks (issue 10's
+far-ahead hijack; tests/test_swarm.py runs this mode); replay-poison trains and averages honestly,
+but the kept updates it serves laggards to replay are the true ones × −50, re-encoded (printed each
+time it serves them).
 
 With "+rekey" after the attack (owner-stall+rekey), once the others leave it out it stops and
 joins again under a fresh key (0.1 s to make), as an attacker whose bans are keyed by peer id would:
