@@ -22,6 +22,10 @@ far-ahead hijack; tests/test_swarm.py runs this mode); replay-poison trains and 
 but the kept updates it serves laggards to replay are the true ones × −50, re-encoded (printed each
 time it serves them).
 
+As a registrant (issue 25 §2): backdate trains and averages honestly, but every readiness record
+it stores says it registered `BACKDATE_S` earlier than it did (the record is its own, signed with its
+key; only the time in it is false), so that a round it is in seems to have opened long ago.
+
 With "+rekey" after the attack (owner-stall+rekey), once the others leave it out it stops and
 joins again under a fresh key (0.1 s to make), as an attacker whose bans are keyed by peer id would:
 it catches up like any joiner and attacks again whenever it is given the chance.
@@ -64,6 +68,8 @@ OWNER_ATTACKS = (
 )
 MEMBER_ATTACKS = ("claim", "sum-bomb", "report")  # an honest Δ, something else forged
 HOLDER_ATTACKS = ("hijack", "replay-poison")  # what it serves to laggards and joiners
+RECORD_ATTACKS = ("backdate",)  # what its readiness records say
+BACKDATE_S = 30.0
 HIJACK_ROUND = 10**6
 
 
@@ -193,6 +199,20 @@ def _poison_replays(node: SwarmNode) -> None:
     node_module.updates_of = poisoned  # type: ignore[assignment]
 
 
+def _backdate(node: SwarmNode) -> None:
+    """Every readiness record this node stores dated `BACKDATE_S` before its registration."""
+    dht = node.averager._matchmaker.dht
+    store = dht.store
+
+    def backdated(key: str, value: Any, *args: Any, **kwargs: Any) -> Any:
+        registration = ".round" in key and not key.endswith(".failed")
+        if registration and isinstance(value, tuple) and value and isinstance(value[0], float):
+            value = (value[0] - BACKDATE_S, *value[1:])
+        return store(key, value, *args, **kwargs)
+
+    dht.store = backdated
+
+
 def _report_of(metadata: bytes) -> str | None:
     """The peer a relayed report names (None: it does not parse)."""
     try:
@@ -228,7 +248,7 @@ def main(argv: list[str]) -> int:
         at = argv.index("--attack")
         attack, argv = argv[at + 1], argv[:at] + argv[at + 2 :]
     attack, rekey = attack.removesuffix("+rekey"), attack.endswith("+rekey")
-    known = (*ATTACKS[1:], *OWNER_ATTACKS, *MEMBER_ATTACKS, *HOLDER_ATTACKS)
+    known = (*ATTACKS[1:], *OWNER_ATTACKS, *MEMBER_ATTACKS, *HOLDER_ATTACKS, *RECORD_ATTACKS)
     if attack not in known:
         raise SystemExit(f"--attack: one of {', '.join(known)}, +rekey optional")
     args = parse_settings(build_parser(), argv)
@@ -268,7 +288,9 @@ def _run(args: Any, attack: str, *, rekey: bool) -> bool:
         return _hijack(node)
     if attack == "replay-poison":
         _poison_replays(node)
-    if attack not in (*OWNER_ATTACKS, *HOLDER_ATTACKS):
+    if attack == "backdate":
+        _backdate(node)
+    if attack not in (*OWNER_ATTACKS, *HOLDER_ATTACKS, *RECORD_ATTACKS):
         honest = node.peer.contribute
 
         def hostile(local: Any, **kwargs: Any) -> Any:

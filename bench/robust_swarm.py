@@ -147,6 +147,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=12)
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
     p.add_argument("--join-at", type=int, default=0, help="start an honest joiner after this round (0: none)")
+    p.add_argument("--keep", action="store_true", help="keep every run's logs (a fork's are kept anyway)")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args()
     runs = []
@@ -164,7 +165,9 @@ def main() -> None:
                     seed=seed,
                     join_at=args.join_at,
                 )
-                if run["theta_agree"]:
+                if args.keep:
+                    run["logs"] = str(work)
+                elif run["theta_agree"]:
                     shutil.rmtree(work)
                 else:  # a fork is a bug report: every node's log stays for it
                     run["logs"] = str(work)
