@@ -340,25 +340,27 @@ class HivemindAverager:
         the evidence it holds to the run (`evidence.EvidenceBoard`)."""
         if caught.evidence:
             self._spawn(self._board.publish(caught.evidence))
-        if caught.late and not caught.proven:
+        if caught.unanswered and not caught.proven:
             # A late owner with a record loses it (it owns again once it has earned, with more work
-            # each time); one without (a fresh swarm's, where every member owns) is left out a while,
+            # each time). An owner without one that gave no answer (late, or for the whole budget:
+            # which depends on whether the other owners' answers came first) is left out a while,
             # unless it completed a round with this peer before: a node that died while it reduced
             # looks the same, and its restart under its key must find itself grouped again (issue
             # 26), so it counts as a departure (not left out the first time within `BAN_S`; again,
             # as a silence). A key that stalls its first round as an owner is left out as before.
             listed = set(self._worked.listed())
-            for peer in caught.culprits:
-                if peer in listed:
-                    self._worked.demote(peer)
-            unlisted = {p: why for p, why in caught.culprits.items() if p not in listed}
-            partners = {p: why for p, why in unlisted.items() if p in self._partners}
+            if caught.late:
+                for peer in caught.culprits:
+                    if peer in listed:
+                        self._worked.demote(peer)
+            culprits = {p: why for p, why in caught.culprits.items() if not caught.late or p not in listed}
+            partners = {p: why for p, why in culprits.items() if p in self._partners and p not in listed}
             if partners:
                 self._convict(Caught(str(caught), partners, proven=False, gone=True))
-            strangers = {p: why for p, why in unlisted.items() if p not in partners}
-            if not strangers:
+            rest = {p: why for p, why in culprits.items() if p not in partners}
+            if not rest:
                 return
-            caught = Caught(str(caught), strangers, proven=False)
+            caught = Caught(str(caught), rest, proven=False)
         for peer in self._conduct.convict(caught, self._loop.time()):
             self._worked.forget(peer)  # its trust is earned again, by work after its exclusion
 

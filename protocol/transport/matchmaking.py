@@ -125,7 +125,9 @@ class Caught(RoundFailed):
     `late`: owners that had not answered long after most others had (`round_exchange`): one with
     a record owns nothing until it has earned again (`trust.WorkLedger.demote`) and is not left out
     (an honest owner slow this once still contributes); one without is left out as seen, or as a
-    departure when it completed a round with this member before (`conduct`)."""
+    departure when it completed a round with this member before (`conduct`).
+    `unanswered`: owners that took this member's parts and gave no answer, late or for the whole
+    budget; one without a record that completed a round with this member is taken for a death."""
 
     def __init__(
         self,
@@ -136,6 +138,7 @@ class Caught(RoundFailed):
         silent: bool = False,
         gone: bool = False,
         late: bool = False,
+        unanswered: bool = False,
     ) -> None:
         super().__init__(message)
         self.culprits = culprits
@@ -143,6 +146,7 @@ class Caught(RoundFailed):
         self.silent = silent
         self.gone = gone
         self.late = late
+        self.unanswered = unanswered
         # The culprits' own signed statements that prove it to any other peer (`evidence.Evidence`):
         # passed on to the group (`verification`) and published to the run (`evidence.EvidenceBoard`).
         self.evidence: list[Evidence] = []

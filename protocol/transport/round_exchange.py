@@ -319,11 +319,13 @@ class RoundExchange:
                     dict.fromkeys(silent, f"took our parts and gave no answer within {waited:.1f} s"),
                     proven=False,
                     late=True,
+                    unanswered=True,
                 )
             raise Caught(
                 f"no answer from {len(silent)} owner(s) within {budget:.1f} s",
                 dict.fromkeys(silent, f"took our parts and gave no answer within {budget:.1f} s"),
                 proven=False,
+                unanswered=True,
             )
         if lost:
             # Owners no stream reached, whose parts others stood in for: should the try still fail
