@@ -6,8 +6,9 @@ round allows, random = noise at Δ's norm, constant = one noise direction every 
 an owner (owner-scaled, owner-noise, owner-split, owner-stall, owner-omit, owner-rewrite,
 owner-header), withholding its reveal (mute) or its parts (silent: it joins groups and sends no
 owner anything), or sending an honest Δ with a forged claim (claim: 10^12 tokens), payload (sum-bomb)
-or report (report), or serving laggards a far-ahead state (hijack: it trains nothing) or poisoned
-kept updates (replay-poison); `+rekey` after any of them: left out, it joins again under a fresh key.
+or report (report), dating its readiness records 30 s back (backdate), or serving laggards a
+far-ahead state (hijack: it trains nothing) or poisoned kept updates (replay-poison); `+rekey`
+after any of them: left out, it joins again under a fresh key.
 `--join-at K` starts an honest fifth node once the first applied K rounds: it catches up from the
 holders of the head (the fourth node among them) and trains on; its seconds to its first round on
 the honest θ, any round it applied on another θ, and how it caught up are recorded. Every
@@ -17,7 +18,10 @@ run's default applies; the trimmed mean is refused in a public run, as every run
 judge each member's Δ over their parts by the loss on their own data) and `--attacks` runs once per
 seed. Printed and written to bench/results/robust_swarm.json: the honest nodes' final val loss
 (median of the three), and its gap against the clean run under the same rule and under the mean;
-theta_agree: every round all three honest nodes applied holds one θ on all three (a node that
+the wall time's gap against the clean run; in_clean_time (issue 25 §2's measure, as bench/liveness.py
+takes it in the simulator): the share of the rounds the first honest node had applied by the time
+at which, in the clean run of the same rule and seed, it applied its last; theta_agree: every
+round all three honest nodes applied holds one θ on all three (a node that
 caught up over a round has no record of it; one that went on alone after the others stopped has
 rounds of its own past theirs). A rule with scoring on is labelled `rule+score`.
 
@@ -108,6 +112,9 @@ def one_run(
         "rounds_of_4": sum(1 for g in groups if g == 4),
         "rejected_parts": nodes[0].rounds()[-1].get("rejected_parts", 0),  # cumulative: the last round's
         "group_sizes": groups,
+        # When the first honest node applied each round, seconds after it started: how many rounds an
+        # attacked run completes in the clean run's time (`_in_clean_time`).
+        "round_at_s": [round(e["time"] - nodes[0].started, 2) for e in nodes[0].rounds()],
         "rejected_by_round": [e.get("rejected_parts", 0) for e in nodes[0].rounds()],  # cumulative
     }
 
@@ -133,6 +140,16 @@ def _joiner(joiner: Node, reached: list[dict[int, str]], work: Path) -> dict[str
         "joiner_catch_ups": [e["how"] for e in events if e["event"] in ("catch_up", "fork_healed")],
         "poisoned_served": served,
     }
+
+
+def _in_clean_time(run: dict[str, Any], clean: dict[str, Any] | None) -> float | None:
+    """Issue 25 §2's measure (as `bench/liveness.py` takes it in the simulator): the share of the
+    run's rounds the first honest node had applied by the time, from its start, at which it applied
+    its last round in the clean run of the same rule and seed."""
+    if clean is None or not clean.get("round_at_s") or not run.get("round_at_s"):
+        return None
+    end = clean["round_at_s"][-1]
+    return sum(1 for t in run["round_at_s"] if t <= end) / len(clean["round_at_s"])
 
 
 def _gap(value: float, base: float | None) -> str:
@@ -174,12 +191,25 @@ def main() -> None:
                     print(f"θ disagreed: the nodes' logs are in {work}", file=sys.stderr)
                 runs.append(run)
                 print(json.dumps(run), flush=True)
-    clean = {(r["rule"], r["seed"]): r["val_loss"] for r in runs if r["attack"] == "none"}
-    print(f"\n{'rule':<14} {'attack':<10} {'val loss':>9} {'vs clean, same rule':>20} {'vs clean mean':>14}")
+    clean = {(r["rule"], r["seed"]): r for r in runs if r["attack"] == "none"}
     for r in runs:
-        same = _gap(r["val_loss"], clean.get((r["rule"], r["seed"])))
-        mean = _gap(r["val_loss"], clean.get(("mean", r["seed"])))
-        print(f"{r['rule']:<14} {r['attack']:<10} {r['val_loss']:>9.4f} {same:>20} {mean:>14}")
+        r["in_clean_time"] = _in_clean_time(r, clean.get((r["rule"], r["seed"])))
+    print(
+        f"\n{'rule':<14} {'attack':<13} {'seed':>4} {'val loss':>9} {'vs clean, same rule':>20}"
+        f" {'vs clean mean':>14} {'wall vs clean':>14} {'rounds in clean time':>21}"
+    )
+    for r in runs:
+        base = clean.get((r["rule"], r["seed"]))
+        same = _gap(r["val_loss"], base and base["val_loss"])
+        mean = _gap(
+            r["val_loss"], clean[("mean", r["seed"])]["val_loss"] if ("mean", r["seed"]) in clean else None
+        )
+        wall = _gap(r["wall_s"], base and base["wall_s"])
+        share = "" if r["in_clean_time"] is None else f"{r['in_clean_time']:.0%}"
+        print(
+            f"{r['rule']:<14} {r['attack']:<13} {r['seed']:>4} {r['val_loss']:>9.4f} {same:>20} {mean:>14}"
+            f" {wall:>14} {share:>21}"
+        )
     payload = {
         "setup": {
             "nodes": 4,

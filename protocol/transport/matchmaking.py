@@ -230,8 +230,16 @@ def close_and_members(
       are exactly its members (at least `quorum` of them), and no join-only registrant waits, the
       round closes at the last of them, as soon as the group it expected is complete, instead of a
       window later (hivemind closes a group once it is full). Anyone else registering in between
-      (a newcomer expects another group) keeps the window; a join-only registrant waiting keeps it
-      too, a window after the expected group is complete (not the patience, which was for it).
+      (a newcomer expects another group) keeps the window; join-only registrants that registered
+      by then are members of the round it closes, and do not hold it open (one key registering
+      join-only every round held every round a window longer).
+    - an expected peer whose registration is dated before the earliest a member's may be (an
+      opener's: the round's start, so passed over above as a round of its own, or earlier still;
+      another's: a window and a grace before it) is not coming: the group counts as complete
+      without it.
+      An honest peer dated so early found itself alone and went on; a key that dates its records
+      back held every round that expected it open for the patience (issue 25 §2), and, in the
+      round after, it was then welcome only join-only.
     """
     if not records:
         raise ValueError("no registrations")
@@ -275,6 +283,15 @@ def close_and_members(
         ((p, t) for p, t in records.items() if deadlines[p] is None and t >= earliest[p]),
         key=lambda item: (item[1], item[0]),
     )
+    # Registrations dated before any member's can be that expect this round's group: not coming (a
+    # peer of it that went on alone, or a key that dates its records back, opener or not). A digest
+    # names the group, so the ones the group expects are taken all together; a further one there (a
+    # key dating a record back expecting this group without being in it) keeps the patience.
+    gone = {
+        p
+        for p, t in records.items()
+        if deadlines[p] is None and t < earliest[p] and expects.get(p, "") == expected
+    }
     # The openers in time order, with the join-only registrations among them: a join-only
     # registrant the group expects (a member one round behind, catching up) completes it when it
     # registers, as an opener does.
@@ -289,16 +306,13 @@ def close_and_members(
             openers_in.append(peer)
         if len(openers_in) < quorum:
             continue
-        joined = [p for p in waiting if records[p] <= t]
-        if expectation([*openers_in, *joined]) == expected:
-            return t, tuple(sorted({*openers_in, *joined}))
-        if peer not in waiting and expectation(openers_in) == expected:
-            if joined:
-                # A late contribution waits to join: it gets the window, but the patience was for
-                # the group, which is complete.
-                close = min(close, t + window_s)
-                break
-            return t, tuple(sorted(openers_in))
+        joined = {p for p in waiting if records[p] <= t}
+        came = {*openers_in, *joined}
+        if any(
+            expectation(seen) == expected
+            for seen in (came, set(openers_in), came | gone, {*openers_in, *gone})
+        ):
+            return t, tuple(sorted(came))
     members = [p for p, t in ordered if t <= close] + [p for p in waiting if records[p] <= close]
     members += [
         p
@@ -591,6 +605,21 @@ class Matchmaker:
         if self.peer_id not in members:
             self._log(round, "late: an earlier registration closed the round before this peer's")
             return None
+        self._log(
+            round,
+            "closed %.2f s after this registration, on the records (peer, s from it, expects, patience): %s",
+            close - registered,
+            [
+                (
+                    p[-8:],
+                    f"{t - registered:+.2f}",
+                    records.expects.get(p, "")[:8],
+                    records.patience.get(p, 0.0),
+                )
+                for p, t in sorted(records.times.items(), key=lambda item: item[1])
+            ],
+            level=logging.DEBUG,
+        )
         return form_group(self.prefix, round, members, layout, records.workers)
 
     async def round_view(self, round: int) -> tuple[frozenset[str], tuple[str, ...]]:
