@@ -9,14 +9,16 @@ owner anything), or sending an honest Δ with a forged claim (claim: 10^12 token
 or report (report), dating its readiness records 30 s back (backdate), or serving laggards a
 far-ahead state (hijack: it trains nothing) or poisoned kept updates (replay-poison); `+rekey`
 after any of them: left out, it joins again under a fresh key.
-`--join-at K` starts an honest fifth node once the first applied K rounds: it catches up from the
-holders of the head (the fourth node among them) and trains on; its seconds to its first round on
-the honest θ, any round it applied on another θ, and how it caught up are recorded. Every
-combination of `--rules` (the owners' `--aggregate`; "default": the flag left out, so a public
-run's default applies; the trimmed mean is refused in a public run, as every run here is),
-`--scores` (every node's `--score`: owners
-judge each member's Δ over their parts by the loss on their own data) and `--attacks` runs once per
-seed. Printed and written to bench/results/robust_swarm.json: the honest nodes' final val loss
+`--fourth-at K` starts the fourth node (in every run, the clean one too) only once the first applied
+K rounds: a stranger's key joining a running swarm, where the honest nodes have records and it has
+none, instead of a founder's. `--join-at K` starts an honest fifth node once the first applied K
+rounds: it catches up from the holders of the head (the fourth node among them) and trains on; its
+seconds to its first round on the honest θ, any round it applied on another θ, and how it caught up
+are recorded. Every combination of `--rules` (the owners' `--aggregate`; "default": the flag left
+out, so a public run's default applies; the trimmed mean is refused in a public run, as every run
+here is), `--scores` (every node's `--score`: owners judge each member's Δ over their parts by the
+loss on their own data) and `--attacks` runs once per seed.
+Printed and written to bench/results/robust_swarm.json: the honest nodes' final val loss
 (median of the three), and its gap against the clean run under the same rule and under the mean;
 the wall time's gap against the clean run; in_clean_time (issue 25 §2's measure, as bench/liveness.py
 takes it in the simulator): the share of the rounds the first honest node had applied by the time
@@ -54,7 +56,15 @@ HOSTILE = str(Path(__file__).resolve().parent / "hostile_node.py")
 
 
 def one_run(
-    work: Path, *, rule: str, score: str, attack: str, rounds: int, seed: int, join_at: int = 0
+    work: Path,
+    *,
+    rule: str,
+    score: str,
+    attack: str,
+    rounds: int,
+    seed: int,
+    join_at: int = 0,
+    fourth_at: int = 0,
 ) -> dict[str, Any]:
     t0 = time.monotonic()
     maddrs = work / "bootstrap.json"
@@ -68,6 +78,10 @@ def one_run(
         common = ["--peers", *peers, "--run-id", f"robust-{seed}", "--seed", str(seed), "--score", score]
         common += [] if rule == "default" else ["--aggregate", rule]
         for i in range(4):
+            if i == 3 and fourth_at:
+                # A stranger joining a running swarm, not one of its founders: the honest three have
+                # worked together (records) by then, the fourth's key has none.
+                _wait("the fourth node's start", lambda: len(nodes[0].rounds()) >= fourth_at, 600, nodes)
             hostile = attack != "none" and i == 3
             program = ["python", HOSTILE, "--attack", attack] if hostile else ["adloco-node"]
             # The fourth node runs until stopped: it is there for every honest round.
@@ -164,6 +178,13 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=12)
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
     p.add_argument("--join-at", type=int, default=0, help="start an honest joiner after this round (0: none)")
+    p.add_argument(
+        "--fourth-at",
+        type=int,
+        default=0,
+        help="start the fourth node (hostile or, in the clean run, honest) once the first applied this"
+        " many rounds (0: with the others, a founder of the swarm)",
+    )
     p.add_argument("--keep", action="store_true", help="keep every run's logs (a fork's are kept anyway)")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args()
@@ -181,6 +202,7 @@ def main() -> None:
                     rounds=args.rounds,
                     seed=seed,
                     join_at=args.join_at,
+                    fourth_at=args.fourth_at,
                 )
                 if args.keep:
                     run["logs"] = str(work)
@@ -216,6 +238,7 @@ def main() -> None:
             "hostile": 1,
             "rounds": args.rounds,
             "join_at": args.join_at,
+            "fourth_at": args.fourth_at,
             "model": "tiny-llama",
             "train": TRAIN,
         },
