@@ -122,13 +122,12 @@ def strict_mypy(folder: Path) -> NicedRun:
     """mypy --strict over the package and the tests (test_types.py), its cache in `folder`.
 
     mypy names the package after the folder it sits in, and the tests import it as `adloco`, so the
-    run starts in an alias named `adloco` (the checkout itself when it is so named); the alias's
-    parent and tests/ (whose helpers, such as procs.py, the tests import by their bare names) are
-    its search path."""
-    root = ROOT
-    if ROOT.name != "adloco":
-        root = folder / "adloco"
-        root.symlink_to(ROOT, target_is_directory=True)
+    run starts in an alias named `adloco`; the alias's parent and tests/ (whose helpers, such as
+    procs.py, the tests import by their bare names) are its search path. An alias even where the
+    checkout is itself named `adloco`: there mypy also reached tests/ through the checkout's parent
+    and found each helper twice, as `adloco.tests.procs` and as `procs`."""
+    root = folder / "adloco"
+    root.symlink_to(ROOT, target_is_directory=True)
     argv = [
         sys.executable,
         "-m",
