@@ -48,8 +48,10 @@ A late contribution matchmakes with `join_only`: it registers at once, marked jo
 Early close: each registration says which group its registrant expects (the last it completed a
 round with, and the former partners that registered for that round after its close: a peer one
 round behind, catching up); when the first registrations are exactly that group, all expecting it,
-the round closes at the last of them rather than a window later, unless a join-only registrant
-waits (`close_and_members`). An expected peer's join-only registration counts as its arrival.
+the round closes at the last of them rather than a window later, with the join-only registrants
+already there as members (`close_and_members`). An expected peer's join-only registration counts as
+its arrival; an expected peer whose registration is dated before the round could have it is not
+waited for.
 
 A member whose try failed after its group formed says so under f"{prefix}.round{r}.failed"
 (`mark_failed`, bound to its key like a registration, naming the members it saw leave); once every
@@ -227,9 +229,9 @@ def close_and_members(
       above, and are members of the round if it opened before their registrant gave up waiting
       (`until`) and they came before its close;
     - early close: when the round's first registrations, in time order, all expect one group and
-      are exactly its members (at least `quorum` of them), and no join-only registrant waits, the
-      round closes at the last of them, as soon as the group it expected is complete, instead of a
-      window later (hivemind closes a group once it is full). Anyone else registering in between
+      are exactly its members (at least `quorum` of them), the round closes at the last of them,
+      as soon as the group it expected is complete, instead of a window later (hivemind closes a
+      group once it is full). Anyone else registering in between
       (a newcomer expects another group) keeps the window; join-only registrants that registered
       by then are members of the round it closes, and do not hold it open (one key registering
       join-only every round held every round a window longer).
