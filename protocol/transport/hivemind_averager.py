@@ -341,11 +341,6 @@ class HivemindAverager:
         if caught.evidence:
             self._spawn(self._board.publish(caught.evidence))
         if caught.unanswered and not caught.proven:
-            # The next try does not wait for an owner that gave no answer: expected, it held the
-            # retry open for the patience (6 s) while the others had all registered (robust_swarm's
-            # owner-stall as a stranger's key with a record: 11 s rounds). Should it come anyway, it
-            # is a member; it is expected again once it completes a round with this peer.
-            self._matchmaker.departed(caught.culprits)
             # A late owner with a record loses it (it owns again once it has earned, with more work
             # each time). An owner without one that gave no answer (late, or for the whole budget:
             # which depends on whether the other owners' answers came first) is left out a while,
@@ -358,6 +353,10 @@ class HivemindAverager:
                 for peer in caught.culprits:
                     if peer in listed:
                         self._worked.demote(peer)
+                        # Nor does the next try wait for it: expected, it held the retry open for
+                        # the patience (6 s) while the others had all registered (record 062). A
+                        # partner taken for a departure stays expected (record 060).
+                        self._matchmaker.departed([peer])
             culprits = {p: why for p, why in caught.culprits.items() if not caught.late or p not in listed}
             partners = {p: why for p, why in culprits.items() if p in self._partners and p not in listed}
             if partners:
