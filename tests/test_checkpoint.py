@@ -90,8 +90,8 @@ def _assert_same(a: Peer, b: Peer) -> None:
     assert (b.state.round, b.state.schedule) == (a.state.round, a.state.schedule)
     assert b.state.history == a.state.history  # round, averaged bytes, schedule, merge
     assert (b.phase_round, b.dylu_speed_ratio, b.b_max) == (a.phase_round, a.dylu_speed_ratio, a.b_max)
-    assert len(b.instances) == len(a.instances)
-    for x, y in zip(a.instances, b.instances, strict=True):
+    assert len(b.local_instances) == len(a.local_instances)
+    for x, y in zip(a.local_instances, b.local_instances, strict=True):
         assert all(torch.equal(p, q) for p, q in zip(x.params, y.params, strict=True))
         assert digest([x.sampler.stream]) == digest([y.sampler.stream])
         assert torch.equal(x.sampler.get_state(), y.sampler.get_state())
@@ -153,10 +153,10 @@ def test_round_trip_is_exact_and_the_next_round_matches(
 
 def test_round_trip_after_a_merge_rebuilds_the_survivor_stream(corpus: Corpus, tmp_path: Path) -> None:
     a = _trained(corpus, MERGING, rounds=1)
-    assert len(a.instances) == 2  # one MIT merge happened
+    assert len(a.local_instances) == 2  # one MIT merge happened
     _save(tmp_path, a)
     b = _peer(corpus, MERGING)
-    assert len(b.instances) == 3
+    assert len(b.local_instances) == 3
     assert _load(tmp_path, b) == {}
     _assert_same(a, b)  # the survivor's stream is the concatenation of the merged shards
     _round(a)
@@ -173,7 +173,7 @@ def test_other_data_shard_resumes_with_a_warning(
     with caplog.at_level(logging.WARNING, logger=sampling.__name__):
         _load(tmp_path, b)
     assert "do not match this node's data shards" in caplog.text
-    assert len(b.instances) == 2 and b.state.theta_hash() == a.state.theta_hash()
+    assert len(b.local_instances) == 2 and b.state.theta_hash() == a.state.theta_hash()
     _round(b)  # trains on, on its own shards
 
 

@@ -174,6 +174,9 @@ TRAIN_CASES = [
     ("--device", ["--device", "cuda:99"]),
     ("--device", ["--device", "mps"]),  # not on this machine
     ("--device", ["--device", "meta"]),
+    ("--device", ["--device", "cpu,nosuch"]),  # a list: every entry checked
+    ("--device", ["--device", "cuda:0,cuda"]),  # one GPU named twice
+    ("--device", ["--device", "cpu,meta"]),
 ]
 SIM_CASES = [
     ("--rounds", ["--rounds", "-1"]),

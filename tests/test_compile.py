@@ -106,13 +106,13 @@ def test_a_compiled_peer_trains_the_eager_peers_round(corpus: Corpus) -> None:
     float rounding (the compiled kernels add in another order)."""
     eager, compiled = _peer(corpus, "off"), _peer(corpus, "on")
     assert not eager.compiled and compiled.compiled
-    assert all(inst.model._compiled_call_impl is None for inst in eager.instances)
-    for inst in compiled.instances:
+    assert all(inst.model._compiled_call_impl is None for inst in eager.local_instances)
+    for inst in compiled.local_instances:
         layers = _layers(inst.model)
         assert layers and all(m._compiled_call_impl is not None for m in layers)
-    theta = [p.detach().clone() for p in eager.instances[0].params]
+    theta = [p.detach().clone() for p in eager.local_instances[0].params]
     plan = BatchPlan(micro=4, accum=1)  # the first step cut in two for the test's statistics
-    for ea, ca in zip(eager.instances, compiled.instances, strict=True):
+    for ea, ca in zip(eager.local_instances, compiled.local_instances, strict=True):
         ra = ea.run_round(theta, plan=plan, steps=3)
         rb = ca.run_round(theta, plan=plan, steps=3)
         assert rb.mean_loss == pytest.approx(ra.mean_loss, rel=1e-5)

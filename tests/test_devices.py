@@ -117,18 +117,18 @@ def test_a_staged_peer_trains_bit_identically_and_keeps_theta_apart(corpus: Corp
     for _ in range(2):
         assert _round(plain) == _round(staged)
     assert plain.state.theta_hash() == staged.state.theta_hash()
-    weights = [p.detach().clone() for p in staged.instances[0].params]
+    weights = [p.detach().clone() for p in staged.local_instances[0].params]
     assert plain.validation_loss() == staged.validation_loss()
     # Evaluating θ through the instance gave the instance its own weights back, bit for bit.
-    assert all(torch.equal(p, w) for p, w in zip(staged.instances[0].params, weights, strict=True))
+    assert all(torch.equal(p, w) for p, w in zip(staged.local_instances[0].params, weights, strict=True))
     _assert_state_apart(staged)
 
 
 def _assert_state_apart(peer: Peer) -> None:
     """θ, m and the round starts (θ itself without overlap) are the state's own memory, never the
     instances' parameters."""
-    params = {p.untyped_storage().data_ptr() for inst in peer.instances for p in inst.params}
-    starts = [t for inst in peer.instances for t in inst.start]
+    params = {p.untyped_storage().data_ptr() for inst in peer.local_instances for p in inst.params}
+    starts = [t for inst in peer.local_instances for t in inst.start]
     for t in (*peer.state.theta, *peer.state.momentum, *starts):
         assert t.untyped_storage().data_ptr() not in params
 
@@ -153,7 +153,7 @@ def test_bf16_autocast_trains_and_theta_stays_fp32(corpus: Corpus) -> None:
     assert peer.autocast_dtype is torch.bfloat16
     seen: list[torch.dtype] = []
     # A linear layer of the transformer body (the output embedding runs in the fused loss, no module).
-    body = cast(Any, peer.instances[0].model).base_model
+    body = cast(Any, peer.local_instances[0].model).base_model
     linear = next(m for m in body.modules() if isinstance(m, torch.nn.Linear))
     hook = linear.register_forward_hook(lambda _m, _i, out: seen.append(out.dtype))
     try:
@@ -163,7 +163,7 @@ def test_bf16_autocast_trains_and_theta_stays_fp32(corpus: Corpus) -> None:
     assert seen and set(seen) == {torch.bfloat16}  # the training forwards ran under autocast
     assert torch.isfinite(torch.tensor(loss))
     assert all(t.dtype == torch.float32 for t in (*peer.state.theta, *peer.state.momentum))
-    for inst in peer.instances:
+    for inst in peer.local_instances:
         assert all(p.dtype == torch.float32 for p in inst.params)
         moments = [v for s in inst.optimizer.state.values() for k, v in s.items() if k != "step"]
         assert moments and all(m.dtype == torch.float32 for m in moments)
@@ -197,7 +197,7 @@ def test_activation_checkpointing_gives_the_same_loss_and_gradients() -> None:
 
 def test_every_instance_checkpoints_and_checkpoints_record_the_model_as_built(corpus: Corpus) -> None:
     peer = _peer(corpus, replace(CFG, activation_checkpointing=True))
-    for inst in peer.instances:  # the copies too
+    for inst in peer.local_instances:  # the copies too
         assert any(getattr(m, "gradient_checkpointing", False) for m in inst.model.modules())
     assert '"use_cache": false' not in peer.state_dict()["model_config"]
     assert torch.isfinite(torch.tensor(_round(peer)))

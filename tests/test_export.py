@@ -42,7 +42,7 @@ def export(checkpoint_dir: Path, out: Path, capsys: pytest.CaptureFixture[str]) 
 
 def node_logits(peer: Peer, theta: list[torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
     """The peer's own model evaluated at `theta` (through its first instance, as its validation)."""
-    model = peer.instances[0].model
+    model = peer.local_instances[0].model
     params = dict(zip(peer.names, theta, strict=True))
     with torch.no_grad():
         model.eval()

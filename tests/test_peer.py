@@ -47,7 +47,7 @@ def _round(peers: list[Peer]) -> None:
 
 
 def test_first_step_statistics_and_tokens(corpus: Corpus) -> None:
-    inst = _peer(corpus).instances[0]
+    inst = _peer(corpus).local_instances[0]
     theta = [p.detach().clone() for p in inst.params]
     result = inst.run_round(theta, plan=BatchPlan(micro=4, accum=1), steps=3)
     end_of_first = [p.detach().clone() for p in inst.params]
@@ -104,7 +104,7 @@ def _check_first_step_statistics(
     corpus: Corpus, cfg: TrainConfig, plan: BatchPlan, *, exact: bool = True
 ) -> None:
     test = cfg.schedule.test
-    inst, twin, plain = (_peer(corpus, cfg=cfg).instances[0] for _ in range(3))
+    inst, twin, plain = (_peer(corpus, cfg=cfg).local_instances[0] for _ in range(3))
     assert inst.batch_stats == {"norm": "sums", "augmented": "full"}[test]
     _, stats = inst.inner_step(plan, collect_stats=True)
     micro, accum = twin._stats_split(plan)
@@ -133,7 +133,7 @@ def _check_first_step_statistics(
 
 def test_without_a_batch_test_the_first_step_gathers_nothing(corpus: Corpus) -> None:
     cfg = replace(CFG, schedule=replace(CFG.schedule, test="none"))
-    inst, plain = (_peer(corpus, cfg=cfg).instances[0] for _ in range(2))
+    inst, plain = (_peer(corpus, cfg=cfg).local_instances[0] for _ in range(2))
     assert inst.batch_stats == "none"
     _, stats = inst.inner_step(BatchPlan(micro=4, accum=1), collect_stats=True)
     assert stats is None
@@ -158,12 +158,12 @@ def test_a_slot_whose_batch_is_at_the_cap_gathers_no_statistics(corpus: Corpus) 
 
 
 def test_the_inner_adamw_runs_pytorchs_fused_kernel_on_a_cpu(corpus: Corpus) -> None:
-    inst = _peer(corpus).instances[0]
+    inst = _peer(corpus).local_instances[0]
     assert inst.params[0].device.type == "cpu" and inst.optimizer.defaults["fused"] is True
 
 
 def test_accumulated_step_statistics_come_from_its_micro_batches(corpus: Corpus) -> None:
-    inst = _peer(corpus).instances[0]
+    inst = _peer(corpus).local_instances[0]
     theta = [p.detach().clone() for p in inst.params]
     result = inst.run_round(theta, plan=BatchPlan(micro=2, accum=3), steps=1)
     assert result.stats is not None and result.stats.num_grads == 3 and result.stats.samples_per_grad == 2
@@ -274,7 +274,7 @@ def test_an_update_whose_merge_names_no_slot_changes_nothing(corpus: Corpus) -> 
         bad = replace(update, merge=merge, schedule=replace(update.schedule, batch=update.schedule.batch[:1]))
         with pytest.raises(ValueError, match="merge"):
             c.catch_up([bad])
-        assert c.state.round == 0 and len(c.instances) == 2
+        assert c.state.round == 0 and len(c.local_instances) == 2
 
 
 def test_kept_updates_are_bounded_by_their_bytes(corpus: Corpus) -> None:
@@ -364,20 +364,20 @@ def test_full_state_download_is_hash_checked_and_merges_extra_instances(corpus: 
     with pytest.raises(ValueError, match="published"):
         newcomer.adopt_state(forged, expected_hash=published)
     assert newcomer.state.theta_hash() == before and newcomer.state.round == 0
-    assert len(newcomer.instances) == 3
+    assert len(newcomer.local_instances) == 3
     newcomer.adopt_state(a.state, expected_hash=published)
     assert newcomer.state.theta_hash() == published
     assert newcomer.state.round == a.state.round
-    assert len(newcomer.instances) == 2
+    assert len(newcomer.local_instances) == 2
 
 
 def test_merge_moves_the_victims_data_to_the_survivor(corpus: Corpus) -> None:
     peer = _peer(corpus)
-    tokens = [inst.sampler.num_tokens for inst in peer.instances]
+    tokens = [inst.sampler.num_tokens for inst in peer.local_instances]
     peer.merge_instances(victim=0, survivor=1)
-    assert len(peer.instances) == 1
-    assert peer.instances[0].sampler.num_tokens == sum(tokens)
-    assert peer.instances[0].slot == 0
+    assert len(peer.local_instances) == 1
+    assert peer.local_instances[0].sampler.num_tokens == sum(tokens)
+    assert peer.local_instances[0].slot == 0
 
 
 def test_batch_larger_than_the_data_is_a_user_error() -> None:
@@ -396,7 +396,7 @@ OVERLAP = replace(
 
 @pytest.mark.parametrize("mode", ["rebase", "overwrite", "mix"])
 def test_shift_moves_progress_onto_the_new_theta(corpus: Corpus, mode: str) -> None:
-    inst = _peer(corpus).instances[0]
+    inst = _peer(corpus).local_instances[0]
     theta_a = [torch.randn_like(p) for p in inst.params]
     theta_b = [torch.randn_like(p) for p in inst.params]
     inst.begin(theta_a)
@@ -424,7 +424,7 @@ def test_a_joiner_that_never_trained_takes_theta_when_it_catches_up(
     downloader.adopt_state(a.state, expected_hash=a.state.theta_hash())
     for peer in (replayer, downloader):
         assert peer.state.theta_hash() == a.state.theta_hash()
-        inst = peer.instances[0]
+        inst = peer.local_instances[0]
         for p, s, t in zip(inst.params, inst.start, peer.state.theta, strict=True):
             assert torch.equal(p.detach(), t) and torch.equal(s, t)
 
@@ -437,9 +437,9 @@ def test_a_peer_that_merged_sooner_adopts_a_state_of_more_slots(corpus: Corpus, 
     a, b = _peer(corpus, "a", 0, cfg), _peer(corpus, "b", 1, cfg)
     _round([a])
     b.merge_instances(1, 0)
-    assert len(b.instances) == 1 and a.state.schedule.instances == 2
+    assert len(b.local_instances) == 1 and a.state.schedule.instances == 2
     b.adopt_state(a.state, expected_hash=a.state.theta_hash())
-    assert [inst.slot for inst in b.instances] == [0, 1]
+    assert [inst.slot for inst in b.local_instances] == [0, 1]
     local = b.train_round()
     assert len(local.report.slot_stats) == 2
     _round([a, b])
@@ -456,17 +456,19 @@ def test_overlap_update_lands_mid_round_and_progress_is_rebased(corpus: Corpus) 
 
         def land(samples: int, p: Peer = p, seen: dict[str, list[torch.Tensor]] = seen) -> None:
             if p.state.round == 0:  # after the first inner step of round 1
-                inst = p.instances[0]
+                inst = p.local_instances[0]
                 seen["progress"] = [w.detach() - s for w, s in zip(inst.params, inst.start, strict=True)]
                 p.apply_round(result)
 
         local = p.train_round(on_step=land)
         locals_.append(local)
         assert p.state.round == 1 and p.phase_round == 1 and local.base_round == 1
-        inst = p.instances[0]
+        inst = p.local_instances[0]
         assert all(torch.equal(s, t) for s, t in zip(inst.start, p.state.theta, strict=True))
         # Δ of round 1 is measured from θ_1 for every instance, so it is θ_1 − their weighted end.
-        ends = [[t - w.detach() for t, w in zip(p.state.theta, i.params, strict=True)] for i in p.instances]
+        ends = [
+            [t - w.detach() for t, w in zip(p.state.theta, i.params, strict=True)] for i in p.local_instances
+        ]
         for k, d in enumerate(local.delta):
             torch.testing.assert_close(d, sum(e[k] for e in ends) / len(ends))
         assert seen["progress"][0].abs().sum() > 0
@@ -482,7 +484,7 @@ def test_overlap_rebase_keeps_the_progress_made_before_landing(corpus: Corpus) -
 
     def land(samples: int) -> None:
         if peer.state.round == 0:
-            inst = peer.instances[0]
+            inst = peer.local_instances[0]
             before.extend(w.detach() - s for w, s in zip(inst.params, inst.start, strict=True))
             peer.apply_round(result)
             after = [w.detach() - t for w, t in zip(inst.params, peer.state.theta, strict=True)]
@@ -502,10 +504,10 @@ def test_overlap_defers_a_merge_to_the_end_of_the_local_round(corpus: Corpus) ->
     def land(samples: int) -> None:
         if peer.state.round == 0:
             peer.apply_round(result)
-        counts.append(len(peer.instances))
+        counts.append(len(peer.local_instances))
 
     local = peer.train_round(on_step=land)
     assert peer.state.schedule.instances == 1
     assert set(counts) == {2}  # both instances ran the whole round
-    assert len(peer.instances) == 1 and len(local.report.slot_stats) == 1
+    assert len(peer.local_instances) == 1 and len(local.report.slot_stats) == 1
     assert local.report.slot_stats[0] is not None and local.report.slot_stats[0].num_grads == 4

@@ -10,7 +10,7 @@ from dataclasses import replace
 import torch
 
 from ...errors import UserError
-from ..model.devices import resolve_device, resolve_precision
+from ..model.devices import resolve_device, resolve_devices, resolve_precision
 from ..training.config import PUBLIC_AGGREGATE, TrainConfig
 
 
@@ -56,14 +56,19 @@ def check_device(spec: str) -> None:
     """Fail fast on a --device this machine does not have (torch would fail deep in model setup)."""
     if spec == "auto":
         return
-    device = torch.device(spec)  # the syntax is checked by TrainConfig
+    devices = resolve_devices(spec)  # the syntax is checked by TrainConfig
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if device.type == "cuda" and (device.index or 0) >= count:
-        raise UserError(f"--device: {spec!r} is not available here ({count} CUDA devices); use auto or cpu")
-    if device.type == "mps" and not torch.backends.mps.is_available():
-        raise UserError(f"--device: {spec!r} is not available here; use auto or cpu")
-    if device.type not in ("cpu", "cuda", "mps"):
-        raise UserError(f"--device: a node trains on cpu, cuda or cuda:N, not {spec!r}")
+    for device in devices:
+        if device.type == "cuda" and (device.index or 0) >= count:
+            raise UserError(
+                f"--device: {str(device)!r} is not available here ({count} CUDA devices); use auto or cpu"
+            )
+        if device.type == "mps" and not torch.backends.mps.is_available():
+            raise UserError(f"--device: {str(device)!r} is not available here; use auto or cpu")
+        if device.type not in ("cpu", "cuda", "mps"):
+            raise UserError(f"--device: a node trains on cpu, cuda or cuda:N, not {str(device)!r}")
+    if len(devices) > 1 and len({d.type for d in devices}) > 1:
+        raise UserError(f"--device: {spec!r} mixes kinds of device; list GPUs only, or the CPU only")
 
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
@@ -97,8 +102,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     model.add_argument(
         "--device",
         default="auto",
-        help="where the instances train: auto (CUDA when present), cpu, cuda, cuda:N (θ and the outer"
-        " state stay in host memory)",
+        help="where the instances train: auto (every visible GPU, else the CPU), cpu, cuda, cuda:N, or a"
+        " list (cuda:0,cuda:1: instance k on device k mod D, each further device in a worker process);"
+        " θ and the outer state stay in host memory",
     )
     model.add_argument(
         "--precision",

@@ -76,6 +76,11 @@ class TokenSampler:
         merged.set_state(self.get_state())
         return merged
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled as its stream (piece tables; a token file by its path) and its random position:
+        how an instance on another device gets its data stream (`training.remote`)."""
+        return (_rebuilt_sampler, (self.stream, self.seq_len, self.get_state(), self._sha256))
+
     def get_state(self) -> torch.Tensor:
         """Return the generator state, for checkpoints."""
         return self._generator.get_state()
@@ -120,6 +125,15 @@ class TokenSampler:
         """Continue the random sequence `state` was saved at, on this sampler's stream."""
         self.check_state_dict(state)
         self.set_state(state["rng"])
+
+
+def _rebuilt_sampler(
+    stream: TokenStream, seq_len: int, rng: torch.Tensor, sha256: str | None
+) -> TokenSampler:
+    sampler = TokenSampler(stream, seq_len=seq_len, seed=0)
+    sampler.set_state(rng)
+    sampler._sha256 = sha256
+    return sampler
 
 
 def shard_corpus(

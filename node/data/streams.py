@@ -48,6 +48,14 @@ class TokenFile:
         self._pid = 0
         self._lock = threading.Lock()
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled by its path (another process opens its own descriptor)."""
+        return {"path": self.path, "dtype": self.dtype, "size": self.size}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.path, self.dtype, self.size = state["path"], state["dtype"], state["size"]
+        self._fd, self._pid, self._lock = None, 0, threading.Lock()
+
     def read(self, lo: int, hi: int) -> npt.NDArray[Any]:
         """Items [lo, hi) as a new (read-only) array; safe to call from several threads."""
         if not 0 <= lo <= hi <= self.size:

@@ -35,10 +35,37 @@ HOST = torch.device("cpu")
 
 
 def resolve_device(spec: str) -> torch.device:
-    """'auto' → CUDA when present, else CPU."""
+    """The first device of `resolve_devices(spec)`: the one a node's own process trains on."""
+    return resolve_devices(spec)[0]
+
+
+def resolve_devices(spec: str) -> list[torch.device]:
+    """`--device` as the devices a node's MIT instances train on, in order (issue 27 §2).
+
+    'auto': every visible CUDA device (one: `cuda`, several: `cuda:0`, `cuda:1`, ...), else the
+    CPU. Otherwise a comma-separated list of torch devices ("cuda:0,cuda:1"); the CPU may be listed
+    more than once ("cpu,cpu": two processes training on the CPU, how the multi-device path runs
+    where no second device exists). ValueError for an entry that is no torch device or a GPU named
+    twice. Whether the devices exist here is the CLI's check (`options.check_device`).
+    """
     if spec == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(spec)
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            return [HOST]
+        return [torch.device("cuda")] if count == 1 else [torch.device("cuda", i) for i in range(count)]
+    devices = []
+    for entry in spec.split(","):
+        try:
+            devices.append(torch.device(entry.strip()))
+        except RuntimeError:
+            raise ValueError(
+                f"{entry.strip()!r} is not a torch device; use auto, cpu, cuda or cuda:N"
+            ) from None
+    gpus = [d for d in devices if d.type != "cpu"]
+    named = {(d.type, d.index or 0) for d in gpus}
+    if len(named) != len(gpus):
+        raise ValueError(f"{spec!r} names a device twice; list each GPU once")
+    return devices
 
 
 @dataclass

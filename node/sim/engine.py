@@ -265,7 +265,7 @@ class Simulator:
         if not score.on:
             return None
         # Its own model: the hub's thread must not swap parameters into a peer's instance.
-        model = copy.deepcopy(self.peers[0].instances[0].model)
+        model = copy.deepcopy(self.peers[0].home_model)
         train = self.cfg.train
         stream = TokenSampler(
             corpus_stream(corpus, corpus.train), seq_len=train.seq_len, seed=train.seed + SCORE_SEED_OFFSET

@@ -281,13 +281,15 @@ class SwarmNode:
         return self._lost
 
     def shutdown(self) -> None:
-        """Leave the swarm: stop serving, stop averaging, stop the DHT (and its p2pd)."""
+        """Leave the swarm: stop serving, stop averaging, stop the DHT (and its p2pd) and the
+        further devices' worker processes."""
         for part in (self.server, self.averager):
             try:
                 part.shutdown()
             except Exception as e:
                 logger.debug("shutdown: %r", e)
         self.dht.shutdown()
+        self.peer.close()
 
 
 def shard_scorer(peer: Peer) -> RoundScorer | None:
@@ -299,7 +301,7 @@ def shard_scorer(peer: Peer) -> RoundScorer | None:
     score = Score.parse(peer.cfg.score)
     if not score.on:
         return None
-    model = copy.deepcopy(peer.instances[0].model)
+    model = copy.deepcopy(peer.home_model)
     device = next(model.parameters()).device
     stream = TokenSampler(
         peer.instances[0].sampler.stream, seq_len=peer.cfg.seq_len, seed=secrets.randbits(63)

@@ -11,8 +11,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-import torch
-
 from ...protocol.algorithms.codecs import make_codec
 from ...protocol.algorithms.downlink import Downlink, downlink_for
 from ...protocol.algorithms.feedback import RESIDUAL_DTYPES
@@ -21,6 +19,7 @@ from ...protocol.algorithms.outer import OuterConfig
 from ...protocol.algorithms.parts import DEFAULT_OUTLIER_FACTOR, Aggregate, check_outlier_factor
 from ...protocol.algorithms.schedule import ScheduleConfig
 from ...protocol.algorithms.scoring import Score
+from ..model.devices import resolve_devices
 from .instances import InnerConfig
 
 DEFAULT_CODEC_CANDIDATES: tuple[str, ...] = (
@@ -133,9 +132,11 @@ class TrainConfig:
         T_comm ≤ H·t_step, measured), else that round waits (the driver decides, `Peer.train_round(
         from_theta=True)`). The caller must then apply each update during or after the *next* local
         round (the swarm and the simulator do).
-    device: where the instances train: "auto" (CUDA when present), "cpu", "cuda", "cuda:N". θ, the
-        outer momentum, Δ, the error-feedback residual and the kept updates stay in host memory
-        whatever the device (`devices.Placement`).
+    device: where the instances train: "auto" (every visible GPU, else the CPU), "cpu", "cuda",
+        "cuda:N", or a list ("cuda:0,cuda:1"): instance k trains on device k mod D, the first
+        device's in the node's process, each other device's in a worker process of its own
+        (`remote`). θ, the outer momentum, Δ, the error-feedback residual and the kept updates stay
+        in host memory whatever the device (`devices.Placement`).
     precision: the instances' forward passes: "auto" autocasts to bf16 on a CUDA GPU with native
         bf16 (Ampere or later) and runs fp32 elsewhere; "fp32" never autocasts; "bf16" autocasts
         also on a CPU (slower than fp32 on most CPUs). Master weights, gradients, AdamW state and θ
@@ -248,13 +249,10 @@ class TrainConfig:
             raise ValueError(f"compile must be auto, on or off, got {self.compile!r}")
         if not 0 <= self.overlap_mix <= 1:
             raise ValueError(f"overlap_mix must be in [0, 1], got {self.overlap_mix}")
-        if self.device != "auto":
-            try:
-                torch.device(self.device)
-            except RuntimeError:
-                raise ValueError(
-                    f"device: {self.device!r} is not a torch device; use auto, cpu, cuda or cuda:N"
-                ) from None
+        try:
+            resolve_devices(self.device)
+        except ValueError as e:
+            raise ValueError(f"device: {e}") from None
 
 
 def residual_dtype(cfg: TrainConfig) -> str:

@@ -114,6 +114,7 @@ class Instance:
         placement: Placement | None = None,
         autocast_dtype: torch.dtype | None = None,
         batch_stats: BatchStats = "full",
+        random_seed: int = 0,
     ) -> None:
         self.slot = slot
         self.batch_stats = batch_stats
@@ -135,6 +136,10 @@ class Instance:
         self._delta: weakref.ref[PseudoGradient] | None = None
         # The round's forward and backward passes by micro-batch size (`InstanceRound.passes`).
         self.passes: Counter[int] = Counter()
+        # Dropout's random stream, this instance's own: its masks do not depend on which other
+        # instances share the process or in which order they train (the same θ on one device or
+        # several). Swapped in for each round (`run_round`).
+        self._random = _seeded_random(self.device, random_seed)
 
     @property
     def device(self) -> torch.device:
@@ -237,13 +242,18 @@ class Instance:
         t0 = time.perf_counter()
         losses: list[torch.Tensor] = []
         stats: GradStats | None = None
-        for step in range(steps):
-            loss, step_stats = self.inner_step(plan, collect_stats=collect_stats and step == 0)
-            losses.append(loss)
-            if step == 0:
-                stats = step_stats
-            if on_step is not None:
-                on_step(step)
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            _set_rng_state(self.device, self._random)
+            for step in range(steps):
+                loss, step_stats = self.inner_step(plan, collect_stats=collect_stats and step == 0)
+                losses.append(loss)
+                if step == 0:
+                    stats = step_stats
+                if on_step is not None:
+                    self._random = _rng_state(self.device)
+                    with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+                        on_step(step)  # the caller's draws (an evaluation, a scorer) are not ours
+            self._random = _rng_state(self.device)
         # Until the next step nothing reads the gradients: free them for the exchange that follows.
         self.optimizer.zero_grad(set_to_none=True)
         # Reading the mean waits for the last step: the compute time below includes it.
@@ -380,21 +390,37 @@ class Instance:
         return math.ceil(plan.micro / chunks), chunks
 
     @torch.no_grad()
-    def absorb(self, other: Instance, *, weight: float, other_weight: float) -> None:
-        """AdLoCo MIT merge, this instance surviving: weights become their weighted mean, this
-        instance keeps its AdamW state and takes over the other's data stream (its compute share).
-        Merges happen between local rounds (a merge decided mid-round waits for the round's end),
-        so the round start, which the next round sets anew, is not merged. One tensor at a time: the
-        merged weights never exist as a third copy of the model."""
+    def absorb(
+        self,
+        others: Mapping[str, torch.Tensor],
+        sampler: TokenSampler,
+        *,
+        weight: float,
+        other_weight: float,
+    ) -> None:
+        """AdLoCo MIT merge, this instance surviving: weights become their weighted mean with the
+        other's (`others`, by name, on any device: what its `surrender` gave), this instance keeps its
+        AdamW state and takes over the other's data stream `sampler` (its compute share). Merges
+        happen between local rounds (a merge decided mid-round waits for the round's end), so the
+        round start, which the next round sets anew, is not merged. One tensor at a time: the merged
+        weights never exist as a third copy of the model."""
         self.settle_delta()
-        other.settle_delta()
-        others = dict(other.model.named_parameters())
         if others.keys() != dict(self.model.named_parameters()).keys():
             raise ValueError("cannot merge instances of different models")
         for name, p in self.model.named_parameters():
-            merged = merge_weighted({name: p}, {name: others[name]}, weight_a=weight, weight_b=other_weight)
+            other = others[name].to(p.device)
+            merged = merge_weighted({name: p}, {name: other}, weight_a=weight, weight_b=other_weight)
             p.copy_(merged[name])
-        self.sampler = self.sampler.merged_with(other.sampler)
+        self.sampler = self.sampler.merged_with(sampler)
+
+    def surrender(self) -> tuple[dict[str, torch.Tensor], TokenSampler]:
+        """What an MIT merge takes of this instance, the one merged away: its weights by name and
+        its data stream (`absorb`)."""
+        self.settle_delta()
+        return {name: p.detach() for name, p in self.model.named_parameters()}, self.sampler
+
+    def close(self) -> None:
+        """Nothing to stop: this instance lives in the node's process (a `RemoteInstance` does not)."""
 
     def optimizer_state(self) -> dict[str, Any]:
         return self.optimizer.state_dict()
@@ -417,6 +443,7 @@ class Instance:
             "params": [p.detach() for p in self.params],
             "optimizer": {str(idx): dict(fields) for idx, fields in optimizer.items()},
             "sampler": self.sampler.state_dict(),
+            "random": list(self._random) if self._random[1] is not None else [self._random[0]],
         }
 
     def check_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -440,6 +467,9 @@ class Instance:
         }
         self.optimizer.load_state_dict(optimizer)
         self.sampler.load_state_dict(state["sampler"])
+        if "random" in state:  # (checkpoints from before dropout had a stream per instance have none)
+            saved = state["random"]
+            self._random = (saved[0].clone(), saved[1].clone() if len(saved) > 1 else self._random[1])
 
     def _checked(self, state: Mapping[str, Any]) -> tuple[list[torch.Tensor], dict[int, dict[str, Any]]]:
         with malformed("instance state"):
@@ -455,6 +485,8 @@ class Instance:
                         raise ValueError(f"instance optimizer {idx}.{name}: shape {tuple(value.shape)}")
                 moments[int(idx)] = dict(fields)
             self.sampler.check_state_dict(state["sampler"])
+            if "random" in state:
+                _check_random(state["random"], self.device)
         return params, moments
 
 
@@ -464,6 +496,25 @@ _RngState = tuple[torch.Tensor, torch.Tensor | None]
 def _rng_state(device: torch.device) -> _RngState:
     """The random state a forward pass draws from (dropout): the CPU one, and the device's."""
     return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+
+def _seeded_random(device: torch.device, seed: int) -> _RngState:
+    """The random state `_rng_state` gives, of generators seeded with `seed`."""
+    cpu = torch.Generator().manual_seed(seed).get_state()
+    return cpu, torch.Generator(device).manual_seed(seed).get_state() if device.type == "cuda" else None
+
+
+def _check_random(saved: Any, device: torch.device) -> None:
+    """ValueError unless `saved` is the CPU's random state and, on a GPU, the device's."""
+    if not isinstance(saved, list) or not 1 <= len(saved) <= 2:
+        raise ValueError("instance random state: not a list of one or two states")
+    for state, where in zip(saved, (torch.device("cpu"), device), strict=False):
+        if not isinstance(state, torch.Tensor) or state.dtype != torch.uint8:
+            raise ValueError("instance random state: not a byte tensor")
+        try:
+            torch.Generator(where).set_state(state)
+        except RuntimeError as e:
+            raise ValueError(f"instance random state: {e}") from None
 
 
 def _set_rng_state(device: torch.device, state: _RngState) -> None:

@@ -55,18 +55,17 @@ from ..data.sampling import TokenSampler, evaluate, restore_streams, shard_corpu
 from ..data.state import IncompatibleState, integer, malformed, mapping, number
 from ..data.tokenizer import ByteTokenizer, Tokenizer, tokenizer_files
 from ..model.bmax import probe_b_max
-from ..model.devices import Placement, resolve_device, resolve_precision
+from ..model.devices import Placement, resolve_devices, resolve_precision
 from ..model.model import (
-    build_model,
-    compile_layers,
-    enable_activation_checkpointing,
     model_fingerprint,
     peak_flops,
     resolve_compile,
     train_flops_per_token,
 )
+from .build import instance_random_seed, new_instance, training_model
 from .config import TrainConfig, residual_dtype
-from .instances import BATCH_STATS, Instance, InstanceRound
+from .instances import Instance, InstanceRound
+from .remote import DeviceWorker, RemoteInstance, WorkerSpec, finish_rounds
 from .replica import HISTORY_ROUNDS, PeerState, Update, initial_state
 from .rounds import ContributionInfo, LocalRound
 
@@ -96,8 +95,11 @@ class Peer:
     ) -> None:
         self.peer_id = peer_id
         self.cfg = cfg
-        self.placement = placement or Placement.for_training(resolve_device(cfg.device))
+        # The instances' devices: slot k on device k mod D, the first in this process (`remote`).
+        self.devices = [placement.train] if placement is not None else resolve_devices(cfg.device)
+        self.placement = placement or Placement.for_training(self.devices[0])
         self.device = self.placement.train
+        self._workers: dict[int, DeviceWorker] = {}
         # Checked before the model is built: a bad --precision fails in a second, not a minute.
         self.autocast_dtype = resolve_precision(cfg.precision, self.device)
         self.compiled = resolve_compile(cfg.compile, self.device)
@@ -108,12 +110,8 @@ class Peer:
         self._tokenizer_files: dict[str, bytes] | None = None
         # Every peer builds the same seeded model, so θ_0 is identical without a download. The first
         # instance trains this very model; θ is evaluated through it (`validation_loss`), no copy.
-        max_seq_len = max(1024, cfg.seq_len)
-        built = build_model(cfg.model, vocab_size=vocab_size, seed=cfg.seed, max_seq_len=max_seq_len)
-        # The architecture as built, for checkpoints and export (checkpointing turns its cache off).
-        self._model_config = built.config.to_json_string()
-        if cfg.activation_checkpointing:
-            enable_activation_checkpointing(built)
+        # The architecture as built, for checkpoints and export.
+        built, self._model_config = training_model(cfg, vocab_size)
         # (typed as a Module: transformers types `PreTrainedModel.to` too narrowly for a device)
         model = cast(torch.nn.Module, built)
         self.names = [n for n, p in model.named_parameters() if p.requires_grad]
@@ -124,14 +122,17 @@ class Peer:
         # θ_0 is copied from the model on the host before the model moves to the training device.
         self.state = initial_state(model, cfg, copy=self.placement.host_copy)
         model.to(self.device)
-        self.instances = [
+        # θ is evaluated through this model, and later instances start as copies of it, also once
+        # MIT merges have left no instance on the first device (then it only carries θ).
+        self.home_model = model
+        self.instances: list[Instance | RemoteInstance] = [
             self._make_instance(corpus, model, slot=k, index=index, num_peers=num_peers)
             for k in range(cfg.instances)
         ]
         # What a slot this peer had merged away is rebuilt from (`adopt_state`).
         self._corpus, self._index, self._num_peers = corpus, index, num_peers
         self.b_max = cfg.b_max or probe_b_max(
-            self.instances[0].model,
+            model,
             seq_len=cfg.seq_len,
             vocab_size=vocab_size,
             instances=cfg.instances,
@@ -139,10 +140,20 @@ class Peer:
             autocast_dtype=self.autocast_dtype,
             state_on_device=self.placement.state == self.device,
         )
+        if len(self.devices) > cfg.instances:
+            idle = ", ".join(map(str, self.devices[cfg.instances :]))
+            logger.warning(
+                "%d MIT instances on %d devices: %s train nothing (an instance does not yet train data"
+                " parallel over several devices); use --instances %d to train on all of them",
+                cfg.instances,
+                len(self.devices),
+                idle,
+                len(self.devices),
+            )
         dtype = str(self.autocast_dtype).removeprefix("torch.")
         logger.info(
             "instances on %s in %s%s%s; θ and the outer state on %s%s",
-            self.device,
+            ", ".join(str(inst.device) for inst in self.instances),
             "fp32" if self.autocast_dtype is None else f"{dtype} autocast",
             ", activation checkpointing" if cfg.activation_checkpointing else "",
             ", layers compiled" if self.compiled else "",
@@ -167,26 +178,54 @@ class Peer:
 
     def _make_instance(
         self, corpus: Corpus, model: torch.nn.Module, *, slot: int, index: int, num_peers: int
-    ) -> Instance:
-        """Instance `slot` on its data shard: slot 0 trains `model` itself, the others a copy."""
+    ) -> Instance | RemoteInstance:
+        """Instance `slot` on its data shard and device (k mod D): slot 0 trains `model` itself, the
+        others of the first device a copy; another device's train in its worker process."""
         sampler = instance_sampler(corpus, self.cfg, index=index, num_peers=num_peers, slot=slot)
         if self.cfg.batch_size * self.cfg.seq_len > sampler.num_tokens:
             raise UserError(
                 f"--batch-size: a batch of {self.cfg.batch_size}×{self.cfg.seq_len} tokens is larger than"
                 f" this peer's data shard ({sampler.num_tokens} tokens); use a smaller batch or more data"
             )
-        own = model if slot == 0 else copy.deepcopy(model)
-        if self.compiled:  # a copy is never compiled (`compile_layers`): each instance compiles its own
-            compile_layers(own)
-        return Instance(
+        where = slot % len(self.devices)
+        random_seed = instance_random_seed(self.cfg, index=index, slot=slot)
+        if where:
+            worker = self._worker(where)
+            return RemoteInstance(worker, slot=slot, sampler=sampler, random_seed=random_seed)
+        return new_instance(
+            self.cfg,
             slot=slot,
-            model=own,
+            model=model if slot == 0 else copy.deepcopy(model),
             sampler=sampler,
-            inner=self.cfg.inner,
             placement=self.placement,
             autocast_dtype=self.autocast_dtype,
-            batch_stats=BATCH_STATS[self.cfg.schedule.test],
+            compiled=self.compiled,
+            random_seed=random_seed,
         )
+
+    @property
+    def local_instances(self) -> list[Instance]:
+        """The instances training in this process (all of them on one device)."""
+        return [inst for inst in self.instances if isinstance(inst, Instance)]
+
+    def _worker(self, where: int) -> DeviceWorker:
+        """The worker process of device `where` (1 ≤ where < D), started at its first instance."""
+        if where not in self._workers:
+            spec = WorkerSpec(
+                device=str(self.devices[where]),
+                cfg=self.cfg,
+                vocab_size=self.vocab_size,
+                threads=torch.get_num_threads(),
+                log_level=logging.getLogger().getEffectiveLevel(),
+            )
+            self._workers[where] = DeviceWorker(self.devices[where], spec)
+        return self._workers[where]
+
+    def close(self) -> None:
+        """Stop the worker processes of the further devices (they also stop when this process ends)."""
+        for worker in self._workers.values():
+            worker.close()
+        self._workers.clear()
 
     # ---- local phase -------------------------------------------------------------------------
 
@@ -239,7 +278,8 @@ class Peer:
         from_theta: bool,
         on_step: Callable[[int], None] | None,
     ) -> list[InstanceRound]:
-        """Each instance's round in turn; `on_step(samples done by all so far)` after every step."""
+        """Each instance's round: another device's while this process trains its own in turn;
+        `on_step(samples done by all so far)` after every step of any."""
         done = 0
 
         def counter(samples_per_step: int) -> Callable[[int], None]:
@@ -253,12 +293,13 @@ class Peer:
 
         theta = self.state.theta if from_theta else None
         cap = self.cfg.schedule.batch_cap
+
         # Without overlap nothing changes θ until the round ends, so it is the round start itself.
         # A slot whose batch is at the cap gathers no statistics: the batch test only grows b up to
         # the cap, so they could not change the schedule (`batchtest.next_batch`), and they cost the
         # first step a split into micro-batches and, with the norm test, its hooks.
-        return [
-            inst.run_round(
+        def launch(run: Callable[..., Any], plan: BatchPlan, batch: int) -> Any:
+            return run(
                 theta,
                 plan=plan,
                 steps=steps,
@@ -266,8 +307,21 @@ class Peer:
                 share_theta=not self.overlap,
                 collect_stats=batch < cap,
             )
-            for inst, plan, batch in zip(self.instances, plans, self.state.schedule.batch, strict=True)
-        ]
+
+        rounds = list(zip(self.instances, plans, self.state.schedule.batch, strict=True))
+        remote = [inst for inst, _, _ in rounds if isinstance(inst, RemoteInstance)]
+        for inst, plan, batch in rounds:
+            if isinstance(inst, RemoteInstance):
+                launch(inst.start_round, plan, batch)
+        results: dict[int, InstanceRound] = {}
+        try:
+            for inst, plan, batch in rounds:
+                if isinstance(inst, Instance):
+                    results[id(inst)] = launch(inst.run_round, plan, batch)
+        finally:
+            # Also when this process's own round failed: no worker is left mid-round.
+            results.update(zip(map(id, remote), finish_rounds(remote), strict=True))
+        return [results[id(inst)] for inst, _, _ in rounds]
 
     def _local_round(
         self, results: Sequence[InstanceRound], plans: Sequence[BatchPlan], steps: int
@@ -282,7 +336,12 @@ class Peer:
             for r in results:
                 if isinstance(r.delta, PseudoGradient):
                     r.delta.release()  # read tensor by tensor into the mean; never computed whole
-        compute_s = sum(r.compute_s for r in results)
+        # Devices train at once: the round took as long as the busiest device's instances in turn.
+        per_device: dict[int, float] = {}
+        for inst, r in zip(self.instances, results, strict=True):
+            where = id(inst.worker) if isinstance(inst, RemoteInstance) else 0
+            per_device[where] = per_device.get(where, 0.0) + r.compute_s
+        compute_s = max(per_device.values())
         slot_stats = [r.stats for r in results]
         for victim, survivor, batch in self._deferred_merges:
             # A merge decided while this round ran: the survivor's slot reports both instances.
@@ -588,7 +647,7 @@ class Peer:
             )
             self.merge_instances(order[0], order[1], weights=(1.0, 1.0))
         while len(self.instances) < self.state.schedule.instances:
-            model, slot = self.instances[0].model, len(self.instances)
+            model, slot = self.home_model, len(self.instances)
             shard = {"index": self._index, "num_peers": self._num_peers}
             self.instances.append(self._make_instance(self._corpus, model, slot=slot, **shard))
         if self.overlap:
@@ -607,8 +666,9 @@ class Peer:
         was decided under (default: the current one). Round starts merge alike, so Δ stays linear."""
         batch = batch or self.state.schedule.batch
         w_survivor, w_victim = weights or (float(batch[survivor]), float(batch[victim]))
-        self.instances[survivor].absorb(self.instances[victim], weight=w_survivor, other_weight=w_victim)
-        del self.instances[victim]
+        others, sampler = self.instances[victim].surrender()
+        self.instances[survivor].absorb(others, sampler, weight=w_survivor, other_weight=w_victim)
+        self.instances.pop(victim).close()
         for slot, inst in enumerate(self.instances):
             inst.slot = slot
 
@@ -619,17 +679,19 @@ class Peer:
         """Mean validation loss of θ on the fixed validation windows (identical on every peer).
 
         In fp32 whatever `--precision`, so peers of different precisions report comparable losses.
-        Through the first instance: θ given in place of its weights (functional_call), or, where θ
-        lives on the host (a GPU peer), swapped into it tensor by tensor and its weights back after.
+        Through the first device's model (`home_model`): θ given in place of its weights
+        (functional_call), or, where θ lives on the host (a GPU peer), swapped into it tensor by
+        tensor and its weights back after.
         """
-        inst = self.instances[0]
+        model = self.home_model
         if not self.placement.staged:
-            return evaluate(inst.model, self.val_batches, micro_batch=16, parameters=self.named_theta())
-        held = self.placement.swap(inst.params, self.state.theta)
+            return evaluate(model, self.val_batches, micro_batch=16, parameters=self.named_theta())
+        params = [p for p in model.parameters() if p.requires_grad]
+        held = self.placement.swap(params, self.state.theta)
         try:
-            return evaluate(inst.model, self.val_batches, micro_batch=16)
+            return evaluate(model, self.val_batches, micro_batch=16)
         finally:
-            self.placement.load(inst.params, held)
+            self.placement.load(params, held)
 
     def named_theta(self) -> dict[str, torch.Tensor]:
         return dict(zip(self.names, self.state.theta, strict=True))

@@ -1,0 +1,188 @@
+"""A node's instances across devices, on the CPU (issue 27 §2): `--device cpu,cpu`.
+
+With a device list, instance k trains on device k mod D; the first device's instances in the node's
+process, each further device's in a worker process of its own (`training.remote`). This machine
+has no second device, so the tests list the CPU twice: the second "device" is a real worker
+process, started and fed as a GPU's would be, and what crosses between the two (θ, Δ, an
+instance's state for a checkpoint or an MIT merge) crosses exactly as it would there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Literal
+
+import pytest
+import torch
+
+from adloco.node.data.corpus import Corpus
+from adloco.node.model.devices import resolve_devices
+from adloco.node.training.config import TrainConfig
+from adloco.node.training.peer import Peer
+from adloco.node.training.remote import RemoteInstance
+from adloco.node.training.runtime import load_data
+from adloco.protocol.algorithms.allreduce import reduce_group
+
+CFG = TrainConfig(seq_len=32, batch_size=4, instances=2, inner_steps=2, b_max=4, max_corpus_mb=1)
+
+
+@pytest.fixture(scope="module")
+def corpus() -> Corpus:
+    return load_data(CFG)[0]
+
+
+def _peer(corpus: Corpus, cfg: TrainConfig) -> Peer:
+    return Peer(peer_id="a", index=0, num_peers=1, cfg=cfg, corpus=corpus, vocab_size=256)
+
+
+def _round(peer: Peer) -> float:
+    local = peer.train_round()
+    contribution = peer.contribute(local)[0]
+    assert contribution is not None
+    peer.apply_round(reduce_group([contribution], codec=peer.downlink_codec(peer.state.schedule.codec)))
+    return local.mean_loss
+
+
+def test_a_device_list_is_read_in_order_and_a_gpu_named_twice_is_refused() -> None:
+    cpu = torch.device("cpu")
+    assert resolve_devices("cpu") == [cpu]
+    assert resolve_devices("cpu, cpu") == [cpu, cpu]
+    assert resolve_devices("cuda:1,cuda:0") == [torch.device("cuda", 1), torch.device("cuda", 0)]
+    if not torch.cuda.is_available():
+        assert resolve_devices("auto") == [cpu]
+    with pytest.raises(ValueError, match="names a device twice"):
+        resolve_devices("cuda:0,cuda")
+    with pytest.raises(ValueError, match="'gpu' is not a torch device"):
+        resolve_devices("cpu,gpu")
+
+
+# A GPT-2 of 0.1M parameters: dropout 0.1, so each instance's masks must come from its own stream.
+TINY_GPT2 = {
+    "model_type": "gpt2",
+    "n_embd": 32,
+    "n_layer": 2,
+    "n_head": 2,
+    "n_positions": 64,
+    "vocab_size": 256,
+}
+
+
+@pytest.mark.parametrize(
+    ("model", "overlap"), [("tiny-llama", "off"), ("tiny-llama", "mix"), ("gpt2", "off")]
+)
+def test_instances_on_two_devices_train_the_theta_of_one_device_through_a_merge(
+    corpus: Corpus, tmp_path: Path, model: str, overlap: Literal["off", "mix"]
+) -> None:
+    """Two instances, one in the node and one in a worker process, give bit for bit the θ, the
+    losses and the instances' states of the same two trained in turn on one device, also across
+    the MIT merge after round 1 (merge_every 2: it takes the node's own instance into the worker's),
+    and with dropout (GPT-2)."""
+    if model == "gpt2":
+        (tmp_path / "config.json").write_text(json.dumps(TINY_GPT2))
+        model = str(tmp_path / "config.json")
+    cfg = replace(CFG, overlap=overlap, model=model)
+    one = _peer(corpus, cfg)
+    two = _peer(corpus, replace(cfg, device="cpu,cpu"))
+    try:
+        assert [type(inst) for inst in two.instances] != [type(inst) for inst in one.instances]
+        worker = next(inst for inst in two.instances if isinstance(inst, RemoteInstance)).worker
+        assert worker.process.pid != os.getpid() and worker.process.is_alive()
+        for _ in range(3):
+            assert _round(one) == _round(two)
+            assert one.state.theta_hash() == two.state.theta_hash()
+        assert len(two.instances) == len(one.instances) == 1  # merged, into the worker's instance
+        assert isinstance(two.instances[0], RemoteInstance)
+        assert one.validation_loss() == two.validation_loss()
+        for ours, theirs in zip(one.state_dict()["instances"], two.state_dict()["instances"], strict=True):
+            assert all(torch.equal(a, b) for a, b in zip(ours["params"], theirs["params"], strict=True))
+            assert torch.equal(ours["sampler"]["rng"], theirs["sampler"]["rng"])
+    finally:
+        two.close()
+    assert not worker.process.is_alive()
+
+
+def _node_command(args: list[str], ck: Path) -> list[str]:
+    """An offline node of two instances kept apart (no merge), checkpointing every round."""
+    node = [sys.executable, "-m", "adloco.node.cli.node", "--offline", "--instances", "2"]
+    node += ["--min-instances", "2"]
+    small = ["--inner-steps", "2", "--seq-len", "32", "--batch-size", "4", "--max-corpus-mb", "1"]
+    return [*node, *small, "--checkpoint-dir", str(ck), "--checkpoint-every", "1", *args]
+
+
+def _node(args: list[str], ck: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        _node_command(args, ck), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def _workers_of(pid: int) -> list[int]:
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [int(c) for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+
+
+def test_a_device_lost_mid_run_stops_the_node_with_one_line_and_its_checkpoint_resumes(
+    tmp_path: Path,
+) -> None:
+    """The worker process of the second device is killed while the node trains: the node exits with
+    one line naming the device (no traceback), writes no checkpoint after the loss, and a restart on
+    the device that remains resumes from the last one."""
+    ck = tmp_path / "ck"
+    node = _node(["--device", "cpu,cpu", "--rounds", "0"], ck)
+    try:
+        deadline = time.monotonic() + 240
+        while not (ck / "round-00000002").exists():
+            assert node.poll() is None, node.communicate()
+            assert time.monotonic() < deadline, "no second checkpoint in 240 s"
+            time.sleep(0.2)
+        workers = _workers_of(node.pid)
+        assert len(workers) == 1, workers
+        os.kill(workers[0], signal.SIGKILL)
+        _, err = node.communicate(timeout=120)
+    finally:
+        if node.poll() is None:
+            node.kill()
+            node.communicate()
+    assert node.returncode == 2, err
+    assert "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("adloco-node: error: device cpu was lost: its worker process"), last
+    assert "killed by signal 9" in last
+    saved = sorted(p.name for p in ck.iterdir() if p.name.startswith("round-"))
+    resumed_from = int(saved[-1].removeprefix("round-"))
+    again = _node(["--device", "cpu", "--rounds", str(resumed_from + 1)], ck)
+    out, err = again.communicate(timeout=240)
+    assert again.returncode == 0, err
+    assert f"resumed from the checkpoint of round {resumed_from}" in err
+    assert f"[local round={resumed_from + 1}]" in out
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("unshare") is None,
+    reason="mounts a small /dev/shm in a mount namespace of its own: needs root and unshare (CI has both)",
+)
+def test_shared_memory_too_small_for_the_devices_is_one_line_that_says_what_to_do(tmp_path: Path) -> None:
+    """In a container /dev/shm is 64 MB unless raised, and the devices share θ and Δ through it. With
+    512 KiB (θ of this model is 2.4 MB) the node stops at its first round with one line naming
+    /dev/shm and --shm-size, not a worker's traceback."""
+    command = shlex.join(_node_command(["--device", "cpu,cpu", "--rounds", "1"], tmp_path / "ck"))
+    script = f"mount -t tmpfs -o size=512k tmpfs /dev/shm && exec {command}"
+    run = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert run.returncode == 2, run.stderr
+    assert "Traceback" not in run.stderr
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("adloco-node: error: device cpu: shared memory (/dev/shm) is too small"), last
+    assert "--shm-size" in last
