@@ -29,6 +29,7 @@ from adloco.node.model.devices import resolve_devices
 from adloco.node.training.config import TrainConfig
 from adloco.node.training.peer import Peer
 from adloco.node.training.remote import RemoteInstance
+from adloco.node.training.rounds import LocalRound
 from adloco.node.training.runtime import load_data
 from adloco.protocol.algorithms.allreduce import reduce_group
 
@@ -44,12 +45,12 @@ def _peer(corpus: Corpus, cfg: TrainConfig) -> Peer:
     return Peer(peer_id="a", index=0, num_peers=1, cfg=cfg, corpus=corpus, vocab_size=256)
 
 
-def _round(peer: Peer) -> float:
+def _round(peer: Peer) -> LocalRound:
     local = peer.train_round()
     contribution = peer.contribute(local)[0]
     assert contribution is not None
     peer.apply_round(reduce_group([contribution], codec=peer.downlink_codec(peer.state.schedule.codec)))
-    return local.mean_loss
+    return local
 
 
 def test_a_device_list_is_read_in_order_and_a_gpu_named_twice_is_refused() -> None:
@@ -96,9 +97,14 @@ def test_instances_on_two_devices_train_the_theta_of_one_device_through_a_merge(
         assert [type(inst) for inst in two.instances] != [type(inst) for inst in one.instances]
         worker = next(inst for inst in two.instances if isinstance(inst, RemoteInstance)).worker
         assert worker.process.pid != os.getpid() and worker.process.is_alive()
-        for _ in range(3):
-            assert _round(one) == _round(two)
+        for r in range(3):
+            ours, theirs = _round(one), _round(two)
+            assert ours.mean_loss == theirs.mean_loss
             assert one.state.theta_hash() == two.state.theta_hash()
+            if r == 0:  # each device's share, as the node's metrics export it; the round's is the larger
+                assert set(theirs.by_device) == {"cpu", "cpu#1"}
+                assert [tokens for tokens, _ in theirs.by_device.values()] == [ours.tokens // 2] * 2
+                assert theirs.compute_s == max(seconds for _, seconds in theirs.by_device.values())
         assert len(two.instances) == len(one.instances) == 1  # merged, into the worker's instance
         assert isinstance(two.instances[0], RemoteInstance)
         assert one.validation_loss() == two.validation_loss()

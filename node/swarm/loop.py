@@ -554,13 +554,16 @@ class RoundLoop:
         batch = self.peer.state.schedule.batch
         self.metrics.round_applied(record.to_dict(), batch=batch, raw_bytes=self._raw_bytes())
         peer = self.peer
-        self.metrics.compute(
-            str(peer.device),
-            tokens=local.tokens,
-            compute_s=local.compute_s,
-            flops_per_token=peer.flops_per_token,
-            peak=peer.peak_flops,
-        )
+        for device, (tokens, compute_s) in (
+            local.by_device or {str(peer.device): (local.tokens, local.compute_s)}
+        ).items():
+            self.metrics.compute(
+                device,
+                tokens=tokens,
+                compute_s=compute_s,
+                flops_per_token=peer.flops_per_token,
+                peak=peer.peak_flops,
+            )
         if self.on_round is not None:
             self.on_round(record)
 

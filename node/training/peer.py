@@ -99,6 +99,10 @@ class Peer:
         self.devices = [placement.train] if placement is not None else resolve_devices(cfg.device)
         self.placement = placement or Placement.for_training(self.devices[0])
         self.device = self.placement.train
+        # The devices as metrics name them: "cuda:1"; a device listed again gets its place ("cpu#1").
+        self.device_labels = [
+            str(d) if self.devices.index(d) == i else f"{d}#{i}" for i, d in enumerate(self.devices)
+        ]
         self._workers: dict[int, DeviceWorker] = {}
         # Checked before the model is built: a bad --precision fails in a second, not a minute.
         self.autocast_dtype = resolve_precision(cfg.precision, self.device)
@@ -218,7 +222,7 @@ class Peer:
                 threads=torch.get_num_threads(),
                 log_level=logging.getLogger().getEffectiveLevel(),
             )
-            self._workers[where] = DeviceWorker(self.devices[where], spec)
+            self._workers[where] = DeviceWorker(self.devices[where], spec, label=self.device_labels[where])
         return self._workers[where]
 
     def close(self) -> None:
@@ -337,11 +341,12 @@ class Peer:
                 if isinstance(r.delta, PseudoGradient):
                     r.delta.release()  # read tensor by tensor into the mean; never computed whole
         # Devices train at once: the round took as long as the busiest device's instances in turn.
-        per_device: dict[int, float] = {}
+        by_device: dict[str, tuple[int, float]] = {}
         for inst, r in zip(self.instances, results, strict=True):
-            where = id(inst.worker) if isinstance(inst, RemoteInstance) else 0
-            per_device[where] = per_device.get(where, 0.0) + r.compute_s
-        compute_s = max(per_device.values())
+            label = inst.worker.label if isinstance(inst, RemoteInstance) else self.device_labels[0]
+            tokens_before, seconds = by_device.get(label, (0, 0.0))
+            by_device[label] = (tokens_before + r.tokens, seconds + r.compute_s)
+        compute_s = max(seconds for _, seconds in by_device.values())
         slot_stats = [r.stats for r in results]
         for victim, survivor, batch in self._deferred_merges:
             # A merge decided while this round ran: the survivor's slot reports both instances.
@@ -369,6 +374,7 @@ class Peer:
             accum_steps=max(p.accum for p in plans),
             inner_steps=steps,
             passes=dict(sum((Counter(r.passes) for r in results), Counter())),
+            by_device=by_device,
         )
 
     # ---- contribution --------------------------------------------------------------------------

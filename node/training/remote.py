@@ -73,8 +73,9 @@ class WorkerSpec:
 class DeviceWorker:
     """The worker process of one device and the pipe to it, shared by the `RemoteInstance`s on it."""
 
-    def __init__(self, device: torch.device, spec: WorkerSpec) -> None:
+    def __init__(self, device: torch.device, spec: WorkerSpec, *, label: str) -> None:
         self.device = device
+        self.label = label  # how metrics name the device
         ctx = torch.multiprocessing.get_context("spawn")
         ours, theirs = ctx.Pipe()
         self.process = ctx.Process(target=serve, args=(theirs, spec), name=f"adloco-{device}", daemon=True)

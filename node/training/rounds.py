@@ -37,6 +37,9 @@ class LocalRound:
     # Forward and backward passes by micro-batch size, over every instance (the simulator's compute
     # model; the instances of a peer train one after the other on its device).
     passes: Mapping[int, int] = field(default_factory=dict)
+    # Tokens trained and seconds of compute by device (`Peer.device_labels`): a node's devices train
+    # at once, and `compute_s` is the busiest device's.
+    by_device: Mapping[str, tuple[int, float]] = field(default_factory=dict)
 
     def report_time(self, compute_s: float) -> None:
         """Report this round as having taken `compute_s` seconds of compute (the simulator's modelled
