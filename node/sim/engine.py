@@ -56,6 +56,7 @@ from ...protocol.transport.wire import (
 )
 from ..data.corpus import Corpus
 from ..data.sampling import TokenSampler, corpus_stream, evaluate
+from ..model.devices import resolve_device
 from ..training.catchup import catch_up
 from ..training.config import TrainConfig
 from ..training.peer import Peer, overlap_this_round
@@ -226,12 +227,15 @@ class Simulator:
 
     def __init__(self, cfg: SimConfig, corpus: Corpus, *, vocab_size: int) -> None:
         self.cfg = cfg
+        # Simulated peers share one process, and one device: the first of --device (on a machine of
+        # several GPUs `auto` would give every simulated peer a worker process per further GPU).
+        train = replace(cfg.train, device=str(resolve_device(cfg.train.device)))
         self.peers = [
             Peer(
                 peer_id=f"peer{i:03d}",
                 index=i,
                 num_peers=cfg.peers,
-                cfg=cfg.train,
+                cfg=train,
                 corpus=corpus,
                 vocab_size=vocab_size,
             )

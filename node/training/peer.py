@@ -135,11 +135,16 @@ class Peer:
         ]
         # What a slot this peer had merged away is rebuilt from (`adopt_state`).
         self._corpus, self._index, self._num_peers = corpus, index, num_peers
+        # The probe runs on the first device for all (a node's devices are taken to be alike), and
+        # counts the instances whose memory it shares: a GPU's own, but all of them on the host.
+        sharing = (
+            len(range(0, cfg.instances, len(self.devices))) if self.device.type != "cpu" else cfg.instances
+        )
         self.b_max = cfg.b_max or probe_b_max(
             model,
             seq_len=cfg.seq_len,
             vocab_size=vocab_size,
-            instances=cfg.instances,
+            instances=sharing,
             memory_budget_bytes=int(cfg.memory_budget_gb * 2**30) if cfg.memory_budget_gb else None,
             autocast_dtype=self.autocast_dtype,
             state_on_device=self.placement.state == self.device,
