@@ -9,7 +9,9 @@ instance's state for a checkpoint or an MIT merge) crosses exactly as it would t
 
 from __future__ import annotations
 
+import gc
 import json
+import math
 import os
 import shlex
 import shutil
@@ -17,6 +19,7 @@ import signal
 import subprocess
 import sys
 import time
+import weakref
 from dataclasses import replace
 from pathlib import Path
 from typing import Literal
@@ -114,6 +117,20 @@ def test_instances_on_two_devices_train_the_theta_of_one_device_through_a_merge(
     finally:
         two.close()
     assert not worker.process.is_alive()
+
+
+def test_merging_away_the_instance_that_trained_the_home_model_frees_its_weights(corpus: Corpus) -> None:
+    """θ is evaluated through the first device's model; when the MIT merge takes the instance that
+    trained it, a survivor's model takes its place and the victim's weights are freed, not kept as
+    a model's worth of memory for the rest of the run."""
+    peer = _peer(corpus, CFG)
+    victim = weakref.ref(peer.local_instances[0].model)
+    assert peer.home_model is victim()
+    peer.merge_instances(0, 1)
+    gc.collect()
+    assert victim() is None
+    assert peer.home_model is peer.local_instances[0].model
+    assert math.isfinite(peer.validation_loss())
 
 
 def _node_command(args: list[str], ck: Path) -> list[str]:

@@ -682,6 +682,10 @@ class Peer:
         self.instances.pop(victim).close()
         for slot, inst in enumerate(self.instances):
             inst.slot = slot
+        if self.local_instances and all(inst.model is not self.home_model for inst in self.local_instances):
+            # The merged-away instance trained the home model: θ is evaluated through a survivor's
+            # now, and the victim's weights are freed (held on, they cost a model's weights).
+            self.home_model = self.local_instances[0].model
 
     # ---- evaluation ------------------------------------------------------------------------------
 
@@ -790,6 +794,8 @@ class Peer:
             inst.slot = slot
             inst.sampler = sampler
             inst.load_state_dict(inst_state)
+        for dropped in self.instances[len(kept) :]:
+            dropped.close()  # (a worker's instance would otherwise stay on its device)
         self.instances = kept
         self.error_feedback = feedback
         self._codecs = codecs
