@@ -250,7 +250,6 @@ class Instance:
                 if step == 0:
                     stats = step_stats
                 if on_step is not None:
-                    self._random = _rng_state(self.device)
                     with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
                         on_step(step)  # the caller's draws (an evaluation, a scorer) are not ours
             self._random = _rng_state(self.device)
