@@ -1,6 +1,7 @@
 """A 124M node's MIT instances on one device or on two (issue 27 §2), measured on this machine's CPU.
 
     python bench/multidevice.py [--rounds 3] [--out bench/results/multidevice_124m.json]
+    python bench/multidevice.py --data-parallel [--rounds 3]   # bench/results/dataparallel_124m.json
 
 Runs `adloco-node --offline` with the GPT-2 124M config and two MIT instances kept apart (no
 merge), seq 128, batch 2, 2 inner steps, in three ways:
@@ -15,6 +16,11 @@ hash of every round (one device and two, with one thread per process, must agree
 same instances on the same data and kernels), the median round time and tokens/s over the
 instances' compute time from the node's own round lines, and the peak resident memory (VmHWM) of
 the node and of its worker.
+
+With `--data-parallel`: one instance (batch 4), so that on `cpu,cpu` the worker's device holds a
+replica and each device trains two of every step's four rows, the gradients summed through gloo
+before the step (`training.parallel`). Its θ is one device's up to float rounding, not bit for bit
+(each step's rows are split between two matrix products).
 """
 
 from __future__ import annotations
@@ -58,11 +64,14 @@ def _workers(pid: int) -> list[int]:
         return []
 
 
-def run(flags: list[str], *, config: Path, tokenizer: Path, rounds: int, cwd: Path) -> dict[str, object]:
+def run(
+    flags: list[str], *, config: Path, tokenizer: Path, rounds: int, cwd: Path, instances: int = 2
+) -> dict[str, object]:
+    batch = "2" if instances == 2 else "4"
     cmd = [
         sys.executable, "-m", "adloco.node.cli.node", "--offline", "--model", str(config),
-        "--tokenizer", str(tokenizer), "--seq-len", "128", "--batch-size", "2", "--inner-steps", "2",
-        "--instances", "2", "--min-instances", "2", "--rounds", str(rounds), *flags,
+        "--tokenizer", str(tokenizer), "--seq-len", "128", "--batch-size", batch, "--inner-steps", "2",
+        "--instances", str(instances), "--min-instances", str(instances), "--rounds", str(rounds), *flags,
     ]  # fmt: skip
     t0 = time.monotonic()
     node = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd)
@@ -93,8 +102,11 @@ def run(flags: list[str], *, config: Path, tokenizer: Path, rounds: int, cwd: Pa
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--data-parallel", action="store_true", help="one instance, a replica on cpu,cpu")
     args = ap.parse_args()
+    instances = 1 if args.data_parallel else 2
+    out = args.out or (RESULTS.with_name("dataparallel_124m.json") if args.data_parallel else RESULTS)
     with tempfile.TemporaryDirectory(prefix="adloco-multidevice-") as tmp:
         work = Path(tmp)
         config = work / "gpt2-124m.json"
@@ -102,16 +114,23 @@ def main() -> None:
         tokenizer = make_tokenizer(work)
         runs = {}
         for name, flags in RUNS.items():
-            runs[name] = run(flags, config=config, tokenizer=tokenizer, rounds=args.rounds, cwd=work)
+            runs[name] = run(
+                flags, config=config, tokenizer=tokenizer, rounds=args.rounds, cwd=work, instances=instances
+            )
             print(f"{name}: {json.dumps(runs[name])}", flush=True)
     # One thread per process in both: the same kernels, so the same θ bit for bit (two threads
     # split the reductions otherwise, and their θ differs in the last bits).
     one, two = runs["one device, 1 thread"], runs["two devices (cpu,cpu), 1 thread each"]
     agree = one["theta"] == two["theta"]
-    result = {"rounds": args.rounds, "runs": runs, "theta_agree_one_and_two_devices": agree}
+    result = {
+        "rounds": args.rounds,
+        "instances": instances,
+        "runs": runs,
+        "theta_agree_one_and_two_devices": agree,
+    }
     print(f"θ of one device and of two, one thread each, agrees in every round: {agree}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":

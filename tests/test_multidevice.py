@@ -30,11 +30,12 @@ import torch
 from adloco.node.data.corpus import Corpus
 from adloco.node.model.devices import resolve_devices
 from adloco.node.training.config import TrainConfig
+from adloco.node.training.instances import Instance
 from adloco.node.training.peer import Peer
 from adloco.node.training.remote import RemoteInstance
 from adloco.node.training.rounds import LocalRound
 from adloco.node.training.runtime import load_data
-from adloco.protocol.algorithms.allreduce import reduce_group
+from adloco.protocol.algorithms.allreduce import GroupResult, reduce_group
 
 CFG = TrainConfig(seq_len=32, batch_size=4, instances=2, inner_steps=2, b_max=4, max_corpus_mb=1)
 
@@ -95,7 +96,8 @@ def test_instances_on_two_devices_train_the_theta_of_one_device_through_a_merge(
         model = str(tmp_path / "config.json")
     cfg = replace(CFG, overlap=overlap, model=model)
     one = _peer(corpus, cfg)
-    two = _peer(corpus, replace(cfg, device="cpu,cpu"))
+    # (after the merge the worker's device would otherwise train the survivor data parallel)
+    two = _peer(corpus, replace(cfg, device="cpu,cpu", data_parallel=False))
     try:
         assert [type(inst) for inst in two.instances] != [type(inst) for inst in one.instances]
         worker = next(inst for inst in two.instances if isinstance(inst, RemoteInstance)).worker
@@ -119,6 +121,158 @@ def test_instances_on_two_devices_train_the_theta_of_one_device_through_a_merge(
     assert not worker.process.is_alive()
 
 
+def _replicas_match_their_primaries(peer: Peer) -> int:
+    """Assert every replica holds its primary's weights and AdamW state bit for bit; how many."""
+    checked = 0
+    for group in peer.data_parallel.groups:
+        ours = group.primary.state_dict()
+        for replica in group.replicas:
+            theirs = replica.state_dict()
+            assert all(torch.equal(a, b) for a, b in zip(ours["params"], theirs["params"], strict=True))
+            assert ours["optimizer"].keys() == theirs["optimizer"].keys()
+            for idx, fields in ours["optimizer"].items():
+                for name, value in fields.items():
+                    assert torch.equal(
+                        torch.as_tensor(value), torch.as_tensor(theirs["optimizer"][idx][name])
+                    )
+            checked += 1
+    return checked
+
+
+def _overlapped(peer: Peer, rounds: int) -> list[LocalRound]:
+    """`rounds` overlapped rounds as the swarm runs them: each round's update lands after the first
+    step of the next (so every instance shifts mid-round); the last one is not applied."""
+    locals_: list[LocalRound] = []
+    pending: list[GroupResult] = []
+
+    def land(_done: int) -> None:
+        while pending:
+            peer.apply_round(pending.pop())
+
+    for _ in range(rounds):
+        local = peer.train_round(on_step=land)
+        land(0)
+        contribution = peer.contribute(local)[0]
+        assert contribution is not None
+        pending.append(reduce_group([contribution], codec=peer.downlink_codec(peer.state.schedule.codec)))
+        locals_.append(local)
+    return locals_
+
+
+@pytest.mark.parametrize("overlap", ["off", "mix"])
+def test_an_instance_trains_data_parallel_over_the_device_no_instance_holds(
+    corpus: Corpus, overlap: Literal["off", "mix"]
+) -> None:
+    """One instance on two devices: the worker's device holds a replica, each trains half of every
+    batch's rows, and the gradients are summed before the step. θ is one device's up to float
+    rounding (the rows of one matrix product are split in two); the replica stays the primary's
+    copy bit for bit, also when overlap shifts the instance mid-round; the batch test takes the two
+    halves as its two samples, as one device takes its two chunks (the same statistics)."""
+    cfg = replace(CFG, instances=1, overlap=overlap, model="tiny-llama")
+    one = _peer(corpus, cfg)
+    two = _peer(corpus, replace(cfg, device="cpu,cpu"))
+    try:
+        assert [group.devices for group in two.data_parallel.groups] == [(1,)]
+        if overlap == "off":
+            ours, theirs = [_round(one) for _ in range(3)], [_round(two) for _ in range(3)]
+        else:
+            ours, theirs = _overlapped(one, 3), _overlapped(two, 3)
+        for a, b in zip(ours, theirs, strict=True):
+            assert b.mean_loss == pytest.approx(a.mean_loss, rel=1e-5)
+            (sa,), (sb,) = a.report.slot_stats, b.report.slot_stats
+            assert sa is not None and sb is not None
+            assert (sb.num_grads, sb.samples_per_grad) == (sa.num_grads, sa.samples_per_grad)
+            assert sb.num_grads == 2
+            assert sb.sq_dev_sum == pytest.approx(sa.sq_dev_sum, rel=1e-4)
+            assert sb.mean_sq_norm == pytest.approx(sa.mean_sq_norm, rel=1e-4)
+            # Both devices train: each half of the tokens, each for the whole compute time.
+            assert [tokens for tokens, _ in b.by_device.values()] == [a.tokens // 2] * 2
+        for x, y in zip(one.state.theta, two.state.theta, strict=True):
+            torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-5)
+        assert one.state.theta_hash() != two.state.theta_hash()  # (two matrix products, not one)
+        assert _replicas_match_their_primaries(two) == 1
+    finally:
+        two.close()
+
+
+def test_a_round_that_fails_mid_way_leaves_no_replica_waiting_and_the_next_trains(corpus: Corpus) -> None:
+    """The primary's round stops after its first step (its step hook raises): the replica, waiting
+    for the second, ends its round when the primary leaves the group, the error is the hook's, and
+    the next round forms the group anew, syncs the replica and trains on both devices."""
+    two = _peer(corpus, replace(CFG, instances=1, model="tiny-llama", device="cpu,cpu"))
+    try:
+
+        def fail(_done: int) -> None:
+            raise RuntimeError("the hook failed")
+
+        with pytest.raises(RuntimeError, match="the hook failed"):
+            two.train_round(on_step=fail)
+        local = _round(two)
+        assert set(local.by_device) == {"cpu", "cpu#1"}
+        assert _replicas_match_their_primaries(two) == 1
+    finally:
+        two.close()
+
+
+def test_after_the_merge_the_survivor_trains_on_both_devices_as_on_one(corpus: Corpus) -> None:
+    """Two instances on two devices merge after round 1 (into the worker's instance): the survivor
+    moves into the node's process and trains data parallel with a replica in the worker. Its batch
+    of 8 runs as two micro-batches of 4 alone (b_max 4), and the two devices take one each: the
+    same sums in the same order, so θ is one device's bit for bit."""
+    cfg = replace(CFG, model="tiny-llama")
+    one = _peer(corpus, cfg)
+    two = _peer(corpus, replace(cfg, device="cpu,cpu"))
+    try:
+        for _ in range(3):
+            ours, theirs = _round(one), _round(two)
+            assert ours.mean_loss == theirs.mean_loss
+            assert one.state.theta_hash() == two.state.theta_hash()
+        assert len(two.instances) == 1 and isinstance(two.instances[0], Instance)
+        assert two.home_model is two.instances[0].model
+        assert [group.devices for group in two.data_parallel.groups] == [(1,)]
+        assert ours.accum_steps == 2 and set(theirs.by_device) == {"cpu", "cpu#1"}
+        assert _replicas_match_their_primaries(two) == 1
+        for x, y in zip(one.state_dict()["instances"], two.state_dict()["instances"], strict=True):
+            assert all(torch.equal(a, b) for a, b in zip(x["params"], y["params"], strict=True))
+            assert torch.equal(x["sampler"]["rng"], y["sampler"]["rng"])
+        assert one.validation_loss() == two.validation_loss()
+    finally:
+        two.close()
+
+
+def test_instances_in_workers_train_data_parallel_with_replicas_in_other_workers(
+    corpus: Corpus, tmp_path: Path
+) -> None:
+    """Two instances on four devices: the node's instance with a replica on the third device, the
+    second instance in the second device's worker with a replica on the fourth (its group joins two
+    workers, not the node). θ is one device's up to rounding; every replica is its primary's copy,
+    and a GPT-2 with dropout draws each replica's masks from a stream of its own."""
+    (config := tmp_path / "config.json").write_text(json.dumps(TINY_GPT2))
+    cfg = replace(CFG, model="tiny-llama")
+    cfg = replace(cfg, schedule=replace(cfg.schedule, merge=replace(cfg.schedule.merge, min_instances=2)))
+    one = _peer(corpus, cfg)
+    four = _peer(corpus, replace(cfg, device="cpu,cpu,cpu,cpu"))
+    try:
+        assert [group.devices for group in four.data_parallel.groups] == [(2,), (3,)]
+        assert isinstance(four.instances[1], RemoteInstance)
+        for _ in range(2):
+            ours, theirs = _round(one), _round(four)
+            assert theirs.mean_loss == pytest.approx(ours.mean_loss, rel=1e-5)
+            assert set(theirs.by_device) == {"cpu", "cpu#1", "cpu#2", "cpu#3"}
+        for x, y in zip(one.state.theta, four.state.theta, strict=True):
+            torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-5)
+        assert _replicas_match_their_primaries(four) == 2
+    finally:
+        four.close()
+    gpt2 = _peer(corpus, replace(cfg, model=str(config), device="cpu,cpu,cpu"))
+    try:
+        _round(gpt2)
+        _round(gpt2)
+        assert _replicas_match_their_primaries(gpt2) == 1
+    finally:
+        gpt2.close()
+
+
 def test_merging_away_the_instance_that_trained_the_home_model_frees_its_weights(corpus: Corpus) -> None:
     """θ is evaluated through the first device's model; when the MIT merge takes the instance that
     trained it, a survivor's model takes its place and the victim's weights are freed, not kept as
@@ -133,17 +287,20 @@ def test_merging_away_the_instance_that_trained_the_home_model_frees_its_weights
     assert math.isfinite(peer.validation_loss())
 
 
-def _node_command(args: list[str], ck: Path) -> list[str]:
-    """An offline node of two instances kept apart (no merge), checkpointing every round."""
-    node = [sys.executable, "-m", "adloco.node.cli.node", "--offline", "--instances", "2"]
-    node += ["--min-instances", "2"]
+def _node_command(args: list[str], ck: Path, *, instances: int = 2) -> list[str]:
+    """An offline node of `instances` instances kept apart (no merge), checkpointing every round."""
+    node = [sys.executable, "-m", "adloco.node.cli.node", "--offline", "--instances", str(instances)]
+    node += ["--min-instances", str(instances)]
     small = ["--inner-steps", "2", "--seq-len", "32", "--batch-size", "4", "--max-corpus-mb", "1"]
     return [*node, *small, "--checkpoint-dir", str(ck), "--checkpoint-every", "1", *args]
 
 
-def _node(args: list[str], ck: Path) -> subprocess.Popen[str]:
+def _node(args: list[str], ck: Path, *, instances: int = 2) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        _node_command(args, ck), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        _node_command(args, ck, instances=instances),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
 
 
@@ -152,14 +309,16 @@ def _workers_of(pid: int) -> list[int]:
     return [int(c) for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
 
 
+@pytest.mark.parametrize("instances", [2, 1], ids=["an-instance-on-it", "a-replica-on-it"])
 def test_a_device_lost_mid_run_stops_the_node_with_one_line_and_its_checkpoint_resumes(
-    tmp_path: Path,
+    tmp_path: Path, instances: int
 ) -> None:
-    """The worker process of the second device is killed while the node trains: the node exits with
-    one line naming the device (no traceback), writes no checkpoint after the loss, and a restart on
-    the device that remains resumes from the last one."""
+    """The worker process of the second device is killed while the node trains (it holds the second
+    instance, or, with one instance, its data-parallel replica): the node exits with one line naming
+    the device (no traceback), writes no checkpoint after the loss, and a restart on the device that
+    remains resumes from the last one."""
     ck = tmp_path / "ck"
-    node = _node(["--device", "cpu,cpu", "--rounds", "0"], ck)
+    node = _node(["--device", "cpu,cpu", "--rounds", "0"], ck, instances=instances)
     try:
         deadline = time.monotonic() + 240
         while not (ck / "round-00000002").exists():
@@ -181,7 +340,7 @@ def test_a_device_lost_mid_run_stops_the_node_with_one_line_and_its_checkpoint_r
     assert "killed by signal 9" in last
     saved = sorted(p.name for p in ck.iterdir() if p.name.startswith("round-"))
     resumed_from = int(saved[-1].removeprefix("round-"))
-    again = _node(["--device", "cpu", "--rounds", str(resumed_from + 1)], ck)
+    again = _node(["--device", "cpu", "--rounds", str(resumed_from + 1)], ck, instances=instances)
     out, err = again.communicate(timeout=240)
     assert again.returncode == 0, err
     assert f"resumed from the checkpoint of round {resumed_from}" in err

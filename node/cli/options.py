@@ -107,6 +107,13 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         " θ and the outer state stay in host memory",
     )
     model.add_argument(
+        "--data-parallel",
+        choices=("on", "off"),
+        default="on",
+        help="with more devices than MIT instances, each instance trains data parallel over the"
+        " devices no instance holds (on); off leaves them idle",
+    )
+    model.add_argument(
         "--precision",
         choices=("auto", "fp32", "bf16"),
         default="auto",
@@ -329,6 +336,7 @@ def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
             data_cache_dir=args.data_cache_dir,
             seed=args.seed,
             device=args.device,
+            data_parallel=args.data_parallel == "on",
             precision=args.precision,
             activation_checkpointing=args.activation_checkpointing,
             compile=args.compile,

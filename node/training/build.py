@@ -28,10 +28,11 @@ def training_model(cfg: TrainConfig, vocab_size: int) -> tuple[PreTrainedModel, 
     return built, config
 
 
-def instance_random_seed(cfg: TrainConfig, *, index: int, slot: int) -> int:
+def instance_random_seed(cfg: TrainConfig, *, index: int, slot: int, replica: int = 0) -> int:
     """The seed of dropout's stream of instance `slot` of peer `index`, whatever its device: a hash,
-    not the sampler's seed, so that the masks and the windows drawn are not the same random bits."""
-    key = f"dropout|{cfg.seed}|{index}|{slot}".encode()
+    not the sampler's seed, so that the masks and the windows drawn are not the same random bits.
+    A replica (rank ≥ 1 of a data-parallel instance, `parallel`) draws a stream of its own."""
+    key = f"dropout|{cfg.seed}|{index}|{slot}".encode() + (f"|{replica}".encode() if replica else b"")
     return int.from_bytes(hashlib.sha256(key).digest()[:8], "little") >> 1
 
 

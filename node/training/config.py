@@ -137,6 +137,9 @@ class TrainConfig:
         device's in the node's process, each other device's in a worker process of its own
         (`remote`). θ, the outer momentum, Δ, the error-feedback residual and the kept updates stay
         in host memory whatever the device (`devices.Placement`).
+    data_parallel: with more devices than instances, the devices no instance holds train replicas
+        of the instances, each instance data parallel over its devices (`parallel`); False leaves
+        them idle (each instance then trains exactly as on one device, bit for bit).
     precision: the instances' forward passes: "auto" autocasts to bf16 on a CUDA GPU with native
         bf16 (Ampere or later) and runs fp32 elsewhere; "fp32" never autocasts; "bf16" autocasts
         also on a CPU (slower than fp32 on most CPUs). Master weights, gradients, AdamW state and θ
@@ -185,6 +188,7 @@ class TrainConfig:
     data_cache_dir: str | None = None
     seed: int = 0
     device: str = "auto"
+    data_parallel: bool = True
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     activation_checkpointing: bool = False
     compile: Literal["auto", "on", "off"] = "auto"

@@ -29,11 +29,12 @@ inside it (`_RunningSums`, `_ChunkSums`, which exist only for that loop).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 import weakref
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -47,6 +48,7 @@ from ..data.sampling import TokenSampler
 from ..data.state import malformed, mapping, tensors_like
 from ..model.devices import Placement, adamw, autocast
 from ..model.loss import TiedEmbedding, causal_lm_loss
+from . import parallel
 
 BatchStats = Literal["sums", "full", "none"]
 # What each batch test needs gathered in the first step of a round (`ScheduleConfig.test`).
@@ -140,6 +142,10 @@ class Instance:
         # instances share the process or in which order they train (the same θ on one device or
         # several). Swapped in for each round (`run_round`).
         self._random = _seeded_random(self.device, random_seed)
+        # Data parallel over further devices (`parallel`): this instance's group, as its primary
+        # (rank 0) or as a replica, and what the replicas need before the primary's next step.
+        self.group: parallel.Group | None = None
+        self._sync: parallel.Sync | None = None
 
     @property
     def device(self) -> torch.device:
@@ -153,11 +159,44 @@ class Instance:
             delta.materialize()
         self._delta = None
 
+    def join(self, spec: parallel.GroupSpec) -> None:
+        """Join a data-parallel group (`parallel`): as its primary (rank 0) the replicas get this
+        instance's weights and AdamW state before its next step; as a replica, the primary's."""
+        self.leave()
+        self.group = parallel.Group(spec, self.device)
+        self._sync = "all"
+
+    def leave(self) -> None:
+        """Leave this instance's data-parallel group, if it has one."""
+        if self.group is not None:
+            self.group.close()
+        self.group, self._sync = None, None
+
+    def serve_round(self) -> None:
+        """As a replica, follow the primary's round (`parallel.serve_round`)."""
+        if self.group is None or self.group.rank == 0:
+            raise RuntimeError("serve_round: this instance is no replica")
+        parallel.serve_round(self, self.group)
+
+    def _moved(self, what: parallel.Sync = "weights") -> None:
+        """The weights (or, "all", also the AdamW state) changed otherwise than by a step."""
+        if self.group is not None and self._sync != "all":
+            self._sync = what
+
+    @contextlib.contextmanager
+    def own_random(self) -> Iterator[None]:
+        """Draw from this instance's own random stream (dropout) inside, the caller's after."""
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            _set_rng_state(self.device, self._random)
+            yield
+            self._random = _rng_state(self.device)
+
     @torch.no_grad()
     def load(self, theta: Sequence[torch.Tensor]) -> None:
         """Set the instance's parameters to θ (copied, so the instance never aliases global state)."""
         self.settle_delta()
         self.placement.load(self.params, theta)
+        self._moved()
 
     @property
     def start_is_shared(self) -> bool:
@@ -213,6 +252,7 @@ class Instance:
             else:
                 raise ValueError(f"unknown overlap mode {mode!r}")
             s.copy_(t)
+        self._moved()
 
     def run_round(
         self,
@@ -242,17 +282,26 @@ class Instance:
         t0 = time.perf_counter()
         losses: list[torch.Tensor] = []
         stats: GradStats | None = None
-        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-            _set_rng_state(self.device, self._random)
-            for step in range(steps):
-                loss, step_stats = self.inner_step(plan, collect_stats=collect_stats and step == 0)
-                losses.append(loss)
-                if step == 0:
-                    stats = step_stats
-                if on_step is not None:
-                    with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-                        on_step(step)  # the caller's draws (an evaluation, a scorer) are not ours
-            self._random = _rng_state(self.device)
+        self._moved()  # (the weights a replica holds are those of the last round's end at most)
+        try:
+            with self.own_random():
+                for step in range(steps):
+                    loss, step_stats = self.inner_step(plan, collect_stats=collect_stats and step == 0)
+                    losses.append(loss)
+                    if step == 0:
+                        stats = step_stats
+                    if on_step is not None:
+                        with torch.random.fork_rng(
+                            devices=[self.device] if self.device.type == "cuda" else []
+                        ):
+                            on_step(step)  # the caller's draws (an evaluation, a scorer) are not ours
+            if self.group is not None:
+                parallel.lead_end(self.group)
+        except BaseException:
+            # The replicas may be mid-step, waiting for what will not come: leaving the group ends
+            # their round at once (its connections close); the node forms it anew.
+            self.leave()
+            raise
         # Until the next step nothing reads the gradients: free them for the exchange that follows.
         self.optimizer.zero_grad(set_to_none=True)
         # Reading the mean waits for the last step: the compute time below includes it.
@@ -283,6 +332,13 @@ class Instance:
         device, not waited for) and optionally the per-micro-batch gradient stats."""
         self.settle_delta()
         collect_stats = collect_stats and self.batch_stats != "none"
+        if self.group is not None:
+            # The replicas' gradients are the batch test's samples: no chunks.
+            if self._sync is not None:
+                parallel.lead_sync(self, self.group, self._sync)
+                self._sync = None
+            gather = self.batch_stats if collect_stats else "none"
+            return parallel.lead_step(self, self.group, micro=plan.micro, accum=plan.accum, stats=gather)
         micro, accum = self._stats_split(plan) if collect_stats else (plan.micro, plan.accum)
         self.passes[micro] += accum
         if collect_stats and self.batch_stats == "sums" and accum >= 2:
@@ -411,6 +467,7 @@ class Instance:
             merged = merge_weighted({name: p}, {name: other}, weight_a=weight, weight_b=other_weight)
             p.copy_(merged[name])
         self.sampler = self.sampler.merged_with(sampler)
+        self._moved()
 
     def surrender(self) -> tuple[dict[str, torch.Tensor], TokenSampler]:
         """What an MIT merge takes of this instance, the one merged away: its weights by name and
@@ -419,13 +476,16 @@ class Instance:
         return {name: p.detach() for name, p in self.model.named_parameters()}, self.sampler
 
     def close(self) -> None:
-        """Nothing to stop: this instance lives in the node's process (a `RemoteInstance` does not)."""
+        """Leave its data-parallel group; nothing else to stop: this instance lives in the node's
+        process (a `RemoteInstance` does not)."""
+        self.leave()
 
     def optimizer_state(self) -> dict[str, Any]:
         return self.optimizer.state_dict()
 
     def load_optimizer_state(self, state: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state)
+        self._moved("all")
 
     # ---- state dict ------------------------------------------------------------------------------
 
@@ -465,6 +525,7 @@ class Instance:
             for idx, fields in moments.items()
         }
         self.optimizer.load_state_dict(optimizer)
+        self._moved("all")
         self.sampler.load_state_dict(state["sampler"])
         if "random" in state:  # (checkpoints from before dropout had a stream per instance have none)
             saved = state["random"]

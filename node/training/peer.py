@@ -64,8 +64,9 @@ from ..model.model import (
 )
 from .build import instance_random_seed, new_instance, training_model
 from .config import TrainConfig, residual_dtype
+from .dataparallel import DataParallel, replica_devices
 from .instances import Instance, InstanceRound
-from .remote import DeviceWorker, RemoteInstance, WorkerSpec, finish_rounds
+from .remote import DeviceLost, DeviceWorker, RemoteInstance, WorkerSpec, finish_rounds
 from .replica import HISTORY_ROUNDS, PeerState, Update, initial_state
 from .rounds import ContributionInfo, LocalRound
 
@@ -104,6 +105,8 @@ class Peer:
             str(d) if self.devices.index(d) == i else f"{d}#{i}" for i, d in enumerate(self.devices)
         ]
         self._workers: dict[int, DeviceWorker] = {}
+        # Instances trained data parallel over the devices no instance holds (`dataparallel`).
+        self.data_parallel = DataParallel()
         # Checked before the model is built: a bad --precision fails in a second, not a minute.
         self.autocast_dtype = resolve_precision(cfg.precision, self.device)
         self.compiled = resolve_compile(cfg.compile, self.device)
@@ -149,11 +152,11 @@ class Peer:
             autocast_dtype=self.autocast_dtype,
             state_on_device=self.placement.state == self.device,
         )
-        if len(self.devices) > cfg.instances:
+        if len(self.devices) > cfg.instances and not cfg.data_parallel:
             idle = ", ".join(map(str, self.devices[cfg.instances :]))
             logger.warning(
-                "%d MIT instances on %d devices: %s train nothing (an instance does not yet train data"
-                " parallel over several devices); use --instances %d to train on all of them",
+                "%d MIT instances on %d devices: %s train nothing (--data-parallel off); use"
+                " --instances %d or --data-parallel on to train on all of them",
                 cfg.instances,
                 len(self.devices),
                 idle,
@@ -184,6 +187,55 @@ class Peer:
         self.before_change: Callable[[], None] | None = None
         # The Δ last contributed: spent once its round is applied (see `apply_round`).
         self._contributed: weakref.ref[PseudoGradient] | None = None
+        self._replan()
+
+    def _device_of(self, inst: Instance | RemoteInstance) -> int:
+        """The index in `devices` of the device `inst` trains on."""
+        if isinstance(inst, Instance):
+            return 0
+        return next(where for where, worker in self._workers.items() if worker is inst.worker)
+
+    def _replan(self) -> None:
+        """Give the devices no instance holds to the instances as data-parallel replicas
+        (`dataparallel`), after anything that changed the instances; a no-op when nothing did.
+
+        This process must hold a primary (it never serves a replica): when merges took the instance
+        of the first device, another moves there, its state through shared memory, and its old
+        device then serves as a replica like any other free one.
+        """
+        if not self.cfg.data_parallel or len(self.devices) == 1:
+            return
+        if len(self.instances) >= len(self.devices):
+            self.data_parallel.arrange(self.instances, [()] * len(self.instances), self._new_replica)
+            return
+        if not self.local_instances:
+            self.data_parallel.dissolve()
+            moved, state = self.instances[0], self.instances[0].state_dict()
+            # No local instance trains the home model (merges took them): the moved one trains it.
+            here = new_instance(
+                self.cfg,
+                slot=moved.slot,
+                model=self.home_model,
+                sampler=moved.sampler,
+                placement=self.placement,
+                autocast_dtype=self.autocast_dtype,
+                compiled=self.compiled,
+                random_seed=0,  # (its own stream comes with its state)
+            )
+            here.load_state_dict(state)
+            moved.close()
+            self.instances[0] = here
+        held = [self._device_of(inst) for inst in self.instances]
+        self.data_parallel.arrange(
+            self.instances, replica_devices(held, len(self.devices)), self._new_replica
+        )
+
+    def _new_replica(self, primary: Instance | RemoteInstance, where: int, rank: int) -> RemoteInstance:
+        """A replica of `primary` in the worker of device `where`, with a dropout stream of its own."""
+        seed = instance_random_seed(self.cfg, index=self._index, slot=primary.slot, replica=rank)
+        return RemoteInstance(
+            self._worker(where), slot=primary.slot, sampler=primary.sampler, random_seed=seed
+        )
 
     def _make_instance(
         self, corpus: Corpus, model: torch.nn.Module, *, slot: int, index: int, num_peers: int
@@ -232,6 +284,9 @@ class Peer:
 
     def close(self) -> None:
         """Stop the worker processes of the further devices (they also stop when this process ends)."""
+        for inst in self.local_instances:
+            inst.leave()
+        self.data_parallel.groups = []
         for worker in self._workers.values():
             worker.close()
         self._workers.clear()
@@ -262,6 +317,7 @@ class Peer:
         far)` runs after every inner step: the place to apply an update that has landed. The round's
         base is the θ it is measured from when it ends.
         """
+        self._replan()
         plans = accumulation_for(self.state.schedule, self.b_max)
         steps = self.state.schedule.inner_steps
         if self.dylu_speed_ratio is not None:
@@ -318,18 +374,33 @@ class Peer:
             )
 
         rounds = list(zip(self.instances, plans, self.state.schedule.batch, strict=True))
-        remote = [inst for inst, _, _ in rounds if isinstance(inst, RemoteInstance)]
-        for inst, plan, batch in rounds:
-            if isinstance(inst, RemoteInstance):
-                launch(inst.start_round, plan, batch)
         results: dict[int, InstanceRound] = {}
+        primaries: list[RemoteInstance] = []  # another device's instances whose round started
+        replicas: list[RemoteInstance] = []  # data-parallel replicas told to follow their primary's
         try:
+            self.data_parallel.serve(replicas)
+            for inst, plan, batch in rounds:
+                if isinstance(inst, RemoteInstance):
+                    launch(inst.start_round, plan, batch)
+                    primaries.append(inst)
             for inst, plan, batch in rounds:
                 if isinstance(inst, Instance):
                     results[id(inst)] = launch(inst.run_round, plan, batch)
-        finally:
-            # Also when this process's own round failed: no worker is left mid-round.
-            results.update(zip(map(id, remote), finish_rounds(remote), strict=True))
+        except BaseException:
+            # No worker is left mid-round: replicas whose primary will lead no round end theirs when
+            # it leaves the group. What they report then (their group closed) says less than the
+            # error that stopped the round, unless a worker died.
+            self.data_parallel.broke()
+            self.data_parallel.release(led=primaries)
+            try:
+                finish_rounds([*primaries, *replicas])
+            except DeviceLost:
+                raise
+            except Exception:
+                pass
+            raise
+        ended = finish_rounds([*primaries, *replicas])
+        results.update(zip(map(id, primaries), ended, strict=False))
         return [results[id(inst)] for inst, _, _ in rounds]
 
     def _local_round(
@@ -347,10 +418,13 @@ class Peer:
                     r.delta.release()  # read tensor by tensor into the mean; never computed whole
         # Devices train at once: the round took as long as the busiest device's instances in turn.
         by_device: dict[str, tuple[int, float]] = {}
-        for inst, r in zip(self.instances, results, strict=True):
-            label = inst.worker.label if isinstance(inst, RemoteInstance) else self.device_labels[0]
-            tokens_before, seconds = by_device.get(label, (0, 0.0))
-            by_device[label] = (tokens_before + r.tokens, seconds + r.compute_s)
+        for inst, r, plan in zip(self.instances, results, plans, strict=True):
+            own = inst.worker.label if isinstance(inst, RemoteInstance) else self.device_labels[0]
+            # A data-parallel instance's tokens by its devices' shares of the rows.
+            for where, part in self.data_parallel.by_device(inst, plan.micro * plan.accum):
+                label = own if where is None else self.device_labels[where]
+                tokens_before, seconds = by_device.get(label, (0, 0.0))
+                by_device[label] = (tokens_before + round(r.tokens * part), seconds + r.compute_s)
         compute_s = max(seconds for _, seconds in by_device.values())
         slot_stats = [r.stats for r in results]
         for victim, survivor, batch in self._deferred_merges:
@@ -661,6 +735,7 @@ class Peer:
             model, slot = self.home_model, len(self.instances)
             shard = {"index": self._index, "num_peers": self._num_peers}
             self.instances.append(self._make_instance(self._corpus, model, slot=slot, **shard))
+        self._replan()
         if self.overlap:
             self.rebase_instances()
 
@@ -686,6 +761,8 @@ class Peer:
             # The merged-away instance trained the home model: θ is evaluated through a survivor's
             # now, and the victim's weights are freed (held on, they cost a model's weights).
             self.home_model = self.local_instances[0].model
+        if not self.in_round:
+            self._replan()
 
     # ---- evaluation ------------------------------------------------------------------------------
 
@@ -797,6 +874,7 @@ class Peer:
         for dropped in self.instances[len(kept) :]:
             dropped.close()  # (a worker's instance would otherwise stay on its device)
         self.instances = kept
+        self._replan()
         self.error_feedback = feedback
         self._codecs = codecs
         self.phase_round = phase_round

@@ -45,6 +45,7 @@ from ..model.model import resolve_compile
 from .build import new_instance, training_model
 from .config import TrainConfig
 from .instances import Instance, InstanceRound
+from .parallel import GroupSpec
 
 if TYPE_CHECKING:
     pass
@@ -99,6 +100,10 @@ class DeviceWorker:
     def call(self, op: str, *args: Any) -> Any:
         """Run `op` in the worker and return its result (its error raised here)."""
         self.send(op, *args)
+        return self.answer()
+
+    def answer(self) -> Any:
+        """The result of the command sent last (`send`), once the worker gives it."""
         while True:
             message = self._recv()
             if message[0] in ("ok", "err"):
@@ -244,6 +249,19 @@ class RemoteInstance:
             "round", self.key, None if theta is None else list(theta), plan, steps, share_theta, collect_stats
         )
 
+    def start_serving(self) -> None:
+        """As a replica, follow the primary's round in the worker; `finish_rounds` waits for it."""
+        self.worker.on_step[self.key] = None
+        self.worker.rounds.pop(self.key, None)
+        self.worker.send("serve_round", self.key)
+
+    def join(self, spec: GroupSpec) -> None:
+        """Start joining a data-parallel group (`Instance.join`); `worker.answer()` says it is done."""
+        self.worker.send("join", self.key, spec)
+
+    def leave(self) -> None:
+        self.worker.call("leave", self.key)
+
     def run_round(self, theta: Sequence[torch.Tensor] | None, **kwargs: Any) -> InstanceRound:
         self.start_round(theta, **kwargs)
         return finish_rounds([self])[0]
@@ -361,6 +379,9 @@ class _Server:
             if op == "round":
                 self._round(*args)
                 continue
+            if op == "serve_round":
+                self._serve_round(*args)
+                continue
             try:
                 result = getattr(self, f"op_{op}")(*args)
             except Exception as e:
@@ -409,6 +430,21 @@ class _Server:
             self.conn.send(("round", key, ("err", (type(e).__name__, str(e)))))
             return
         self.conn.send(("round", key, ("ok", replace(result, delta=delta))))
+
+    def _serve_round(self, key: int) -> None:
+        try:
+            self.instances[key].serve_round()
+        except Exception as e:
+            self.instances[key].leave()
+            self.conn.send(("round", key, ("err", (type(e).__name__, str(e)))))
+            return
+        self.conn.send(("round", key, ("ok", None)))
+
+    def op_join(self, key: int, spec: GroupSpec) -> None:
+        self.instances[key].join(spec)
+
+    def op_leave(self, key: int) -> None:
+        self.instances[key].leave()
 
     def op_create(self, key: int, sampler: TokenSampler, random_seed: int) -> None:
         if self.spare is not None:
@@ -468,7 +504,11 @@ class _Server:
         self.instances[key].load_state_dict(state)
 
     def op_drop(self, key: int) -> None:
-        self.instances.pop(key, None)
+        inst = self.instances.pop(key, None)
+        if inst is not None:
+            inst.leave()
+            if self.spare is None and not self.compiled:
+                self.spare = inst.model  # what the next instance here trains (a replica, often)
 
 
 def _on_host(tree: Any) -> Any:

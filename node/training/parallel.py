@@ -1,0 +1,319 @@
+"""An MIT instance trained data parallel over several devices (issue 27 §2).
+
+With more devices than instances, a node's devices that hold no instance hold replicas: each further
+device of an instance keeps a copy of its model and AdamW state in its worker process, joined with
+the instance (the primary, rank 0) in a process group of its own (gloo on the CPU, NCCL on GPUs;
+torch.distributed's process groups, built over a store the node serves on the loopback). An inner
+step of a replicated instance:
+
+- the primary draws the step's micro-batches from its data stream, as it would alone, and sends
+  each to the replicas; every member trains its share of the rows (`share`), its loss weighted by
+  that share, so that the gradients summed over the group are the batch's mean gradient;
+- the gradients are summed in the group, bucket by bucket, before clipping and AdamW: every member
+  then takes the same step from the same gradient, so the replicas stay the primary's copies, bit
+  for bit, and the instance's Δ is the primary's;
+- each member's own gradient is one sample g_m of the batch test (M = the group's size): the norm
+  test's sums need one more scalar per member, the augmented test's inner products one per member
+  too, so the statistics cost no extra pass (alone, the first step is cut into two chunks for them).
+
+What a round needs besides the steps travels from the primary in the same group: at the round's
+start its weights (they changed since the last round: θ loaded, a shift, a merge, a checkpoint
+loaded) and, when they changed otherwise than by a step (a state loaded, the group new), the AdamW
+moments; mid-round, after a shift (overlap's landing of an update), its weights before the next
+step. A small header opens each of these, so a replica follows the primary's round without being
+told anything else: `serve_round` runs until the primary says the round ended.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from torch._C._distributed_c10d import BroadcastOptions, PrefixStore, ProcessGroupGloo, TCPStore
+
+from ...protocol.algorithms.batchtest import GradStats, stats_from_sums
+from ..model.devices import autocast
+from ..model.loss import causal_lm_loss
+
+if TYPE_CHECKING:
+    from .instances import Instance
+
+# What a header announces (its first field).
+_END, _STEP, _SYNC = 0, 1, 2
+# What a step gathers for the batch test (a header field): nothing, the norm test's sums, or also
+# the inner products the augmented test needs.
+_STATS = {"none": 0, "sums": 1, "full": 2}
+_HEADER = 5
+# Elements per bucket of the collectives: gradients and weights cross in flat buffers of at most
+# this many elements (64 MiB of fp32), so a step makes tens of calls at 124M, not one per tensor,
+# and holds at most one bucket beyond the model.
+BUCKET = 1 << 24
+# How long a member waits for the others: a replica waits through the primary's work between steps
+# (an update landing, θ evaluated) and through the rounds of the node's other instances before its
+# own begins. A dead member is noticed at once (its connections close); only a hung one waits this.
+TIMEOUT = datetime.timedelta(minutes=30)
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """Where and as what one member joins a group: the node's store, the group's name, its rank."""
+
+    port: int
+    name: str
+    rank: int
+    size: int
+
+
+def share(rows: int, rank: int, size: int) -> tuple[int, int]:
+    """The rows [lo, hi) of a micro-batch of `rows` that member `rank` of `size` trains: contiguous,
+    as even as can be, the first members taking one more where they do not divide (a member may
+    get none when the batch is smaller than the group)."""
+    base, extra = divmod(rows, size)
+    lo = rank * base + min(rank, extra)
+    return lo, lo + base + (1 if rank < extra else 0)
+
+
+class Group:
+    """One instance's process group, as one member sees it: bucketed collectives rooted at rank 0."""
+
+    def __init__(self, spec: GroupSpec, device: torch.device) -> None:
+        self.rank, self.size = spec.rank, spec.size
+        self.device = device
+        store = TCPStore("127.0.0.1", spec.port, None, False, timeout=TIMEOUT)
+        prefixed = PrefixStore(spec.name, store)
+        self._pg: Any  # gloo's or NCCL's backend: the same broadcast and allreduce
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+            # (only CUDA builds of torch have NCCL's process group)
+            from torch._C import _distributed_c10d as c10d
+
+            nccl = c10d.ProcessGroupNCCL  # type: ignore[attr-defined,unused-ignore]
+            self._pg = nccl(prefixed, spec.rank, spec.size, nccl.Options())
+        else:
+            self._pg = ProcessGroupGloo(prefixed, spec.rank, spec.size, TIMEOUT)
+        self._store = store
+
+    def header(self, fields: Sequence[int] = ()) -> list[int]:
+        """The primary's header (rank 0 gives its fields), as every member receives it."""
+        message = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
+        if self.rank == 0:
+            message[: len(fields)] = torch.tensor(list(fields), dtype=torch.int64)
+        self.broadcast([message])
+        return [int(v) for v in message.tolist()]
+
+    def broadcast(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Rank 0's `tensors` into every member's (same shapes, dtypes and order everywhere)."""
+        options = BroadcastOptions()
+        options.rootRank = 0
+        for bucket in _buckets(tensors):
+            flat = _flat(bucket)
+            self._pg.broadcast([flat], options).wait()
+            _unflat(flat, bucket)
+
+    def all_reduce(self, tensors: Sequence[torch.Tensor], *, inner_with_own: bool = False) -> float:
+        """Sum `tensors` over the group in place. With `inner_with_own`: also Σ ⟨own, sum⟩ over all
+        of them (float64), the member's own values read before the sum replaced them."""
+        inner = 0.0
+        for bucket in _buckets(tensors):
+            flat = _flat(bucket)
+            own = flat.clone() if inner_with_own else None
+            self._pg.allreduce([flat]).wait()
+            if own is not None:
+                inner += float(torch.dot(own.double(), flat.double()))
+            _unflat(flat, bucket)
+        return inner
+
+    def close(self) -> None:
+        """Leave the group: the others' next collective fails at once (their connections close)."""
+        self._pg = None
+
+
+def _buckets(tensors: Sequence[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
+    """`tensors` in runs of one dtype of at most `BUCKET` elements (a larger tensor alone)."""
+    bucket: list[torch.Tensor] = []
+    size = 0
+    for t in tensors:
+        if bucket and (size + t.numel() > BUCKET or t.dtype != bucket[0].dtype):
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(t)
+        size += t.numel()
+    if bucket:
+        yield bucket
+
+
+def _flat(bucket: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One buffer with the bucket's values: the tensor itself when it is alone and contiguous."""
+    if len(bucket) == 1 and bucket[0].is_contiguous():
+        return bucket[0].view(-1)
+    return torch.cat([t.reshape(-1) for t in bucket])
+
+
+def _unflat(flat: torch.Tensor, bucket: Sequence[torch.Tensor]) -> None:
+    if len(bucket) == 1 and bucket[0].is_contiguous():
+        return  # the collective wrote into the tensor itself
+    offset = 0
+    for t in bucket:
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
+# ---- the primary's side ------------------------------------------------------------------------------
+
+
+Sync = Literal["weights", "all"]
+
+
+def lead_sync(inst: Instance, group: Group, what: Sync) -> None:
+    """Send the replicas the primary's weights and, with "all", its AdamW moments and step counts."""
+    group.header([_SYNC, 1 if what == "all" else 0])
+    with torch.no_grad():
+        group.broadcast([p.detach() for p in inst.params])
+        if what == "all":
+            _broadcast_optimizer(inst, group)
+
+
+def lead_step(
+    inst: Instance, group: Group, *, micro: int, accum: int, stats: str
+) -> tuple[torch.Tensor, GradStats | None]:
+    """One inner step of a replicated instance, led by its primary (`Instance.inner_step`)."""
+    cols = inst.sampler.seq_len
+    group.header([_STEP, micro, accum, cols, _STATS[stats]])
+    return _step(inst, group, micro=micro, accum=accum, cols=cols, stats=stats, draw=inst.sampler.next_batch)
+
+
+def lead_end(group: Group) -> None:
+    group.header([_END])
+
+
+# ---- a replica's side --------------------------------------------------------------------------------
+
+
+def serve_round(inst: Instance, group: Group) -> None:
+    """A replica's round: follow the primary's headers until it ends its round."""
+    stats_names = {v: k for k, v in _STATS.items()}
+    with inst.own_random():
+        while True:
+            op, a, b, c, d = group.header()
+            if op == _END:
+                break
+            if op == _SYNC:
+                with torch.no_grad():
+                    group.broadcast([p.detach() for p in inst.params])
+                    if a:
+                        _broadcast_optimizer(inst, group)
+            elif op == _STEP:
+                _step(inst, group, micro=a, accum=b, cols=c, stats=stats_names[d], draw=None)
+            else:
+                raise RuntimeError(f"replica: unknown header {op}")
+    inst.optimizer.zero_grad(set_to_none=True)
+
+
+# ---- both ----------------------------------------------------------------------------------------------
+
+
+def _broadcast_optimizer(inst: Instance, group: Group) -> None:
+    """AdamW's moments and step counts, from the primary into the replicas' optimizers: a step count
+    of −1 says the primary has no state for that parameter yet (it never stepped)."""
+    fused = bool(inst.optimizer.param_groups[0].get("fused"))
+    steps = torch.full((len(inst.params),), -1.0, dtype=torch.float64, device=group.device)
+    if group.rank == 0:
+        for j, p in enumerate(inst.params):
+            state = inst.optimizer.state.get(p)
+            if state:
+                steps[j] = float(state["step"])
+    group.broadcast([steps])
+    moments: list[torch.Tensor] = []
+    for j, p in enumerate(inst.params):
+        if steps[j] < 0:
+            inst.optimizer.state.pop(p, None)
+            continue
+        state = inst.optimizer.state[p]
+        if not state:
+            step_device = p.device if fused else torch.device("cpu")
+            state["step"] = torch.zeros((), dtype=torch.float32, device=step_device)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["step"].fill_(float(steps[j]))
+        moments += [state["exp_avg"], state["exp_avg_sq"]]
+    group.broadcast(moments)
+
+
+def _step(
+    inst: Instance,
+    group: Group,
+    *,
+    micro: int,
+    accum: int,
+    cols: int,
+    stats: str,
+    draw: Callable[[int], torch.Tensor] | None,
+) -> tuple[torch.Tensor, GradStats | None]:
+    """One AdamW step over the group: the batch of `accum` micro-batches of `micro` rows (drawn by
+    the primary as it would alone), this member's share of its rows trained in passes of at most
+    `micro` (so a switch-mode step takes 1/size of the passes it takes alone), the gradients summed
+    in the group, clipped and applied alike everywhere. Returns the batch's mean loss (a 0-d tensor)
+    and, when `stats` asks, the batch test's statistics with one sample per member that trained."""
+    rows = micro * accum
+    if draw is not None:
+        batch = torch.cat([draw(micro) for _ in range(accum)]).to(group.device)
+    else:
+        batch = torch.empty((rows, cols), dtype=torch.int64, device=group.device)
+    group.broadcast([batch])
+    lo, hi = share(rows, group.rank, group.size)
+    weight = (hi - lo) / rows
+    inst.optimizer.zero_grad(set_to_none=True)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=inst.device)
+    for first in range(lo, hi, micro):
+        last = min(first + micro, hi)
+        part = batch[first:last].to(inst.device, non_blocking=True)
+        with autocast(inst.device, inst.autocast_dtype):
+            loss = causal_lm_loss(inst.model, part)
+        # Each pass weighted by its rows' share of the batch: summed over the group, the batch's mean.
+        torch.autograd.backward(loss * ((last - first) / rows))
+        loss_sum += loss.detach().double() * ((last - first) / rows)
+        inst.passes[last - first] += 1
+    grads = []
+    for p in inst.params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        grads.append(p.grad)
+    gather = stats != "none"
+    # ||G_r||² / w_r = w_r·||g_r||²: g_r this member's mean gradient, G_r = w_r·g_r what it holds.
+    own_sq = 0.0
+    if gather and hi > lo:
+        own_sq = math.fsum(float(torch.sum(g.double() * g.double())) for g in grads) / weight
+    with torch.no_grad():
+        own_inner = group.all_reduce(grads, inner_with_own=stats == "full")
+    # What every member needs: the loss, Σ_r w_r·||g_r||², how many trained, ⟨g_r, ḡ⟩ of each.
+    scalars = torch.zeros(3 + group.size, dtype=torch.float64, device=group.device)
+    scalars[0] = loss_sum.to(group.device)
+    scalars[1] = own_sq
+    if hi > lo:
+        scalars[2] = 1.0
+        scalars[3 + group.rank] = own_inner / weight
+    group.all_reduce([scalars])
+    step_stats = None
+    members = round(float(scalars[2]))
+    if gather and members >= 2:
+        sq_norm = math.fsum(float(torch.sum(g.double() * g.double())) for g in grads)
+        # Σ_r w_r·||g_r − ḡ||² = Σ_r w_r·||g_r||² − ||ḡ||²; times M: S of M samples of equal size.
+        sq_dev = members * max(float(scalars[1]) - sq_norm, 0.0)
+        inner = [float(v) for v in scalars[3:]] if stats == "full" else [sq_norm] * group.size
+        trained = [
+            r for r in range(group.size) if share(rows, r, group.size)[1] > share(rows, r, group.size)[0]
+        ]
+        step_stats = stats_from_sums(
+            sq_dev=sq_dev,
+            sq_norm=sq_norm,
+            ip=[inner[r] for r in trained],
+            samples_per_grad=max(1, round(rows / members)),
+        )
+    if inst.inner.grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(inst.params, inst.inner.grad_clip)
+    inst.optimizer.step()
+    return scalars[0].float().to(inst.device), step_stats
