@@ -15,6 +15,7 @@ onto its first device when merges took the one there, `Peer._replan`), so it nev
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -23,6 +24,8 @@ from torch._C._distributed_c10d import TCPStore
 from .instances import Instance
 from .parallel import TIMEOUT, GroupSpec, share
 from .remote import RemoteInstance
+
+logger = logging.getLogger(__name__)
 
 
 def replica_devices(held: Sequence[int], num_devices: int) -> list[tuple[int, ...]]:
@@ -80,6 +83,12 @@ class DataParallel:
         if new:
             self._form(new, make_replica)
             self.groups += new
+            for group in new:
+                logger.info(
+                    "instance %d trains data parallel: replicas on devices %s",
+                    group.primary.slot,
+                    ", ".join(map(str, group.devices)),
+                )
 
     def _form(self, groups: Sequence[Replicated], make_replica: MakeReplica) -> None:
         if self._store is None:

@@ -27,7 +27,6 @@ told anything else: `serve_round` runs until the primary says the round ended.
 from __future__ import annotations
 
 import datetime
-import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -286,7 +285,7 @@ def _step(
     # ||G_r||² / w_r = w_r·||g_r||²: g_r this member's mean gradient, G_r = w_r·g_r what it holds.
     own_sq = 0.0
     if gather and hi > lo:
-        own_sq = math.fsum(float(torch.sum(g.double() * g.double())) for g in grads) / weight
+        own_sq = _sq_norm(grads) / weight
     with torch.no_grad():
         own_inner = group.all_reduce(grads, inner_with_own=stats == "full")
     # What every member needs: the loss, Σ_r w_r·||g_r||², how many trained, ⟨g_r, ḡ⟩ of each.
@@ -300,7 +299,7 @@ def _step(
     step_stats = None
     members = round(float(scalars[2]))
     if gather and members >= 2:
-        sq_norm = math.fsum(float(torch.sum(g.double() * g.double())) for g in grads)
+        sq_norm = _sq_norm(grads)
         # Σ_r w_r·||g_r − ḡ||² = Σ_r w_r·||g_r||² − ||ḡ||²; times M: S of M samples of equal size.
         sq_dev = members * max(float(scalars[1]) - sq_norm, 0.0)
         inner = [float(v) for v in scalars[3:]] if stats == "full" else [sq_norm] * group.size
@@ -317,3 +316,8 @@ def _step(
         torch.nn.utils.clip_grad_norm_(inst.params, inst.inner.grad_clip)
     inst.optimizer.step()
     return scalars[0].float().to(inst.device), step_stats
+
+
+def _sq_norm(tensors: Sequence[torch.Tensor]) -> float:
+    """Σ ||t||² over `tensors`, in float64 on their device, read once (one wait for a GPU)."""
+    return float(torch.stack([torch.sum(t.double() * t.double()) for t in tensors]).sum())
