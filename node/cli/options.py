@@ -145,7 +145,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     )
     local.add_argument("--min-inner-steps", type=int, default=1, help="floor on H under the policies")
     local.add_argument(
-        "--max-inner-steps", type=int, default=500, help="ceiling on H under hide_comm (DiLoCo's 500)"
+        "--max-inner-steps", type=int, default=200, help="ceiling on H under hide_comm (200, measured)"
     )
     local.add_argument("--inner-lr", type=finite_float, default=4e-4, help="AdamW lr of the instances")
     local.add_argument("--b-max", type=int, default=None, help="hardware batch limit (default: probed)")

@@ -111,10 +111,10 @@ class ScheduleConfig:
         exchange then costs no compute time. Use it where rounds wait on the link.
     min_inner_steps: floor on H under "constant_tokens" and "hide_comm". Raise it if communication
         starts to dominate the round time.
-    max_inner_steps: ceiling on H under "hide_comm": DiLoCo's own H (500, Douillard et al. 2023,
-        150M on C4: the quality of synchronous training at 500× less communication). Past it the
-        local models drift apart for longer than the method was shown to tolerate; a link too slow
-        for it gets a harsher codec instead (`--codec adaptive`) or waits.
+    max_inner_steps: ceiling on H under "hide_comm": 200, the largest H measured within 2 % of
+        H = 10's val loss at the same tokens (bench/h_bound.py; 500, DiLoCo's own H, was 7 % worse
+        there). Past it the local models drift apart for longer than this scale was shown to
+        tolerate; a link too slow for it gets a harsher codec instead (`--codec adaptive`) or waits.
     """
 
     test: BatchTest = "norm"
@@ -126,7 +126,7 @@ class ScheduleConfig:
     merge: MergePolicy = field(default_factory=MergePolicy)
     inner_steps_policy: Literal["fixed", "constant_tokens", "hide_comm"] = "fixed"
     min_inner_steps: int = 1
-    max_inner_steps: int = 500
+    max_inner_steps: int = 200
 
     def __post_init__(self) -> None:
         if self.test not in ("norm", "augmented", "none"):
