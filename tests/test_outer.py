@@ -154,3 +154,26 @@ def test_delay_must_be_whole_rounds(delay: Any) -> None:  # not always an int, o
 def test_a_negative_index_is_refused() -> None:
     with pytest.raises(ValueError, match="count from 0"):
         outer_step([torch.zeros(2)], [torch.zeros(2)], [torch.zeros(2)], OuterConfig(), index=-1)
+
+
+@pytest.mark.parametrize("cfg", [OuterConfig(), OuterConfig(convention="n2"), OuterConfig(delay=3)])
+def test_a_large_tensor_stepped_a_slice_at_a_time_holds_the_whole_steps_bits(
+    cfg: OuterConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tensor above `OUTER_SLICE` elements is stepped in slices (its temporaries a slice's size):
+    θ and m are the bits of the step on the whole tensor, a slice boundary inside a row included."""
+    from adloco.protocol.algorithms import outer
+
+    torch.manual_seed(0)
+    theta0, m0 = torch.randn(1000, 77), torch.randn(1000, 77)
+    deltas = [torch.randn(1000, 77) for _ in range(4)]
+    runs = []
+    for slice_elements in (10**6, 4096 + 3):
+        monkeypatch.setattr(outer, "OUTER_SLICE", slice_elements)
+        theta, mom = theta0.clone(), m0.clone()
+        for index, d in enumerate(deltas):
+            outer_step([theta], [mom], [d], cfg, index=index)
+        runs.append((theta, mom))
+    (whole_theta, whole_m), (sliced_theta, sliced_m) = runs
+    assert torch.equal(whole_theta, sliced_theta) and torch.equal(whole_m, sliced_m)
+    assert not torch.equal(whole_theta, theta0)

@@ -291,6 +291,53 @@ def test_kept_updates_are_bounded_by_their_bytes(corpus: Corpus) -> None:
     assert a.state.history == []
 
 
+def test_kept_updates_on_disk_are_the_same_bytes_and_replay_to_the_same_theta(
+    corpus: Corpus, tmp_path: Path
+) -> None:
+    """A networked node keeps its updates for laggards on disk (`keep_updates_on_disk`): the same
+    payloads as a peer that keeps them in memory, none held in memory, a laggard replays them to
+    the same θ, and a checkpoint of the state carries them."""
+    from adloco.node.training.replica import SpilledPayloads
+
+    a, b = _peer(corpus, "a", 0), _peer(corpus, "b", 1)
+    a.keep_updates_on_disk(str(tmp_path))
+    for _ in range(3):
+        _round([a, b])
+    assert a.state.theta_hash() == b.state.theta_hash()
+    assert [u.round for u in a.state.history] == [u.round for u in b.state.history] == [0, 1, 2]
+    for on_disk, in_memory in zip(a.state.history, b.state.history, strict=True):
+        assert isinstance(on_disk.averaged, SpilledPayloads) and not isinstance(
+            in_memory.averaged, SpilledPayloads
+        )
+        assert on_disk.num_bytes == in_memory.num_bytes
+        assert dict(on_disk.averaged) == dict(in_memory.averaged)
+    assert list(tmp_path.iterdir()) == []  # unnamed files: nothing to leave behind
+    late = _peer(corpus, "late", 1)
+    assert late.catch_up(a.state.history) == 3 and late.state.theta_hash() == a.state.theta_hash()
+    restored = _peer(corpus, "a", 0)
+    restored.keep_updates_on_disk(str(tmp_path))
+    restored.load_state_dict(a.state_dict())
+    assert all(isinstance(u.averaged, SpilledPayloads) for u in restored.state.history)
+    assert [dict(u.averaged) for u in restored.state.history] == [dict(u.averaged) for u in b.state.history]
+
+
+def test_kept_updates_stay_in_memory_where_the_disk_cannot_hold_them(
+    corpus: Corpus, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A folder gone (or a full disk) costs the memory, not the round: the update applies and is
+    kept in memory, with one warning."""
+    from adloco.node.training.replica import SpilledPayloads
+
+    a = _peer(corpus, "a", 0)
+    a.keep_updates_on_disk(str(tmp_path / "gone"))
+    with caplog.at_level("WARNING"):
+        _round([a])
+        _round([a])
+    assert a.state.round == 2 and [u.round for u in a.state.history] == [0, 1]
+    assert not any(isinstance(u.averaged, SpilledPayloads) for u in a.state.history)
+    assert sum("stay in memory" in r.getMessage() for r in caplog.records) == 1
+
+
 def test_an_update_that_does_not_fit_changes_nothing(corpus: Corpus) -> None:
     a = _peer(corpus, "a", 0)
     contribution = _contribution(a)
@@ -306,6 +353,30 @@ def test_an_update_that_does_not_fit_changes_nothing(corpus: Corpus) -> None:
     assert all(torch.equal(x, y) for x, y in zip(a.state.theta, theta, strict=True))
     a.apply_round(result)  # the good one still applies
     assert a.state.round == 1
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_an_update_not_finite_in_any_slice_changes_nothing(
+    corpus: Corpus, bad: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The finite check goes a slice at a time: a NaN or infinity in the last slice of a tensor is
+    found as in the first."""
+    from adloco.node.training import peer as peer_module
+    from adloco.protocol.algorithms.codecs import decode, make_codec
+
+    monkeypatch.setattr(peer_module, "_FINITE_SLICE", 7)
+    a = _peer(corpus, "a", 0)
+    result = reduce_group([_contribution(a)], codec=a.downlink_codec("int8"))
+    theta = [t.clone() for t in a.state.theta]
+    name = a.names[0]
+    poisoned = decode(result.averaged[name])
+    assert poisoned.numel() > 7
+    poisoned.view(-1)[-1] = bad
+    averaged = {**result.averaged, name: make_codec("none").encode(name, poisoned)}
+    with pytest.raises(ValueError, match="misshapen or not finite"):
+        a.apply_round(replace(result, averaged=averaged))
+    assert a.state.round == 0
+    assert all(torch.equal(x, y) for x, y in zip(a.state.theta, theta, strict=True))
 
 
 def test_late_contribution_is_corrected_and_down_weighted(corpus: Corpus) -> None:

@@ -197,6 +197,7 @@ def _stop_donor(donor: Donor) -> None:
 @pytest.fixture(scope="module")
 def swarm() -> Iterator[Swarm]:
     holder = _peer("holder")
+    holder.keep_updates_on_disk()  # as a networked node does: served from disk
     _train_alone(holder, 2)
     offers = StateOffers(holder, threading.Lock(), chunk_bytes=CHUNK)
     dhts: list[DHT] = []
@@ -572,8 +573,11 @@ def test_a_manifest_advertising_absurd_sizes_is_refused_before_any_chunk_is_read
 def test_kept_updates_arrive_in_pieces_and_replay_to_the_holders_state(
     swarm: Swarm, donors: list[Donor]
 ) -> None:
+    from adloco.node.training.replica import SpilledPayloads
+
     holder = swarm.holder
     kept = holder.state.history
+    assert all(isinstance(u.averaged, SpilledPayloads) for u in kept)
     peer_id = donors[0].peer_id
     records = swarm.client.fetch_updates(peer_id, from_round=1, max_bytes=1 << 20)
     assert [r.round for r in records] == [u.round for u in kept if u.round >= 1] == [1]
@@ -670,19 +674,25 @@ def test_a_server_limits_each_peer_updates_included_and_serves_the_others(swarm:
         other_dht.shutdown()
 
 
-def test_a_round_being_downloaded_is_frozen_when_the_donor_moves_on() -> None:
+@pytest.mark.parametrize("disk", [True, False])
+def test_a_round_being_downloaded_is_frozen_when_the_donor_moves_on(disk: bool, tmp_path: Path) -> None:
     """No network: the donor's offers keep serving the round a joiner asked for after θ changed in
-    place, from a copy, and withdraw a round nobody asked for."""
+    place, from a copy on disk (in memory where the disk cannot hold it: a folder gone), and
+    withdraw a round nobody asked for."""
     peer = _peer("donor")
-    offers = StateOffers(peer, threading.Lock(), chunk_bytes=CHUNK)
+    folder = tmp_path if disk else tmp_path / "gone"
+    offers = StateOffers(peer, threading.Lock(), chunk_bytes=CHUNK, directory=str(folder))
     asked = offers.publish()
     served = offers.offered(asked.digest)  # a joiner asks for it
     assert served is not None
     _train_alone(peer, 1)  # θ and m change in place
     assert offers.frozen_rounds() == [0]
+    assert offers.frozen_rounds(in_memory=True) == ([] if disk else [0])
+    assert list(tmp_path.iterdir()) == []  # an unnamed file: nothing to leave behind
     state = ChunkedState(StateManifest.decode(asked.encoded, digest=asked.digest), asked.digest)
     for index in range(len(asked.manifest.chunks)):
         assert state.accept(index, served.read_chunk(index))  # still round 0's bytes
+    assert state.complete
 
     unasked = offers.publish()  # round 1, which nobody asks for
     _train_alone(peer, 1)

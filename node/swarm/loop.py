@@ -27,7 +27,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ...protocol.algorithms.allreduce import Contribution
 from ...protocol.algorithms.pseudograd import PseudoGradient
@@ -527,7 +527,8 @@ class RoundLoop:
         counters.checks_received += traffic.checks_received
         self.metrics.sent.inc(traffic.wire_sent)
         self.metrics.received.inc(traffic.wire_received)
-        self._last = (info, result)
+        # For the round's record, which reads no payload: the kept update holds them (on disk).
+        self._last = (info, replace(result, averaged={}))
         self.sync.vouch(result.members, result.work)
         # Not waited for: under overlap this runs between two inner steps, and a store toward peers
         # that went silent (a cut link) waits out their RPC timeouts.

@@ -147,6 +147,8 @@ class SwarmNode:
             vocab_size=tokenizer.vocab_size,
             tokenizer=tokenizer,
         )
+        # The updates kept for laggards wait on disk, beside the checkpoints where there are any.
+        self.peer.keep_updates_on_disk(None if swarm.checkpoint_dir is None else str(swarm.checkpoint_dir))
         self.prefix = run_prefix(swarm.run_id, self.peer.fingerprint)
         self.ops = NodeOps(
             peer=self.peer,
@@ -191,7 +193,12 @@ class SwarmNode:
         )
         # fp32 is the largest encoding of the pseudo-gradient: a bound for every codec of the run.
         fp32_bytes = 4 * sum(t.numel() for t in self.peer.named_theta().values())
-        self.offers = StateOffers(self.peer, self.lock, chunk_bytes=swarm.state_transfer.chunk_bytes)
+        self.offers = StateOffers(
+            self.peer,
+            self.lock,
+            chunk_bytes=swarm.state_transfer.chunk_bytes,
+            directory=None if swarm.checkpoint_dir is None else str(swarm.checkpoint_dir),
+        )
         self.server = StateServer(
             self.dht,
             prefix=self.prefix,

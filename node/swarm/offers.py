@@ -6,18 +6,20 @@ by chunk from the live tensors, no serialized copy), publishes the manifest's ha
 state record and offers that round. A chunk is read from the live tensors, under the node's lock,
 only when a joiner asks for it. θ and m change in place at the next outer step; just before they do
 (`Peer.before_change`, under the lock) a round that someone asked for within the last `hold_s`
-seconds is frozen (θ and m copied once to the host) and stays offered until nobody has asked for it
-for `hold_s`; a round nobody asked for is withdrawn. A joiner's probe of the live round
+seconds is frozen (θ and m written once, a chunk at a time, to an unnamed file: `SpillFile`; copied
+in memory where the disk cannot hold them) and stays offered until nobody has asked for it for
+`hold_s`; a round nobody asked for is withdrawn. A joiner's probe of the live round
 (`published`: does this node stand by its record?) counts as an ask for `PROBE_HOLD_S`: the joiner
 asks for the manifest next, and a round that changed in between would refuse it (with rounds of a
-few seconds, a restarted node was refused every time and never caught up). So a node holds an extra
-copy of the state only while a download crosses one of its rounds, or a probe its change (at most
-`max_frozen` copies), and a joiner slower than a round still completes the round it began with,
+few seconds, a restarted node was refused every time and never caught up). So a node keeps an extra
+copy of the state, on disk, only while a download crosses one of its rounds, or a probe its change
+(at most `max_frozen` copies), and a joiner slower than a round still completes the round it began with,
 then replays the rounds since.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -29,7 +31,10 @@ import torch
 
 from ...protocol.transport.manifest import StateManifest, TensorBytes, TensorSpec, build_manifest
 from ...protocol.transport.state_transfer import ServedState
+from ..data.spill import SpillFile
 from ..training.peer import Peer
+
+logger = logging.getLogger(__name__)
 
 HOLD_S = 120.0  # a frozen round stays offered until nobody has asked for it for this long
 PUBLISHED_KEPT = 4  # the published rounds a node still stands by when asked (`published`)
@@ -48,8 +53,9 @@ class _Offer:
     manifest: StateManifest
     encoded: bytes
     digest: str
-    tensors: list[torch.Tensor]  # the live θ and m while not frozen
+    tensors: list[torch.Tensor]  # the live θ and m while not frozen (frozen: a copy, if not on disk)
     frozen: bool
+    file: SpillFile | None = None  # frozen on disk: the manifest's byte string
     asked: float | None = None  # monotonic time of the last request, None: never asked
     probed: float | None = None  # monotonic time of the last probe while live (`published`)
 
@@ -66,8 +72,11 @@ class StateOffers:
         chunk_bytes: int,
         hold_s: float = HOLD_S,
         max_frozen: int = 1,
+        directory: str | None = None,
     ) -> None:
         self.peer, self.lock = peer, lock
+        # Where a frozen round waits (`SpillFile`): the checkpoint folder, else the temporary one.
+        self.directory = directory
         self.chunk_bytes, self.hold_s, self.max_frozen = chunk_bytes, hold_s, max_frozen
         self._offers: dict[str, _Offer] = {}
         # The manifests of the last few rounds published, for `published` (a joiner weighing peers).
@@ -127,15 +136,35 @@ class StateOffers:
             wanted = sorted(active, key=lambda o: _rank(o, now), reverse=True)[: self.max_frozen]
             for offer in wanted:
                 if not offer.frozen:
-                    if _same(offer.tensors, [*self.peer.state.theta, *self.peer.state.momentum]):
-                        offer.tensors = [t.detach().to("cpu", copy=True) for t in offer.tensors]
-                    offer.frozen = True  # (an adopted state left the old tensors unchanged)
+                    self._freeze(offer)
             self._offers = {o.digest: o for o in wanted}
 
-    def frozen_rounds(self) -> list[int]:
-        """The rounds held as frozen copies now (for tests and status)."""
+    def _freeze(self, offer: _Offer) -> None:
+        """Keep `offer`'s bytes as they are now: on disk, a chunk at a time, so a donor serving a
+        joiner holds no second θ and m (8 B/param); a copy in memory where the disk cannot hold them."""
+        data = TensorBytes(offer.tensors)
+        try:
+            file = SpillFile(self.directory)
+            for start in range(0, data.total, self.chunk_bytes):
+                file.append(data.read(start, min(start + self.chunk_bytes, data.total)))
+        except OSError as e:
+            logger.warning("a round frozen for a download is copied in memory: no disk room for it: %s", e)
+            if _same(offer.tensors, [*self.peer.state.theta, *self.peer.state.momentum]):
+                offer.tensors = [t.detach().to("cpu", copy=True) for t in offer.tensors]
+            # (an adopted state left the old tensors unchanged: they are the copy)
+        else:
+            offer.file, offer.tensors = file, []
+        offer.frozen = True
+
+    def frozen_rounds(self, *, in_memory: bool = False) -> list[int]:
+        """The rounds held as frozen copies now (for tests and status); `in_memory`: those copied in
+        memory, not on disk."""
         with self._mutex:
-            return sorted(o.manifest.round for o in self._offers.values() if o.frozen)
+            return sorted(
+                o.manifest.round
+                for o in self._offers.values()
+                if o.frozen and (o.file is None or not in_memory)
+            )
 
     def _active(self, offer: _Offer) -> bool:
         now = time.monotonic()
@@ -148,6 +177,8 @@ class StateOffers:
     def _read(self, offer: _Offer, index: int) -> bytes:
         """Chunk `index` of `offer`: from the frozen copy, or from the live tensors under the lock."""
         start, end = offer.manifest.span(index)
+        if offer.file is not None:
+            return offer.file.read(start, end - start)
         if offer.frozen:
             return TensorBytes(offer.tensors).read(start, end)
         with self.lock:  # the live tensors do not change while it is held

@@ -232,7 +232,7 @@ def updates_of(peer: Peer, lock: threading.Lock, from_round: int) -> list[Update
     """The averaged updates this node keeps from `from_round` on (for a laggard to replay)."""
     with lock:
         return [
-            UpdateRecord(u.round, dict(u.averaged), u.schedule.to_dict(), u.merge)
+            UpdateRecord(u.round, u.averaged, u.schedule.to_dict(), u.merge)
             for u in peer.state.history
             if u.round >= from_round
         ]

@@ -138,6 +138,9 @@ class Peer:
         ]
         # What a slot this peer had merged away is rebuilt from (`adopt_state`).
         self._corpus, self._index, self._num_peers = corpus, index, num_peers
+        # Where the kept updates wait for laggards (`keep_updates_on_disk`): in memory unless set.
+        self._kept_on_disk = False
+        self._kept_dir: str | None = None
         # The probe runs on the first device for all (a node's devices are taken to be alike), and
         # counts the instances whose memory it shares: a GPU's own, but all of them on the host.
         sharing = (
@@ -616,6 +619,7 @@ class Peer:
         for name, theta, momentum in zip(self.names, self.state.theta, self.state.momentum, strict=True):
             delta = decode(update.averaged[name]).to(self.placement.state)
             outer_step([theta], [momentum], [delta], self.cfg.outer, index=self.state.round)
+            del delta  # before the next is decoded
         if update.merge is not None:
             if self._in_round:
                 # The instances are mid-round (overlap): merge when the round ends.
@@ -631,7 +635,8 @@ class Peer:
 
     def _trim_history(self) -> None:
         """Keep the last few averaged updates, so a peer a few rounds behind can replay them: at most
-        `HISTORY_ROUNDS`, and no more than fit in `cfg.replay_mb` of encoded bytes."""
+        `HISTORY_ROUNDS`, and no more than fit in `cfg.replay_mb` of encoded bytes; on disk after
+        `keep_updates_on_disk`."""
         budget, kept = self.cfg.replay_mb * 2**20, 0
         history = self.state.history[-HISTORY_ROUNDS:]
         for back, update in enumerate(reversed(history)):
@@ -639,7 +644,21 @@ class Peer:
             if kept > budget:
                 history = history[len(history) - back :]
                 break
+        if self._kept_on_disk:
+            try:
+                history = [update.spilled(self._kept_dir) for update in history]
+            except OSError as e:  # a full disk or a folder gone: never worth failing a round for
+                where = self._kept_dir or "the temporary folder"
+                logger.warning("kept updates stay in memory from now on: %s cannot hold them: %s", where, e)
+                self._kept_on_disk = False
         self.state.history = history
+
+    def keep_updates_on_disk(self, directory: str | None = None) -> None:
+        """Keep the averaged updates for laggards in unnamed files in `directory` (default: the
+        system's temporary folder), read back when one asks, instead of in memory: ~1 B/param per
+        int8 update kept (`SpilledPayloads`). The networked node does; the simulator does not."""
+        self._kept_on_disk, self._kept_dir = True, directory
+        self._trim_history()
 
     def _check_update(self, update: Update) -> None:
         """ValueError unless the update decodes to one finite tensor of θ's shape per name and any MIT
@@ -658,8 +677,9 @@ class Peer:
                 raise ValueError(f"update for round {update.round}: a merge must leave {slots - 1} slots")
         for name, theta in zip(self.names, self.state.theta, strict=True):
             delta = decode(update.averaged[name])
-            if delta.shape != theta.shape or not bool(torch.isfinite(delta).all()):
+            if delta.shape != theta.shape or not _all_finite(delta):
                 raise ValueError(f"update for round {update.round}: {name} is misshapen or not finite")
+            del delta  # before the next is decoded: one decoded tensor at a time
 
     def rebase_instances(self) -> None:
         """Overlap: move the instances' progress onto the current θ (`cfg.overlap` says how); the
@@ -725,6 +745,7 @@ class Peer:
             schedule=other.schedule,
             history=list(other.history),
         )
+        self._trim_history()
         while len(self.instances) > self.state.schedule.instances:
             # The two slots with the smallest data streams merge, as a missed MIT merge would have.
             order = sorted(
@@ -867,6 +888,7 @@ class Peer:
             )
         # Everything is checked: from here on nothing raises, so the state is applied whole.
         self.state = replicated
+        self._trim_history()
         for slot, (inst, inst_state, sampler) in enumerate(zip(kept, saved, samplers, strict=True)):
             inst.slot = slot
             inst.sampler = sampler
@@ -928,6 +950,20 @@ def instance_sampler(
         seed=cfg.seed,
     )
     return TokenSampler(shard, seq_len=cfg.seq_len, seed=cfg.seed * 1000 + index * 31 + slot)
+
+
+# Elements checked at a time by `_all_finite`: `torch.isfinite(t).all()` on the whole of GPT-2's
+# embedding held 0.25 GiB of temporaries (its absolute values and two masks) at the outer step.
+_FINITE_SLICE = 1 << 20
+
+
+def _all_finite(tensor: torch.Tensor) -> bool:
+    """No NaN and no infinity in `tensor`, checked a slice at a time."""
+    flat = tensor.reshape(-1)
+    return all(
+        bool(torch.isfinite(flat[at : at + _FINITE_SLICE]).all())
+        for at in range(0, flat.numel(), _FINITE_SLICE)
+    )
 
 
 def overlap_this_round(mode: str, *, comm_s: float | None, compute_s: float | None) -> bool:

@@ -7,14 +7,15 @@ all of it bit for bit; θ's hash is what they publish and check each other again
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from ...protocol.algorithms.pseudograd import tensors_hash
 from ...protocol.algorithms.schedule import Schedule
+from ..data.spill import SpillFile
 from ..data.state import integer, mapping, tensors_like
 from .config import TrainConfig
 
@@ -25,6 +26,35 @@ Copy = Callable[[torch.Tensor], torch.Tensor]  # one tensor's copy, placed where
 
 def _clone(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().clone()
+
+
+class SpilledPayloads(Mapping[str, bytes]):
+    """An update's payloads in an unnamed temporary file, each read back when asked for.
+
+    A kept update waits for a laggard that may never ask: on disk (`SpillFile`) it costs no memory
+    meanwhile (~1 B/param per int8 update).
+    """
+
+    def __init__(self, payloads: Mapping[str, bytes], directory: str | None = None) -> None:
+        self._file = SpillFile(directory)
+        self._spans = {name: (self._file.append(payload), len(payload)) for name, payload in payloads.items()}
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(size for _, size in self._spans.values())
+
+    def size(self, name: str) -> int:
+        """One payload's size, not read."""
+        return self._spans[name][1]
+
+    def __getitem__(self, name: str) -> bytes:
+        return self._file.read(*self._spans[name])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._spans)
+
+    def __len__(self) -> int:
+        return len(self._spans)
 
 
 @dataclass(frozen=True)
@@ -39,7 +69,15 @@ class Update:
     @property
     def num_bytes(self) -> int:
         """The encoded bytes it holds (what keeping it costs)."""
+        if isinstance(self.averaged, SpilledPayloads):
+            return self.averaged.num_bytes
         return sum(len(payload) for payload in self.averaged.values())
+
+    def spilled(self, directory: str | None = None) -> Update:
+        """The same update with its payloads on disk (`SpilledPayloads`), read back when asked for."""
+        if isinstance(self.averaged, SpilledPayloads):
+            return self
+        return replace(self, averaged=SpilledPayloads(self.averaged, directory))
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -40,7 +40,7 @@ import random
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -134,7 +134,7 @@ class UpdateRecord:
     """One applied round as a lagging peer replays it."""
 
     round: int
-    averaged: dict[str, bytes]
+    averaged: Mapping[str, bytes]  # served: may read each payload from disk when asked (`size` first)
     schedule: dict[str, Any]
     merge: tuple[int, int] | None
 
@@ -493,7 +493,7 @@ class StateServer:
                 "round": r.round,
                 "schedule": r.schedule,
                 "merge": r.merge,
-                "parts": [[key, len(payload)] for key, payload in r.averaged.items()],
+                "parts": [[key, _payload_size(r.averaged, key)] for key in r.averaged],
             }
             for r in records
         ]
@@ -501,8 +501,11 @@ class StateServer:
             write_frame(writer, {"v": PROTOCOL_VERSION, "ok": True, "updates": items}, [], meter),
             s.timeout_floor_s,
         )
+        loop = asyncio.get_running_loop()
         for r in records:
-            for payload in r.averaged.values():
+            for key in r.averaged:
+                # One payload in memory at a time: a kept update on disk is read here, off the loop.
+                payload = await loop.run_in_executor(None, r.averaged.__getitem__, key)
                 for at in range(0, len(payload), s.chunk_bytes):
                     piece = payload[at : at + s.chunk_bytes]  # one chunk's copy at a time
                     await asyncio.wait_for(
@@ -547,6 +550,12 @@ class StateServer:
         self._thread.join(timeout=10)
         if not self._thread.is_alive():
             self._loop.close()
+
+
+def _payload_size(payloads: Mapping[str, bytes], key: str) -> int:
+    """A payload's size, without reading one that a kept update holds on disk (it knows its sizes)."""
+    size = getattr(payloads, "size", None)
+    return int(size(key)) if callable(size) else len(payloads[key])
 
 
 def _update_items(
