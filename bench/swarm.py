@@ -18,6 +18,7 @@ those of 2 cores split across the nodes. From the repository root:
 
     python bench/swarm.py                              # 3 nodes + joiner, 124M, ~20 GB, ~15 min on 2 cores
     python bench/swarm.py --model tiny-llama --join-at 3 --out /tmp/swarm.json   # a quick check
+    python bench/swarm.py --nodes 2 --phases --out /tmp/swarm.json   # and each node's memory by phase
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ class Node:
 
     def __init__(self, name: str, cmd: list[str], work: Path, *, status: bool = True) -> None:
         self.name, self.status = name, work / f"{name}.jsonl"
-        self.log = (work / f"{name}.log").open("w")
+        self.log_path = work / f"{name}.log"
+        self.log = self.log_path.open("w")
         self.started = time.time()
         self.proc = subprocess.Popen(
             [*cmd, "--status-file", str(self.status)] if status else cmd,
@@ -72,11 +74,24 @@ class Node:
             os.killpg(self.proc.pid, signal.SIGKILL)
 
 
+# `--phases`: each node runs under bench/memory_phases.py, which reports its resident memory by phase.
+PHASES = [sys.executable, str(Path(__file__).resolve().parent / "memory_phases.py")]
+
+
 def _node_cmd(
-    peers: list[str], model: list[str], *, rounds: int, shard: int, work: Path, name: str, extra: list[str]
+    peers: list[str],
+    model: list[str],
+    *,
+    rounds: int,
+    shard: int,
+    work: Path,
+    name: str,
+    extra: list[str],
+    phases: bool = False,
 ) -> list[str]:
     return [
-        "adloco-node", "--peers", *peers, "--run-id", "bench", "--rounds", str(rounds),
+        *(PHASES if phases else ["adloco-node"]),
+        "--peers", *peers, "--run-id", "bench", "--rounds", str(rounds),
         "--data-shard", str(shard), "--data-shards", "8", "--model", *model, *TRAIN_ARGS,
         "--threads", "1", "--checkpoint-dir", str(work / f"ckpt-{name}"), *NET, *extra,
     ]  # fmt: skip
@@ -141,7 +156,14 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, object]:
         peers = json.loads(maddrs.read_text())
         for i in range(args.nodes):
             cmd = _node_cmd(
-                peers, [model, *extra], rounds=args.rounds, shard=i, work=work, name=f"n{i}", extra=node_args
+                peers,
+                [model, *extra],
+                rounds=args.rounds,
+                shard=i,
+                work=work,
+                name=f"n{i}",
+                extra=node_args,
+                phases=args.phases,
             )
             nodes.append(Node(f"n{i}", cmd, work))
         _wait(f"round {args.join_at}", lambda: len(nodes[0].rounds()) >= args.join_at, args.timeout_s, nodes)
@@ -153,6 +175,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, object]:
             work=work,
             name="joiner",
             extra=node_args,
+            phases=args.phases,
         )
         joiner = Node("joiner", cmd, work)
         nodes.append(joiner)
@@ -185,6 +208,9 @@ def summarize(nodes: list[Node], joiner: Node, params: int, args: argparse.Names
             "round_s": [round(e["round_s"], 2) for e in rounds],
             **_peaks(node, params),
         }
+        if args.phases:  # memory_phases.py's report, the node's last lines
+            lines = node.log_path.read_text().splitlines()
+            per_node[node.name]["phases"] = [ln for ln in lines if " peak " in ln or ln.startswith("VmHWM")]
     events = _events(joiner.status)
     download = next((e for e in events if e["event"] == "state_download"), None)
     first = next((e for e in events if e["event"] == "round"), None)
@@ -227,6 +253,9 @@ def main() -> None:
     )
     ap.add_argument(
         "--node-arg", action="append", default=[], help="one more argument for every node (repeatable)"
+    )
+    ap.add_argument(
+        "--phases", action="store_true", help="run each node under memory_phases.py: memory by phase"
     )
     ap.add_argument("--timeout-s", type=float, default=3600.0, help="give up on any one wait after this")
     ap.add_argument("--out", type=Path, default=RESULTS)
