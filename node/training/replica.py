@@ -41,7 +41,7 @@ class SpilledPayloads(Mapping[str, bytes]):
 
     @property
     def num_bytes(self) -> int:
-        return sum(size for _, size in self._spans.values())
+        return self._file.size  # the payloads, one after the other
 
     def size(self, name: str) -> int:
         """One payload's size, not read."""
