@@ -227,6 +227,54 @@ def test_registrants_a_dht_stall_held_apart_meet_in_one_round_however_short_thei
     print(f"\nthe first registrant waited {waited:.2f} s for the second (called 4 s later)")
 
 
+def test_fresh_peers_whose_first_calls_come_seconds_apart_average_their_first_round_together(
+    hivemind_swarm: Swarm,
+) -> None:
+    """Two averagers that have averaged with nobody yet (nodes just started) call their first round
+    4 s apart (one node's start was slower), each asking for the patience of its short local round
+    (0.5 s), as a node does. A first registration that asks for any waits at least `DHT_STALL_S`,
+    group or not: they are one group, with
+    reduce_group's bytes. Without that, the first opened a round of its own after a window and the
+    second another, each alone: in CI's run three nodes started together so made three lineages
+    of one, which no majority heals (record 066)."""
+    assert WINDOW_S + GRACE_S < 4.0 < DHT_STALL_S
+    swarm = hivemind_swarm
+    swarm.add_nodes(2)
+    averagers = [swarm.averager(i) for i in range(2)]
+    first = _contributions(averagers, "int8", seed=17)
+    outcomes = _average_together(averagers, first, round=1, spec="int8", delays=[0.0, 4.0], patience_s=0.5)
+    _assert_matches_reduce_group(outcomes, first, "int8")
+    waited = outcomes[0].elapsed_s
+    # No group expected: the round waits out the patience rather than closing when the second came.
+    assert waited >= DHT_STALL_S, waited
+    print(f"\nthe first registrant waited {waited:.2f} s for the second (called 4 s later)")
+
+
+def test_fresh_peers_told_of_each_other_close_their_first_round_when_both_are_in(
+    hivemind_swarm: Swarm,
+) -> None:
+    """The same two fresh averagers, each told of the other (`expect`: the live peers its node sees
+    level with it): the first round closes as soon as the second registers, as a group's next round
+    does, not at the patience. A peer that completed a round with others keeps expecting them:
+    `expect` then changes nothing."""
+    swarm = hivemind_swarm
+    swarm.add_nodes(2)
+    averagers = [cast(Any, swarm.averager(i)) for i in range(2)]
+    ids = [a.peer_id for a in averagers]
+    assert not any(a.expects_company() for a in averagers)
+    for a in averagers:
+        a.expect(ids)
+    assert all(a.expects_company() for a in averagers)
+    first = _contributions(averagers, "int8", seed=18)
+    outcomes = _average_together(averagers, first, round=1, spec="int8", delays=[0.0, 4.0], patience_s=0.0)
+    _assert_matches_reduce_group(outcomes, first, "int8")
+    waited = outcomes[0].elapsed_s
+    assert waited < DHT_STALL_S, waited  # closed when the second came, at about 4 s
+    averagers[0].expect([*ids, "QmSomeoneElse"])
+    assert averagers[0]._matchmaker.expected == tuple(sorted(ids))
+    print(f"\nthe first registrant waited {waited:.2f} s for the second (called 4 s later)")
+
+
 @pytest.fixture
 def hivemind_swarm() -> Iterator[Swarm]:
     swarm = Swarm("hivemind")

@@ -276,6 +276,10 @@ def test_slow_node_contributes_late_and_corrected_without_holding_others(
         _start_node(procs, tmp_path, f"fast{i}", peers, "--rounds", "0", "--data-shard", str(i), *timing)
         for i in range(2)
     ]
+    # The slow node comes once they train: started with them, it is in their first round, whose
+    # registrations wait out their patience for the peers level with them (record 066), and from
+    # then on DyLU gives it an H its speed keeps in step with theirs.
+    wait_for(lambda: max(_rounds(fast[0][1]), default=0) >= 1, timeout=120, what="the fast nodes' round 1")
     slow, slow_status = _start_node(
         procs,
         tmp_path,

@@ -41,6 +41,13 @@ round alone and the others another: a fork. The round waits the lower median of 
 registrations dated within its first one's wait: one key claiming the most patience (60 s) held
 every round it opened open that long; now the honest registrations outvote it (a key claiming none
 can still cut an honest first registrant's wait short, at worst a fork the majority heals).
+A peer's first registration (it has completed no round yet) has the same patience, group or not,
+when its caller asks for any (a node passes its local round; the averager's own default keeps the
+window): nodes started together end their first local round seconds apart, and with a window shorter than
+that each of three averaged the first round alone, three lineages no majority heals (record 066).
+A registrant that has no group of its own to expect (a fresh node, or one that averaged only alone
+lately) expects the peers its driver names (`expected`: the live peers level with it), so its first
+round closes once they are all in.
 
 A late contribution matchmakes with `join_only`: it registers at once, marked join-only, and waits
 (at most `join_wait_s`) for another peer to open the round; it never opens one itself.
@@ -531,7 +538,8 @@ class Matchmaker:
         `NotOpened` when `join_only` waited `join_wait_s` and no other peer had registered.
         `patience_s`: how long a round this registration opens stays open for the group this peer
         expects (at least `DHT_STALL_S`, at most `MAX_PATIENCE_S`); it applies only while that
-        group is more than this peer (see the module docstring)."""
+        group is more than this peer, or, when it is > 0, to this peer's first registration (see
+        the module docstring)."""
         key = f"{self.prefix}.round{round}"
         until = math.inf
         patience = 0.0
@@ -546,10 +554,14 @@ class Matchmaker:
             # will not come, and the others that caught them expect the same group (early close).
             expected = None if self.expected is None else [p for p in self.expected if p not in leaves_out]
             expect = "" if expected is None else expectation(expected)
-            if expected is not None and len(expected) > 1:
+            if (expected is not None and len(expected) > 1) or (expected is None and patience_s > 0):
                 # At least a DHT stall: a peer of the group that a stall held back (its store, or
                 # a read, waited on an unresponsive peer) registers that much later than the
-                # others, and two rounds alone would fork.
+                # others, and two rounds alone would fork. A peer's first registration waits as
+                # long, group or not, when its caller asks for patience (a node does): nodes
+                # started together end their first local round seconds apart (one's start was
+                # slower), and a window shorter than that let each average the first round alone,
+                # three lineages that no majority heals (record 066).
                 patience = min(MAX_PATIENCE_S, max(DHT_STALL_S, patience_s))
         excluded = tuple(sorted(leaves_out)[:MAX_EXCLUDED])
         workers = tuple(self.workers())[:MAX_WORKERS]
