@@ -50,6 +50,7 @@ from adloco.protocol.transport.matchmaking import RoundFailed
 from adloco.protocol.transport.memory import MemoryAverager, MemoryHub
 
 from background import AVERAGER_TEST_MARK
+from procs import wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -1546,6 +1547,43 @@ def test_a_member_projecting_falsely_to_frame_an_owner_is_shown_up_and_the_round
             verdict = honest.verdicts()[framer.peer_id]  # type: ignore[attr-defined]
             assert verdict.proven and "its payload gives" in verdict.why
         assert "owners showed false projections" in caplog.text
+    finally:
+        swarm.close()
+
+
+def test_once_its_exchange_is_over_an_owner_holds_its_reductions_inputs_on_disk(tmp_path: Path) -> None:
+    """Three averagers with a node's `shelve` (an unnamed file each, record 067). Once its exchange
+    is over, each holds of the answers only those of the parts it reduced (the caller's result holds
+    the rest), and its reductions' inputs, kept in case another member's check asks to see them,
+    in its file: read back, they are the bytes each contributor sent for those parts. The round
+    holds reduce_group's bytes."""
+    from adloco.node.swarm.node import shelf_on_disk
+    from adloco.node.training.replica import SpilledPayloads
+
+    swarm = Swarm("hivemind")
+    try:
+        swarm.add_nodes(3)
+        # The checks' length (and so the inputs' stay) is at least the answer phase: 10 s here.
+        knobs: dict[str, Any] = {"shelve": shelf_on_disk(str(tmp_path)), "reduce_timeout_s": 10.0}
+        averagers = [swarm.averager(i, **knobs) for i in range(3)]
+        contributions = _contributions(averagers, "int8", seed=23)
+        outcomes = _average_together(averagers, contributions, round=0, spec="int8")
+        _assert_matches_reduce_group(outcomes, contributions, "int8")
+        sent = {c.peer_id: c.payloads for c in contributions}
+        states = [cast(Any, a)._rounds[0][1].result() for a in averagers]
+        for state in states:
+            reduced = {key for session in state.reductions for key in session.keys}
+            assert reduced and {k for a in state.answers.values() for k in a.payloads} <= reduced
+
+        def shelved() -> bool:
+            kept = [p for state in states for s in state.reductions for p in s.kept.values()]
+            return len(kept) == 9 and all(isinstance(p, SpilledPayloads) for p in kept)
+
+        wait_for(shelved, timeout=5.0, what="the reductions' inputs on disk")
+        for state in states:
+            for session in state.reductions:
+                for peer, payloads in session.kept.items():
+                    assert dict(payloads) == {k: sent[peer][k] for k in session.keys}
     finally:
         swarm.close()
 

@@ -44,6 +44,7 @@ from ..operations.checkpoint import peek_checkpoint
 from ..operations.metrics import NodeMetrics
 from ..training.config import TrainConfig
 from ..training.peer import Peer
+from ..training.replica import SpilledPayloads
 from ..training.rounds import RoundRecord
 from ..training.runtime import load_data
 from .loop import ROUND_ID_STRIDE, LoopConfig, RoundLoop
@@ -102,6 +103,13 @@ class SwarmConfig:
     allowed_peers: frozenset[str] = frozenset()
     trusted_peers: frozenset[str] = frozenset()
 
+    @property
+    def spill_dir(self) -> str | None:
+        """Where the node keeps on disk what it holds for others (the updates kept for laggards, a
+        round frozen for a download, the payloads held for the checks): beside the checkpoints,
+        else (None) the system's temporary folder."""
+        return None if self.checkpoint_dir is None else str(self.checkpoint_dir)
+
 
 class SwarmNode:
     """A volunteer node: joins the DHT, trains, averages, publishes; see the module docstring."""
@@ -148,7 +156,7 @@ class SwarmNode:
             tokenizer=tokenizer,
         )
         # The updates kept for laggards wait on disk, beside the checkpoints where there are any.
-        self.peer.keep_updates_on_disk(None if swarm.checkpoint_dir is None else str(swarm.checkpoint_dir))
+        self.peer.keep_updates_on_disk(swarm.spill_dir)
         self.prefix = run_prefix(swarm.run_id, self.peer.fingerprint)
         self.ops = NodeOps(
             peer=self.peer,
@@ -190,6 +198,7 @@ class SwarmNode:
             answer_delay=self._answer_delay,
             register_delay=self._register_delay,
             on_stage=self._die_at,
+            shelve=shelf_on_disk(swarm.spill_dir),
         )
         # fp32 is the largest encoding of the pseudo-gradient: a bound for every codec of the run.
         fp32_bytes = 4 * sum(t.numel() for t in self.peer.named_theta().values())
@@ -197,7 +206,7 @@ class SwarmNode:
             self.peer,
             self.lock,
             chunk_bytes=swarm.state_transfer.chunk_bytes,
-            directory=None if swarm.checkpoint_dir is None else str(swarm.checkpoint_dir),
+            directory=swarm.spill_dir,
         )
         self.server = StateServer(
             self.dht,
@@ -297,6 +306,28 @@ class SwarmNode:
                 logger.debug("shutdown: %r", e)
         self.dht.shutdown()
         self.peer.close()
+
+
+def shelf_on_disk(directory: str | None) -> Callable[[Mapping[str, bytes]], Mapping[str, bytes]]:
+    """The averager's `shelve`: the payloads it holds for the others' checks, in an unnamed file in
+    `directory` (the system's temporary folder when None), read back if a check asks; a folder that
+    cannot hold them (gone, full) leaves them in memory from then on, with one warning."""
+    failed = False
+
+    def shelve(payloads: Mapping[str, bytes]) -> Mapping[str, bytes]:
+        nonlocal failed
+        if failed:
+            return payloads
+        try:
+            return SpilledPayloads(payloads, directory)
+        except OSError as e:
+            failed = True
+            logger.warning(
+                "the payloads held for the checks stay in memory: %s cannot hold them: %s", directory, e
+            )
+            return payloads
+
+    return shelve
 
 
 def shard_scorer(peer: Peer) -> RoundScorer | None:

@@ -88,7 +88,7 @@ import hashlib
 import logging
 import secrets
 import threading
-from collections.abc import Callable, Collection, Coroutine
+from collections.abc import Callable, Collection, Coroutine, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -195,6 +195,11 @@ class HivemindAverager:
       if scoring owners make members give up.
     - `evidence_every_s`: how often this peer reads the run's evidence board (`_watch_board`): a
       liar caught elsewhere is left out here within this much (and a DHT read's time) of it.
+    - `shelve`: takes the payloads this peer holds only in case another member's check asks to see
+      them (each contributor's inputs to its reductions, held for the checks' length: at the
+      configured rate that spans rounds, ~1 B/param each at int8) and returns a mapping that reads
+      them back, called off the loop once its own exchange is over; None (the default) keeps them
+      in memory. A node passes one that writes them to an unnamed file (record 067).
     """
 
     def __init__(
@@ -218,6 +223,7 @@ class HivemindAverager:
         admission: Admission | None = None,
         scorer: Scorer | None = None,
         evidence_every_s: float = 5.0,
+        shelve: Callable[[Mapping[str, bytes]], Mapping[str, bytes]] | None = None,
     ) -> None:
         _check_knobs(prefix, window_s, grace_s, part_timeout_s, reduce_timeout_s, record_ttl_s)
         if not bandwidth_bps > 0 or not slack >= 1 or not 0 < chunk_bytes <= MAX_CHUNK_BYTES:
@@ -237,6 +243,7 @@ class HivemindAverager:
         self.aggregate = aggregate
         self.scorer = scorer
         self.evidence_every_s = evidence_every_s
+        self.shelve = shelve
         self.admission = admission or Admission()
         self._on_stage = on_stage
         self._answer_delay = answer_delay

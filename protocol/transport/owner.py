@@ -243,7 +243,8 @@ class OwnerSession:
         self.deadline = deadline  # loop time
         self.answer_timeout_s = answer_timeout_s
         self.contributions: dict[str, Incoming] = {}
-        self.kept: dict[str, dict[str, bytes]] = {}  # each contributor's payloads, after the reduction
+        # Each contributor's payloads, after the reduction (on disk once shelved: `RoundExchange`).
+        self.kept: dict[str, Mapping[str, bytes]] = {}
         self.receiving: set[str] = set()
         self.dropped: set[str] = set()
         self.closed = False
