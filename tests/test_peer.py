@@ -19,6 +19,7 @@ from adloco.node.training.replica import PeerState
 from adloco.node.training.runtime import load_data
 from adloco.protocol.algorithms.allreduce import Contribution, reduce_group
 from adloco.protocol.algorithms.batchtest import BatchTest, grad_stats
+from adloco.protocol.algorithms.heloco import HelocoConfig, correct
 from adloco.protocol.algorithms.switch import BatchPlan
 
 CFG = TrainConfig(seq_len=32, batch_size=4, instances=2, inner_steps=2, b_max=4, max_corpus_mb=1)
@@ -389,6 +390,29 @@ def test_late_contribution_is_corrected_and_down_weighted(corpus: Corpus) -> Non
     assert contribution is not None and info.staleness == 2
     assert info.correction is not None
     assert info.weight == pytest.approx(stale_local.tokens / 3**0.5)  # inv_sqrt: ρ(2) = 1/√3
+
+
+def test_a_late_contribution_is_corrected_a_tensor_at_a_time_as_the_whole_would_be(corpus: Corpus) -> None:
+    """Issue 28 §2: HeLoCo corrects a late Δ a tensor at a time as it is encoded (no whole corrected
+    Δ nor a whole (1 − μ)·m beside the trained one, 8 B/param); the payloads and the report are
+    those of correcting the whole Δ against the whole scaled momentum first, bit for bit."""
+    cfg = replace(CFG, heloco=HelocoConfig(c_ok=0.95))  # near-alignment asked: tensors are rotated
+    a = _peer(corpus, "a", 0, cfg)
+    late, twin = _peer(corpus, "late", 1, cfg), _peer(corpus, "late", 1, cfg)
+    mine, theirs = late.train_round(), twin.train_round()
+    for _ in range(2):
+        _round([a])
+    for p in (late, twin):
+        p.catch_up(a.state.history)
+    contribution, info = late.contribute(mine)
+    mu = twin.cfg.outer.momentum
+    whole, report = correct(list(theirs.delta), [(1 - mu) * m for m in twin.state.momentum], cfg.heloco)
+    codec = twin.codec(twin.state.schedule.codec)
+    expected = {
+        n: twin.error_feedback.compress_tensor(codec, n, d) for n, d in zip(twin.names, whole, strict=True)
+    }
+    assert contribution is not None and contribution.payloads == expected
+    assert info.correction == report and report.shrink + report.rotate > 0
 
 
 def test_too_stale_contribution_is_dropped(corpus: Corpus) -> None:

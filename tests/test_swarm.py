@@ -477,8 +477,13 @@ def test_a_node_left_behind_by_peers_that_have_gone_finishes_its_rounds_alone(
     assert mine[-1]["group_size"] == 1
     # Frozen between rounds, it reads their records and goes on without them; frozen inside its
     # matchmaking for round 3 (its registration stored, the others' group formed without it), its
-    # exchange finds nobody and it completes that round alone: either way, not waiting for them.
+    # exchange finds nobody and it completes that round alone; or, thawed, it comes late to their
+    # try of round 3 and, their records of it not read yet, opens the next try itself and completes
+    # it alone once its patience is out (CI of stop 48): in every way, not waiting for them.
     log = procs.log("n2")
-    assert (
-        "no longer answer: going on without them" in log or "left the round: no stream reaches them" in log
-    ), "\n".join(procs.log(name)[-3000:] for name in ("n2", "n0", "n1"))
+    ways = (
+        "no longer answer: going on without them",
+        "left the round: no stream reaches them",
+        "late: the round",
+    )
+    assert any(way in log for way in ways), "\n".join(procs.log(name)[-3000:] for name in ("n2", "n0", "n1"))

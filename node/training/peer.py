@@ -44,7 +44,7 @@ from ...protocol.algorithms.claims import ClaimBounds, reference_tokens
 from ...protocol.algorithms.codecs import Codec, decode, make_codec
 from ...protocol.algorithms.downlink import OwnerFeedback, make_downlink
 from ...protocol.algorithms.feedback import RESIDUAL_DTYPES, ErrorFeedback
-from ...protocol.algorithms.heloco import correct, dylu_inner_steps, staleness_weight
+from ...protocol.algorithms.heloco import Correction, dylu_inner_steps, staleness_weight
 from ...protocol.algorithms.outer import outer_step
 from ...protocol.algorithms.pseudograd import PseudoGradient, TensorsHash, tensors_hash, weighted_mean
 from ...protocol.algorithms.report import PeerReport, dylu_ratio, hiding_inner_steps, overlap_byte_budget
@@ -494,20 +494,21 @@ class Peer:
         # lineage (it healed a fork it made alone); that Δ belongs to no round here.
         if tau > self.cfg.max_staleness or tau < 0:
             return None, ContributionInfo(tau, 0.0, None, 0, spec, dropped=True)
-        delta, correction = local.delta, None
-        if tau > 0 and self.cfg.correct_late:
-            # HeLoCo option (a) of algorithms.md §5.4: each peer corrects its own Δ against the
-            # replicated momentum, which every caught-up peer holds identically.
-            delta, correction = correct(delta, self.momentum_reference(), self.cfg.heloco)
+        delta = local.delta
+        # HeLoCo option (a) of algorithms.md §5.4: each peer corrects its own Δ against the
+        # replicated momentum, which every caught-up peer holds identically.
+        correction = Correction(self.cfg.heloco) if tau > 0 and self.cfg.correct_late else None
         weight = local.tokens * staleness_weight(
             tau, kind=self.cfg.staleness_weight, tokens=local.tokens, ref_tokens=self._ref_tokens()
         )
-        # Tensor by tensor: with a `PseudoGradient` only one tensor of Δ exists at a time.
+        # Tensor by tensor: with a `PseudoGradient` only one tensor of Δ exists at a time, corrected
+        # (late) against its momentum as it is encoded.
         codec = self.codec(spec)
-        payloads = {
-            name: self.error_feedback.compress_tensor(codec, name, d)
-            for name, d in zip(self.names, delta, strict=True)
-        }
+        payloads = {}
+        for i, (name, d) in enumerate(zip(self.names, delta, strict=True)):
+            if correction is not None:
+                d = correction.apply(d, self._momentum_reference(self.state.momentum[i]))
+            payloads[name] = self.error_feedback.compress_tensor(codec, name, d)
         if isinstance(delta, PseudoGradient):
             self._contributed = weakref.ref(delta)
         wire = sum(len(p) for p in payloads.values())
@@ -521,18 +522,19 @@ class Peer:
             tokens=float(local.tokens),
             metadata=report.encode(),
         )
-        return contribution, ContributionInfo(tau, weight, correction, wire, spec)
+        corrected = None if correction is None else correction.report()
+        return contribution, ContributionInfo(tau, weight, corrected, wire, spec)
 
-    def momentum_reference(self) -> list[torch.Tensor]:
-        """The momentum HeLoCo compares late Δ against, on the scale of one pseudo-gradient.
+    def _momentum_reference(self, m: torch.Tensor) -> torch.Tensor:
+        """One tensor of the momentum HeLoCo compares late Δ against, on the scale of one Δ.
 
         HeLoCo's formula uses the dampened (N2) buffer, whose norm is that of a typical Δ, so its κ
         weighs ‖Δ‖ against ‖m‖ on equal terms. Under N1 the buffer is about 1/(1−μ) larger; we
         compare against (1−μ)·m so κ keeps its meaning (same direction, so the cosines are equal).
         """
         if self.cfg.outer.convention == "n2":
-            return self.state.momentum
-        return [(1 - self.cfg.outer.momentum) * m for m in self.state.momentum]
+            return m
+        return (1 - self.cfg.outer.momentum) * m
 
     def _ref_tokens(self) -> int:
         return reference_tokens(self.state.schedule, self.cfg.seq_len)

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "Correction",
     "CorrectionReport",
     "HelocoConfig",
     "correct",
@@ -99,32 +100,49 @@ def correct_tensor(delta: Tensor, momentum: Tensor, cfg: HelocoConfig) -> tuple[
     return corrected, action
 
 
+class Correction:
+    """`correct_tensor` over a pseudo-gradient one tensor at a time, tallied: `apply` each tensor
+    as it is encoded, then `report`. A node corrects its late Δ this way, so no whole corrected Δ
+    (nor a whole scaled momentum) exists beside the one it trained (8 B/param at the peak of a late
+    contribution, issue 28 §2)."""
+
+    def __init__(self, cfg: HelocoConfig) -> None:
+        self.cfg = cfg
+        self._counts = dict.fromkeys(ACTIONS, 0)
+        self._before: list[float] = []
+        self._after: list[float] = []
+
+    def apply(self, delta: Tensor, momentum: Tensor) -> Tensor:
+        """One tensor of Δ corrected against its momentum (`correct_tensor`), counted."""
+        corrected, action, cos_before, cos_after = _correct(delta, momentum, self.cfg)
+        self._counts[action] += 1
+        if action != "skip":
+            self._before.append(cos_before)
+            self._after.append(cos_after)
+        return corrected
+
+    def report(self) -> CorrectionReport:
+        """What the tensors applied so far went through."""
+        before, after = self._before, self._after
+        return CorrectionReport(
+            keep=self._counts["keep"],
+            shrink=self._counts["shrink"],
+            rotate=self._counts["rotate"],
+            skip=self._counts["skip"],
+            mean_cos_before=math.fsum(before) / len(before) if before else math.nan,
+            mean_cos_after=math.fsum(after) / len(after) if after else math.nan,
+        )
+
+
 def correct(
     deltas: Sequence[Tensor], momenta: Sequence[Tensor], cfg: HelocoConfig
 ) -> tuple[list[Tensor], CorrectionReport]:
     """Apply `correct_tensor` to every tensor of a pseudo-gradient and summarise what happened."""
     if len(deltas) != len(momenta):
         raise ValueError(f"got {len(deltas)} deltas but {len(momenta)} momenta")
-    out: list[Tensor] = []
-    counts = dict.fromkeys(ACTIONS, 0)
-    before: list[float] = []
-    after: list[float] = []
-    for d, m in zip(deltas, momenta, strict=True):
-        corrected, action, cos_before, cos_after = _correct(d, m, cfg)
-        out.append(corrected)
-        counts[action] += 1
-        if action != "skip":
-            before.append(cos_before)
-            after.append(cos_after)
-    report = CorrectionReport(
-        keep=counts["keep"],
-        shrink=counts["shrink"],
-        rotate=counts["rotate"],
-        skip=counts["skip"],
-        mean_cos_before=math.fsum(before) / len(before) if before else math.nan,
-        mean_cos_after=math.fsum(after) / len(after) if after else math.nan,
-    )
-    return out, report
+    correction = Correction(cfg)
+    out = [correction.apply(d, m) for d, m in zip(deltas, momenta, strict=True)]
+    return out, correction.report()
 
 
 def staleness_weight(
