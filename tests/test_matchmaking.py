@@ -250,31 +250,6 @@ def test_fresh_peers_whose_first_calls_come_seconds_apart_average_their_first_ro
     print(f"\nthe first registrant waited {waited:.2f} s for the second (called 4 s later)")
 
 
-def test_fresh_peers_told_of_each_other_close_their_first_round_when_both_are_in(
-    hivemind_swarm: Swarm,
-) -> None:
-    """The same two fresh averagers, each told of the other (`expect`: the live peers its node sees
-    level with it): the first round closes as soon as the second registers, as a group's next round
-    does, not at the patience. A peer that completed a round with others keeps expecting them:
-    `expect` then changes nothing."""
-    swarm = hivemind_swarm
-    swarm.add_nodes(2)
-    averagers = [cast(Any, swarm.averager(i)) for i in range(2)]
-    ids = [a.peer_id for a in averagers]
-    assert not any(a.expects_company() for a in averagers)
-    for a in averagers:
-        a.expect(ids)
-    assert all(a.expects_company() for a in averagers)
-    first = _contributions(averagers, "int8", seed=18)
-    outcomes = _average_together(averagers, first, round=1, spec="int8", delays=[0.0, 4.0], patience_s=0.0)
-    _assert_matches_reduce_group(outcomes, first, "int8")
-    waited = outcomes[0].elapsed_s
-    assert waited < DHT_STALL_S, waited  # closed when the second came, at about 4 s
-    averagers[0].expect([*ids, "QmSomeoneElse"])
-    assert averagers[0]._matchmaker.expected == tuple(sorted(ids))
-    print(f"\nthe first registrant waited {waited:.2f} s for the second (called 4 s later)")
-
-
 @pytest.fixture
 def hivemind_swarm() -> Iterator[Swarm]:
     swarm = Swarm("hivemind")

@@ -33,7 +33,6 @@ from ...protocol.algorithms.allreduce import Contribution
 from ...protocol.algorithms.pseudograd import PseudoGradient
 from ...protocol.transport.averager import (
     Averager,
-    Expecting,
     FailureAware,
     MemberResult,
     NotOpened,
@@ -440,12 +439,6 @@ class RoundLoop:
         # Behind the swarm's head (a catch-up that failed) is late too: the round this node would
         # open is one the others finished long ago, and it would average it alone (a fork).
         late = info.staleness > 0 or self.sync.behind
-        fresh = not late and not self.sync.solo_rounds
-        if fresh and isinstance(self.averager, Expecting) and not self.averager.expects_company():
-            # No group to expect yet (a fresh node): the round it opens waits for the live peers
-            # level with it, as for a group, and closes once they are all in (record 066). Not
-            # asked again each round while it averages alone: the probe waits on peers gone.
-            self.averager.expect(self.sync.level_with_me())
         try:
             result = self.averager.average(
                 contribution,

@@ -444,11 +444,6 @@ class SwarmSync:
         level = [r for r in self.records.states() if r.round == round and r.theta_hash == theta_hash]
         return [r.peer_id for r in self._live(level)]
 
-    def level_with_me(self) -> list[str]:
-        """`level_peers` at the θ hash this node published for its round ([] before it published)."""
-        mine = self._own_hashes.get(self.peer.state.round)
-        return [] if mine is None else self.level_peers(mine)
-
     def sync(self) -> int:
         """Reach the swarm's published round (or heal a fork at it); returns the rounds advanced."""
         start = self.peer.state.round

@@ -23,7 +23,6 @@ test covers both (tests/test_averager_contract.py).
 
 from __future__ import annotations
 
-from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -110,20 +109,6 @@ class RoundReader(Protocol):
     one): a peer that averaged a round alone asks whether the others formed one without it."""
 
     def round_view(self, round: int) -> tuple[frozenset[str], tuple[str, ...]] | None: ...
-
-
-@runtime_checkable
-class Expecting(Protocol):
-    """An averager whose registrations expect a group (the network one): the group it last averaged
-    with, and before it has one (a fresh node, or one that averaged only alone) the peers its driver
-    names, those that stand level with it. A round it opens then waits for them for its patience, as
-    for a group it averaged with: nodes started together finish their first local round seconds
-    apart, and a window shorter than that let each average the first round alone (three forks of
-    one each, which no majority heals; record 066)."""
-
-    def expects_company(self) -> bool: ...
-
-    def expect(self, peers: Collection[str]) -> None: ...
 
 
 @runtime_checkable

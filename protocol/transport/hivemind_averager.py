@@ -459,19 +459,6 @@ class HivemindAverager:
         except concurrent.futures.CancelledError:  # shutdown() cancelled the round
             return None
 
-    def expects_company(self) -> bool:
-        """Whether this peer's next registration expects others: it completed a round with them, or
-        was told of some (`expect`) since."""
-        expected = self._matchmaker.expected
-        return expected is not None and len(expected) > 1
-
-    def expect(self, peers: Collection[str]) -> None:
-        """While it expects no one (`expects_company`), the next registration expects this peer with
-        `peers` (its driver's: the live peers level with it), with the patience a group it averaged
-        with gets; the round it completes sets the expectation after it, as always."""
-        if not self.expects_company():
-            self._matchmaker.expected = tuple(sorted({self._peer_id, *peers}))
-
     def round_view(self, round: int) -> tuple[frozenset[str], tuple[str, ...]] | None:
         """`Matchmaker.round_view` (None when the DHT could not be read, or after shutdown)."""
         if self._closed:

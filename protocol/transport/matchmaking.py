@@ -45,9 +45,6 @@ A peer's first registration (it has completed no round yet) has the same patienc
 when its caller asks for any (a node passes its local round; the averager's own default keeps the
 window): nodes started together end their first local round seconds apart, and with a window shorter than
 that each of three averaged the first round alone, three lineages no majority heals (record 066).
-A registrant that has no group of its own to expect (a fresh node, or one that averaged only alone
-lately) expects the peers its driver names (`expected`: the live peers level with it), so its first
-round closes once they are all in.
 
 A late contribution matchmakes with `join_only`: it registers at once, marked join-only, and waits
 (at most `join_wait_s`) for another peer to open the round; it never opens one itself.
