@@ -1557,14 +1557,14 @@ def test_once_its_exchange_is_over_an_owner_holds_its_reductions_inputs_on_disk(
     the rest), and its reductions' inputs, kept in case another member's check asks to see them,
     in its file: read back, they are the bytes each contributor sent for those parts. The round
     holds reduce_group's bytes."""
-    from adloco.node.swarm.node import shelf_on_disk
-    from adloco.node.training.replica import SpilledPayloads
+    from adloco.node.training.replica import DiskShelf, SpilledPayloads
 
     swarm = Swarm("hivemind")
     try:
         swarm.add_nodes(3)
         # The checks' length (and so the inputs' stay) is at least the answer phase: 10 s here.
-        knobs: dict[str, Any] = {"shelve": shelf_on_disk(str(tmp_path)), "reduce_timeout_s": 10.0}
+        shelve = DiskShelf(str(tmp_path), "the payloads held for the checks")
+        knobs: dict[str, Any] = {"shelve": shelve, "reduce_timeout_s": 10.0}
         averagers = [swarm.averager(i, **knobs) for i in range(3)]
         contributions = _contributions(averagers, "int8", seed=23)
         outcomes = _average_together(averagers, contributions, round=0, spec="int8")

@@ -44,7 +44,7 @@ from ..operations.checkpoint import peek_checkpoint
 from ..operations.metrics import NodeMetrics
 from ..training.config import TrainConfig
 from ..training.peer import Peer
-from ..training.replica import SpilledPayloads
+from ..training.replica import DiskShelf
 from ..training.rounds import RoundRecord
 from ..training.runtime import load_data
 from .loop import ROUND_ID_STRIDE, LoopConfig, RoundLoop
@@ -198,7 +198,7 @@ class SwarmNode:
             answer_delay=self._answer_delay,
             register_delay=self._register_delay,
             on_stage=self._die_at,
-            shelve=shelf_on_disk(swarm.spill_dir),
+            shelve=DiskShelf(swarm.spill_dir, "the payloads held for the checks"),
         )
         # fp32 is the largest encoding of the pseudo-gradient: a bound for every codec of the run.
         fp32_bytes = 4 * sum(t.numel() for t in self.peer.named_theta().values())
@@ -306,28 +306,6 @@ class SwarmNode:
                 logger.debug("shutdown: %r", e)
         self.dht.shutdown()
         self.peer.close()
-
-
-def shelf_on_disk(directory: str | None) -> Callable[[Mapping[str, bytes]], Mapping[str, bytes]]:
-    """The averager's `shelve`: the payloads it holds for the others' checks, in an unnamed file in
-    `directory` (the system's temporary folder when None), read back if a check asks; a folder that
-    cannot hold them (gone, full) leaves them in memory from then on, with one warning."""
-    failed = False
-
-    def shelve(payloads: Mapping[str, bytes]) -> Mapping[str, bytes]:
-        nonlocal failed
-        if failed:
-            return payloads
-        try:
-            return SpilledPayloads(payloads, directory)
-        except OSError as e:
-            failed = True
-            logger.warning(
-                "the payloads held for the checks stay in memory: %s cannot hold them: %s", directory, e
-            )
-            return payloads
-
-    return shelve
 
 
 def shard_scorer(peer: Peer) -> RoundScorer | None:

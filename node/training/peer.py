@@ -67,7 +67,7 @@ from .config import TrainConfig, residual_dtype
 from .dataparallel import DataParallel, replica_devices
 from .instances import Instance, InstanceRound
 from .remote import DeviceLost, DeviceWorker, RemoteInstance, WorkerSpec, finish_rounds
-from .replica import HISTORY_ROUNDS, PeerState, Update, initial_state
+from .replica import HISTORY_ROUNDS, DiskShelf, PeerState, Update, initial_state
 from .rounds import ContributionInfo, LocalRound
 
 logger = logging.getLogger(__name__)
@@ -139,8 +139,7 @@ class Peer:
         # What a slot this peer had merged away is rebuilt from (`adopt_state`).
         self._corpus, self._index, self._num_peers = corpus, index, num_peers
         # Where the kept updates wait for laggards (`keep_updates_on_disk`): in memory unless set.
-        self._kept_on_disk = False
-        self._kept_dir: str | None = None
+        self._kept_shelf: DiskShelf | None = None
         # The probe runs on the first device for all (a node's devices are taken to be alike), and
         # counts the instances whose memory it shares: a GPU's own, but all of them on the host.
         sharing = (
@@ -646,20 +645,15 @@ class Peer:
             if kept > budget:
                 history = history[len(history) - back :]
                 break
-        if self._kept_on_disk:
-            try:
-                history = [update.spilled(self._kept_dir) for update in history]
-            except OSError as e:  # a full disk or a folder gone: never worth failing a round for
-                where = self._kept_dir or "the temporary folder"
-                logger.warning("kept updates stay in memory from now on: %s cannot hold them: %s", where, e)
-                self._kept_on_disk = False
+        if self._kept_shelf is not None:
+            history = [replace(update, averaged=self._kept_shelf(update.averaged)) for update in history]
         self.state.history = history
 
     def keep_updates_on_disk(self, directory: str | None = None) -> None:
         """Keep the averaged updates for laggards in unnamed files in `directory` (default: the
         system's temporary folder), read back when one asks, instead of in memory: ~1 B/param per
         int8 update kept (`SpilledPayloads`). The networked node does; the simulator does not."""
-        self._kept_on_disk, self._kept_dir = True, directory
+        self._kept_shelf = DiskShelf(directory, "kept updates")
         self._trim_history()
 
     def _check_update(self, update: Update) -> None:

@@ -7,8 +7,9 @@ all of it bit for bit; θ's hash is what they publish and check each other again
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -18,6 +19,8 @@ from ...protocol.algorithms.schedule import Schedule
 from ..data.spill import SpillFile
 from ..data.state import integer, mapping, tensors_like
 from .config import TrainConfig
+
+logger = logging.getLogger(__name__)
 
 HISTORY_ROUNDS = 8  # averaged updates each peer keeps for laggards to replay
 
@@ -57,6 +60,28 @@ class SpilledPayloads(Mapping[str, bytes]):
         return len(self._spans)
 
 
+class DiskShelf:
+    """Payloads that wait for a reader who may never come (a laggard's catch-up, another member's
+    check), moved to unnamed files in `directory` (`SpilledPayloads`; the system's temporary folder
+    when None). A folder that cannot hold them (gone, full) is never worth failing a round for: they
+    stay in memory from then on, with one warning naming `what` they are."""
+
+    def __init__(self, directory: str | None, what: str) -> None:
+        self.directory, self.what = directory, what
+        self.working = True
+
+    def __call__(self, payloads: Mapping[str, bytes]) -> Mapping[str, bytes]:
+        if not self.working or isinstance(payloads, SpilledPayloads):
+            return payloads
+        try:
+            return SpilledPayloads(payloads, self.directory)
+        except OSError as e:
+            self.working = False
+            where = self.directory or "the temporary folder"
+            logger.warning("%s stay in memory from now on: %s cannot hold them: %s", self.what, where, e)
+            return payloads
+
+
 @dataclass(frozen=True)
 class Update:
     """An applied round, kept so a peer that missed it can replay it (catch-up)."""
@@ -72,12 +97,6 @@ class Update:
         if isinstance(self.averaged, SpilledPayloads):
             return self.averaged.num_bytes
         return sum(len(payload) for payload in self.averaged.values())
-
-    def spilled(self, directory: str | None = None) -> Update:
-        """The same update with its payloads on disk (`SpilledPayloads`), read back when asked for."""
-        if isinstance(self.averaged, SpilledPayloads):
-            return self
-        return replace(self, averaged=SpilledPayloads(self.averaged, directory))
 
     def state_dict(self) -> dict[str, Any]:
         return {
