@@ -1515,6 +1515,32 @@ def test_a_seeder_that_withholds_its_reveal_costs_one_try(
         swarm.close()
 
 
+def test_fresh_nodes_retry_a_first_try_a_seeder_failed_without_waiting_a_first_round_s_patience(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Nodes just started, as a node calls (asking for its local round's patience): a first
+    registration waits at least `DHT_STALL_S` for peers it cannot expect yet (record 066). When a
+    mute seeder fails that first try, the honest members' retry expects the group the try formed,
+    less the seeder they left out, and closes once both are in: before, having completed no round,
+    they registered as strangers again and waited the 6 s a second time."""
+    swarm = Swarm("hivemind")
+    try:
+        swarm.add_nodes(3)
+        averagers = sorted((swarm.averager(i) for i in range(3)), key=lambda a: a.peer_id)
+        mute: Any = averagers[2]
+        _mute(monkeypatch, mute)
+        contributions = _contributions(averagers, "int8", seed=23)
+        first = _average_together(averagers, contributions, round=0, spec="int8", patience_s=0.5)
+        assert [o.result for o in first[:2]] == [None, None]
+        retry = _average_together(averagers, contributions, round=1, spec="int8", patience_s=0.5)
+        _assert_matches_reduce_group(retry[:2], contributions[:2], "int8")
+        waited = [o.elapsed_s for o in retry[:2]]
+        assert max(waited) < DHT_STALL_S, waited
+        print(f"\nthe honest members' retry took {max(waited):.2f} s (first try {first[0].elapsed_s:.2f} s)")
+    finally:
+        swarm.close()
+
+
 def test_a_member_projecting_falsely_to_frame_an_owner_is_shown_up_and_the_round_completes(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

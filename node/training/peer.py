@@ -704,7 +704,9 @@ class Peer:
                 if delta.shape != t.shape:
                     raise ValueError(f"update for round {update.round}: {name} is misshapen")
                 outer_step([t], [m], [delta], self.cfg.outer, index=update.round)
+                del delta  # before the next is decoded
             digest.update(t)
+            del t, m  # before the next tensor's copies
         return digest.hexdigest()
 
     def catch_up(self, updates: Sequence[Update]) -> int:

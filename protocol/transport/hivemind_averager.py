@@ -749,6 +749,12 @@ class HivemindAverager:
         )
         if group is None:
             return None
+        if self._matchmaker.expected is None and len(group.members) > 1 and patience_s > 0:
+            # This peer's first group, where its caller asks for patience (a node): should the try
+            # fail, the retry expects it (less those the failure leaves out or finds gone), so it
+            # closes once they are in, not after a first registration's patience (record 066: 6 s).
+            # A completed round sets it anew below. Without patience a retry keeps the window.
+            self._matchmaker.expected = group.members
         self._stage("grouped", round)
         grouped_at = loop.time()
         digests, norms = await facts

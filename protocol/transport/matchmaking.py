@@ -509,7 +509,8 @@ class Matchmaker:
         self._on_stage = on_stage
         self._log = log
         # The members of the last group this peer completed a round with: its registrations expect
-        # them again (`close_and_members`'s early close); None before the first.
+        # them again (`close_and_members`'s early close). Before the first, the group its first try
+        # formed, should that try fail (`HivemindAverager`); None until a group forms.
         self.expected: tuple[str, ...] | None = None
 
     def departed(self, peers: Iterable[str]) -> None:
@@ -614,7 +615,10 @@ class Matchmaker:
             self._log(round, "the round now closes %.2f s later", reread - close, level=logging.DEBUG)
             close = reread
         if self.peer_id not in members:
-            self._log(round, "late: an earlier registration closed the round before this peer's")
+            if self.peer_id in records.outvoted():  # registered first, then the others came and voted
+                self._log(round, "left out: most of the others caught this peer", level=logging.WARNING)
+            else:
+                self._log(round, "late: an earlier registration closed the round before this peer's")
             return None
         self._log(
             round,
