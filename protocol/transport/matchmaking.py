@@ -45,6 +45,8 @@ A peer's first registration (it has completed no round yet) has the same patienc
 when its caller asks for any (a node passes its local round; the averager's own default keeps the
 window): nodes started together end their first local round seconds apart, and with a window shorter than
 that each of three averaged the first round alone, three lineages no majority heals (record 066).
+Where that first try formed a group and failed (a hostile member), the node's retry expects that group,
+less whom the failure left out, and closes once they are in rather than waiting the patience again.
 
 A late contribution matchmakes with `join_only`: it registers at once, marked join-only, and waits
 (at most `join_wait_s`) for another peer to open the round; it never opens one itself.
@@ -575,11 +577,9 @@ class Matchmaker:
                 return None
             if self.peer_id in members:
                 break
-            if self.peer_id in records.outvoted():
-                self._log(round, "left out: most of the others caught this peer", level=logging.WARNING)
-                return None
-            if not join_only:  # a registration that came after a round it could have been in
-                self._log(round, "late: an earlier registration closed the round before this peer's")
+            # Voted out, or (not join-only) a registration after a round it could have been in.
+            if not join_only or self.peer_id in records.outvoted():
+                self._in_no_group(round, records)
                 return None
             # Join-only, and no round open yet: wait for a fresh peer to open one, until `until`
             # and the grace after it (a registration dated before `until` may show up that late).
@@ -614,11 +614,8 @@ class Matchmaker:
             # The quorum was reached after our last read: the round closes one window after it.
             self._log(round, "the round now closes %.2f s later", reread - close, level=logging.DEBUG)
             close = reread
-        if self.peer_id not in members:
-            if self.peer_id in records.outvoted():  # registered first, then the others came and voted
-                self._log(round, "left out: most of the others caught this peer", level=logging.WARNING)
-            else:
-                self._log(round, "late: an earlier registration closed the round before this peer's")
+        if self.peer_id not in members:  # (registered first, the others may have come and voted)
+            self._in_no_group(round, records)
             return None
         self._log(
             round,
@@ -636,6 +633,14 @@ class Matchmaker:
             level=logging.DEBUG,
         )
         return form_group(self.prefix, round, members, layout, records.workers)
+
+    def _in_no_group(self, round: int, records: Registrations) -> None:
+        """Say why this registrant is in no group of `round`: most of the others caught it, or an
+        earlier registration closed the round before its own."""
+        if self.peer_id in records.outvoted():
+            self._log(round, "left out: most of the others caught this peer", level=logging.WARNING)
+        else:
+            self._log(round, "late: an earlier registration closed the round before this peer's")
 
     async def round_view(self, round: int) -> tuple[frozenset[str], tuple[str, ...]]:
         """Who has registered for `round` so far, and the group those registrations make: a
