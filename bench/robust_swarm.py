@@ -31,6 +31,9 @@ rounds of its own past theirs). A rule with scoring on is labelled `rule+score`.
     python bench/robust_swarm.py --rules mean clip:1 --attacks none flip --rounds 8
     python bench/robust_swarm.py --rules mean --scores loss --out bench/results/robust_swarm_score.json
     python bench/robust_swarm.py --rules default --attacks none hijack replay-poison --join-at 4
+    python bench/robust_swarm.py --summarize bench/results/robust_swarm_liveness_founder.json
+The medians over the seeds close the output (and the JSON's "medians"); `--summarize` prints them
+for results written before.
 """
 
 from __future__ import annotations
@@ -170,6 +173,65 @@ def _gap(value: float, base: float | None) -> str:
     return "" if base is None else f"{100 * (value / base - 1):+.1f} %"
 
 
+def medians(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per rule and attack, over the seeds: the median share of rounds in the clean time (and the
+    lowest), the median gaps of wall time and val loss against the clean run of the same seed, the
+    most Δs an honest node dropped in one run, and whether θ agreed in every run."""
+    clean = {(r["rule"], r["seed"]): r for r in runs if r["attack"] == "none"}
+    table: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in runs:
+        table.setdefault((r["rule"], r["attack"]), []).append(r)
+    rows = []
+    for (rule, attack), same in table.items():
+        pairs = [(r, clean[rule, r["seed"]]) for r in same if (rule, r["seed"]) in clean]
+        shares = [s for s in (_in_clean_time(r, b) for r, b in pairs) if s is not None]
+        rows.append(
+            {
+                "rule": rule,
+                "attack": attack,
+                "seeds": sorted(r["seed"] for r in same),
+                "in_clean_time": statistics.median(shares) if shares else None,
+                "in_clean_time_min": min(shares) if shares else None,
+                "wall_gap": _median_gap(pairs, "wall_s"),
+                "val_gap": _median_gap(pairs, "val_loss"),
+                "dropped_max": max(r["dropped"] for r in same),
+                "theta_agree": all(r["theta_agree"] for r in same),
+            }
+        )
+        agreed = [r["joiner_agree_s"] for r in same if r.get("joiner_agree_s") is not None]
+        if any("joiner_rounds" in r for r in same):  # a run with a joiner (`--join-at`)
+            rows[-1]["joiner_agree_s"] = statistics.median(agreed) if agreed else None
+            rows[-1]["joiner_never_agreed"] = len(same) - len(agreed)
+            rows[-1]["joiner_foreign"] = sum(r["joiner_foreign"] for r in same)
+    return rows
+
+
+def _median_gap(pairs: list[tuple[dict[str, Any], dict[str, Any]]], key: str) -> float | None:
+    return statistics.median(r[key] / base[key] - 1 for r, base in pairs) if pairs else None
+
+
+def print_medians(rows: list[dict[str, Any]]) -> None:
+    def pct(v: float | None, sign: str = "") -> str:
+        return "" if v is None else f"{100 * v:{sign}.1f} %"
+
+    print(
+        f"\n{'rule':<14} {'attack':<18} {'seeds':>5} {'in clean time':>14} {'lowest':>8}"
+        f" {'wall vs clean':>14} {'val vs clean':>13} {'dropped':>8} {'θ agreed':>9}"
+    )
+    for m in rows:
+        print(
+            f"{m['rule']:<14} {m['attack']:<18} {len(m['seeds']):>5} {pct(m['in_clean_time']):>14}"
+            f" {pct(m['in_clean_time_min']):>8} {pct(m['wall_gap'], '+'):>14} {pct(m['val_gap'], '+'):>13}"
+            f" {m['dropped_max']:>8} {'yes' if m['theta_agree'] else 'NO':>9}"
+            + (
+                f"  joiner: on the honest θ after {m['joiner_agree_s']} s (median), never in"
+                f" {m['joiner_never_agreed']}, {m['joiner_foreign']} rounds on another θ"
+                if "joiner_foreign" in m
+                else ""
+            )
+        )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rules", nargs="+", default=["default", "mean"])
@@ -187,7 +249,23 @@ def main() -> None:
     )
     p.add_argument("--keep", action="store_true", help="keep every run's logs (a fork's are kept anyway)")
     p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument(
+        "--summarize",
+        type=Path,
+        nargs="+",
+        metavar="JSON",
+        help="run nothing: print the medians over seeds of results written before, one table a file",
+    )
     args = p.parse_args()
+    if args.summarize:
+        for path in args.summarize:
+            try:
+                runs = json.loads(path.read_text())["runs"]
+            except (OSError, ValueError, KeyError) as e:
+                raise SystemExit(f"--summarize: {path}: not a robust_swarm result ({e})") from None
+            print(f"{path}:", end="")
+            print_medians(medians(runs))
+        return
     runs = []
     t0 = time.time()
     for seed in args.seeds:
@@ -232,7 +310,10 @@ def main() -> None:
             f"{r['rule']:<14} {r['attack']:<13} {r['seed']:>4} {r['val_loss']:>9.4f} {same:>20} {mean:>14}"
             f" {wall:>14} {share:>21}"
         )
+    table = medians(runs)
+    print_medians(table)
     payload = {
+        "medians": table,
         "setup": {
             "nodes": 4,
             "hostile": 1,
