@@ -46,6 +46,7 @@ from adloco.protocol.algorithms.report import PeerReport
 from adloco.protocol.algorithms.trust import WORK_MIN_ROUNDS
 from adloco.protocol.transport.averager import Averager, MemberResult, Misconduct, NotOpened
 from adloco.protocol.transport.dht import DHT_STALL_S
+from adloco.protocol.transport.hivemind_averager import MAX_ASKED_ROUNDS
 from adloco.protocol.transport.matchmaking import RoundFailed
 from adloco.protocol.transport.memory import MemoryAverager, MemoryHub
 
@@ -1101,6 +1102,24 @@ def test_an_owner_answering_a_part_of_another_shape_fails_the_round_before_decod
         assert round.logs.count("answered a part of another shape") == 2
 
 
+def test_an_owner_answering_a_sum_of_more_payloads_than_contributors_fails_the_round_before_decoding_it(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 25 §1.3 on the way back: the owner of the largest part answers it as a `sum` payload
+    within the answer's byte bound whose ~100 tiny sparse parts each decode to the whole part (the
+    checks and the clip's inner products would each decode it). A sum carries one payload per
+    contributor: the others refuse it from its header and return None."""
+    bomb = sum_bomb(48 * 32 * 4, (48, 32))
+    assert codecs.sum_count(bomb) > 3
+
+    def bombing(answer: Any, session: Any) -> Any:
+        return dataclasses.replace(answer, payloads={**answer.payloads, "embed": bomb})
+
+    with _round_with_a_lying_owner(monkeypatch, caplog, "none", 15, lie=bombing) as round:
+        assert [o.result for o in round.outcomes[1:]] == [None, None]
+        assert round.logs.count("answered a sum of more payloads than contributors") == 2
+
+
 def test_the_next_try_leaves_a_caught_liar_out_and_completes(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -1381,6 +1400,56 @@ def test_an_owner_that_takes_the_parts_and_never_answers_costs_one_try(
             retry = _average_together(averagers, contributions, round=1, spec="int8")
         assert retry[0].result is None
         _assert_matches_reduce_group(retry[1:], contributions[1:], "int8")
+    finally:
+        swarm.close()
+
+
+def test_an_owner_that_refuses_every_member_costs_one_try(caplog: pytest.LogCaptureFixture) -> None:
+    """An owner that refuses every member's request at its header (no reason it can prove: they are
+    members of its group, within the round's rules) takes no parts and signs no receipt, so there
+    is nothing to convict it by. Each member names it on what it saw, and the next try completes
+    without it: a refusal costs the try, not every round."""
+    swarm = Swarm("hivemind")
+    try:
+        swarm.add_nodes(3)
+        averagers = sorted((swarm.averager(i) for i in range(3)), key=lambda a: a.peer_id)
+        refuser: Any = averagers[0]
+        refuser._handler._refusal = lambda *args: "refused"
+        contributions = _contributions(averagers, "int8", seed=29)
+        with caplog.at_level("WARNING"):
+            first = _average_together(averagers, contributions, round=0, spec="int8")
+            assert [o.result for o in first[1:]] == [None, None]
+            for honest in averagers[1:]:
+                assert "refused" in honest.verdicts()[refuser.peer_id].why  # type: ignore[attr-defined]
+            retry = _average_together(averagers, contributions, round=1, spec="int8")
+        assert retry[0].result is None
+        _assert_matches_reduce_group(retry[1:], contributions[1:], "int8")
+    finally:
+        swarm.close()
+
+
+def test_streams_naming_rounds_nobody_called_hold_a_bounded_number_and_rounds_still_complete() -> None:
+    """Issue 25 §1.7: any peer's stream naming a round made this peer hold an entry for it (a future
+    the stream waits on, kept for the records' lifetime). Streams may open at most
+    `MAX_ASKED_ROUNDS` rounds no call here named; beyond, a stream's round is answered at once as
+    one this peer is in no group for, and the peer's own rounds still complete."""
+    swarm = Swarm("hivemind")
+    try:
+        swarm.add_nodes(3)
+        averagers = sorted((swarm.averager(i) for i in range(3)), key=lambda a: a.peer_id)
+        target: Any = averagers[0]
+
+        async def ask() -> tuple[list[bool], list[bool]]:
+            asked = [target._round_future(10**9 + i, asked=True) for i in range(3 * MAX_ASKED_ROUNDS)]
+            return [f.done() for f in asked], [f.result() is None for f in asked if f.done()]
+
+        done, none = target._call(ask(), timeout=10)
+        assert done == [False] * MAX_ASKED_ROUNDS + [True] * (2 * MAX_ASKED_ROUNDS)
+        assert all(none)
+        assert len(target._rounds) == MAX_ASKED_ROUNDS
+        contributions = _contributions(averagers, "int8", seed=31)
+        outcomes = _average_together(averagers, contributions, round=0, spec="int8")
+        _assert_matches_reduce_group(outcomes, contributions, "int8")
     finally:
         swarm.close()
 

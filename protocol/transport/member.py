@@ -25,7 +25,7 @@ from typing import Any
 from hivemind.p2p import P2P, PeerID
 
 from ..algorithms.allreduce import Contribution, gather_reports
-from ..algorithms.codecs import payload_codec, payload_shape
+from ..algorithms.codecs import payload_codec, payload_shape, sum_count
 from ..algorithms.parts import merge_rejected
 from .averager import MemberResult
 from .evidence import Evidence
@@ -57,6 +57,18 @@ class OwnerUnreachable(RoundFailed):
 def _fault(owner: str, why: str) -> Caught:
     """An owner's answer that breaks the protocol, as this member saw it on the owner's stream."""
     return Caught(f"owner {owner[-8:]} {why}", {owner: why}, proven=False)
+
+
+def _refused(owner: str, response: Mapping[str, Any]) -> Caught:
+    """An owner's refusal, at our request's header or in place of its answer. It is signed by
+    nothing and names nothing of ours this member could check, so it proves nothing either way:
+    from an honest owner a race (our parts too late, another view of the group), from a hostile one
+    a way to fail every try (issue 25 §2). As an owner that gave no answer (`Caught.unanswered`,
+    `late`): one with a record of work is demoted, so it owns nothing at the retry and cannot refuse
+    again there; one without is left out a while, or taken for a departure once when it completed a
+    round with this member before (`HivemindAverager._convict`)."""
+    why = f"refused: {str(response.get('e'))[:200]}"
+    return Caught(f"owner {owner[-8:]} {why}", {owner: why}, proven=False, late=True, unanswered=True)
 
 
 def parse_rejected(value: Any, contributors: Sequence[str], num_parts: int) -> dict[str, int] | None:
@@ -130,7 +142,7 @@ async def fetch(
             state.meter.checks_sent += state.own.signed.size
         go, _ = await read_frame(reader, state.meter, max_header=GO_HEADER_BYTES, max_body=0)
         if not go.get("ok"):
-            raise RoundFailed(f"owner {owner[-8:]} refused: {go.get('e')}")
+            raise _refused(owner, go)
         payloads = [contribution.payloads[k] for k in keys]
         await turn.begin()
         if on_stage is None:
@@ -156,6 +168,12 @@ async def fetch(
     if error is not None:
         raise _fault(owner, f"answered a part of another shape: {error}")
     answer = _parse_answer(response, body, owner=owner, keys=keys, with_metadata=with_metadata)
+    # A sum carries one payload per contributor, each decoding to the whole part: read from its
+    # header before anything decodes it (the checks and the clip's inner products run side by side).
+    most = min(len(answer.contributors), len(state.group.members))
+    summed = [k for k in keys if sum_count(answer.payloads[k]) > most]
+    if summed:
+        raise _fault(owner, f"answered a sum of more payloads than contributors in {summed[:3]}")
     return _with_statement(answer, response, body, state=state, owner=owner, keys=keys)
 
 
@@ -258,7 +276,7 @@ def _answer_sizes(
 ) -> list[int]:
     """The part sizes an answer header announces, each within its bound; RoundFailed otherwise."""
     if not response.get("ok"):
-        raise RoundFailed(f"owner {owner[-8:]} refused: {response.get('e')}")
+        raise _refused(owner, response)
     try:
         sizes = size_list(response.get("s"), len(keys))
     except ValueError as e:
