@@ -143,6 +143,9 @@ MARK_TIMEOUT_S = DHT_STALL_S + DHT_RPC_TIMEOUT_S
 # of milliseconds; one that meets an unresponsive replica is not waited for.
 CHASER_READ_S = 0.5
 PARTNER_ROUNDS = 64  # the completed rounds a peer remembers whom it averaged with (`_chasers`)
+# Rounds other peers' streams may make this peer hold before a call here names them: an honest
+# member is at most a round or two ahead of us (`_round_future`).
+MAX_ASKED_ROUNDS = 4
 HANG_UP_S = 1.0  # the most a failed try waits for its daemon to close a connection (`_hang_up`)
 
 
@@ -251,6 +254,8 @@ class HivemindAverager:
         digest = hashlib.sha256(prefix.encode()).hexdigest()[:24]
         self._handler_name = f"adloco.allreduce.v{PROTOCOL_VERSION}.{digest}"
         self._rounds: dict[int, tuple[float, asyncio.Future[RoundState | None]]] = {}
+        # Rounds held only because another peer's stream named them, before any call here did.
+        self._asked: set[int] = set()
         self._joined: set[int] = set()
         # Rounds whose call here ended in no group with others (alone, late, or before any group):
         # a later call may take them up afresh (`average`).
@@ -298,7 +303,7 @@ class HivemindAverager:
         )
         self._handler = handler = OwnerHandler(
             peer_id=self._peer_id,
-            round_state=lambda r: asyncio.shield(self._round_future(r)),
+            round_state=lambda r: asyncio.shield(self._round_future(r, asked=True)),
             header_timeout_s=self.part_timeout_s,
             wait_s=matchmaking_bound_s(self.window_s, self.grace_s) + self.part_timeout_s,
             chunk_bytes=self.chunk_bytes,
@@ -307,7 +312,7 @@ class HivemindAverager:
         )
         self._call(self._p2p.add_binary_stream_handler(self._handler_name, handler.serve), timeout=30)
         checks = VerifyHandler(
-            round_state=lambda r: asyncio.shield(self._round_future(r)),
+            round_state=lambda r: asyncio.shield(self._round_future(r, asked=True)),
             wait_s=matchmaking_bound_s(self.window_s, self.grace_s) + self._exchange_budget_s(0),
             chunk_bytes=self.chunk_bytes,
             executor=self._verify_executor,
@@ -626,12 +631,20 @@ class HivemindAverager:
     def _log(self, round: int, message: str, *args: object, level: int = logging.INFO) -> None:
         logger.log(level, f"[{self._peer_id[-8:]} round={round}] {message}", *args)
 
-    def _round_future(self, round: int) -> asyncio.Future[RoundState | None]:
-        """The future that resolves to this peer's state for `round` once its group is known."""
+    def _round_future(self, round: int, *, asked: bool = False) -> asyncio.Future[RoundState | None]:
+        """The future that resolves to this peer's state for `round` once its group is known.
+
+        `asked`: for another peer's stream (an owner's or a verifier's). A member faster than us may
+        name our round before our call for it does, so a stream may open a round's entry; but at
+        most `MAX_ASKED_ROUNDS` of them at once (issue 25 §1.7: any peer could name a round a
+        stream, each held for `record_ttl_s`). Beyond, a stream's round is one we are in no group
+        for (resolved None: "the owner is not in a group for this round").
+        """
         loop = asyncio.get_running_loop()
         now = loop.time()
         for old in [r for r, (t, _) in self._rounds.items() if now - t > self.record_ttl_s]:
             _, stale = self._rounds.pop(old)
+            self._asked.discard(old)
             self._lost_owners.pop(old, None)
             # Its records have expired too: what a call there would meet is a round nobody holds.
             self._joined.discard(old)
@@ -639,7 +652,15 @@ class HivemindAverager:
             if not stale.done():
                 stale.set_result(None)
         if round not in self._rounds:
+            if asked and len(self._asked) >= MAX_ASKED_ROUNDS:
+                none: asyncio.Future[RoundState | None] = loop.create_future()
+                none.set_result(None)
+                return none
             self._rounds[round] = (now, loop.create_future())
+            if asked:
+                self._asked.add(round)
+        elif not asked:
+            self._asked.discard(round)  # our own call took it up
         return self._rounds[round][1]
 
     # ---- one round, member side ------------------------------------------------------------------
@@ -662,6 +683,7 @@ class HivemindAverager:
             # swarm's state and meets the others at this round): nobody else holds this peer's try.
             self._alone.discard(round)
             self._rounds.pop(round, None)
+            self._asked.discard(round)
             self._lost_owners.pop(round, None)
         self._joined.add(round)
         ready = self._round_future(round)
