@@ -348,12 +348,58 @@ def test_an_update_that_does_not_fit_changes_nothing(corpus: Corpus) -> None:
     # The last tensor of another's shape carries the first one's bytes.
     name = next(n for n, t in reversed(list(a.named_theta().items())) if t.shape != a.state.theta[0].shape)
     bad = replace(result, averaged={**result.averaged, name: result.averaged[a.names[0]]})
-    with pytest.raises(ValueError, match="misshapen or not finite"):
+    with pytest.raises(ValueError, match="misshapen"):
         a.apply_round(bad)
     assert a.state.round == before["round"] == 0
     assert all(torch.equal(x, y) for x, y in zip(a.state.theta, theta, strict=True))
     a.apply_round(result)  # the good one still applies
     assert a.state.round == 1
+
+
+@pytest.mark.parametrize("bomb", ["shape", "sum"])
+def test_a_kept_update_that_would_decode_to_another_size_or_many_tensors_is_refused_undecoded(
+    corpus: Corpus, bomb: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 25 §1.3 where an update comes from any holder (catch-up): a low-rank payload stating a
+    10^5 × 10^5 tensor (40 GB decoded, from 200 KB), and a sum of more tiny sparse parts than
+    `MAX_SUM_PARTS` (each decoding to the whole tensor), are refused from their headers before
+    anything decodes them: by the replay's check on copies and by the apply."""
+    from adloco.node.sim.engine import sum_bomb
+    from adloco.node.training import peer as peer_module
+    from adloco.node.training.replica import Update
+    from adloco.protocol.algorithms.codecs import sum_count
+    from adloco.protocol.algorithms.codecs.dense import Int8Codec
+    from adloco.protocol.algorithms.codecs.frame import _ID_LOWRANK, _header
+    from adloco.protocol.algorithms.codecs.lowrank import _LOWRANK_PARAMS
+
+    a = _peer(corpus, "a", 0)
+    result = reduce_group([_contribution(a)], codec=a.downlink_codec("int8"))
+    name = a.names[0]
+    if bomb == "shape":
+        factor = Int8Codec().encode("f", torch.ones(1, 10**5))
+        payload = (
+            _header(_ID_LOWRANK, (10**5, 10**5)) + _LOWRANK_PARAMS.pack(1, len(factor)) + factor + factor
+        )
+    else:
+        payload = sum_bomb(20_000, tuple(a.state.theta[0].shape))
+        assert sum_count(payload) > peer_module.MAX_SUM_PARTS
+    decoded: list[bytes] = []
+    real_decode = getattr(peer_module, "decode")  # noqa: B009 (not exported)
+
+    def watched(payload: bytes) -> torch.Tensor:
+        decoded.append(payload)
+        return cast(torch.Tensor, real_decode(payload))
+
+    monkeypatch.setattr(peer_module, "decode", watched)
+    averaged = {**result.averaged, name: payload}
+    theta = [t.clone() for t in a.state.theta]
+    with pytest.raises(ValueError, match=r"misshapen|a sum of"):
+        a.replayed_hash([Update(0, averaged, a.state.schedule, None)])
+    with pytest.raises(ValueError, match=r"misshapen|a sum of"):
+        a.apply_round(replace(result, averaged=averaged))
+    assert payload not in decoded
+    assert a.state.round == 0
+    assert all(torch.equal(x, y) for x, y in zip(a.state.theta, theta, strict=True))
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
@@ -374,7 +420,7 @@ def test_an_update_not_finite_in_any_slice_changes_nothing(
     assert poisoned.numel() > 7
     poisoned.view(-1)[-1] = bad
     averaged = {**result.averaged, name: make_codec("none").encode(name, poisoned)}
-    with pytest.raises(ValueError, match="misshapen or not finite"):
+    with pytest.raises(ValueError, match="not finite"):
         a.apply_round(replace(result, averaged=averaged))
     assert a.state.round == 0
     assert all(torch.equal(x, y) for x, y in zip(a.state.theta, theta, strict=True))

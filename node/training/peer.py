@@ -41,7 +41,7 @@ from ...protocol.algorithms.adaptive import choose_codec, predicted_wire_bytes
 from ...protocol.algorithms.allreduce import Contribution, GroupResult
 from ...protocol.algorithms.batchtest import pool_stats
 from ...protocol.algorithms.claims import ClaimBounds, reference_tokens
-from ...protocol.algorithms.codecs import Codec, decode, make_codec
+from ...protocol.algorithms.codecs import Codec, decode, make_codec, payload_shape, sum_count
 from ...protocol.algorithms.downlink import OwnerFeedback, make_downlink
 from ...protocol.algorithms.feedback import RESIDUAL_DTYPES, ErrorFeedback
 from ...protocol.algorithms.heloco import Correction, dylu_inner_steps, staleness_weight
@@ -672,9 +672,9 @@ class Peer:
             if update.schedule.instances != slots - 1:
                 raise ValueError(f"update for round {update.round}: a merge must leave {slots - 1} slots")
         for name, theta in zip(self.names, self.state.theta, strict=True):
-            delta = decode(update.averaged[name])
-            if delta.shape != theta.shape or not _all_finite(delta):
-                raise ValueError(f"update for round {update.round}: {name} is misshapen or not finite")
+            delta = _decoded(update.averaged[name], theta.shape, f"update for round {update.round}: {name}")
+            if not _all_finite(delta):
+                raise ValueError(f"update for round {update.round}: {name} is not finite")
             del delta  # before the next is decoded: one decoded tensor at a time
 
     def rebase_instances(self) -> None:
@@ -700,9 +700,8 @@ class Peer:
                 payload = update.averaged.get(name)
                 if payload is None:
                     raise ValueError(f"update for round {update.round} has no {name}")
-                delta = decode(payload).to(self.placement.state)
-                if delta.shape != t.shape:
-                    raise ValueError(f"update for round {update.round}: {name} is misshapen")
+                delta = _decoded(payload, t.shape, f"update for round {update.round}: {name}")
+                delta = delta.to(self.placement.state)
                 outer_step([t], [m], [delta], self.cfg.outer, index=update.round)
                 del delta  # before the next is decoded
             digest.update(t)
@@ -952,6 +951,27 @@ def instance_sampler(
 
 # Elements checked at a time by `_all_finite`: `torch.isfinite(t).all()` on the whole of GPT-2's
 # embedding held 0.25 GiB of temporaries (its absolute values and two masks) at the outer step.
+# The most payloads a kept update's `sum` payload may carry (a "gather" downlink's answer: one per
+# contributor of a group); each decodes to the whole tensor (`_decoded`).
+MAX_SUM_PARTS = 256
+
+
+def _decoded(payload: bytes, shape: torch.Size, what: str) -> torch.Tensor:
+    """`payload` decoded, once its header says it decodes to `shape` and, as a sum, carries at most
+    `MAX_SUM_PARTS` payloads; ValueError naming `what` otherwise. An update may come from any holder
+    (`catchup`): a few bytes could state any shape (a low-rank pair of a 10^5 × 10^5 tensor), and a
+    sum of many tiny sparse parts decodes each to the whole tensor (issue 25 §1.3)."""
+    try:
+        stated, count = payload_shape(payload), sum_count(payload)
+    except ValueError as e:
+        raise ValueError(f"{what} is malformed: {e}") from None
+    if stated != tuple(shape):
+        raise ValueError(f"{what} is misshapen: {stated} for {tuple(shape)}")
+    if count > MAX_SUM_PARTS:
+        raise ValueError(f"{what} is a sum of {count} payloads (at most {MAX_SUM_PARTS})")
+    return decode(payload)
+
+
 _FINITE_SLICE = 1 << 20
 
 
