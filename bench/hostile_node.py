@@ -11,7 +11,8 @@ flags, its own identity, real p2pd) and trains, then attacks every round (`--att
 - mute: it sends its parts and takes the answers, then never reveals what it got;
 - as an owner again: owner-omit reduces without one member's parts it took (the first other one by
   peer id), owner-rewrite relays another member's report with its tokens set to 10^9, owner-header
-  answers with a `rejected` field naming a peer that is no member;
+  answers with a `rejected` field naming a peer that is no member, owner-refuse refuses every
+  member's request at its header (it takes nothing, signs no receipt);
 - as a member again: claim says its Δ is worth 10^12 tokens (weight and tokens), sum-bomb sends each
   part as a `sum` payload of the same size and shape whose tiny sparse parts each decode to the whole
   tensor, report sends an honest Δ with a forged report (a step time of 1 µs, a link of 1 bit/s).
@@ -64,7 +65,7 @@ from adloco.protocol.transport.state_transfer import UpdateRecord
 
 OWNER_ATTACKS = (
     *("owner-scaled", "owner-noise", "owner-split", "owner-stall", "mute", "silent"),
-    *("owner-omit", "owner-rewrite", "owner-header"),
+    *("owner-omit", "owner-rewrite", "owner-header", "owner-refuse"),
 )
 MEMBER_ATTACKS = ("claim", "sum-bomb", "report")  # an honest Δ, something else forged
 HOLDER_ATTACKS = ("hijack", "replay-poison")  # what it serves to laggards and joiners
@@ -139,6 +140,12 @@ def attack_as_owner(attack: str) -> None:
             await real_answer(self, writer, session, meter, peer)
 
         OwnerHandler._answer = split  # type: ignore[method-assign]
+    elif attack == "owner-refuse":  # refuses every member at its request's header: takes nothing
+
+        def refuse(self: OwnerHandler, *args: Any) -> str:
+            return "refused"
+
+        OwnerHandler._refusal = refuse  # type: ignore[method-assign]
     elif attack == "owner-stall":
 
         async def never(self: OwnerHandler, *args: Any) -> None:

@@ -1,10 +1,11 @@
 """Benchmark: robust aggregation in a real swarm, issue 10 §3. Three honest `adloco-node` processes
-and a fourth node (real p2pd, loopback, tiny-llama) train `--rounds` rounds; in the clean runs the
+(`--honest`) and a fourth node (real p2pd, loopback, tiny-llama; `--model gpt2-124m`: GPT-2 124M with
+bench/memory.py's flags) train `--rounds` rounds; in the clean runs the
 fourth is honest too, in the others it is bench/hostile_node.py sending a forged pseudo-gradient
 every round (the simulator's attacks: flip1000 = −1000 Δ, flip = −Δ claiming the most weight the
 round allows, random = noise at Δ's norm, constant = one noise direction every round), or lying as
 an owner (owner-scaled, owner-noise, owner-split, owner-stall, owner-omit, owner-rewrite,
-owner-header), withholding its reveal (mute) or its parts (silent: it joins groups and sends no
+owner-header, owner-refuse), withholding its reveal (mute) or its parts (silent: it joins groups and sends no
 owner anything), or sending an honest Δ with a forged claim (claim: 10^12 tokens), payload (sum-bomb)
 or report (report), dating its readiness records 30 s back (backdate), or serving laggards a
 far-ahead state (hijack: it trains nothing) or poisoned kept updates (replay-poison); `+rekey`
@@ -32,6 +33,7 @@ rounds of its own past theirs). A rule with scoring on is labelled `rule+score`.
     python bench/robust_swarm.py --rules mean --scores loss --out bench/results/robust_swarm_score.json
     python bench/robust_swarm.py --rules default --attacks none hijack replay-poison --join-at 4
     python bench/robust_swarm.py --summarize bench/results/robust_swarm_liveness_founder.json
+    python bench/robust_swarm.py --model gpt2-124m --honest 2 --attacks none owner-scaled --rounds 4
 The medians over the seeds close the output (and the JSON's "medians"); `--summarize` prints them
 for results written before.
 """
@@ -48,6 +50,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from memory import GPT2_124M, TRAIN_ARGS, make_tokenizer
 from swarm import NET, Node, _events, _finish, _wait
 
 RESULTS = Path(__file__).resolve().parent / "results" / "robust_swarm.json"
@@ -55,6 +58,9 @@ TRAIN = [
     *("--inner-steps", "3", "--seq-len", "64", "--batch-size", "4", "--max-corpus-mb", "2"),
     *("--threads", "1", "--window-s", "2", "--data-shards", "4"),
 ]
+# GPT-2 124M (`--model gpt2-124m`): the memory and swarm benchmarks' settings, a config and tokenizer
+# of its vocabulary written into each run's folder.
+TRAIN_124M = [*TRAIN_ARGS, "--max-corpus-mb", "2", "--threads", "1", "--window-s", "2", "--data-shards", "4"]
 HOSTILE = str(Path(__file__).resolve().parent / "hostile_node.py")
 
 
@@ -68,7 +74,14 @@ def one_run(
     seed: int,
     join_at: int = 0,
     fourth_at: int = 0,
+    honest: int = 3,
+    model: str = "tiny-llama",
 ) -> dict[str, Any]:
+    train = TRAIN
+    if model == "gpt2-124m":  # made before the clock starts
+        config = work / "gpt2-124m.json"
+        config.write_text(json.dumps(GPT2_124M))
+        train = [*TRAIN_124M, "--model", str(config), "--tokenizer", str(make_tokenizer(work))]
     t0 = time.monotonic()
     maddrs = work / "bootstrap.json"
     boot = ["adloco-bootstrap", "--identity-path", str(work / "b.key"), *NET[:3]]
@@ -80,35 +93,35 @@ def one_run(
         peers = json.loads(maddrs.read_text())
         common = ["--peers", *peers, "--run-id", f"robust-{seed}", "--seed", str(seed), "--score", score]
         common += [] if rule == "default" else ["--aggregate", rule]
-        for i in range(4):
-            if i == 3 and fourth_at:
+        for i in range(honest + 1):
+            if i == honest and fourth_at:
                 # A stranger joining a running swarm, not one of its founders: the honest three have
                 # worked together (records) by then, the fourth's key has none.
                 _wait("the fourth node's start", lambda: len(nodes[0].rounds()) >= fourth_at, 600, nodes)
-            hostile = attack != "none" and i == 3
+            hostile = attack != "none" and i == honest
             program = ["python", HOSTILE, "--attack", attack] if hostile else ["adloco-node"]
             # The fourth node runs until stopped: it is there for every honest round.
-            planned = "0" if i == 3 else str(rounds)
-            cmd = [*program, *common, "--rounds", planned, "--data-shard", str(i), *TRAIN, *NET]
+            planned = "0" if i == honest else str(rounds)
+            cmd = [*program, *common, "--rounds", planned, "--data-shard", str(i), *train, *NET]
             nodes.append(Node(f"n{i}", cmd, work))
         if join_at:
             # An honest joiner, once the first node applied `join_at` rounds: it catches up from
             # the holders (the hostile node among them) and trains on until stopped.
             _wait("the join", lambda: len(nodes[0].rounds()) >= join_at, 600, nodes)
-            cmd = ["adloco-node", *common, "--rounds", "0", "--data-shard", "0", *TRAIN, *NET]
+            cmd = ["adloco-node", *common, "--rounds", "0", "--data-shard", "0", *train, *NET]
             nodes.append(Node("joiner", cmd, work))
-        _finish(nodes[:3], work, "honest nodes")
+        _finish(nodes[:honest], work, "honest nodes")
     finally:
         for node in [*nodes, bootstrap]:
             node.kill()
     wall_s = time.monotonic() - t0
-    finals = [n.rounds()[-1] for n in nodes[:3]]
+    finals = [n.rounds()[-1] for n in nodes[:honest]]
     groups = [e["group_size"] for e in nodes[0].rounds()]
     # θ per round each honest node reached by applying it (a node that caught up over a round, or
     # went on alone after the others had applied their --rounds, has no record of it, or its own).
-    reached = [{e["round"]: e["theta_hash"] for e in n.rounds()} for n in nodes[:3]]
+    reached = [{e["round"]: e["theta_hash"] for e in n.rounds()} for n in nodes[:honest]]
     shared = set.intersection(*(set(r) for r in reached))
-    joined = _joiner(nodes[4], reached, work) if join_at else {}
+    joined = _joiner(nodes[honest + 1], reached, work, hostile=nodes[honest].name) if join_at else {}
     return {
         **joined,
         "wall_s": round(wall_s, 1),
@@ -126,7 +139,7 @@ def one_run(
         # over, it took from the others: checked against their hash when it did).
         "theta_agree": all(len({r[k] for r in reached}) == 1 for k in shared),
         "rounds_all_applied": len(shared),
-        "rounds_of_4": sum(1 for g in groups if g == 4),
+        "rounds_of_4": sum(1 for g in groups if g == honest + 1),  # rounds of every node (4 by default)
         "rejected_parts": nodes[0].rounds()[-1].get("rejected_parts", 0),  # cumulative: the last round's
         "group_sizes": groups,
         # When the first honest node applied each round, seconds after it started: how many rounds an
@@ -136,7 +149,7 @@ def one_run(
     }
 
 
-def _joiner(joiner: Node, reached: list[dict[int, str]], work: Path) -> dict[str, Any]:
+def _joiner(joiner: Node, reached: list[dict[int, str]], work: Path, *, hostile: str) -> dict[str, Any]:
     """How the joiner did: seconds from its start to its first round on the honest nodes' θ, rounds
     it applied on another θ than theirs, how it caught up, and how often the hostile node served
     poisoned updates (replay-poison)."""
@@ -146,7 +159,7 @@ def _joiner(joiner: Node, reached: list[dict[int, str]], work: Path) -> dict[str
     events = _events(joiner.status)
     rounds = [e for e in events if e["event"] == "round"]
     agreed = next((e for e in rounds if honest.get(e["round"]) == e["theta_hash"]), None)
-    hostile_log = work / "n3.log"
+    hostile_log = work / f"{hostile}.log"
     served = hostile_log.read_text().count("poisoned updates") if hostile_log.exists() else 0
     return {
         "joiner_agree_s": None if agreed is None else round(agreed["time"] - joiner.started, 1),
@@ -247,6 +260,13 @@ def main() -> None:
         help="start the fourth node (hostile or, in the clean run, honest) once the first applied this"
         " many rounds (0: with the others, a founder of the swarm)",
     )
+    p.add_argument("--honest", type=int, default=3, help="honest nodes beside the fourth (hostile) one")
+    p.add_argument(
+        "--model",
+        choices=("tiny-llama", "gpt2-124m"),
+        default="tiny-llama",
+        help="gpt2-124m: the GPT-2 124M config with bench/memory.py's flags (~5 GB a node)",
+    )
     p.add_argument("--keep", action="store_true", help="keep every run's logs (a fork's are kept anyway)")
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument(
@@ -281,6 +301,8 @@ def main() -> None:
                     seed=seed,
                     join_at=args.join_at,
                     fourth_at=args.fourth_at,
+                    honest=args.honest,
+                    model=args.model,
                 )
                 if args.keep:
                     run["logs"] = str(work)
@@ -315,13 +337,13 @@ def main() -> None:
     payload = {
         "medians": table,
         "setup": {
-            "nodes": 4,
+            "nodes": args.honest + 1,
             "hostile": 1,
             "rounds": args.rounds,
             "join_at": args.join_at,
             "fourth_at": args.fourth_at,
-            "model": "tiny-llama",
-            "train": TRAIN,
+            "model": args.model,
+            "train": TRAIN if args.model == "tiny-llama" else TRAIN_124M,
         },
         "seconds": round(time.time() - t0, 1),
         "runs": runs,
