@@ -1404,11 +1404,16 @@ def test_an_owner_that_takes_the_parts_and_never_answers_costs_one_try(
         swarm.close()
 
 
-def test_an_owner_that_refuses_every_member_costs_one_try(caplog: pytest.LogCaptureFixture) -> None:
-    """An owner that refuses every member's request at its header (no reason it can prove: they are
-    members of its group, within the round's rules) takes no parts and signs no receipt, so there
-    is nothing to convict it by. Each member names it on what it saw, and the next try completes
-    without it: a refusal costs the try, not every round."""
+def test_an_owner_that_refuses_every_member_is_out_of_the_third_try_and_with_a_record_of_the_second(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An owner that refuses every member's request at its header (they are members of its group,
+    within the round's rules) takes no parts and signs no receipt: nothing convicts it, and from an
+    honest owner a refusal is a race (parts too late, another view of the group). Before, nobody
+    named it and it failed every try. Now a refusal is an owner that gave no answer: a key without
+    a record is taken for a departure (record 060: not left out the first time, then as a silence),
+    so the third try completes without it; one with a record is demoted, owns nothing at the retry,
+    and the second completes (issue 25 §2)."""
     swarm = Swarm("hivemind")
     try:
         swarm.add_nodes(3)
@@ -1417,13 +1422,35 @@ def test_an_owner_that_refuses_every_member_costs_one_try(caplog: pytest.LogCapt
         refuser._handler._refusal = lambda *args: "refused"
         contributions = _contributions(averagers, "int8", seed=29)
         with caplog.at_level("WARNING"):
-            first = _average_together(averagers, contributions, round=0, spec="int8")
-            assert [o.result for o in first[1:]] == [None, None]
+            for round in (0, 1):
+                failed = _average_together(averagers, contributions, round=round, spec="int8")
+                assert [o.result for o in failed[1:]] == [None, None]
             for honest in averagers[1:]:
                 assert "refused" in honest.verdicts()[refuser.peer_id].why  # type: ignore[attr-defined]
-            retry = _average_together(averagers, contributions, round=1, spec="int8")
+            retry = _average_together(averagers, contributions, round=2, spec="int8")
         assert retry[0].result is None
         _assert_matches_reduce_group(retry[1:], contributions[1:], "int8")
+    finally:
+        swarm.close()
+
+    swarm = Swarm("hivemind")
+    try:
+        swarm.add_nodes(3)
+        averagers = sorted((swarm.averager(i) for i in range(3)), key=lambda a: a.peer_id)
+        refuser = averagers[0]
+        _work_together(averagers, seed=33)
+        assert all(refuser.peer_id in cast(Any, a).workers() for a in averagers[1:])
+        refuser._handler._refusal = lambda *args: "refused"
+        contributions = _contributions(averagers, "int8", seed=34)
+        refused = _average_together(averagers, contributions, round=WORK_MIN_ROUNDS, spec="int8")
+        assert [o.result for o in refused[1:]] == [None, None]
+        for honest in averagers[1:]:
+            assert refuser.peer_id not in cast(Any, honest).verdicts()  # not left out: demoted
+            assert refuser.peer_id not in cast(Any, honest).workers()
+        retry = _average_together(averagers, contributions, round=WORK_MIN_ROUNDS + 1, spec="int8")
+        result = retry[1].result
+        assert result is not None and refuser.peer_id not in set(result.owners.values())
+        assert all(o.result is not None for o in retry[1:])
     finally:
         swarm.close()
 

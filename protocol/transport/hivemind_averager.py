@@ -370,7 +370,13 @@ class HivemindAverager:
                         # partner taken for a departure stays expected (record 060).
                         self._matchmaker.departed([peer])
             culprits = {p: why for p, why in caught.culprits.items() if not caught.late or p not in listed}
-            partners = {p: why for p, why in culprits.items() if p in self._partners and p not in listed}
+            # A refusal proves nothing either way (an honest owner's race: our parts too late, its
+            # other view of the group): taken for a departure, as a partner's missing answer is.
+            partners = {
+                p: why
+                for p, why in culprits.items()
+                if (p in self._partners or caught.refused) and p not in listed
+            }
             if partners:
                 self._convict(Caught(str(caught), partners, proven=False, gone=True))
             rest = {p: why for p, why in culprits.items() if p not in partners}

@@ -135,7 +135,10 @@ class Caught(RoundFailed):
     (an honest owner slow this once still contributes); one without is left out as seen, or as a
     departure when it completed a round with this member before (`conduct`).
     `unanswered`: owners that took this member's parts and gave no answer, late or for the whole
-    budget; one without a record that completed a round with this member is taken for a death."""
+    budget; one without a record that completed a round with this member is taken for a death.
+    `refused`: unanswered owners that refused our request or gave a refusal for an answer (signed
+    by nothing: from an honest owner a race); one without a record is taken for a departure alike
+    (not left out the first time within `owner.BAN_S`, then as a silence), whoever it is."""
 
     def __init__(
         self,
@@ -147,6 +150,7 @@ class Caught(RoundFailed):
         gone: bool = False,
         late: bool = False,
         unanswered: bool = False,
+        refused: bool = False,
     ) -> None:
         super().__init__(message)
         self.culprits = culprits
@@ -155,6 +159,7 @@ class Caught(RoundFailed):
         self.gone = gone
         self.late = late
         self.unanswered = unanswered
+        self.refused = refused
         # The culprits' own signed statements that prove it to any other peer (`evidence.Evidence`):
         # passed on to the group (`verification`) and published to the run (`evidence.EvidenceBoard`).
         self.evidence: list[Evidence] = []

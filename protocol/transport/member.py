@@ -65,10 +65,12 @@ def _refused(owner: str, response: Mapping[str, Any]) -> Caught:
     from an honest owner a race (our parts too late, another view of the group), from a hostile one
     a way to fail every try (issue 25 §2). As an owner that gave no answer (`Caught.unanswered`,
     `late`): one with a record of work is demoted, so it owns nothing at the retry and cannot refuse
-    again there; one without is left out a while, or taken for a departure once when it completed a
-    round with this member before (`HivemindAverager._convict`)."""
+    again there; one without is taken for a departure (`refused`: not left out the first time
+    within `owner.BAN_S`, then as a silence, `HivemindAverager._convict`)."""
     why = f"refused: {str(response.get('e'))[:200]}"
-    return Caught(f"owner {owner[-8:]} {why}", {owner: why}, proven=False, late=True, unanswered=True)
+    return Caught(
+        f"owner {owner[-8:]} {why}", {owner: why}, proven=False, late=True, unanswered=True, refused=True
+    )
 
 
 def parse_rejected(value: Any, contributors: Sequence[str], num_parts: int) -> dict[str, int] | None:
