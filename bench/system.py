@@ -36,6 +36,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from adloco.node.training.config import PUBLIC_AGGREGATE
+from adloco.protocol.transport.identity import create_identity
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import netns  # the test suite's namespaces and process groups
 from procs import Procs, wait_for
@@ -84,12 +87,20 @@ def one_run(
         )
         wait_for(maddrs_file.exists, timeout=120, what="bootstrap")
         peers = [m for m in json.loads(maddrs_file.read_text()) if f"/ip4/{lan.addrs[0]}/" in m]
+        # A private run, each node admitting the others, under a public run's rule: a public run
+        # refuses the sparse codec under it (re-encoded answers are checked by their norm only,
+        # record 069), and a private one would reduce by the mean (the sparse answers gathered).
+        keys = [work / f"node{host}.key" for host in range(1, NODES + 1)]
+        allowlist = work / "peers.txt"
+        allowlist.write_text("".join(f"{create_identity(str(key)).peer_id}\n" for key in keys))
         nodes = []
         for host in range(1, NODES + 1):
             status = work / f"node{host}.jsonl"
             argv = [
                 "adloco-node",
                 *("--peers", *peers),
+                *("--identity-path", str(keys[host - 1]), "--allow-peers", str(allowlist)),
+                *("--aggregate", PUBLIC_AGGREGATE),
                 *("--run-id", "system", "--rounds", str(rounds)),
                 *("--host-maddrs", f"/ip4/{lan.addrs[host]}/tcp/0"),
                 *("--status-file", str(status), "--data-shard", str(host - 1)),

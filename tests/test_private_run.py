@@ -15,10 +15,12 @@ from typing import cast
 import pytest
 import torch
 
+from adloco.errors import UserError
 from adloco.node.cli.credential import credential_main
 from adloco.node.cli.node import build_parser, swarm_from_args, swarm_train_config
 from adloco.node.cli.options import train_config_from_args
 from adloco.node.swarm.node import SwarmConfig
+from adloco.node.training.config import TrainConfig
 from adloco.protocol.algorithms.allreduce import Contribution, reduce_group
 from adloco.protocol.algorithms.codecs import encode_tensors, make_codec
 from adloco.protocol.transport.admission import (
@@ -185,6 +187,28 @@ def test_a_public_run_defaults_to_checked_centered_clip_and_a_private_run_to_the
     assert train_config_from_args(parse_settings(build_parser(), [])).aggregate == "mean"
     with pytest.raises(Exception, match=r"default --aggregate is clip:0\.5"):
         rule("--downlink", "gather")
+
+
+def test_a_public_run_takes_only_codecs_whose_answers_are_checked_beyond_their_norm(tmp_path: Path) -> None:
+    """A low-rank answer, or a sparse one re-encoded under a robust rule, bounds no error of its own:
+    members could check it against a norm bound only, as the trimmed mean (issue 25 §1). A public run
+    refuses such a codec given outright and chooses the adaptive codec among the others; a sparse
+    codec under the mean is gathered (checked exactly), and a private run takes any."""
+    allowlist = tmp_path / "peers.txt"
+    allowlist.write_text("")
+
+    def train(*flags: str) -> TrainConfig:
+        args = parse_settings(build_parser(), ["--run-id", RUN, *flags])
+        return swarm_train_config(train_config_from_args(args), args)
+
+    assert train("--codec", "adaptive").codec_candidates == ("fp16", "int8", "int4")
+    assert "lowrank:4" in train("--codec", "adaptive", "--allow-peers", str(allowlist)).codec_candidates
+    assert train("--codec", "sparse", "--aggregate", "mean").codec == "sparse"
+    assert train("--codec", "int4").codec == "int4"
+    assert train("--codec", "lowrank:4", "--allow-peers", str(allowlist)).codec == "lowrank:4"
+    for codec in ("lowrank:4", "sparse"):
+        with pytest.raises(UserError, match=rf"--codec {codec}: members can check .* only against a norm"):
+            train("--codec", codec)
 
 
 # ---- enforcement with real DHT peers and p2pd ---------------------------------------------------

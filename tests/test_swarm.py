@@ -354,12 +354,31 @@ def test_nodes_on_different_kernel_paths_hold_identical_theta(procs: Procs, tmp_
         ({"MKL_CBWR": "COMPATIBLE"}, ("--threads", "2")),
     ]
     # δ 0.9 makes the chooser weigh low-rank codecs against int4 every round (low-rank decodes
-    # through a matrix product, int4 through numpy): each part of the apply path gets its turn.
-    adaptive = ("--codec", "adaptive", "--max-rel-error", "0.9", "--rounds", "0")
+    # through a matrix product, int4 through numpy): each part of the apply path gets its turn. A
+    # public run chooses among the codecs whose answers are checked beyond their norm (no low-rank):
+    # the three run privately, each admitting the others.
+    from adloco.protocol.transport.identity import create_identity
+
+    keys = [tmp_path / f"n{i}.key" for i in range(len(kernels))]
+    allowlist = tmp_path / "peers.txt"
+    allowlist.write_text("".join(f"{create_identity(str(key)).peer_id}\n" for key in keys))
+    adaptive = (
+        "--codec",
+        "adaptive",
+        "--max-rel-error",
+        "0.9",
+        "--rounds",
+        "0",
+        "--allow-peers",
+        str(allowlist),
+    )
     nodes = [
-        _start_node(procs, tmp_path, f"n{i}", peers, "--data-shard", str(i), *adaptive, *args, env=env)
+        _start_node(
+            procs, tmp_path, f"n{i}", peers, "--data-shard", str(i), "--identity-path", str(keys[i]),
+            *adaptive, *args, env=env,
+        )
         for i, (env, args) in enumerate(kernels)
-    ]
+    ]  # fmt: skip
 
     def common() -> list[int]:
         return sorted(set.intersection(*(set(_rounds(status)) for _, status in nodes)))

@@ -468,12 +468,35 @@ def swarm_train_config(cfg: TrainConfig, args: argparse.Namespace) -> TrainConfi
             f" default, {PUBLIC_AGGREGATE}), or run privately (--run-owner or --allow-peers)"
         )
     try:
-        return replace(cfg, aggregate=rule, checked_answers=True)
+        checked = replace(cfg, aggregate=rule, checked_answers=True)
     except ValueError as e:
         default = (
             f" (a public run's default --aggregate is {PUBLIC_AGGREGATE})" if rule != cfg.aggregate else ""
         )
         raise UserError(f"--downlink: {e}{default}") from None
+    return _checked_codecs(checked) if public else checked
+
+
+def _checked_codecs(cfg: TrainConfig) -> TrainConfig:
+    """A public run's codecs: those whose answers a member checks beyond their norm. A low-rank
+    answer, or a sparse one re-encoded (under a robust rule), bounds no error of its own
+    (`codecs.error_bound`): members could check it against a norm bound only, as the trimmed mean.
+    The adaptive codec chooses among the others; one given outright is refused."""
+
+    def checkable(spec: str) -> bool:
+        return not spec.startswith(("lowrank", "sparse")) or cfg.downlink_of(spec) == "gather"
+
+    if cfg.codec == "adaptive":
+        return replace(cfg, codec_candidates=tuple(s for s in cfg.codec_candidates if checkable(s)))
+    if not checkable(cfg.codec):
+        raise UserError(
+            f"--codec {cfg.codec}: members can check an owner's answer of this codec only against a norm"
+            " bound (it bounds no error of its own), so in a public run one hostile owner could answer"
+            " anything that small; use int8 (the default), int4, fp16 or none, a sparse codec with"
+            " --aggregate mean (its contributions gathered, checked exactly), or run privately"
+            " (--run-owner or --allow-peers)"
+        )
+    return cfg
 
 
 def check_control(args: argparse.Namespace) -> None:
