@@ -185,7 +185,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         "--codec",
         default="int8",
         help="none|fp16|int8|int4|lowrank:R[:fp16|int4]|sparse[:K/C[:B]]|adaptive (sparse: SparseLoCo's top K"
-        " of every C values at B bits, default 64/4096:2)",
+        " of every C values at B bits, default 64/4096:2). A public swarm run takes no low-rank codec, and a"
+        " sparse one only under --aggregate mean: their answers would be checked by their norm alone",
     )
     outer.add_argument(
         "--downlink",
