@@ -218,8 +218,10 @@ def test_catch_up_checks_the_replayed_theta_before_it_applies_a_single_update(co
 
     before = [t.clone() for t in late.state.theta]
     holder = Holder(poisoned)
-    done = catch_up(late, holder, expected_hash=head)
+    refused: list[str] = []
+    done = catch_up(late, holder, expected_hash=head, on_refused=lambda: refused.append("poisoned"))
     assert done.how == "download" and holder.downloaded and late.state.theta_hash() == head
+    assert refused == ["poisoned"]  # the swarm then asks that holder for no updates a while
     # Had the replay been applied first, θ would have moved before the download replaced it; the
     # download would then be all that saved it. Without a state to download, nothing moves at all:
     stuck = _peer(corpus, "late", 1)
@@ -232,8 +234,13 @@ def test_catch_up_checks_the_replayed_theta_before_it_applies_a_single_update(co
         catch_up(stuck, Liar(poisoned), expected_hash=head)
     assert stuck.state.round == 0
     assert all(torch.equal(x, y) for x, y in zip(stuck.state.theta, before, strict=True))
-    honest = catch_up(_peer(corpus, "late", 1), Holder(a.state.history), expected_hash=head)
-    assert honest.how == "replay" and honest.rounds == 2
+    honest = catch_up(
+        _peer(corpus, "late", 1),
+        Holder(a.state.history),
+        expected_hash=head,
+        on_refused=lambda: refused.append("x"),
+    )
+    assert honest.how == "replay" and honest.rounds == 2 and refused == ["poisoned"]
 
 
 def test_catch_up_replays_up_to_the_trusted_round_from_a_holder_that_moved_on(corpus: Corpus) -> None:

@@ -76,6 +76,7 @@ REJOIN_EVERY_S = 5.0  # how often a node averaging alone dials its initial peers
 OWN_HASHES_KEPT = 64  # rounds whose θ hash a node remembers (to tell a laggard from another lineage)
 PROBE_PEERS = 32  # the most record writers a fresh joiner asks whether they stand by their record
 SYNC_PASSES = 3  # a download that lands behind the head is followed by a replay in the same sync
+SHUN_S = 600.0  # how long a holder whose kept updates missed the head's θ is not asked for them
 UPDATE_SLACK_BYTES = 4 << 10  # per tensor: a codec header is tens of bytes; an fp32 payload 4/param
 
 
@@ -355,6 +356,9 @@ class SwarmSync:
         # The peers this node averaged with, and the last round it did: what it trusts on where the
         # swarm is (`swarm_head`), for VOUCH_ROUNDS rounds.
         self.vouched: dict[str, int] = {}
+        # Holders whose kept updates did not lead to the head's θ, and until when (monotonic time)
+        # they are not asked for updates again (`_shun`).
+        self._shunned: dict[str, float] = {}
         # The last sync left this node behind the head it read (its catch-up failed: the donors had
         # moved on, say): its contribution is late whatever its own staleness, and joins only.
         self.behind = False
@@ -535,9 +539,25 @@ class SwarmSync:
         published state from its donors; False if that failed (the next sync tries again)."""
         if head.quorum and not self._confirmed(head):
             return False
-        source = RemoteSource(self.server, head.holders, self.downloads, head.target)
+        now = time.monotonic()
+        holders = [h for h in head.holders if self._shunned.get(h, -math.inf) <= now]
+        source = RemoteSource(self.server, holders, self.downloads, head.target)
         return self._run_catch_up(
             head, source, head.theta_hash, replay=replay, event=event, to_round=head.round
+        )
+
+    def _shun(self, holder: str) -> None:
+        """`holder`'s kept updates did not lead to the head's θ it holds (poisoned, say): the state
+        was downloaded instead, and it is not asked for updates for `SHUN_S` (a replay-poison holder
+        sent one joiner to a download at three catch-ups in a row, stop 50)."""
+        if not holder:
+            return
+        self._shunned[holder] = time.monotonic() + SHUN_S
+        logger.warning(
+            "[%s round=%d] the kept updates of %s do not lead to the head's θ: not asked for %.0f s",
+            *self._tag(),
+            holder[-6:],
+            SHUN_S,
         )
 
     def _confirmed(self, head: SwarmHead) -> bool:
@@ -587,6 +607,7 @@ class SwarmSync:
                 replay=replay,
                 lock=self.lock,
                 to_round=to_round,
+                on_refused=lambda: self._shun(source.answered),
             )
         except Exception as e:  # donors that left or answered badly: the next sync tries again
             logger.warning("[%s round=%d] catch-up failed: %s", *self._tag(), e)

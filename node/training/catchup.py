@@ -11,7 +11,7 @@ published majority), never one the source states about itself.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Literal, Protocol
@@ -49,6 +49,7 @@ def catch_up(
     replay: bool = True,
     lock: AbstractContextManager[object] | None = None,
     to_round: int | None = None,
+    on_refused: Callable[[], None] | None = None,
 ) -> CatchUp:
     """Bring `peer` to the source's state: replay the kept updates if they start at the peer's round
     and end at `expected_hash` (worked out before any is applied: `Peer.replayed_hash`), otherwise
@@ -57,6 +58,9 @@ def catch_up(
     `to_round`: the round `expected_hash` is θ's at. A holder that moved on since the caller read
     it keeps updates past that round; only those before it are replayed (what lies beyond is
     nothing the caller can check), rather than found not to end at the hash and downloaded.
+
+    `on_refused` is called when the source's updates start at the peer's round and do not lead to
+    `expected_hash` (a holder serving poisoned ones): the caller may ask another next time.
 
     Fetching runs outside `lock`, changing the peer inside it (the swarm's state server reads the
     peer from another thread). Raises ValueError when the downloaded θ does not match
@@ -78,6 +82,8 @@ def catch_up(
                     matches = False
                 if matches:
                     peer.catch_up(updates)
+            if not matches and on_refused is not None:
+                on_refused()
             if matches:
                 moved = sum(len(p) for u in updates for p in u.averaged.values())
                 return CatchUp("replay", peer.state.round - start, moved)
