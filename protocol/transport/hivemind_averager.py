@@ -371,7 +371,8 @@ class HivemindAverager:
                         self._matchmaker.departed([peer])
             culprits = {p: why for p, why in caught.culprits.items() if not caught.late or p not in listed}
             # A refusal proves nothing either way (an honest owner's race: our parts too late, its
-            # other view of the group): taken for a departure, as a partner's missing answer is.
+            # other view of the group): in a pair, where leaving it out splits the two, it is taken
+            # for a departure, as a partner's missing answer is.
             partners = {
                 p: why
                 for p, why in culprits.items()

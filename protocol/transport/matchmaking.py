@@ -136,9 +136,10 @@ class Caught(RoundFailed):
     departure when it completed a round with this member before (`conduct`).
     `unanswered`: owners that took this member's parts and gave no answer, late or for the whole
     budget; one without a record that completed a round with this member is taken for a death.
-    `refused`: unanswered owners that refused our request or gave a refusal for an answer (signed
-    by nothing: from an honest owner a race); one without a record is taken for a departure alike
-    (not left out the first time within `owner.BAN_S`, then as a silence), whoever it is."""
+    `refused`: an unanswered owner that refused our request or gave a refusal for an answer (signed
+    by nothing: from an honest owner a race) in a group of two, where this member's vote alone
+    leaves it out; one without a record is then taken for a departure (not left out the first time
+    within `owner.BAN_S`, then as a silence), whoever it is."""
 
     def __init__(
         self,

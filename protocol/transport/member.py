@@ -59,17 +59,24 @@ def _fault(owner: str, why: str) -> Caught:
     return Caught(f"owner {owner[-8:]} {why}", {owner: why}, proven=False)
 
 
-def _refused(owner: str, response: Mapping[str, Any]) -> Caught:
+def _refused(owner: str, response: Mapping[str, Any], members: int) -> Caught:
     """An owner's refusal, at our request's header or in place of its answer. It is signed by
     nothing and names nothing of ours this member could check, so it proves nothing either way:
     from an honest owner a race (our parts too late, another view of the group), from a hostile one
     a way to fail every try (issue 25 §2). As an owner that gave no answer (`Caught.unanswered`,
     `late`): one with a record of work is demoted, so it owns nothing at the retry and cannot refuse
-    again there; one without is taken for a departure (`refused`: not left out the first time
-    within `owner.BAN_S`, then as a silence, `HivemindAverager._convict`)."""
+    again there; one without is left out a while, as seen. In a group of `members` 2 it is taken
+    for a departure instead (`refused`: not left out the first time within `owner.BAN_S`, then as a
+    silence): there this member's vote alone is a majority, and an honest race would split the pair
+    (`HivemindAverager._convict`)."""
     why = f"refused: {str(response.get('e'))[:200]}"
     return Caught(
-        f"owner {owner[-8:]} {why}", {owner: why}, proven=False, late=True, unanswered=True, refused=True
+        f"owner {owner[-8:]} {why}",
+        {owner: why},
+        proven=False,
+        late=True,
+        unanswered=True,
+        refused=members <= 2,
     )
 
 
@@ -144,7 +151,7 @@ async def fetch(
             state.meter.checks_sent += state.own.signed.size
         go, _ = await read_frame(reader, state.meter, max_header=GO_HEADER_BYTES, max_body=0)
         if not go.get("ok"):
-            raise _refused(owner, go)
+            raise _refused(owner, go, len(state.group.members))
         payloads = [contribution.payloads[k] for k in keys]
         await turn.begin()
         if on_stage is None:
@@ -154,7 +161,9 @@ async def fetch(
         turn.end()  # the next owner's payloads may go while we wait for this one's answer
         state.receipts[owner] = await _read_receipt(reader, state, owner)
         response, _ = await read_frame(reader, state.meter, max_body=0)
-        sizes = _answer_sizes(response, owner=owner, keys=keys, bounds=answer_bounds)
+        sizes = _answer_sizes(
+            response, owner=owner, keys=keys, bounds=answer_bounds, members=len(state.group.members)
+        )
         body = await read_chunks(reader, sizes, state.meter)
     except (OSError, EOFError, asyncio.IncompleteReadError, ValueError) as e:
         raise RoundFailed(f"exchange with owner {owner[-8:]} broke: {e!r}", blamed=[owner]) from e
@@ -274,11 +283,11 @@ async def _write_chunks_staged(
 
 
 def _answer_sizes(
-    response: dict[str, Any], *, owner: str, keys: list[str], bounds: Mapping[str, int]
+    response: dict[str, Any], *, owner: str, keys: list[str], bounds: Mapping[str, int], members: int
 ) -> list[int]:
     """The part sizes an answer header announces, each within its bound; RoundFailed otherwise."""
     if not response.get("ok"):
-        raise _refused(owner, response)
+        raise _refused(owner, response, members)
     try:
         sizes = size_list(response.get("s"), len(keys))
     except ValueError as e:
