@@ -617,6 +617,27 @@ def test_holders_are_asked_for_their_kept_updates_in_an_order_no_id_fixes() -> N
     assert len({order[0] for order in asked}) > 1
 
 
+def test_a_holder_whose_updates_missed_the_head_is_asked_after_every_other() -> None:
+    """A holder whose kept updates did not lead to the head's θ (`SwarmSync._shun`: a poisoner
+    served them) is asked last, whatever the draw: a joiner in the closing pass of stop 50 asked the
+    poisoner at three catch-ups in a row. It is still asked when no other answers."""
+    asked: list[list[str]] = []
+
+    class Refusing:
+        def fetch_updates(self, holder: str, **kw: object) -> list[UpdateRecord]:
+            asked[-1].append(holder)
+            raise ValueError("refused")
+
+    holders = [f"Qm{i:044d}" for i in range(5)]
+    downloads = cast(Any, SimpleNamespace(max_update_bytes=1 << 20))
+    source = RemoteSource(cast(Any, Refusing()), holders, downloads, None, doubted={holders[0]})
+    for _ in range(30):
+        asked.append([])
+        assert source.updates(0) == []
+        assert sorted(asked[-1]) == holders and asked[-1][-1] == holders[0]
+    assert len({order[0] for order in asked}) > 1
+
+
 def test_a_server_limits_each_peer_updates_included_and_serves_the_others(swarm: Swarm) -> None:
     """A peer that asks one server for its kept updates six times at once gets one stream; the
     other five are refused at once, before any update is read. Another peer is served meanwhile

@@ -76,7 +76,7 @@ REJOIN_EVERY_S = 5.0  # how often a node averaging alone dials its initial peers
 OWN_HASHES_KEPT = 64  # rounds whose θ hash a node remembers (to tell a laggard from another lineage)
 PROBE_PEERS = 32  # the most record writers a fresh joiner asks whether they stand by their record
 SYNC_PASSES = 3  # a download that lands behind the head is followed by a replay in the same sync
-SHUN_S = 600.0  # how long a holder whose kept updates missed the head's θ is not asked for them
+SHUN_S = 600.0  # how long a holder whose kept updates missed the head's θ is asked last for them
 UPDATE_SLACK_BYTES = 4 << 10  # per tensor: a codec header is tens of bytes; an fp32 payload 4/param
 
 
@@ -190,16 +190,20 @@ class RemoteSource:
     """Peers holding the swarm's state, as a catch-up source over the network: the kept updates of
     the first holder that answers (`answered`), asked in an order drawn afresh each time (by id, a
     key ground to sort first would be every laggard's first source: one serving poisoned updates
-    would send each to a full download), the state in chunks from every donor of `target`."""
+    would send each to a full download), the state in chunks from every donor of `target`.
+    `doubted`: holders whose updates missed the head's θ lately, asked only after all the others."""
 
     server: StateServer
     holders: Sequence[str]
     downloads: Downloads
     target: DownloadTarget | None
     answered: str = ""
+    doubted: Collection[str] = ()
 
     def updates(self, from_round: int) -> Sequence[Update]:
-        for holder in random.sample(list(self.holders), len(self.holders)):
+        fresh = [h for h in self.holders if h not in self.doubted]
+        doubted = [h for h in self.holders if h in self.doubted]
+        for holder in [*random.sample(fresh, len(fresh)), *random.sample(doubted, len(doubted))]:
             try:
                 records = self.server.fetch_updates(
                     holder, from_round=from_round, max_bytes=self.downloads.max_update_bytes
@@ -540,21 +544,23 @@ class SwarmSync:
         if head.quorum and not self._confirmed(head):
             return False
         now = time.monotonic()
-        holders = [h for h in head.holders if self._shunned.get(h, -math.inf) <= now]
-        source = RemoteSource(self.server, holders, self.downloads, head.target)
+        doubted = {h for h, until in self._shunned.items() if until > now}
+        source = RemoteSource(self.server, head.holders, self.downloads, head.target, doubted=doubted)
         return self._run_catch_up(
             head, source, head.theta_hash, replay=replay, event=event, to_round=head.round
         )
 
     def _shun(self, holder: str) -> None:
-        """`holder`'s kept updates did not lead to the head's θ it holds (poisoned, say): the state
-        was downloaded instead, and it is not asked for updates for `SHUN_S` (a replay-poison holder
-        sent one joiner to a download at three catch-ups in a row, stop 50)."""
+        """`holder`'s kept updates did not lead to the head's θ from this node's (poisoned, or this
+        node on another lineage): the state was downloaded instead, and for `SHUN_S` the holder is
+        asked for updates only after every other (a replay-poison holder sent one joiner to a
+        download at three catch-ups in a row, stop 50). Not left out: where this node's own θ was
+        the cause, an honest holder may still be the only one."""
         if not holder:
             return
         self._shunned[holder] = time.monotonic() + SHUN_S
         logger.warning(
-            "[%s round=%d] the kept updates of %s do not lead to the head's θ: not asked for %.0f s",
+            "[%s round=%d] the kept updates of %s do not lead to the head's θ: asked last for %.0f s",
             *self._tag(),
             holder[-6:],
             SHUN_S,
