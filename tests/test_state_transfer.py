@@ -596,10 +596,12 @@ def test_kept_updates_arrive_in_pieces_and_replay_to_the_holders_state(
     assert laggard.state.theta_hash() == holder.state.theta_hash()
 
 
-def test_holders_are_asked_for_their_kept_updates_in_an_order_no_id_fixes() -> None:
-    """A laggard asks the holders of the head for kept updates in an order drawn afresh each time:
-    by id, a key ground to sort first would be every laggard's first source. Each holder refuses
-    here, so each call asks all five; the first asked differs across calls."""
+HOLDERS = [f"Qm{i:044d}" for i in range(5)]
+
+
+def _orders_asked(calls: int, doubted: frozenset[str] = frozenset()) -> list[list[str]]:
+    """The order in which a laggard asked `HOLDERS` for kept updates, per call: each refuses, so
+    each call asks all five."""
     asked: list[list[str]] = []
 
     class Refusing:
@@ -607,13 +609,20 @@ def test_holders_are_asked_for_their_kept_updates_in_an_order_no_id_fixes() -> N
             asked[-1].append(holder)
             raise ValueError("refused")
 
-    holders = [f"Qm{i:044d}" for i in range(5)]
     downloads = cast(Any, SimpleNamespace(max_update_bytes=1 << 20))
-    source = RemoteSource(cast(Any, Refusing()), holders, downloads, None)
-    for _ in range(30):
+    source = RemoteSource(cast(Any, Refusing()), HOLDERS, downloads, None, doubted=doubted)
+    for _ in range(calls):
         asked.append([])
         assert source.updates(0) == []
-        assert sorted(asked[-1]) == holders
+        assert sorted(asked[-1]) == HOLDERS
+    return asked
+
+
+def test_holders_are_asked_for_their_kept_updates_in_an_order_no_id_fixes() -> None:
+    """A laggard asks the holders of the head for kept updates in an order drawn afresh each time:
+    by id, a key ground to sort first would be every laggard's first source. Each holder refuses
+    here, so each call asks all five; the first asked differs across calls."""
+    asked = _orders_asked(30)
     assert len({order[0] for order in asked}) > 1
 
 
@@ -621,20 +630,8 @@ def test_a_holder_whose_updates_missed_the_head_is_asked_after_every_other() -> 
     """A holder whose kept updates did not lead to the head's θ (`SwarmSync._shun`: a poisoner
     served them) is asked last, whatever the draw: a joiner in the closing pass of stop 50 asked the
     poisoner at three catch-ups in a row. It is still asked when no other answers."""
-    asked: list[list[str]] = []
-
-    class Refusing:
-        def fetch_updates(self, holder: str, **kw: object) -> list[UpdateRecord]:
-            asked[-1].append(holder)
-            raise ValueError("refused")
-
-    holders = [f"Qm{i:044d}" for i in range(5)]
-    downloads = cast(Any, SimpleNamespace(max_update_bytes=1 << 20))
-    source = RemoteSource(cast(Any, Refusing()), holders, downloads, None, doubted={holders[0]})
-    for _ in range(30):
-        asked.append([])
-        assert source.updates(0) == []
-        assert sorted(asked[-1]) == holders and asked[-1][-1] == holders[0]
+    asked = _orders_asked(30, doubted=frozenset({HOLDERS[0]}))
+    assert all(order[-1] == HOLDERS[0] for order in asked)
     assert len({order[0] for order in asked}) > 1
 
 
