@@ -544,7 +544,8 @@ class SwarmSync:
         if head.quorum and not self._confirmed(head):
             return False
         now = time.monotonic()
-        doubted = {h for h, until in self._shunned.items() if until > now}
+        self._shunned = {h: until for h, until in self._shunned.items() if until > now}
+        doubted = set(self._shunned)  # the expired ones forgotten just above
         source = RemoteSource(self.server, head.holders, self.downloads, head.target, doubted=doubted)
         return self._run_catch_up(
             head, source, head.theta_hash, replay=replay, event=event, to_round=head.round
