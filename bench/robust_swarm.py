@@ -34,6 +34,8 @@ rounds of its own past theirs). A rule with scoring on is labelled `rule+score`.
     python bench/robust_swarm.py --rules default --attacks none hijack replay-poison --join-at 4
     python bench/robust_swarm.py --summarize bench/results/robust_swarm_liveness_founder.json
     python bench/robust_swarm.py --model gpt2-124m --honest 2 --attacks none owner-scaled --rounds 4
+    python bench/robust_swarm.py --rules default --attacks none mute+rekey --rounds 40 \
+        --node-arg=--batch-test --node-arg=none      # every round the same work (no batch test)
 The medians over the seeds close the output (and the JSON's "medians"); `--summarize` prints them
 for results written before.
 """
@@ -76,12 +78,13 @@ def one_run(
     fourth_at: int = 0,
     honest: int = 3,
     model: str = "tiny-llama",
+    node_args: tuple[str, ...] = (),
 ) -> dict[str, Any]:
-    train = TRAIN
+    train = [*TRAIN, *node_args]
     if model == "gpt2-124m":  # made before the clock starts
         config = work / "gpt2-124m.json"
         config.write_text(json.dumps(GPT2_124M))
-        train = [*TRAIN_124M, "--model", str(config), "--tokenizer", str(make_tokenizer(work))]
+        train = [*TRAIN_124M, "--model", str(config), "--tokenizer", str(make_tokenizer(work)), *node_args]
     t0 = time.monotonic()
     maddrs = work / "bootstrap.json"
     boot = ["adloco-bootstrap", "--identity-path", str(work / "b.key"), *NET[:3]]
@@ -145,6 +148,10 @@ def one_run(
         # When the first honest node applied each round, seconds after it started: how many rounds an
         # attacked run completes in the clean run's time (`_in_clean_time`).
         "round_at_s": [round(e["time"] - nodes[0].started, 2) for e in nodes[0].rounds()],
+        # The first honest node's batch (summed over its instances) in its last round: AdLoCo's batch
+        # test grows it by what the gradients' noise shows, which differs from run to run, so two runs'
+        # rounds are not equal work where it differs (`--node-arg=--batch-test --node-arg=none`).
+        "batch_final": sum(nodes[0].rounds()[-1].get("batch_sizes", [])),
         "rejected_by_round": [e.get("rejected_parts", 0) for e in nodes[0].rounds()],  # cumulative
     }
 
@@ -267,6 +274,13 @@ def main() -> None:
         default="tiny-llama",
         help="gpt2-124m: the GPT-2 124M config with bench/memory.py's flags (~5 GB a node)",
     )
+    p.add_argument(
+        "--node-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="one more argument for every node, hostile or not (repeat; --node-arg=--batch-test)",
+    )
     p.add_argument("--keep", action="store_true", help="keep every run's logs (a fork's are kept anyway)")
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument(
@@ -303,6 +317,7 @@ def main() -> None:
                     fourth_at=args.fourth_at,
                     honest=args.honest,
                     model=args.model,
+                    node_args=tuple(args.node_arg),
                 )
                 if args.keep:
                     run["logs"] = str(work)
