@@ -325,8 +325,11 @@ async def _gather_secrets(
         )
     if not all(p in known() for p in required):
         relay_by = reveal_by + budget_s
-        if late:  # relayed in a projection: a grace, not the budget
-            relay_by = min(relay_by, loop.time() + grace_s(loop.time() - grouped_at))
+        if late:
+            # Relayed in a projection: a member that holds the secret projects as soon as it has it,
+            # so a grace of this member's own exchange (`trust.grace_s`), not the budget, nor of the
+            # time since the group formed, which holds the late wait itself (record 057).
+            relay_by = min(relay_by, loop.time() + grace_s(start - grouped_at))
         await mail.wait(lambda: all(p in known() or p in mail.gone for p in required), relay_by)
     _check_equivocations(mail)
     for peer, revealed in mail.reveals.items():
