@@ -29,7 +29,9 @@ key; only the time in it is false), so that a round it is in seems to have opene
 
 With "+rekey" after the attack (owner-stall+rekey), once the others leave it out it stops and
 joins again under a fresh key (0.1 s to make), as an attacker whose bans are keyed by peer id would:
-it catches up like any joiner and attacks again whenever it is given the chance.
+it catches up like any joiner and attacks again whenever it is given the chance. With "+fresh" it
+does not wait to be left out: after every round it averaged in, it joins again under a fresh key, so
+every group it is in meets it as a newcomer (mute+fresh: a newcomer's withheld reveal, every time).
 
     python bench/hostile_node.py --attack owner-scaled --peers ... --run-id r [node flags]
 """
@@ -255,29 +257,43 @@ def main(argv: list[str]) -> int:
         at = argv.index("--attack")
         attack, argv = argv[at + 1], argv[:at] + argv[at + 2 :]
     attack, rekey = attack.removesuffix("+rekey"), attack.endswith("+rekey")
+    attack, fresh = attack.removesuffix("+fresh"), attack.endswith("+fresh")
     known = (*ATTACKS[1:], *OWNER_ATTACKS, *MEMBER_ATTACKS, *HOLDER_ATTACKS, *RECORD_ATTACKS)
     if attack not in known:
-        raise SystemExit(f"--attack: one of {', '.join(known)}, +rekey optional")
+        raise SystemExit(f"--attack: one of {', '.join(known)}, +rekey or +fresh optional")
     args = parse_settings(build_parser(), argv)
     if attack in OWNER_ATTACKS:
         attack_as_owner(attack)
     keys = 0
     while True:
         keys += 1
-        left_out = _run(args, attack, rekey=rekey)
+        left_out = _run(args, attack, rekey=rekey, fresh=fresh)
         if not left_out:
             break
-        print(f"hostile node: left out, joining again under key {keys + 1}", flush=True)
+        why = "averaged a round" if fresh else "left out"
+        print(f"hostile node: {why}, joining again under key {keys + 1}", flush=True)
     print(f"hostile node: {attack}, {keys} key(s)", flush=True)
     return 0
 
 
-def _run(args: Any, attack: str, *, rekey: bool) -> bool:
+def _run(args: Any, attack: str, *, rekey: bool, fresh: bool = False) -> bool:
     """One life of the hostile node, under a fresh key unless --identity-path names one; True when
-    it stopped because the others left it out (`rekey` only)."""
+    it stopped because the others left it out (`rekey`), or once it averaged a round (`fresh`)."""
     cfg = swarm_train_config(train_config_from_args(args), args)  # as adloco-node runs it
     node = SwarmNode(cfg, network_from_args(args), swarm_from_args(args))
     left_out = False
+    if fresh:
+        averager: Any = node.averager
+        say = averager._log
+
+        def averaged(round: int, message: str, *rest: Any, **kw: Any) -> None:
+            nonlocal left_out
+            if message.startswith("averaged with"):
+                left_out = True
+                node.ops.draining.set()
+            say(round, message, *rest, **kw)
+
+        averager._log = averaged
     if rekey:
         matchmaker = node.averager._matchmaker
         log = matchmaker._log

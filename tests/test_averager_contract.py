@@ -1279,6 +1279,53 @@ def test_a_fresh_key_that_withholds_its_reveal_costs_the_round_nothing(
         swarm.close()
 
 
+def test_keys_made_fresh_for_each_round_cost_one_grace_between_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 25 §2 (`bench/robust_swarm.py --attacks mute+fresh`): a key is 0.1 s to make, so an
+    attacker can bring a fresh one to each round and withhold its reveal every time, and each would
+    cost the others the grace a non-seeder's reveal gets once. Three peers that worked together meet
+    an honest newcomer (it reveals in time: nobody is put on notice), then a fresh key that withholds
+    its reveal (waited for, a grace), then another: once the first let its grace pass, no key
+    without a record is waited for (`HivemindAverager.newcomers`), and the round still completes
+    with all four contributions."""
+    from adloco.protocol.transport import round_exchange, verification
+
+    swarm = Swarm("hivemind")
+    try:
+        swarm.add_nodes(6)
+        averagers = [swarm.averager(i) for i in range(6)]
+        old = averagers[:3]
+        honest_new, first, second = averagers[3:]
+        _work_together(old, seed=41)
+        real = verification.verify_round
+        unwaited: dict[tuple[str, int], set[str]] = {}
+
+        async def recorded(**kw: Any) -> dict[str, str]:
+            unwaited[(kw["peer_id"], kw["state"].group.round)] = set(kw["unwaited"])
+            if kw["peer_id"] in (first.peer_id, second.peer_id):
+                kw = {**kw, "send": lambda *args: None}
+            return await real(**kw)
+
+        monkeypatch.setattr(round_exchange, "verify_round", recorded)
+        notice = [cast(Any, a)._newcomers_on_notice_until for a in old]
+        for round, newcomer in enumerate((honest_new, first, second), start=WORK_MIN_ROUNDS):
+            group = [*old, newcomer]
+            contributions = _contributions(group, "int8", seed=42 + round)
+            outcomes = _average_together(group, contributions, round=round, spec="int8")
+            _assert_matches_reduce_group(outcomes[:3], contributions, "int8")
+            if newcomer is not second:
+                assert all(unwaited[(a.peer_id, round)] == set() for a in old)
+            after = [cast(Any, a)._newcomers_on_notice_until for a in old]
+            if newcomer is honest_new:
+                assert after == notice == [0.0] * 3
+            if newcomer is first:  # let its grace pass: the others are on notice from then
+                assert all(n > 0.0 for n in after)
+                notice = after
+        assert all(unwaited[(a.peer_id, WORK_MIN_ROUNDS + 2)] == {second.peer_id} for a in old)
+        assert [cast(Any, a)._newcomers_on_notice_until for a in old] == notice  # it was not waited for
+    finally:
+        swarm.close()
+
+
 def _silent(monkeypatch: pytest.MonkeyPatch, averager: Any) -> None:
     """`averager` joins groups (and, as an owner, reduces and answers) but sends no owner its parts."""
     from adloco.protocol.transport.round_exchange import RoundExchange

@@ -61,7 +61,9 @@ this peer leaves them out of its next rounds, and its readiness records say so (
   honest member and is in no later group (docs/decisions/044-verified-reducers.md);
 - every seeder of the round must reveal its secret: one that does not fails the round everywhere,
   once, and is named; another member that does not costs the others a grace, once
-  (`trust.GRACE_S`);
+  (`trust.GRACE_S`); and once a key this peer holds no record of has, keys without a record are
+  not waited for at all for `NEWCOMER_NOTICE_S` (a key is 0.1 s to make: one per round would cost
+  every round a grace: `newcomers`);
 - an owner that takes the parts and does not answer fails the try once most owners have answered
   and it is late by their times (`wire.late_answer_s`), not after the exchange budget. An owner
   this peer lists is not left out (an honest owner may be slow once) but demoted: it owns nothing
@@ -88,7 +90,7 @@ import hashlib
 import logging
 import secrets
 import threading
-from collections.abc import Callable, Collection, Coroutine, Mapping
+from collections.abc import Callable, Collection, Coroutine, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -107,7 +109,7 @@ from ..algorithms.scoring import Scorer
 from ..algorithms.trust import WorkLedger, accepted_work
 from .admission import Admission
 from .averager import MemberResult, Misconduct
-from .conduct import EXCLUDE_PROVEN_S, Verdict, Verdicts
+from .conduct import EXCLUDE_PROVEN_S, EXCLUDE_SEEN_S, Verdict, Verdicts
 from .dht import DHT_RPC_TIMEOUT_S, DHT_STALL_S
 from .evidence import DROPPED, EvidenceBoard
 from .identity import NodeDHT
@@ -146,6 +148,10 @@ PARTNER_ROUNDS = 64  # the completed rounds a peer remembers whom it averaged wi
 # Rounds other peers' streams may make this peer hold before a call here names them: an honest
 # member is at most a round or two ahead of us (`_round_future`).
 MAX_ASKED_ROUNDS = 4
+# How long, after a key this peer holds no record of withheld its reveal past its grace, no such key
+# is waited for (`newcomers`): as long as a peer caught by this peer's observation alone is
+# left out (`conduct.EXCLUDE_SEEN_S`), so keys made one after another cost one grace in that time.
+NEWCOMER_NOTICE_S = EXCLUDE_SEEN_S
 HANG_UP_S = 1.0  # the most a failed try waits for its daemon to close a connection (`_hang_up`)
 
 
@@ -265,6 +271,9 @@ class HivemindAverager:
         self._partners: dict[str, int] = {}  # peer -> this peer's completed round they last shared
         self._completed = 0  # rounds this peer completed
         self._laggards: set[str] = set()  # non-seeders whose reveal missed its grace (`verify_round`)
+        # Until then (loop time) the members this peer holds no record of are not waited for: one
+        # of them missed its grace lately (`newcomers`).
+        self._newcomers_on_notice_until = 0.0
         self._tasks: set[asyncio.Task[Any]] = set()
         self._calls: set[asyncio.Task[Any]] = set()  # our `average` calls running on the loop
         self._closed = False
@@ -386,6 +395,27 @@ class HivemindAverager:
             caught = Caught(str(caught), rest, proven=False)
         for peer in self._conduct.convict(caught, self._loop.time()):
             self._worked.forget(peer)  # its trust is earned again, by work after its exclusion
+
+    def newcomers(self, members: Sequence[str], seeders: Collection[str]) -> tuple[set[str], set[str]]:
+        """Of a round's `members`, the keys this peer holds no record of (`trust.WorkLedger`) that
+        are not seeders, as (unwaited, watched) for `verification.verify_round`:
+        - unwaited: while a key without a record withheld its reveal past its grace lately (the
+          module doc), all of them: neither their reveals nor their projections are waited for;
+        - watched: the others, that get the grace (and are no laggards): one that lets it pass puts
+          this peer on notice (`newcomers_missed`).
+        The grace is for a non-seeder's work to be counted, and a reveal that comes with the seeders'
+        still counts; a key made fresh for every round would otherwise cost every round a grace."""
+        listed = set(self._worked.listed())
+        fresh = {m for m in members if m != self._peer_id and m not in listed and m not in seeders}
+        if self._loop.time() < self._newcomers_on_notice_until:
+            return fresh, set()
+        return set(), fresh - self._laggards
+
+    def newcomers_missed(self, missed: Collection[str]) -> None:
+        """Keys without a record that were waited for withheld their reveals past the grace: for the
+        next `NEWCOMER_NOTICE_S`, no such key is waited for."""
+        if missed:
+            self._newcomers_on_notice_until = self._loop.time() + NEWCOMER_NOTICE_S
 
     def workers(self) -> list[str]:
         """The peers whose work this peer took lately (`trust.WorkLedger.listed`), less those it

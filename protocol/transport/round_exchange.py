@@ -31,6 +31,7 @@ from ..algorithms.allreduce import Contribution
 from ..algorithms.claims import ClaimBounds
 from ..algorithms.codecs import Codec, decode, payload_codec, payload_shape
 from ..algorithms.parts import deal_parts, most_bytes_moved, tensor_norm
+from ..algorithms.trust import seeders as seeders_of
 from ..algorithms.verify import payload_digest
 from .averager import MemberResult
 from .checks import Settings
@@ -465,6 +466,7 @@ class RoundExchange:
                 meter=state.meter,
             )
 
+        unwaited, watched = a.newcomers(result.members, seeders_of(result.members, state.group.owners))
         liars = await verify_round(
             state=state,
             answers=state.answers,
@@ -484,7 +486,9 @@ class RoundExchange:
             reveal_by=reveal_by,
             grouped_at=self.grouped_at,
             laggards=a._laggards,
+            unwaited=unwaited,
         )
+        a.newcomers_missed(watched & a._laggards)
         if liars:
             a._convict(Caught("false projections", liars, proven=True))
             a._log(state.group.round, "owners showed false projections of %s", sorted(p[-8:] for p in liars))

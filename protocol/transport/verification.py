@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from concurrent.futures import Executor
 
 from ..algorithms import verify
@@ -117,6 +117,7 @@ async def verify_round(
     reveal_by: float,
     grouped_at: float,
     laggards: set[str] | None = None,
+    unwaited: Collection[str] = (),
 ) -> dict[str, str]:
     """The module doc's three steps for one round; returns when every answer checked out, with the
     contributors an owner showed to have sent false projections (the round still checks out with
@@ -133,7 +134,9 @@ async def verify_round(
     projections were false (`ask_defense`);
     `laggards`: the members other than seeders whose reveal missed its grace in an earlier round
     (this peer's own memory, updated here to those that missed it in this one): they are not
-    waited for.
+    waited for; nor are `unwaited` members that are not seeders (keys without a record, while one
+    of them withheld its reveal lately: `HivemindAverager.newcomers`). A reveal of either
+    that is in when the seeders' are still counts.
     """
     loop = asyncio.get_running_loop()
     layout = state.layout
@@ -156,7 +159,8 @@ async def verify_round(
     mail = state.mail
     seeders = seeders_of(members, group.owners)
     laggards = set() if laggards is None else laggards
-    waited = [m for m in others if m in seeders or m not in laggards]
+    skipped = laggards | set(unwaited)
+    waited = [m for m in others if m in seeders or m not in skipped]
     secrets = await _gather_secrets(
         mail,
         commitments,
@@ -208,7 +212,7 @@ async def verify_round(
     await _wait_graced(
         mail,
         lambda: needed <= set(mail.projections) | set(mail.gone),
-        lambda: wanted - laggards <= set(mail.projections) | set(mail.gone),
+        lambda: wanted - laggards - skipped <= set(mail.projections) | set(mail.gone),
         max(loop.time(), reveal_by) + budget_s,
     )
     _check_equivocations(mail)
