@@ -270,7 +270,6 @@ class HivemindAverager:
         self._worked = WorkLedger()  # whose work this peer took lately (`trust`)
         self._partners: dict[str, int] = {}  # peer -> this peer's completed round they last shared
         self._completed = 0  # rounds this peer completed
-        self._shared: dict[str, int] = {}  # partner -> rounds it completed with this peer
         self._laggards: set[str] = set()  # non-seeders whose reveal missed its grace (`verify_round`)
         # Until then (loop time) the members this peer holds no record of are not waited for: one
         # of them missed its grace lately (`newcomers`).
@@ -400,14 +399,12 @@ class HivemindAverager:
     def _expected_again(self, members: Collection[str]) -> tuple[str, ...]:
         """Whom this peer's next registrations expect, of the `members` of the round it completed
         (`Matchmaker.expected`: the round stays open for them up to the patience, at least
-        `DHT_STALL_S`): itself and those it lists or completed two rounds with at least, or all of
-        them while none of the others is either (a fresh swarm, or this peer new to it: the patience
-        that keeps founders from each averaging alone, records 056 and 066). A key that averaged one
-        round and left (a key is 0.1 s to make) held every next round open for the patience. A peer
-        this peer demoted, and no longer lists, is still waited for: left to come after the early
-        close of the others, it went on alone (a fork, seen in stop 51's first version)."""
+        `DHT_STALL_S`): itself and those it lists, or all of them while it lists none of the others
+        (a fresh swarm, or this peer new to it: the patience that keeps founders from each averaging
+        alone, records 056 and 066). A key without a record is not waited for: one that averaged a
+        round and left (a key is 0.1 s to make) held every next round open for the patience."""
         listed = set(self._worked.listed())
-        kept = [m for m in members if m != self._peer_id and (m in listed or self._shared.get(m, 0) >= 2)]
+        kept = [m for m in members if m in listed and m != self._peer_id]
         return tuple(sorted(set(members) if not kept else {self._peer_id, *kept}))
 
     def newcomers(self, members: Sequence[str], seeders: Collection[str]) -> tuple[set[str], set[str]]:
@@ -879,11 +876,8 @@ class HivemindAverager:
         # (`_expected_again`).
         self._completed += 1
         self._partners.update(dict.fromkeys(group.members, self._completed))
-        for peer in group.members:
-            self._shared[peer] = self._shared.get(peer, 0) + 1
         for peer in [p for p, n in self._partners.items() if self._completed - n >= PARTNER_ROUNDS]:
             del self._partners[peer]
-            self._shared.pop(peer, None)
         chasers = await self._chasers(round, group.members)
         self._matchmaker.expected = self._expected_again({*group.members, *chasers})
         self._log(
