@@ -396,17 +396,6 @@ class HivemindAverager:
         for peer in self._conduct.convict(caught, self._loop.time()):
             self._worked.forget(peer)  # its trust is earned again, by work after its exclusion
 
-    def _expected_again(self, members: Collection[str]) -> tuple[str, ...]:
-        """Whom this peer's next registrations expect, of the `members` of the round it completed
-        (`Matchmaker.expected`: the round stays open for them up to the patience, at least
-        `DHT_STALL_S`): itself and those it lists, or all of them while it lists none of the others
-        (a fresh swarm, or this peer new to it: the patience that keeps founders from each averaging
-        alone, records 056 and 066). A key without a record is not waited for: one that averaged a
-        round and left (a key is 0.1 s to make) held every next round open for the patience."""
-        listed = set(self._worked.listed())
-        kept = [m for m in members if m in listed and m != self._peer_id]
-        return tuple(sorted(set(members) if not kept else {self._peer_id, *kept}))
-
     def newcomers(self, members: Sequence[str], seeders: Collection[str]) -> tuple[set[str], set[str]]:
         """Of a round's `members`, the keys this peer holds no record of (`trust.WorkLedger`) that
         are not seeders, as (unwaited, watched) for `verification.verify_round`:
@@ -872,14 +861,13 @@ class HivemindAverager:
         self._measure(result)
         # The next round's registration expects this group again, and the former partners that came
         # after its close, catching up: it closes once they are all in (a join-only registration
-        # counts), where it closed before a chaser could come (record 059). Those it lists only
-        # (`_expected_again`).
+        # counts), where it closed before a chaser could come (record 059).
         self._completed += 1
         self._partners.update(dict.fromkeys(group.members, self._completed))
         for peer in [p for p, n in self._partners.items() if self._completed - n >= PARTNER_ROUNDS]:
             del self._partners[peer]
         chasers = await self._chasers(round, group.members)
-        self._matchmaker.expected = self._expected_again({*group.members, *chasers})
+        self._matchmaker.expected = tuple(sorted({*group.members, *chasers}))
         self._log(
             round,
             "averaged with %d members, %d wire bytes out, %d in, %d parts rejected",
