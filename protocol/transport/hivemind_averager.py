@@ -61,9 +61,9 @@ this peer leaves them out of its next rounds, and its readiness records say so (
   honest member and is in no later group (docs/decisions/044-verified-reducers.md);
 - every seeder of the round must reveal its secret: one that does not fails the round everywhere,
   once, and is named; another member that does not costs the others a grace, once
-  (`trust.GRACE_S`); and once a key this peer holds no record of has, keys without a record are
-  not waited for at all for `NEWCOMER_NOTICE_S` (a key is 0.1 s to make: one per round would cost
-  every round a grace: `newcomers`);
+  (`trust.GRACE_S`); and once a key this peer holds no record of has let that grace pass, no key
+  without a record is waited for at all for `NEWCOMER_NOTICE_S` (a key is 0.1 s to make: one per
+  round would cost every round a grace: `newcomers`);
 - an owner that takes the parts and does not answer fails the try once most owners have answered
   and it is late by their times (`wire.late_answer_s`), not after the exchange budget. An owner
   this peer lists is not left out (an honest owner may be slow once) but demoted: it owns nothing
