@@ -544,6 +544,28 @@ def test_a_registrant_late_for_a_try_that_failed_knows_it_over_once_its_group_ha
     assert not late.failed_everywhere(round)
 
 
+def test_a_key_without_a_record_among_the_openers_neither_holds_nor_breaks_the_early_close() -> None:
+    """Issue 25 §2 (`bench/robust_swarm.py --attacks mute+fresh`): a fresh key each round, registered
+    between the openers' registrations and expecting another group (its own), held every round open
+    for the patience (rounds of 8 s where the clean ones took 1.2 s). A registrant that is no opener
+    is now a member if it came by the early close, and neither holds nor breaks it; another opener
+    expecting another group still does."""
+    group = ("a", "b", "c")
+    expects = {**dict.fromkeys(group, expectation(group)), "new": expectation((*group, "new"))}
+    patience = dict.fromkeys(group, 6.0)
+
+    def closed(times: dict[str, float], expects: dict[str, str]) -> tuple[float, tuple[str, ...]]:
+        return close_and_members(times, 1.0, 0.3, expects=expects, patience=patience, openers=set(group))
+
+    times = {"a": 0.0, "new": 0.1, "b": 0.2, "c": 0.4}
+    close, members = closed(times, expects)
+    assert close == pytest.approx(0.4) and members == ("a", "b", "c", "new")
+    close, members = closed({**times, "new": 0.5}, expects)  # after the early close: not a member
+    assert close == pytest.approx(0.4) and members == group
+    close, members = closed(times, {**expects, "b": expectation(("a", "b"))})
+    assert close == pytest.approx(6.0) and members == ("a", "b", "c", "new")
+
+
 def test_keys_with_no_record_cannot_open_time_or_hold_a_round_once_some_registrants_worked_together() -> None:
     """The limit above, closed where registrants worked together: only the registrations of the
     core of their work lists open the round (`openers`). Two fresh keys dating theirs 100 s in the

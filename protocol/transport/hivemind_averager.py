@@ -145,6 +145,11 @@ MARK_TIMEOUT_S = DHT_STALL_S + DHT_RPC_TIMEOUT_S
 # of milliseconds; one that meets an unresponsive replica is not waited for.
 CHASER_READ_S = 0.5
 PARTNER_ROUNDS = 64  # the completed rounds a peer remembers whom it averaged with (`_chasers`)
+# The rounds a partner this peer does not list (yet, or no longer) must have completed with it to be
+# waited for again (`_expected_again`). A key that averaged one round and left held every next round
+# open for the patience (a key is 0.1 s to make); each key now holds at most one round per two it
+# spent in groups, and the peers a node demoted are still waited for.
+WAITED_AFTER_ROUNDS = 2
 # Rounds other peers' streams may make this peer hold before a call here names them: an honest
 # member is at most a round or two ahead of us (`_round_future`).
 MAX_ASKED_ROUNDS = 4
@@ -270,6 +275,7 @@ class HivemindAverager:
         self._worked = WorkLedger()  # whose work this peer took lately (`trust`)
         self._partners: dict[str, int] = {}  # peer -> this peer's completed round they last shared
         self._completed = 0  # rounds this peer completed
+        self._shared: dict[str, int] = {}  # partner -> rounds it completed with this peer
         self._laggards: set[str] = set()  # non-seeders whose reveal missed its grace (`verify_round`)
         # Until then (loop time) the members this peer holds no record of are not waited for: one
         # of them missed its grace lately (`newcomers`).
@@ -395,6 +401,23 @@ class HivemindAverager:
             caught = Caught(str(caught), rest, proven=False)
         for peer in self._conduct.convict(caught, self._loop.time()):
             self._worked.forget(peer)  # its trust is earned again, by work after its exclusion
+
+    def _expected_again(self, members: Collection[str]) -> tuple[str, ...]:
+        """Whom this peer's next registrations expect, of the `members` of the round it completed
+        (`Matchmaker.expected`: the round stays open for them up to the patience, at least
+        `DHT_STALL_S`): itself and those it lists or completed `WAITED_AFTER_ROUNDS` rounds with, or
+        all of them while none of the others is either (a fresh swarm, or this peer new to it: the
+        patience that keeps founders from each averaging alone, records 056 and 066). A key that
+        averaged one round and left (a key is 0.1 s to make) held every next round open for the
+        patience. A peer this peer demoted, and no longer lists, is still waited for: left to come
+        after the early close of the others, it was late every round and went on alone (record 071)."""
+        listed = set(self._worked.listed())
+        kept = [
+            m
+            for m in members
+            if m != self._peer_id and (m in listed or self._shared.get(m, 0) >= WAITED_AFTER_ROUNDS)
+        ]
+        return tuple(sorted(set(members) if not kept else {self._peer_id, *kept}))
 
     def newcomers(self, members: Sequence[str], seeders: Collection[str]) -> tuple[set[str], set[str]]:
         """Of a round's `members`, the keys this peer holds no record of (`trust.WorkLedger`) that
@@ -861,13 +884,17 @@ class HivemindAverager:
         self._measure(result)
         # The next round's registration expects this group again, and the former partners that came
         # after its close, catching up: it closes once they are all in (a join-only registration
-        # counts), where it closed before a chaser could come (record 059).
+        # counts), where it closed before a chaser could come (record 059). Of them, those it lists
+        # or completed rounds with before (`_expected_again`).
         self._completed += 1
         self._partners.update(dict.fromkeys(group.members, self._completed))
+        for peer in group.members:
+            self._shared[peer] = self._shared.get(peer, 0) + 1
         for peer in [p for p, n in self._partners.items() if self._completed - n >= PARTNER_ROUNDS]:
             del self._partners[peer]
+            self._shared.pop(peer, None)
         chasers = await self._chasers(round, group.members)
-        self._matchmaker.expected = tuple(sorted({*group.members, *chasers}))
+        self._matchmaker.expected = self._expected_again({*group.members, *chasers})
         self._log(
             round,
             "averaged with %d members, %d wire bytes out, %d in, %d parts rejected",

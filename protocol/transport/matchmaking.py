@@ -243,8 +243,11 @@ def close_and_members(
     - early close: when the round's first registrations, in time order, all expect one group and
       are exactly its members (at least `quorum` of them), the round closes at the last of them,
       as soon as the group it expected is complete, instead of a window later (hivemind closes a
-      group once it is full). Anyone else registering in between
-      (a newcomer expects another group) keeps the window; join-only registrants that registered
+      group once it is full). Another opener registering in between keeps the window (and the
+      patience); a registrant that is no opener (a key without a record, once some registrants
+      worked together) and expects another group is a member if it came by the early close, and
+      neither holds nor breaks it (a fresh key each round, registered among the openers, held
+      every round open for the patience); join-only registrants that registered
       by then are members of the round it closes, and do not hold it open (one key registering
       join-only every round held every round a window longer).
     - an expected peer whose registration is dated before the earliest a member's may be (an
@@ -316,6 +319,10 @@ def close_and_members(
             break
         if peer not in waiting:
             if expects.get(peer, "") != expected:
+                if peer not in opening:
+                    # A key that opens nothing (no record with the openers), expecting another group:
+                    # a member if it came by then, and it neither holds nor breaks the early close.
+                    continue
                 break
             openers_in.append(peer)
         if len(openers_in) < quorum:
@@ -326,7 +333,8 @@ def close_and_members(
             expectation(seen) == expected
             for seen in (came, set(openers_in), came | gone, {*openers_in, *gone})
         ):
-            return t, tuple(sorted(came))
+            strays = {p for p, at in since if p not in opening and at <= t}
+            return t, tuple(sorted(came | strays))
     members = [p for p, t in ordered if t <= close] + [p for p in waiting if records[p] <= close]
     members += [
         p
