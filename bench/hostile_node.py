@@ -31,7 +31,8 @@ With "+rekey" after the attack (owner-stall+rekey), once the others leave it out
 joins again under a fresh key (0.1 s to make), as an attacker whose bans are keyed by peer id would:
 it catches up like any joiner and attacks again whenever it is given the chance. With "+fresh" it
 does not wait to be left out: after every round it averaged in, it joins again under a fresh key, so
-every group it is in meets it as a newcomer (mute+fresh: a newcomer's withheld reveal, every time).
+every group it is in meets it as a newcomer (mute+fresh: a newcomer's withheld reveal, every time);
+"+freshN" after every N rounds (a key that leaves once the others wait for it: record 071).
 
     python bench/hostile_node.py --attack owner-scaled --peers ... --run-id r [node flags]
 """
@@ -40,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import re
 import sys
 import time
 from typing import Any
@@ -257,10 +259,12 @@ def main(argv: list[str]) -> int:
         at = argv.index("--attack")
         attack, argv = argv[at + 1], argv[:at] + argv[at + 2 :]
     attack, rekey = attack.removesuffix("+rekey"), attack.endswith("+rekey")
-    attack, fresh = attack.removesuffix("+fresh"), attack.endswith("+fresh")
+    fresh = 0
+    if found := re.fullmatch(r"(.+)\+fresh(\d*)", attack):
+        attack, fresh = found[1], int(found[2] or 1)
     known = (*ATTACKS[1:], *OWNER_ATTACKS, *MEMBER_ATTACKS, *HOLDER_ATTACKS, *RECORD_ATTACKS)
-    if attack not in known:
-        raise SystemExit(f"--attack: one of {', '.join(known)}, +rekey or +fresh optional")
+    if attack not in known or (found and fresh < 1):
+        raise SystemExit(f"--attack: one of {', '.join(known)}, +rekey or +fresh[N] optional")
     args = parse_settings(build_parser(), argv)
     if attack in OWNER_ATTACKS:
         attack_as_owner(attack)
@@ -270,25 +274,27 @@ def main(argv: list[str]) -> int:
         left_out = _run(args, attack, rekey=rekey, fresh=fresh)
         if not left_out:
             break
-        why = "averaged a round" if fresh else "left out"
+        why = f"averaged {fresh} round(s)" if fresh else "left out"
         print(f"hostile node: {why}, joining again under key {keys + 1}", flush=True)
     print(f"hostile node: {attack}, {keys} key(s)", flush=True)
     return 0
 
 
-def _run(args: Any, attack: str, *, rekey: bool, fresh: bool = False) -> bool:
+def _run(args: Any, attack: str, *, rekey: bool, fresh: int = 0) -> bool:
     """One life of the hostile node, under a fresh key unless --identity-path names one; True when
-    it stopped because the others left it out (`rekey`), or once it averaged a round (`fresh`)."""
+    it stopped because the others left it out (`rekey`), or once it averaged `fresh` rounds."""
     cfg = swarm_train_config(train_config_from_args(args), args)  # as adloco-node runs it
     node = SwarmNode(cfg, network_from_args(args), swarm_from_args(args))
     left_out = False
     if fresh:
         averager: Any = node.averager
         say = averager._log
+        rounds = 0
 
         def averaged(round: int, message: str, *rest: Any, **kw: Any) -> None:
-            nonlocal left_out
-            if message.startswith("averaged with"):
+            nonlocal left_out, rounds
+            rounds += message.startswith("averaged with")
+            if rounds >= fresh:
                 left_out = True
                 node.ops.draining.set()
             say(round, message, *rest, **kw)

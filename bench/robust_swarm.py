@@ -10,7 +10,8 @@ owner anything), or sending an honest Δ with a forged claim (claim: 10^12 token
 or report (report), dating its readiness records 30 s back (backdate), or serving laggards a
 far-ahead state (hijack: it trains nothing) or poisoned kept updates (replay-poison); `+rekey`
 after any of them: left out, it joins again under a fresh key; `+fresh`: after every round it
-averaged in, it joins again under a fresh key (a newcomer in every group it is in).
+averaged in (`+freshN`: every N rounds), it joins again under a fresh key (a newcomer in every
+group it is in).
 `--fourth-at K` starts the fourth node (in every run, the clean one too) only once the first applied
 K rounds: a stranger's key joining a running swarm, where the honest nodes have records and it has
 none, instead of a founder's. `--join-at K` starts an honest fifth node once the first applied K

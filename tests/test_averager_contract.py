@@ -1386,6 +1386,41 @@ def test_a_partner_this_peer_no_longer_lists_is_still_waited_for() -> None:
         swarm.close()
 
 
+def test_keys_that_leave_once_waited_for_cost_one_patience_between_them() -> None:
+    """Issue 25 §2 (`bench/robust_swarm.py --attacks mute+fresh2`): a key that stays two rounds, so
+    that the others wait for it, then leaves, and the next key does the same. The first one that did
+    not come held the round open for the patience; the partners this peer does not list are then on
+    notice (`NEWCOMER_NOTICE_S`), and the second costs nothing (`_expected_again`)."""
+    swarm = Swarm("hivemind")
+    try:
+        swarm.add_nodes(5)
+        averagers = [swarm.averager(i) for i in range(5)]
+        old, first, second = averagers[:3], averagers[3], averagers[4]
+        three = tuple(sorted(a.peer_id for a in old))
+        _work_together(old, seed=55)
+        delays = [NEWCOMERS_FIRST_S] * 3 + [0.0]
+
+        def round_of(group: list[Averager], round: int) -> list[Outcome]:
+            contributions = _contributions(group, "int8", seed=56 + round)
+            outcomes = _average_together(group, contributions, round=round, spec="int8", delays=delays)
+            assert all(o.result is not None and len(o.result.members) == len(group) for o in outcomes)
+            return outcomes
+
+        start = WORK_MIN_ROUNDS
+        round_of([*old, first], start)
+        round_of([*old, first], start + 1)
+        with_first = tuple(sorted((*three, first.peer_id)))
+        assert all(cast(Any, a)._matchmaker.expected == with_first for a in old)
+        outcomes = round_of([*old, second], start + 2)  # the first is gone: the patience, once
+        assert min(o.elapsed_s for o in outcomes[:3]) >= DHT_STALL_S - 1.0, [o.elapsed_s for o in outcomes]
+        round_of([*old, second], start + 3)
+        assert all(cast(Any, a)._matchmaker.expected == three for a in old)
+        outcomes = round_of(old, start + 4)  # the second is gone too: not waited for
+        assert max(o.elapsed_s for o in outcomes) < DHT_STALL_S - 1.0, [o.elapsed_s for o in outcomes]
+    finally:
+        swarm.close()
+
+
 def _silent(monkeypatch: pytest.MonkeyPatch, averager: Any) -> None:
     """`averager` joins groups (and, as an owner, reduces and answers) but sends no owner its parts."""
     from adloco.protocol.transport.round_exchange import RoundExchange
@@ -1588,25 +1623,34 @@ def test_in_a_pair_a_refusing_owner_is_taken_for_a_departure_before_it_is_left_o
         swarm.close()
 
 
-def test_streams_naming_rounds_nobody_called_hold_a_bounded_number_and_rounds_still_complete() -> None:
+def test_streams_naming_rounds_nobody_called_hold_a_bounded_number_per_peer_and_rounds_still_complete() -> (
+    None
+):
     """Issue 25 §1.7: any peer's stream naming a round made this peer hold an entry for it (a future
     the stream waits on, kept for the records' lifetime). Streams may open at most
-    `MAX_ASKED_ROUNDS` rounds no call here named; beyond, a stream's round is answered at once as
-    one this peer is in no group for, and the peer's own rounds still complete."""
+    `MAX_ASKED_ROUNDS` rounds no call here named, each peer's own; beyond, that peer's stream's round
+    is answered at once as one this peer is in no group for. Another peer's streams still open the
+    rounds they name: under one bound for all, a backdating key's retries (rounds the others were not
+    in) filled it, and an honest owner refused the others' next round and was left out (record 071).
+    The peer's own rounds still complete."""
     swarm = Swarm("hivemind")
     try:
         swarm.add_nodes(3)
         averagers = sorted((swarm.averager(i) for i in range(3)), key=lambda a: a.peer_id)
         target: Any = averagers[0]
 
-        async def ask() -> tuple[list[bool], list[bool]]:
-            asked = [target._round_future(10**9 + i, asked=True) for i in range(3 * MAX_ASKED_ROUNDS)]
+        async def ask(peer: str, first: int) -> tuple[list[bool], list[bool]]:
+            rounds = range(first, first + 3 * MAX_ASKED_ROUNDS)
+            asked = [target._round_future(r, asked_by=peer) for r in rounds]
             return [f.done() for f in asked], [f.result() is None for f in asked if f.done()]
 
-        done, none = target._call(ask(), timeout=10)
+        done, none = target._call(ask("hostile", 10**9), timeout=10)
         assert done == [False] * MAX_ASKED_ROUNDS + [True] * (2 * MAX_ASKED_ROUNDS)
         assert all(none)
         assert len(target._rounds) == MAX_ASKED_ROUNDS
+        done, _ = target._call(ask(averagers[1].peer_id, 0), timeout=10)
+        assert done[:MAX_ASKED_ROUNDS] == [False] * MAX_ASKED_ROUNDS
+        assert len(target._rounds) == 2 * MAX_ASKED_ROUNDS
         contributions = _contributions(averagers, "int8", seed=31)
         outcomes = _average_together(averagers, contributions, round=0, spec="int8")
         _assert_matches_reduce_group(outcomes, contributions, "int8")

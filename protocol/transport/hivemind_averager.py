@@ -265,8 +265,9 @@ class HivemindAverager:
         digest = hashlib.sha256(prefix.encode()).hexdigest()[:24]
         self._handler_name = f"adloco.allreduce.v{PROTOCOL_VERSION}.{digest}"
         self._rounds: dict[int, tuple[float, asyncio.Future[RoundState | None]]] = {}
-        # Rounds held only because another peer's stream named them, before any call here did.
-        self._asked: set[int] = set()
+        # Rounds held only because another peer's stream named them, before any call here did: the
+        # peer whose stream opened each.
+        self._asked: dict[int, str] = {}
         self._joined: set[int] = set()
         # Rounds whose call here ended in no group with others (alone, late, or before any group):
         # a later call may take them up afresh (`average`).
@@ -280,6 +281,9 @@ class HivemindAverager:
         # Until then (loop time) the members this peer holds no record of are not waited for: one
         # of them missed its grace lately (`newcomers`).
         self._newcomers_on_notice_until = 0.0
+        # Until then (loop time) the partners this peer does not list are not waited for: one it
+        # waited for lately did not come (`_expected_again`).
+        self._partners_on_notice_until = 0.0
         self._tasks: set[asyncio.Task[Any]] = set()
         self._calls: set[asyncio.Task[Any]] = set()  # our `average` calls running on the loop
         self._closed = False
@@ -318,7 +322,7 @@ class HivemindAverager:
         )
         self._handler = handler = OwnerHandler(
             peer_id=self._peer_id,
-            round_state=lambda r: asyncio.shield(self._round_future(r, asked=True)),
+            round_state=lambda r, peer: asyncio.shield(self._round_future(r, asked_by=peer)),
             header_timeout_s=self.part_timeout_s,
             wait_s=matchmaking_bound_s(self.window_s, self.grace_s) + self.part_timeout_s,
             chunk_bytes=self.chunk_bytes,
@@ -327,7 +331,7 @@ class HivemindAverager:
         )
         self._call(self._p2p.add_binary_stream_handler(self._handler_name, handler.serve), timeout=30)
         checks = VerifyHandler(
-            round_state=lambda r: asyncio.shield(self._round_future(r, asked=True)),
+            round_state=lambda r, peer: asyncio.shield(self._round_future(r, asked_by=peer)),
             wait_s=matchmaking_bound_s(self.window_s, self.grace_s) + self._exchange_budget_s(0),
             chunk_bytes=self.chunk_bytes,
             executor=self._verify_executor,
@@ -402,7 +406,7 @@ class HivemindAverager:
         for peer in self._conduct.convict(caught, self._loop.time()):
             self._worked.forget(peer)  # its trust is earned again, by work after its exclusion
 
-    def _expected_again(self, members: Collection[str]) -> tuple[str, ...]:
+    def _expected_again(self, members: Collection[str], waited: Collection[str] = ()) -> tuple[str, ...]:
         """Whom this peer's next registrations expect, of the `members` of the round it completed
         (`Matchmaker.expected`: the round stays open for them up to the patience, at least
         `DHT_STALL_S`): itself and those it lists or completed `WAITED_AFTER_ROUNDS` rounds with, or
@@ -410,12 +414,22 @@ class HivemindAverager:
         patience that keeps founders from each averaging alone, records 056 and 066). A key that
         averaged one round and left (a key is 0.1 s to make) held every next round open for the
         patience. A peer this peer demoted, and no longer lists, is still waited for: left to come
-        after the early close of the others, it was late every round and went on alone (record 071)."""
+        after the early close of the others, it was late every round and went on alone (record 071).
+
+        `waited`: whom this round's registration expected. One of them it does not list that did
+        not come (a key that left once the others waited for it) puts the partners it does not list
+        on notice: for `NEWCOMER_NOTICE_S` none of them is waited for, so keys made and left one
+        after another cost one patience in that time, as their reveals cost one grace (`newcomers`)."""
         listed = set(self._worked.listed())
+        now = self._loop.time()
+        if any(p not in listed and p != self._peer_id for p in set(waited) - set(members)):
+            self._partners_on_notice_until = now + NEWCOMER_NOTICE_S
+        partners = now >= self._partners_on_notice_until
         kept = [
             m
             for m in members
-            if m != self._peer_id and (m in listed or self._shared.get(m, 0) >= WAITED_AFTER_ROUNDS)
+            if m != self._peer_id
+            and (m in listed or (partners and self._shared.get(m, 0) >= WAITED_AFTER_ROUNDS))
         ]
         return tuple(sorted(set(members) if not kept else {self._peer_id, *kept}))
 
@@ -691,20 +705,23 @@ class HivemindAverager:
     def _log(self, round: int, message: str, *args: object, level: int = logging.INFO) -> None:
         logger.log(level, f"[{self._peer_id[-8:]} round={round}] {message}", *args)
 
-    def _round_future(self, round: int, *, asked: bool = False) -> asyncio.Future[RoundState | None]:
+    def _round_future(self, round: int, *, asked_by: str | None = None) -> asyncio.Future[RoundState | None]:
         """The future that resolves to this peer's state for `round` once its group is known.
 
-        `asked`: for another peer's stream (an owner's or a verifier's). A member faster than us may
-        name our round before our call for it does, so a stream may open a round's entry; but at
-        most `MAX_ASKED_ROUNDS` of them at once (issue 25 §1.7: any peer could name a round a
-        stream, each held for `record_ttl_s`). Beyond, a stream's round is one we are in no group
-        for (resolved None: "the owner is not in a group for this round").
-        """
+        `asked_by`: the peer whose stream (an owner's or a verifier's) names the round. A member
+        faster than us may name our round before our call for it does, so a stream may open a
+        round's entry; but each peer at most `MAX_ASKED_ROUNDS` of them at once (issue 25 §1.7: any
+        peer could name a round a stream, each held for `record_ttl_s`). Beyond, that peer's stream's
+        round is one we are in no group for (resolved None: "the owner is not in a group for this
+        round"). The bound is each peer's own: under one bound for all, a peer whose tries others
+        were not in (a backdating key's, each retry a round) filled it, and this honest peer then
+        refused the next round of the others, who took it for an owner that gave no answer and left
+        it out (record 071)."""
         loop = asyncio.get_running_loop()
         now = loop.time()
         for old in [r for r, (t, _) in self._rounds.items() if now - t > self.record_ttl_s]:
             _, stale = self._rounds.pop(old)
-            self._asked.discard(old)
+            self._asked.pop(old, None)
             self._lost_owners.pop(old, None)
             # Its records have expired too: what a call there would meet is a round nobody holds.
             self._joined.discard(old)
@@ -712,15 +729,15 @@ class HivemindAverager:
             if not stale.done():
                 stale.set_result(None)
         if round not in self._rounds:
-            if asked and len(self._asked) >= MAX_ASKED_ROUNDS:
+            if asked_by is not None and sum(p == asked_by for p in self._asked.values()) >= MAX_ASKED_ROUNDS:
                 none: asyncio.Future[RoundState | None] = loop.create_future()
                 none.set_result(None)
                 return none
             self._rounds[round] = (now, loop.create_future())
-            if asked:
-                self._asked.add(round)
-        elif not asked:
-            self._asked.discard(round)  # our own call took it up
+            if asked_by is not None:
+                self._asked[round] = asked_by
+        elif asked_by is None:
+            self._asked.pop(round, None)  # our own call took it up
         return self._rounds[round][1]
 
     # ---- one round, member side ------------------------------------------------------------------
@@ -743,7 +760,7 @@ class HivemindAverager:
             # swarm's state and meets the others at this round): nobody else holds this peer's try.
             self._alone.discard(round)
             self._rounds.pop(round, None)
-            self._asked.discard(round)
+            self._asked.pop(round, None)
             self._lost_owners.pop(round, None)
         self._joined.add(round)
         ready = self._round_future(round)
@@ -894,7 +911,8 @@ class HivemindAverager:
             del self._partners[peer]
             self._shared.pop(peer, None)
         chasers = await self._chasers(round, group.members)
-        self._matchmaker.expected = self._expected_again({*group.members, *chasers})
+        waited = set(self._matchmaker.expected or ()) - set(self._matchmaker.excluded())
+        self._matchmaker.expected = self._expected_again({*group.members, *chasers}, waited)
         self._log(
             round,
             "averaged with %d members, %d wire bytes out, %d in, %d parts rejected",

@@ -140,17 +140,18 @@ def _commitment_of(request: Request, state: RoundState) -> Commitment:
 class OwnerHandler:
     """The stream handler members call: one request in, one answer (or refusal) out.
 
-    `round_state(r)` resolves to this peer's state for round r once its own group is known (None if
-    it has none); a request waits for it at most `wait_s`. A request header must arrive within
-    `header_timeout_s`; the payloads must be in by the session's deadline; the answer is written
-    within the session's `answer_timeout_s`. Answers go out in chunks of `chunk_bytes`.
+    `round_state(r, peer)` resolves to this peer's state for round r, named by `peer`'s stream, once
+    its own group is known (None if it has none); a request waits for it at most `wait_s`. A request
+    header must arrive within `header_timeout_s`; the payloads must be in by the session's deadline;
+    the answer is written within the session's `answer_timeout_s`. Answers go out in chunks of
+    `chunk_bytes`.
     """
 
     def __init__(
         self,
         *,
         peer_id: str,
-        round_state: Callable[[int], Awaitable[RoundState | None]],
+        round_state: Callable[[int, str], Awaitable[RoundState | None]],
         header_timeout_s: float,
         wait_s: float,
         chunk_bytes: int,
@@ -208,7 +209,7 @@ class OwnerHandler:
                 timeout=self._header_timeout_s,
             )
             request = Request.parse(header, max_statement=REQUEST_HEADER_BYTES)
-            state = await asyncio.wait_for(self._round_state(request.round), timeout=self._wait_s)
+            state = await asyncio.wait_for(self._round_state(request.round, remote), timeout=self._wait_s)
             refusal = self._refusal(state, request, remote)
             session = _session_for(state, request) if refusal is None and state is not None else None
             if refusal is None and session is None:

@@ -67,7 +67,7 @@ class VerifyHandler:
     def __init__(
         self,
         *,
-        round_state: Callable[[int], Awaitable[RoundState | None]],
+        round_state: Callable[[int, str], Awaitable[RoundState | None]],
         wait_s: float,
         chunk_bytes: int,
         executor: Executor,
@@ -93,7 +93,7 @@ class VerifyHandler:
             round, kind = header.get("r"), header.get("k")
             if type(round) is not int or kind not in (REVEAL, PROJECT, DEFEND, ACCUSE, WITHDRAW):
                 raise ValueError("malformed verification frame")
-            state = await asyncio.wait_for(self._round_state(round), timeout=self._wait_s)
+            state = await asyncio.wait_for(self._round_state(round, remote), timeout=self._wait_s)
             if state is None or remote not in state.group.members:
                 raise ValueError("not a member of this peer's group for that round")
             if kind == DEFEND:
