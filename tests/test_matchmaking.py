@@ -305,6 +305,26 @@ def _date_records_back(averager: Any, seconds: float) -> None:
     matchmaker._register = register_back
 
 
+def test_one_vote_seen_first_does_not_leave_an_honest_registrant_out(hivemind_swarm: Swarm) -> None:
+    """A key dates its record 30 s back and asks the others to leave the first honest registrant out
+    (`robust_swarm.py --attacks backdate`: its views differ from the others', so it catches honest
+    owners as refusing). That registrant read the key right after it registered, saw only its own
+    record and the hostile one, one vote of one, and gave up; the two honest others, reading all
+    the records, counted it in (one vote of three) and took its refusal for an owner that gave no
+    answer: it was left out of the round and the next (the backdate runs of stop 52). It now decides
+    on the records the others decide on, and the three complete the round."""
+    swarm = hivemind_swarm
+    swarm.add_nodes(4)
+    averagers = [swarm.averager(i) for i in range(4)]
+    victim, hostile = averagers[0], averagers[3]
+    _date_records_back(hostile, 30.0)
+    cast(Any, hostile)._matchmaker.excluded = lambda: [victim.peer_id]
+    contributions = _contributions(averagers, "int8", seed=17)
+    delays = [0.1, 0.5, 0.5, 0.0]
+    outcomes = _average_together(averagers, contributions, round=2, spec="int8", delays=delays)
+    _assert_matches_reduce_group(outcomes[:3], contributions[:3], "int8")
+
+
 def test_a_member_of_the_group_that_dates_its_next_registration_back_holds_nobody_up(
     hivemind_swarm: Swarm,
 ) -> None:

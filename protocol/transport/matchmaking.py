@@ -421,9 +421,12 @@ class Registrations:
     excludes: dict[str, tuple[str, ...]] = field(default_factory=dict)
     workers: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
-    def close_and_members(self, window_s: float, grace_s: float) -> tuple[float, tuple[str, ...]]:
-        """`close_and_members` over the registrants the others did not outvote (`outvoted`)."""
-        out = self.outvoted()
+    def close_and_members(
+        self, window_s: float, grace_s: float, *, keep: str | None = None
+    ) -> tuple[float, tuple[str, ...]]:
+        """`close_and_members` over the registrants the others did not outvote (`outvoted`), and
+        `keep` whatever the votes say (a registrant timing its own wait: `Matchmaker.matchmake`)."""
+        out = self.outvoted() - {keep}
         times = {p: t for p, t in self.times.items() if p not in out}
         if not times:
             return -math.inf, ()
@@ -581,9 +584,15 @@ class Matchmaker:
         workers = tuple(self.workers())[:MAX_WORKERS]
         registered = await self._register(key, round, expect, patience, excluded, workers)
         mine = (registered, expect, patience, excluded, workers)
+        # Whether the others leave this peer out is read once, on the records they decide on (at the
+        # close and its grace); until then it times its wait as a member. A read just after it
+        # registered may see few of the round's registrations, one key's vote a majority of them (a
+        # record dated back is seen first): an honest peer that gave up on such a read refused the
+        # others' requests as in no group, and they left it out (record 071).
+        me = self.peer_id
         while True:
             records = await self._registrations(key, mine)
-            close, members = records.close_and_members(self.window_s, self.grace_s)
+            close, members = records.close_and_members(self.window_s, self.grace_s, keep=me)
             if close > -math.inf and registered > close:
                 self._log(
                     round, "late: the round closed %.2f s before this peer registered", registered - close
@@ -591,8 +600,8 @@ class Matchmaker:
                 return None
             if self.peer_id in members:
                 break
-            # Voted out, or (not join-only) a registration after a round it could have been in.
-            if not join_only or self.peer_id in records.outvoted():
+            # (Not join-only) a registration after a round it could have been in.
+            if not join_only:
                 self._in_no_group(round, records)
                 return None
             # Join-only, and no round open yet: wait for a fresh peer to open one, until `until`
@@ -617,12 +626,13 @@ class Matchmaker:
                     break
                 await asyncio.sleep(self.poll_s)
                 records = await self._registrations(key, mine, until=close + self.grace_s)
-                early, _ = records.close_and_members(self.window_s, self.grace_s)
+                early, _ = records.close_and_members(self.window_s, self.grace_s, keep=me)
                 close = min(close, early)
             # A registration after close + grace is none of this round's (it is late, or it opens a
             # round of its own after this one closed), even if the read comes late enough to see it.
             records = await self._registrations(key, mine, until=close + self.grace_s)
-            reread, members = records.close_and_members(self.window_s, self.grace_s)
+            reread, _ = records.close_and_members(self.window_s, self.grace_s, keep=me)
+            _, members = records.close_and_members(self.window_s, self.grace_s)
             if reread <= close:
                 break
             # The quorum was reached after our last read: the round closes one window after it.
