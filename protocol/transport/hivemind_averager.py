@@ -113,7 +113,7 @@ from .conduct import EXCLUDE_PROVEN_S, EXCLUDE_SEEN_S, Verdict, Verdicts
 from .dht import DHT_RPC_TIMEOUT_S, DHT_STALL_S
 from .evidence import DROPPED, EvidenceBoard
 from .identity import NodeDHT
-from .matchmaking import Caught, Matchmaker, RoundFailed, layout_of, matchmaking_bound_s
+from .matchmaking import Caught, Group, Matchmaker, RoundFailed, layout_of, matchmaking_bound_s
 from .owner import OwnerSession, RoundState
 from .owner_streams import OwnerHandler
 from .round_exchange import RoundExchange, own_facts
@@ -145,10 +145,9 @@ MARK_TIMEOUT_S = DHT_STALL_S + DHT_RPC_TIMEOUT_S
 # of milliseconds; one that meets an unresponsive replica is not waited for.
 CHASER_READ_S = 0.5
 PARTNER_ROUNDS = 64  # the completed rounds a peer remembers whom it averaged with (`_chasers`)
-# The rounds a partner this peer does not list (yet, or no longer) must have completed with it to be
-# waited for again (`_expected_again`). A key that averaged one round and left held every next round
-# open for the patience (a key is 0.1 s to make); each key now holds at most one round per two it
-# spent in groups, and the peers a node demoted are still waited for.
+# The rounds a former partner that came after a round's close (catching up) must have completed with
+# this peer to be waited for in the next (`_expected_again`): a key that averaged one round, then
+# registered late for the next, would otherwise hold the one after open for the patience.
 WAITED_AFTER_ROUNDS = 2
 # Rounds other peers' streams may make this peer hold before a call here names them: an honest
 # member is at most a round or two ahead of us (`_round_future`).
@@ -281,9 +280,6 @@ class HivemindAverager:
         # Until then (loop time) the members this peer holds no record of are not waited for: one
         # of them missed its grace lately (`newcomers`).
         self._newcomers_on_notice_until = 0.0
-        # Until then (loop time) the partners this peer does not list are not waited for: one it
-        # waited for lately did not come (`_expected_again`).
-        self._partners_on_notice_until = 0.0
         self._tasks: set[asyncio.Task[Any]] = set()
         self._calls: set[asyncio.Task[Any]] = set()  # our `average` calls running on the loop
         self._closed = False
@@ -406,32 +402,22 @@ class HivemindAverager:
         for peer in self._conduct.convict(caught, self._loop.time()):
             self._worked.forget(peer)  # its trust is earned again, by work after its exclusion
 
-    def _expected_again(self, members: Collection[str], waited: Collection[str] = ()) -> tuple[str, ...]:
-        """Whom this peer's next registrations expect, of the `members` of the round it completed
+    def _expected_again(self, group: Group, chasers: Collection[str]) -> tuple[str, ...]:
+        """Whom this peer's next registrations expect after it completed a round with `group`
         (`Matchmaker.expected`: the round stays open for them up to the patience, at least
-        `DHT_STALL_S`): itself and those it lists or completed `WAITED_AFTER_ROUNDS` rounds with, or
-        all of them while none of the others is either (a fresh swarm, or this peer new to it: the
-        patience that keeps founders from each averaging alone, records 056 and 066). A key that
-        averaged one round and left (a key is 0.1 s to make) held every next round open for the
-        patience. A peer this peer demoted, and no longer lists, is still waited for: left to come
-        after the early close of the others, it was late every round and went on alone (record 071).
+        `DHT_STALL_S`): itself, the group's owners (the members that worked together, `trust.core`
+        of their work lists; every member while none did: a fresh swarm's founders, whom the
+        patience keeps from each averaging alone, records 056 and 066), and the former partners that
+        came after the round's close (`chasers`: a peer one round behind, catching up, record 059)
+        that completed `WAITED_AFTER_ROUNDS` rounds with this one (record 071).
 
-        `waited`: whom this round's registration expected. One of them it does not list that did
-        not come (a key that left once the others waited for it) puts the partners it does not list
-        on notice: for `NEWCOMER_NOTICE_S` none of them is waited for, so keys made and left one
-        after another cost one patience in that time, as their reveals cost one grace (`newcomers`)."""
-        listed = set(self._worked.listed())
-        now = self._loop.time()
-        if any(p not in listed and p != self._peer_id for p in set(waited) - set(members)):
-            self._partners_on_notice_until = now + NEWCOMER_NOTICE_S
-        partners = now >= self._partners_on_notice_until
-        kept = [
-            m
-            for m in members
-            if m != self._peer_id
-            and (m in listed or (partners and self._shared.get(m, 0) >= WAITED_AFTER_ROUNDS))
-        ]
-        return tuple(sorted(set(members) if not kept else {self._peer_id, *kept}))
+        A key without a record that averaged a round and left (a key is 0.1 s to make) held every
+        next round open for the patience; it owns nothing, so it is not waited for. Every member
+        reads the owners from the group itself, so the members' registrations expect one group and
+        the round closes once it is in: a rule read from each peer's own ledger made members expect
+        different groups whenever their ledgers differed, and each such round waited the patience."""
+        chasing = {p for p in chasers if self._shared.get(p, 0) >= WAITED_AFTER_ROUNDS}
+        return tuple(sorted({self._peer_id, *group.owners, *chasing}))
 
     def newcomers(self, members: Sequence[str], seeders: Collection[str]) -> tuple[set[str], set[str]]:
         """Of a round's `members`, the keys this peer holds no record of (`trust.WorkLedger`) that
@@ -713,10 +699,9 @@ class HivemindAverager:
         round's entry; but each peer at most `MAX_ASKED_ROUNDS` of them at once (issue 25 §1.7: any
         peer could name a round a stream, each held for `record_ttl_s`). Beyond, that peer's stream's
         round is one we are in no group for (resolved None: "the owner is not in a group for this
-        round"). The bound is each peer's own: under one bound for all, a peer whose tries others
-        were not in (a backdating key's, each retry a round) filled it, and this honest peer then
-        refused the next round of the others, who took it for an owner that gave no answer and left
-        it out (record 071)."""
+        round"). The bound is each peer's own: under one bound for all, one key naming a few rounds
+        ahead made this peer refuse the others' streams that came before its own call, and they
+        take a refusal for an owner that gave no answer (record 069) and leave it out (record 071)."""
         loop = asyncio.get_running_loop()
         now = loop.time()
         for old in [r for r, (t, _) in self._rounds.items() if now - t > self.record_ttl_s]:
@@ -901,8 +886,8 @@ class HivemindAverager:
         self._measure(result)
         # The next round's registration expects this group again, and the former partners that came
         # after its close, catching up: it closes once they are all in (a join-only registration
-        # counts), where it closed before a chaser could come (record 059). Of them, those it lists
-        # or completed rounds with before (`_expected_again`).
+        # counts), where it closed before a chaser could come (record 059). Of the group, its owners
+        # only (`_expected_again`).
         self._completed += 1
         self._partners.update(dict.fromkeys(group.members, self._completed))
         for peer in group.members:
@@ -911,8 +896,7 @@ class HivemindAverager:
             del self._partners[peer]
             self._shared.pop(peer, None)
         chasers = await self._chasers(round, group.members)
-        waited = set(self._matchmaker.expected or ()) - set(self._matchmaker.excluded())
-        self._matchmaker.expected = self._expected_again({*group.members, *chasers}, waited)
+        self._matchmaker.expected = self._expected_again(group, chasers)
         self._log(
             round,
             "averaged with %d members, %d wire bytes out, %d in, %d parts rejected",

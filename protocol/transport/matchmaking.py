@@ -11,11 +11,14 @@ its first registration is patient (see below), no sooner than that registration'
 a peer registered after T is late and gets None at once. At T + `grace_s` the peer reads the key
 again and recomputes T from this read: a quorum reached since moves T later, and the peer waits
 again (at most once per registration short of the quorum); then the group is the peers registered at
-a time <= T, sorted by peer id; its owners are the members the others' work lists make eligible
-(`trust.eligible_owners`), in an order drawn from hash(prefix, r, members, tensor layout); group_id
-= hash of that and the owners. A registration that no other followed within window (or its patience)
-+ grace closed a round of its own (its registrant found itself alone at its read, a node cut off
-from the others, say) and is no member of a later group at that round. Peers whose reads agree
+a time <= T that most of the others do not ask to leave out (`outvoted`: read on this last read only,
+as every member reads it; a registrant that gave up on its first read, where it saw one hostile vote
+and little else, refused the round the others counted it in), sorted by peer id; its owners are
+the members the others' work lists make eligible (`trust.eligible_owners`), in an order drawn from
+hash(prefix, r, members, tensor layout); group_id = hash of that and the owners. A registration
+that no other followed within window (or its patience) + grace closed a round of its own (its
+registrant found itself alone at its read, a node cut off from the others, say) and is no member of
+a later group at that round. Peers whose reads agree
 compute the same group without talking; clocks are assumed synchronized to well within `grace_s`
 (hivemind's DHT time is the wall clock).
 
