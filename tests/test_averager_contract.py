@@ -1614,36 +1614,37 @@ def test_in_a_pair_a_refusing_owner_is_taken_for_a_departure_before_it_is_left_o
         swarm.close()
 
 
-def test_streams_naming_rounds_nobody_called_hold_a_bounded_number_per_peer_and_rounds_still_complete() -> (
-    None
-):
+def test_streams_naming_rounds_nobody_called_hold_a_bounded_number_per_partner_and_rounds_complete() -> None:
     """Issue 25 §1.7: any peer's stream naming a round made this peer hold an entry for it (a future
-    the stream waits on, kept for the records' lifetime). Streams may open at most
-    `MAX_ASKED_ROUNDS` rounds no call here named, each peer's own; beyond, that peer's stream's round
-    is answered at once as one this peer is in no group for. Another peer's streams still open the
-    rounds they name: under one bound for all, one key naming a few rounds ahead made this peer
-    refuse the others' next round, and a refusing owner is left out (records 069, 071). The peer's
-    own rounds still complete."""
+    the stream waits on, kept for the records' lifetime). Each former partner's streams may open at
+    most `MAX_ASKED_ROUNDS` rounds no call here named, and the peers this one never averaged with as
+    many in all; beyond, the stream's round is answered at once as one this peer is in no group for.
+    Under one bound for all, one key naming a few rounds ahead made this peer refuse its partners'
+    next round, and a refusing owner is left out (records 069, 071). The peer's own rounds still
+    complete."""
     swarm = Swarm("hivemind")
     try:
         swarm.add_nodes(3)
         averagers = sorted((swarm.averager(i) for i in range(3)), key=lambda a: a.peer_id)
         target: Any = averagers[0]
+        contributions = _contributions(averagers, "int8", seed=31)
+        outcomes = _average_together(averagers, contributions, round=0, spec="int8")
+        _assert_matches_reduce_group(outcomes, contributions, "int8")
 
         async def ask(peer: str, first: int) -> tuple[list[bool], list[bool]]:
             rounds = range(first, first + 3 * MAX_ASKED_ROUNDS)
             asked = [target._round_future(r, asked_by=peer) for r in rounds]
             return [f.done() for f in asked], [f.result() is None for f in asked if f.done()]
 
-        done, none = target._call(ask("hostile", 10**9), timeout=10)
-        assert done == [False] * MAX_ASKED_ROUNDS + [True] * (2 * MAX_ASKED_ROUNDS)
-        assert all(none)
-        assert len(target._rounds) == MAX_ASKED_ROUNDS
-        done, _ = target._call(ask(averagers[1].peer_id, 0), timeout=10)
-        assert done[:MAX_ASKED_ROUNDS] == [False] * MAX_ASKED_ROUNDS
-        assert len(target._rounds) == 2 * MAX_ASKED_ROUNDS
-        contributions = _contributions(averagers, "int8", seed=31)
-        outcomes = _average_together(averagers, contributions, round=0, spec="int8")
+        held = [False] * MAX_ASKED_ROUNDS + [True] * (2 * MAX_ASKED_ROUNDS)
+        done, none = target._call(ask("stranger", 10**9), timeout=10)
+        assert done == held and all(none)
+        done, none = target._call(ask("another stranger", 2 * 10**9), timeout=10)
+        assert done == [True] * (3 * MAX_ASKED_ROUNDS) and all(none)
+        done, _ = target._call(ask(averagers[1].peer_id, 3 * 10**9), timeout=10)
+        assert done == held
+        assert len(target._asked) == 2 * MAX_ASKED_ROUNDS
+        outcomes = _average_together(averagers, contributions, round=1, spec="int8")
         _assert_matches_reduce_group(outcomes, contributions, "int8")
     finally:
         swarm.close()

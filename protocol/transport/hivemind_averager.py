@@ -699,9 +699,10 @@ class HivemindAverager:
         round's entry; but each peer at most `MAX_ASKED_ROUNDS` of them at once (issue 25 §1.7: any
         peer could name a round a stream, each held for `record_ttl_s`). Beyond, that peer's stream's
         round is one we are in no group for (resolved None: "the owner is not in a group for this
-        round"). The bound is each peer's own: under one bound for all, one key naming a few rounds
-        ahead made this peer refuse the others' streams that came before its own call, and they
-        take a refusal for an owner that gave no answer (record 069) and leave it out (record 071)."""
+        round"). The bound is each partner's own (`_asks_too_many`): under one bound for all, one
+        key naming a few rounds ahead made this peer refuse the others' streams that came before its
+        own call, and they take a refusal for an owner that gave no answer (record 069) and leave it
+        out (record 071)."""
         loop = asyncio.get_running_loop()
         now = loop.time()
         for old in [r for r, (t, _) in self._rounds.items() if now - t > self.record_ttl_s]:
@@ -714,7 +715,7 @@ class HivemindAverager:
             if not stale.done():
                 stale.set_result(None)
         if round not in self._rounds:
-            if asked_by is not None and sum(p == asked_by for p in self._asked.values()) >= MAX_ASKED_ROUNDS:
+            if asked_by is not None and self._asks_too_many(asked_by):
                 none: asyncio.Future[RoundState | None] = loop.create_future()
                 none.set_result(None)
                 return none
@@ -724,6 +725,15 @@ class HivemindAverager:
         elif asked_by is None:
             self._asked.pop(round, None)  # our own call took it up
         return self._rounds[round][1]
+
+    def _asks_too_many(self, peer: str) -> bool:
+        """Whether `peer`'s stream may open no further round that no call here named: each former
+        partner (`_partners`) may hold `MAX_ASKED_ROUNDS` of them, and the peers this one never
+        averaged with as many in all, so that keys made by the thousand hold no more than one
+        partner does."""
+        if peer in self._partners:
+            return sum(p == peer for p in self._asked.values()) >= MAX_ASKED_ROUNDS
+        return sum(p not in self._partners for p in self._asked.values()) >= MAX_ASKED_ROUNDS
 
     # ---- one round, member side ------------------------------------------------------------------
 
