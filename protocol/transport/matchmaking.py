@@ -31,7 +31,8 @@ The price: a round closes one window after its second registration instead of it
 first registrant waits at most two windows and two graces (`matchmaking_bound_s`), after the
 patience of the round's first registration.
 
-Patience: a registrant that completed its last round with others expects them again (less those it
+Patience: a registrant that completed its last round with others expects them again (the group's
+owners and the chasers that shared rounds with it: `HivemindAverager._expected_again`; less those it
 now leaves out, and those it saw leave a round since: `departed`), and registers with a patience
 (its own last local round, at least `dht.DHT_STALL_S`, at most `MAX_PATIENCE_S`): a round it opens
 stays open that long for them, unless the group it expects is complete sooner (the early close
