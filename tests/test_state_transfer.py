@@ -618,6 +618,71 @@ def _orders_asked(calls: int, doubted: frozenset[str] = frozenset()) -> list[lis
     return asked
 
 
+class _Board:
+    """The state records a node reads (`RunRecords.states`), every writer standing by its own
+    (`StateServer.standing`): what `SwarmSync.head` weighs, without a network."""
+
+    def __init__(self, *records: StateRecord) -> None:
+        self.records = list(records)
+
+    def states(self) -> list[StateRecord]:
+        return list(self.records)
+
+    def standing(self, asked: list[tuple[str, str]]) -> set[str]:
+        return {peer for peer, _ in asked}
+
+
+def test_a_node_alone_takes_no_state_from_a_peer_it_leaves_out_nor_from_before_its_last_company() -> None:
+    """Stop 53's closing pass: a node that lost a round to an owner's omission finished its run one
+    round after its partners, alone; the one live writer left was that owner, convicted by every
+    honest node, still at round 1, and the node took its θ (a fork, 19 rounds back). Once alone, a
+    node weighs the live writers (`live_head`): here the peers it leaves out count for nothing, and
+    a head older than its last round with company is no lineage it left (its partners held its θ
+    then), so it goes on."""
+    from adloco.node.operations.metrics import NodeMetrics
+    from adloco.node.swarm.sync import SwarmSync
+
+    peer = _peer("me")
+    left_out: set[str] = set()
+    board = _Board()
+    sync = SwarmSync(
+        peer=peer,
+        lock=threading.Lock(),
+        records=cast(Any, board),
+        server=cast(Any, board),
+        offers=cast(Any, None),
+        ops=cast(Any, SimpleNamespace(peers_visible=0)),
+        metrics=NodeMetrics(),
+        excluded=lambda: left_out,
+    )
+    _train_alone(peer, 3)
+    sync.vouch(["me", "partner"], {})  # round 3 with company
+    _train_alone(peer, 1)
+    sync.vouch(["me"], {})  # round 4 alone: its partners ended their run
+    other = hashlib.sha256(b"another lineage").hexdigest()
+
+    def liar_at(round: int) -> StateRecord:
+        return StateRecord(
+            peer_id="liar",
+            round=round,
+            theta_hash=other,
+            schedule="{}",
+            manifest_hash="d" * 64,
+            manifest_bytes=100,
+        )
+
+    # The one live writer, behind the node's last round with company: not a lineage it left.
+    board.records = [liar_at(1)]
+    head = sync.head()
+    assert head is not None and head.round == 1 and not sync._apart_from(head)
+    # At the node's own round on another θ, it would be: the node averaged alone since round 3.
+    board.records = [liar_at(4)]
+    head = sync.head()
+    assert head is not None and head.round == 4 and sync._apart_from(head)
+    left_out.add("liar")
+    assert sync.head() is None and sync.sync() == 0 and peer.state.round == 4
+
+
 def test_holders_are_asked_for_their_kept_updates_in_an_order_no_id_fixes() -> None:
     """A laggard asks the holders of the head for kept updates in an order drawn afresh each time:
     by id, a key ground to sort first would be every laggard's first source. Each holder refuses

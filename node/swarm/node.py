@@ -227,6 +227,7 @@ class SwarmNode:
             metrics=self.metrics,
             rejoin=self.dht.rejoin,
             workers=self.averager.workers,
+            excluded=self.averager.excluded,
             anchors=swarm.trusted_peers,
         )
         self.loop = RoundLoop(

@@ -345,15 +345,21 @@ class SwarmSync:
         metrics: NodeMetrics,
         rejoin: Callable[[], int] | None = None,
         workers: Callable[[], Sequence[str]] = tuple,
+        excluded: Callable[[], Collection[str]] = tuple,
         anchors: Collection[str] = (),
     ) -> None:
         self.peer, self.lock, self.records, self.server = peer, lock, records, server
         # The peers whose work this node took lately (its state records list them), and the peers
         # whose records a fresh joiner believes first (`live_head`).
         self._workers, self.anchors = workers, frozenset(anchors)
+        # The peers this node leaves out of its rounds (caught lying or silent, or banned): their
+        # state records count for nothing here either (`_states`).
+        self._excluded = excluded
         self._rejoin, self._rejoined_at = rejoin, -math.inf
-        # Rounds applied alone since this node last averaged with company; its θ hash per round.
+        # Rounds applied alone since this node last averaged with company, and the last round it
+        # did; its θ hash per round.
         self.solo_rounds = 0
+        self._company_round = -1
         self._own_hashes: dict[int, str] = {}
         self.offers, self.ops, self.metrics = offers, ops, metrics
         self.downloads = Downloads(server, peer)
@@ -376,6 +382,8 @@ class SwarmSync:
         current = self.peer.state.round
         company = [m for m in members if m != self.peer.peer_id]
         self.solo_rounds = 0 if company else self.solo_rounds + 1
+        if company:
+            self._company_round = current
         counted = set(earners(work)) if work else set(company)
         for member in company:
             if member in counted:
@@ -416,9 +424,9 @@ class SwarmSync:
         vouched peers anywhere). `trusted=False`: the latest round any record claims (up to one past
         the round most peers reached), whoever wrote it, a hint for waiting only
         (`RoundLoop._settle`), never for adopting a state."""
-        records = self.records.states()
-        self.ops.peers_visible = len({r.peer_id for r in records})
+        self.ops.peers_visible = len({r.peer_id for r in self.records.states()})
         self.metrics.peers.set(self.ops.peers_visible)
+        records = self._states()
         me, my_round = self.peer.peer_id, self.peer.state.round
         if not trusted:
             return swarm_head(records, me, my_round=my_round)
@@ -426,6 +434,13 @@ class SwarmSync:
             return swarm_head(records, me, vouched=self.vouched, my_round=my_round)
         # No company lately, or only rounds alone since: weigh the peers that are live now.
         return live_head(self._live(records), me, anchors=self.anchors)
+
+    def _states(self) -> list[StateRecord]:
+        """The state records, less those of the peers this node leaves out: a peer every honest
+        node convicted (evidence travels with the ban) was the only live writer left to a node whose
+        partners had ended their run, and the node took its state (stop 53)."""
+        out = set(self._excluded())
+        return [r for r in self.records.states() if r.peer_id not in out]
 
     def _live(self, records: Sequence[StateRecord]) -> list[StateRecord]:
         """The records (one per peer, at most PROBE_PEERS drawn at random) whose peer answers, now,
@@ -449,7 +464,7 @@ class SwarmSync:
         """The peers whose latest state record is this node's round at `theta_hash` (its θ) and
         that stand by it now: they are averaging the next round, or about to."""
         round = self.peer.state.round
-        level = [r for r in self.records.states() if r.round == round and r.theta_hash == theta_hash]
+        level = [r for r in self._states() if r.round == round and r.theta_hash == theta_hash]
         return [r.peer_id for r in self._live(level)]
 
     def sync(self) -> int:
@@ -477,7 +492,7 @@ class SwarmSync:
         would be one the others finished: it joins only. When the holders have all gone (their run
         ended, or they left), their records outlive them, and waiting for them would be forever: it
         goes on."""
-        ahead = [r for r in self.records.states() if r.peer_id in head.holders]
+        ahead = [r for r in self._states() if r.peer_id in head.holders]
         if not ahead or self._live(ahead):
             return bool(ahead)
         logger.warning(
@@ -522,9 +537,16 @@ class SwarmSync:
 
     def _apart_from(self, head: SwarmHead) -> bool:
         """Whether this node, ahead of `head`, got there alone on another lineage: it has averaged
-        only alone since it last had company, and its own θ at the head's round was not the head's
-        (a peer merely behind it on the same lineage catches up to it instead)."""
-        return bool(self.solo_rounds) and self._own_hashes.get(head.round) != head.theta_hash
+        only alone since it last had company, the head is no older than that company's round, and
+        its own θ at the head's round was not the head's (a peer merely behind it on the same
+        lineage catches up to it instead). A head older than the last round with company is no
+        lineage this node left: its partners held its θ then. (A node whose partners ended their run
+        took the θ of the one live peer left, 19 rounds back, stop 53.)"""
+        return (
+            bool(self.solo_rounds)
+            and head.round >= self._company_round
+            and self._own_hashes.get(head.round) != head.theta_hash
+        )
 
     def _resume_unfinished(self, head: SwarmHead) -> None:
         """Finish a download of an earlier round that the head has since passed, if it can still be

@@ -321,6 +321,9 @@ class RoundExchange:
                 lost.add(owner)
                 if not isinstance(e, OwnerUnreachable):
                     raise
+                # Why no stream opened (p2pd's words) is what tells a dead owner from a transient
+                # failure: a test that lost a round this way once did not say which (stop 53).
+                a._log(state.group.round, "%s: asking the next owners", e, level=logging.WARNING)
                 return await self._stand_in(owner, keys, ask, stand_ins, e)
 
         fetches = {
