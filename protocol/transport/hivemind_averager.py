@@ -402,14 +402,23 @@ class HivemindAverager:
         for peer in self._conduct.convict(caught, self._loop.time()):
             self._worked.forget(peer)  # its trust is earned again, by work after its exclusion
 
-    def _expected_again(self, group: Group, chasers: Collection[str]) -> tuple[str, ...]:
+    def _expected_again(
+        self, group: Group, completed: Collection[str], chasers: Collection[str]
+    ) -> tuple[str, ...]:
         """Whom this peer's next registrations expect after it completed a round with `group`
         (`Matchmaker.expected`: the round stays open for them up to the patience, at least
         `DHT_STALL_S`): itself, the group's owners (the members that worked together, `trust.core`
         of their work lists; every member while none did: a fresh swarm's founders, whom the
-        patience keeps from each averaging alone, records 056 and 066), and the former partners that
-        came after the round's close (`chasers`: a peer one round behind, catching up, record 059)
-        that completed `WAITED_AFTER_ROUNDS` rounds with this one (record 071).
+        patience keeps from each averaging alone, records 056 and 066) that completed the round with
+        it (`completed`: the result's members, the same for every member that completed it), and the
+        former partners that came after the round's close (`chasers`: a peer one round behind,
+        catching up, record 059) that completed `WAITED_AFTER_ROUNDS` rounds with this one (record
+        071).
+
+        An owner that some owner did not admit failed the round (`member.assemble`): it is a round
+        behind and catching up, and waiting for it held the next round open for the patience (the
+        member a lying owner dropped, in every run of stop 53's owner-omit; record 072). It is
+        expected again as a chaser once it comes after a close.
 
         A key without a record that averaged a round and left (a key is 0.1 s to make) held every
         next round open for the patience; it owns nothing, so it is not waited for. Every member
@@ -417,7 +426,8 @@ class HivemindAverager:
         the round closes once it is in: a rule read from each peer's own ledger made members expect
         different groups whenever their ledgers differed, and each such round waited the patience."""
         chasing = {p for p in chasers if self._shared.get(p, 0) >= WAITED_AFTER_ROUNDS}
-        return tuple(sorted({self._peer_id, *group.owners, *chasing}))
+        owners = set(group.owners) & set(completed)
+        return tuple(sorted({self._peer_id, *owners, *chasing}))
 
     def newcomers(self, members: Sequence[str], seeders: Collection[str]) -> tuple[set[str], set[str]]:
         """Of a round's `members`, the keys this peer holds no record of (`trust.WorkLedger`) that
@@ -906,7 +916,7 @@ class HivemindAverager:
             del self._partners[peer]
             self._shared.pop(peer, None)
         chasers = await self._chasers(round, group.members)
-        self._matchmaker.expected = self._expected_again(group, chasers)
+        self._matchmaker.expected = self._expected_again(group, result.members, chasers)
         self._log(
             round,
             "averaged with %d members, %d wire bytes out, %d in, %d parts rejected",
