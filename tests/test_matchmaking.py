@@ -586,6 +586,44 @@ def test_a_key_without_a_record_among_the_openers_neither_holds_nor_breaks_the_e
     assert close == pytest.approx(6.0) and members == ("a", "b", "c", "new")
 
 
+def test_a_registration_still_expecting_a_peer_most_leave_out_does_not_break_the_early_close() -> None:
+    """Stop 53's owner-omit (record 072): the evidence against a lying owner reached the honest
+    registrants after different rounds, so for one round one of them still expected the group with
+    the liar and the others the group without it, and the round waited out the patience on every
+    node. The liar is outvoted (most registrations ask to leave it out): a registration expecting the
+    group with it expects the same group, and the round closes once the honest three are in. An
+    opener expecting another group still keeps the patience, outvoted peers or not."""
+    honest = ("a", "b", "c")
+    lists = {p: tuple(q for q in honest if q != p) for p in honest}
+    patience = dict.fromkeys([*honest, "liar"], 6.0)
+
+    def registrations(expects: dict[str, str], excludes: dict[str, tuple[str, ...]]) -> Registrations:
+        return Registrations(
+            {"a": 0.0, "liar": 0.1, "b": 0.2, "c": 0.4},
+            {**expects, "liar": expectation((*honest, "liar"))},
+            patience,
+            {**excludes, "liar": ()},
+            {**lists, "liar": honest},
+        )
+
+    without, stale = expectation(honest), expectation((*honest, "liar"))
+    # "b" registered before the evidence reached it: it expects the liar and does not leave it out.
+    late_news = registrations({"a": without, "b": stale, "c": without}, {"a": ("liar",), "c": ("liar",)})
+    assert late_news.outvoted() == {"liar"}
+    assert late_news.close_and_members(1.0, 0.3) == (pytest.approx(0.4), honest)
+    # Without an outvoted peer to account for it, an opener expecting another group keeps the wait.
+    other = registrations(
+        {"a": without, "b": expectation(("a", "b")), "c": without}, dict.fromkeys(honest, ())
+    )
+    assert other.outvoted() == set()
+    assert other.close_and_members(1.0, 0.3)[0] == pytest.approx(6.0)
+    # And with one, an expectation of another group than the group with or without it still does.
+    odd = registrations(
+        {"a": without, "b": expectation(("a", "b", "liar")), "c": without}, {"a": ("liar",), "c": ("liar",)}
+    )
+    assert odd.close_and_members(1.0, 0.3)[0] == pytest.approx(6.0)
+
+
 def test_keys_with_no_record_cannot_open_time_or_hold_a_round_once_some_registrants_worked_together() -> None:
     """The limit above, closed where registrants worked together: only the registrations of the
     core of their work lists open the round (`openers`). Two fresh keys dating theirs 100 s in the

@@ -218,6 +218,7 @@ def close_and_members(
     expects: Mapping[str, str] | None = None,
     patience: Mapping[str, float] | None = None,
     openers: Collection[str] | None = None,
+    outvoted: Collection[str] = (),
 ) -> tuple[float, tuple[str, ...]]:
     """Close time T = the `quorum`-th earliest registration (the latest, while fewer) + window, or
     the round's first registration + its patience if that is later, and the peers registered from
@@ -261,6 +262,11 @@ def close_and_members(
       An honest peer dated so early found itself alone and went on; a key that dates its records
       back held every round that expected it open for the patience (issue 25 §2), and, in the
       round after, it was then welcome only join-only.
+    - `outvoted`: the peers most registrants leave out (`outvoted`; not in `records`). An opener
+      expecting the group with them (it registered before the evidence against them reached it)
+      expects the same group as one expecting it without them: for one round after each
+      conviction, the honest registrants' expectations differed by the peer some of them had just
+      convicted, and the round waited out the patience (stop 53's owner-omit, record 072).
     """
     if not records:
         raise ValueError("no registrations")
@@ -296,6 +302,7 @@ def close_and_members(
     close = max(ordered[min(quorum, len(ordered)) - 1][1] + window_s, start + held)
     waiting = {p for p, until in deadlines.items() if until is not None and start <= until}
     expected = expects.get(ordered[0][0], "")
+    out = frozenset(outvoted)
     # The early close looks at every registration that can be a member (a newcomer registering in
     # between keeps the window), but only an opener's starts the round: another registrant's may
     # come a little before it, and it is still one of the group the round expects.
@@ -327,16 +334,18 @@ def close_and_members(
                     # A key that opens nothing (no record with the openers), expecting another group:
                     # a member if it came by then, and it neither holds nor breaks the early close.
                     continue
-                break
+                if not out:
+                    break
+                # Another expectation: with outvoted peers, perhaps the same group with them.
             openers_in.append(peer)
         if len(openers_in) < quorum:
             continue
         joined = {p for p in waiting if records[p] <= t}
         came = {*openers_in, *joined}
-        if any(
-            expectation(seen) == expected
-            for seen in (came, set(openers_in), came | gone, {*openers_in, *gone})
-        ):
+        seen_as = [came, set(openers_in), came | gone, {*openers_in, *gone}]
+        digests = {expectation(seen) for seen in seen_as}
+        with_out = digests | {expectation(seen | out) for seen in seen_as} if out else digests
+        if all(expects.get(p, "") in with_out for p in openers_in):
             strays = {p for p, at in since if p not in opening and at <= t}
             return t, tuple(sorted(came | strays))
     members = [p for p, t in ordered if t <= close] + [p for p in waiting if records[p] <= close]
@@ -439,7 +448,13 @@ class Registrations:
         openable = [p for p in times if join_deadline(self.expects.get(p, "")) is None]
         worked = core(openable, {p: self.workers.get(p, ()) for p in openable})
         return close_and_members(
-            times, window_s, grace_s, expects=self.expects, patience=self.patience, openers=worked or None
+            times,
+            window_s,
+            grace_s,
+            expects=self.expects,
+            patience=self.patience,
+            openers=worked or None,
+            outvoted=out,
         )
 
     def outvoted(self) -> set[str]:
