@@ -1136,6 +1136,22 @@ def test_the_next_try_leaves_a_caught_liar_out_and_completes(
         assert "left out: most of the others caught this peer" in caplog.text
 
 
+def _drop_in_reductions(monkeypatch: pytest.MonkeyPatch, omitting: Averager, dropped: Averager) -> Any:
+    """`omitting`'s reductions leave out `dropped`'s parts (they are taken and receipted as always);
+    returns the real `owner.reduce_owned`."""
+    from adloco.protocol.transport import owner as owner_module
+
+    real_reduce = owner_module.reduce_owned
+
+    def dropping(keys: Any, contributions: Any, *args: Any, **kwargs: Any) -> Any:
+        if kwargs["signed_by"].__self__.signer.peer_id == omitting.peer_id:
+            contributions = {p: c for p, c in contributions.items() if p != dropped.peer_id}
+        return real_reduce(keys, contributions, *args, **kwargs)
+
+    monkeypatch.setattr(owner_module, "reduce_owned", dropping)
+    return real_reduce
+
+
 def test_an_owner_that_drops_a_member_it_signed_a_receipt_for_is_convicted_by_everyone(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -1151,15 +1167,7 @@ def test_an_owner_that_drops_a_member_it_signed_a_receipt_for_is_convicted_by_ev
         swarm.add_nodes(3)
         averagers = sorted((swarm.averager(i) for i in range(3)), key=lambda a: a.peer_id)
         liar, dropped = averagers[0], averagers[2]
-        real_reduce = owner_module.reduce_owned
-
-        def dropping(keys: Any, contributions: Any, *args: Any, **kwargs: Any) -> Any:
-            session = kwargs["signed_by"].__self__
-            if session.signer.peer_id == liar.peer_id:
-                contributions = {p: c for p, c in contributions.items() if p != dropped.peer_id}
-            return real_reduce(keys, contributions, *args, **kwargs)
-
-        monkeypatch.setattr(owner_module, "reduce_owned", dropping)
+        real_reduce = _drop_in_reductions(monkeypatch, liar, dropped)
         contributions = _contributions(averagers, "int8", seed=23)
         with caplog.at_level("WARNING"):
             first = _average_together(averagers, contributions, round=0, spec="int8")
@@ -1186,23 +1194,12 @@ def test_an_owner_that_some_owner_did_not_admit_is_not_expected_at_the_next_roun
     """Record 072: the owner of the largest part leaves the third member's parts out of round 0. The
     third fails the round (a round behind, it catches up); the two that completed it expect each
     other at the next round and not the third, so the next round closes once both are in instead
-    of waiting out the patience for a member still catching up (stop 53's owner-omit: 6.5 s in
-    every run). Both expect the same group."""
-    from adloco.protocol.transport import owner as owner_module
-
+    of waiting out the patience for a member still catching up. Both expect the same group."""
     swarm = Swarm("hivemind")
     try:
         swarm.add_nodes(3)
         averagers = sorted((swarm.averager(i) for i in range(3)), key=lambda a: a.peer_id)
-        omitting, dropped = averagers[0], averagers[2]
-        real_reduce = owner_module.reduce_owned
-
-        def dropping(keys: Any, contributions: Any, *args: Any, **kwargs: Any) -> Any:
-            if kwargs["signed_by"].__self__.signer.peer_id == omitting.peer_id:
-                contributions = {p: c for p, c in contributions.items() if p != dropped.peer_id}
-            return real_reduce(keys, contributions, *args, **kwargs)
-
-        monkeypatch.setattr(owner_module, "reduce_owned", dropping)
+        _drop_in_reductions(monkeypatch, averagers[0], averagers[2])
         contributions = _contributions(averagers, "int8", seed=29)
         first = _average_together(averagers, contributions, round=0, spec="int8")
         assert first[2].result is None and first[0].result is not None and first[1].result is not None

@@ -59,9 +59,10 @@ Early close: each registration says which group its registrant expects (the last
 round with, and the former partners that registered for that round after its close: a peer one
 round behind, catching up); when the first registrations are exactly that group, all expecting it,
 the round closes at the last of them rather than a window later, with the join-only registrants
-already there as members (`close_and_members`). An expected peer's join-only registration counts as
-its arrival; an expected peer whose registration is dated before the round could have it is not
-waited for.
+already there as members (`close_and_members`; a registration that still expects a peer most
+registrants leave out, made before the evidence reached its writer, expects the same group). An
+expected peer's join-only registration counts as its arrival; an expected peer whose registration is
+dated before the round could have it is not waited for.
 
 A member whose try failed after its group formed says so under f"{prefix}.round{r}.failed"
 (`mark_failed`, bound to its key like a registration, naming the members it saw leave); once every
