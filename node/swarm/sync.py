@@ -424,9 +424,10 @@ class SwarmSync:
         vouched peers anywhere). `trusted=False`: the latest round any record claims (up to one past
         the round most peers reached), whoever wrote it, a hint for waiting only
         (`RoundLoop._settle`), never for adopting a state."""
-        self.ops.peers_visible = len({r.peer_id for r in self.records.states()})
+        read = self.records.states()
+        self.ops.peers_visible = len({r.peer_id for r in read})
         self.metrics.peers.set(self.ops.peers_visible)
-        records = self._states()
+        records = self._states(read)
         me, my_round = self.peer.peer_id, self.peer.state.round
         if not trusted:
             return swarm_head(records, me, my_round=my_round)
@@ -435,12 +436,12 @@ class SwarmSync:
         # No company lately, or only rounds alone since: weigh the peers that are live now.
         return live_head(self._live(records), me, anchors=self.anchors)
 
-    def _states(self) -> list[StateRecord]:
-        """The state records, less those of the peers this node leaves out: a peer every honest
-        node convicted (evidence travels with the ban) was the only live writer left to a node whose
-        partners had ended their run, and the node took its state (stop 53)."""
+    def _states(self, read: Sequence[StateRecord] | None = None) -> list[StateRecord]:
+        """The state records (`read`, or read now), less those of the peers this node leaves out:
+        a peer every honest node convicted (evidence travels with the ban) was the only live writer
+        left to a node whose partners had ended their run, and the node took its state (stop 53)."""
         out = set(self._excluded())
-        return [r for r in self.records.states() if r.peer_id not in out]
+        return [r for r in (self.records.states() if read is None else read) if r.peer_id not in out]
 
     def _live(self, records: Sequence[StateRecord]) -> list[StateRecord]:
         """The records (one per peer, at most PROBE_PEERS drawn at random) whose peer answers, now,

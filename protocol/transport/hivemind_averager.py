@@ -416,9 +416,9 @@ class HivemindAverager:
         071).
 
         An owner that some owner did not admit failed the round (`member.assemble`): it is a round
-        behind and catching up, and waiting for it held the next round open for the patience (the
-        member a lying owner dropped, in every run of stop 53's owner-omit; record 072). It is
-        expected again as a chaser once it comes after a close.
+        behind and catching up, and waiting for it could hold the next round open for the patience
+        (the member a lying owner dropped, record 072). It is expected again as a chaser once it
+        comes after a close.
 
         A key without a record that averaged a round and left (a key is 0.1 s to make) held every
         next round open for the patience; it owns nothing, so it is not waited for. Every member
