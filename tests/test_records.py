@@ -3,6 +3,7 @@ schema-checked, with real DHT peers."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -10,6 +11,7 @@ from typing import Any
 
 import pytest
 from hivemind.utils import get_dht_time
+from hivemind.utils.multiaddr import Multiaddr
 
 from adloco.protocol.algorithms.trust import MAX_WORKERS
 from adloco.protocol.transport.identity import NodeDHT, load_identity, peer_of_subkey
@@ -169,3 +171,28 @@ def test_a_record_in_another_peers_name_is_dropped_where_it_is_read(dhts: list[N
         assert attacker.store(ready, record, now + 80 + i, subkey=attacker.identity.subkey)
         found = reader.get(ready, latest=True)
         assert found is not None and mine not in parse_registrations(found.value).times
+
+
+def test_a_peer_dials_from_a_port_of_its_own_so_two_crossing_dials_stay_two_connections() -> None:
+    """A node's p2pd dials out from a fresh port, not from the one it listens on. go-libp2p's default
+    dials from the listening port: two peers that dial each other at the same moment then meet as
+    one TCP connection on which both act as the dialer, and both dials fail the handshake (11 of 160
+    fresh pairs of nodes crossing here) and back the address off for 6 s. Peers
+    of a group open their streams to each other at once: such a crossing lost the round (record
+    073). Seen from the peer dialed, the dialer's end of the connection is not its listening port."""
+    dialer, dialed = NodeDHT(**KW), NodeDHT(**KW)
+
+    async def ends() -> tuple[Multiaddr, list[Multiaddr]]:
+        listening = Multiaddr(str(dialer.get_visible_maddrs()[0]).split("/p2p/")[0])
+        target = Multiaddr(str(dialed.get_visible_maddrs()[0]).split("/p2p/")[0])
+        await (await dialer.replicate_p2p())._client.connect(dialed.peer_id, [target])
+        seen = await (await dialed.replicate_p2p())._client.list_peers()
+        return listening, [a for info in seen if info.peer_id == dialer.peer_id for a in info.addrs]
+
+    try:
+        listening, seen = asyncio.run(ends())
+        assert len(seen) == 1 and seen[0] != listening
+        assert str(seen[0]).split("/tcp/")[0] == str(listening).split("/tcp/")[0]  # the same host
+    finally:
+        dialer.shutdown()
+        dialed.shutdown()

@@ -109,6 +109,7 @@ def create_identity(path: str) -> Identity:
 
 
 REJOIN_TIMEOUT_S = 10.0
+REUSEPORT_ENV = "LIBP2P_TCP_REUSEPORT"  # go-libp2p's switch for dialing from the listening port
 
 
 async def _rejoin(dht: hivemind.DHT, node: Any) -> int:
@@ -156,6 +157,16 @@ class NodeDHT(hivemind.DHT):  # type: ignore[misc]  # hivemind is untyped
             raise
         if kwargs.get("start") and kwargs.get("await_ready", True):
             self._forget_key()  # p2pd is up and has read it
+
+    def run(self) -> None:
+        # The DHT's own process starts p2pd with its environment. go-libp2p dials TCP from its
+        # listening port (SO_REUSEPORT) unless told not to: two peers that dial each other at once
+        # then meet as one TCP connection (a simultaneous open) on which both act as the dialer, so
+        # both dials fail the security handshake and back the address off for 6 s or more. Peers of
+        # a group open their streams to each other at the same moment, and their DHT calls cross
+        # too: that lost whole rounds (record 073). An operator who sets the variable keeps theirs.
+        os.environ.setdefault(REUSEPORT_ENV, "false")
+        super().run()
 
     def shutdown(self) -> None:
         super().shutdown()
