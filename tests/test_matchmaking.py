@@ -32,6 +32,7 @@ from adloco.protocol.algorithms.codecs import make_codec
 from adloco.protocol.transport.dht import DHT_STALL_S
 from adloco.protocol.transport.matchmaking import (
     MAX_PATIENCE_S,
+    MOST_EARLY_TRIED,
     OPEN_QUORUM,
     Registrations,
     close_and_members,
@@ -379,6 +380,35 @@ def test_a_registration_dated_before_the_start_of_the_round_that_expects_it_is_n
         {**honest, "d": -25.0}, 1.0, 0.3, expects={**expects, "d": joining(30.0)}, patience=patience
     )
     assert joins == (5.2, group)
+
+
+def test_a_registration_dated_back_is_not_waited_for_whatever_group_it_expects() -> None:
+    """A key in the last group that dates its registration back expecting another group than the
+    others (backdate, stop 53: it held the round after the one it was in open for the patience):
+    the round still closes once the rest of the expected group is in. So does one whose key was not
+    in the group and that copies the others' expectation, next to an absent member dated back.
+    With more keys dated back than `MOST_EARLY_TRIED`, the patience holds, as before."""
+    group = ("a", "b", "c", "d")
+    expects = dict.fromkeys(group, expectation(group))
+    patience = dict.fromkeys(group, 6.0)
+    honest = {"a": 5.0, "b": 5.1, "c": 5.2}
+    lying = {**expects, "d": expectation(("d", "e"))}
+    assert close_and_members({**honest, "d": -25.0}, 1.0, 0.3, expects=lying, patience=patience) == (
+        5.2,
+        ("a", "b", "c"),
+    )
+    # Not in the group, copying its expectation, dated back, next to the absent member "d".
+    copied = {**lying, "x": expectation(group)}
+    at = close_and_members({**honest, "d": -25.0, "x": -30.0}, 1.0, 0.3, expects=copied, patience=patience)
+    assert at == (5.2, ("a", "b", "c"))
+    # Without "d" dated back, the group is not complete: the round waits for it (the patience).
+    waits = close_and_members({**honest, "x": -30.0}, 1.0, 0.3, expects=copied, patience=patience)
+    assert waits == (11.0, ("a", "b", "c"))
+    # Many keys dated back: only those expecting the group are tried, all together (the patience).
+    many = {f"k{i}": -100.0 - 10 * i for i in range(MOST_EARLY_TRIED)}  # each a round of its own
+    crowd = {**lying, **dict.fromkeys(many, expectation(("k",)))}
+    held = close_and_members({**honest, "d": -25.0, **many}, 1.0, 0.3, expects=crowd, patience=patience)
+    assert held == (11.0, ("a", "b", "c"))
 
 
 def test_a_peer_that_averaged_a_round_alone_meets_the_others_at_that_round_later(

@@ -84,6 +84,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import itertools
 import logging
 import math
 import statistics
@@ -176,6 +177,9 @@ OPEN_QUORUM = 2  # registrations that open a round (see the module docstring)
 # is ignored. Every peer's bound on matchmaking includes it: a first registrant may claim it.
 MAX_PATIENCE_S = 60.0
 EXPECTATION_CHARS = 32  # `expectation`'s hex digest
+# The most registrations dated before the round whose every set is tried as the expected group's
+# absent part (`close_and_members`): 2^4 sets of digests per registration, at most, on every read.
+MOST_EARLY_TRIED = 4
 JOIN_PREFIX = "join:"
 MAX_EXPECT_CHARS = 48
 MAX_PEER_CHARS = 64
@@ -262,7 +266,8 @@ def close_and_members(
       without it.
       An honest peer dated so early found itself alone and went on; a key that dates its records
       back held every round that expected it open for the patience (issue 25 §2), and, in the
-      round after, it was then welcome only join-only.
+      round after, it was then welcome only join-only. Whatever such a registration expects, its
+      registrant is not coming (`MOST_EARLY_TRIED`).
     - `outvoted`: the peers most registrants leave out (`outvoted`; not in `records`). An opener
       expecting the group with them (it registered before the evidence against them reached it)
       expects the same group as one expecting it without them: for one round after each
@@ -312,15 +317,16 @@ def close_and_members(
         ((p, t) for p, t in records.items() if deadlines[p] is None and t >= earliest[p]),
         key=lambda item: (item[1], item[0]),
     )
-    # Registrations dated before any member's can be that expect this round's group: not coming (a
-    # peer of it that went on alone, or a key that dates its records back, opener or not). A digest
-    # names the group, so the ones the group expects are taken all together; a further one there (a
-    # key dating a record back expecting this group without being in it) keeps the patience.
-    gone = {
-        p
-        for p, t in records.items()
-        if deadlines[p] is None and t < earliest[p] and expects.get(p, "") == expected
-    }
+    # Registrations dated before any member's can be: not coming (a peer of the group that went on
+    # alone, or a key that dates its records back, opener or not). A digest names the group, so
+    # which of them it expects is found by trying: those expecting this round's group all together,
+    # and, while they are few, every set of them, whatever they expect. A backdater expecting
+    # another group than the rest held the round after the one it was in open for the patience
+    # (stop 53); more than a few of them keep the patience.
+    early = sorted(p for p, t in records.items() if deadlines[p] is None and t < earliest[p])
+    gones = [{p for p in early if expects.get(p, "") == expected}]
+    if len(early) <= MOST_EARLY_TRIED:
+        gones += [set(c) for n in range(len(early) + 1) for c in itertools.combinations(early, n)]
     # The openers in time order, with the join-only registrations among them: a join-only
     # registrant the group expects (a member one round behind, catching up) completes it when it
     # registers, as an opener does.
@@ -343,7 +349,7 @@ def close_and_members(
             continue
         joined = {p for p in waiting if records[p] <= t}
         came = {*openers_in, *joined}
-        seen_as = [came, set(openers_in), came | gone, {*openers_in, *gone}]
+        seen_as = [seen | gone for gone in gones for seen in (came, set(openers_in))]
         digests = {expectation(seen) for seen in seen_as}
         with_out = digests | {expectation(seen | out) for seen in seen_as} if out else digests
         if all(expects.get(p, "") in with_out for p in openers_in):
