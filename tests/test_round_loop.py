@@ -188,6 +188,50 @@ def test_a_late_try_is_not_retried_alone_while_the_others_complete_the_round(
     assert peer.state.round == 2
 
 
+class LaggingSwarm(ScriptedSwarm):
+    """The others' records of round 1 come in over a moment: the first one (`head(trusted=False)`)
+    at once, enough of the peers this node vouches for to move `head()` and `sync` `lag_s` later."""
+
+    def __init__(self, peer: Peer, update: Update, lag_s: float) -> None:
+        super().__init__(peer, update)
+        self.lag_s = lag_s
+
+    def _vouched(self) -> int:
+        at = self.published_at
+        return self.published if at is not None and time.monotonic() - at >= self.lag_s else 0
+
+    def head(self, *, trusted: bool = True) -> SwarmHead | None:
+        return SwarmHead(self._vouched() if trusted else self.published, "", ["others"], Counter())
+
+    def sync(self) -> int:
+        if self._vouched() > self.peer.state.round:
+            self.peer.catch_up([self.update])
+            return 1
+        return 0
+
+
+@pytest.mark.parametrize("overlap", ["off", "rebase"])
+def test_a_failed_try_waits_for_the_vouched_peers_records_of_the_round_the_others_completed(
+    corpus: Corpus, overlap: str
+) -> None:
+    """Our try failed while the others completed the round (an owner left our contribution out,
+    stop 54). The first record of the next round ends the wait for the failed try; the records of
+    the peers we vouch for, which the catch-up goes by, come a moment later. We catch up to them and
+    join their round late: we do not try the finished round again alone (there, our registration
+    held it open for the patience while our peers moved on)."""
+    peer = _peer(corpus, "me", overlap)
+    swarm = LaggingSwarm(peer, _others_round_zero(corpus), lag_s=0.6)
+    averager = ScriptedAverager("me", ["late", "alone"], on_late=swarm.others_apply)
+    averager.matchmaking_s = 2.0  # type: ignore[misc]  # the window and grace: the longest wait
+    loop = _loop(peer, averager, swarm, timeout_s=30.0)
+    loop.run(lambda: loop.ops.counters.applied >= 1)
+
+    first, second = averager.calls
+    assert (first.round_id, first.join_only) == (0, False)
+    assert (second.round_id, second.join_only) == (1 * ROUND_ID_STRIDE, True)
+    assert swarm.published_at is not None and second.at - swarm.published_at >= 0.6
+
+
 def test_a_peer_that_really_is_alone_retries_once_the_failed_try_is_over(corpus: Corpus) -> None:
     peer = _peer(corpus, "me")
     swarm = ScriptedSwarm(peer, _others_round_zero(corpus))  # nobody ever publishes

@@ -403,6 +403,7 @@ class RoundLoop:
             # what the node adopts comes from the vouched head.
             head = self.sync.head(trusted=False)
             if head is not None and head.round > failed_round:
+                self._await_vouched_head(failed_round, deadline, should_stop)
                 return True
             if aware is not None and aware.failed_everywhere(round_id):
                 logger.info(
@@ -420,6 +421,22 @@ class RoundLoop:
             self.cfg.average_timeout_s,
         )
         return True
+
+    def _await_vouched_head(
+        self, failed_round: int, deadline: float, should_stop: Callable[[], bool]
+    ) -> None:
+        """A later round's first record ended the wait for a failed try. The head `sync` catches up
+        to counts only the peers this node vouches for, and their records come in over a moment:
+        give them up to a matchmaking time (window and grace) to show the later round too. Read a
+        moment too early, the head was still the failed round, and the node tried that round again
+        alone, holding it open for the patience while its peers had moved on (the victim of a
+        founder's owner-omit, stop 54)."""
+        until = min(deadline, time.monotonic() + self.averager.matchmaking_s)
+        while time.monotonic() < until and not should_stop():
+            head = self.sync.head()
+            if head is not None and head.round > failed_round:
+                return
+            time.sleep(SETTLE_POLL_S)
 
     def _next_round_id(self) -> int:
         """The averager's id for the next try at the current round (called on the loop's thread)."""
