@@ -616,6 +616,25 @@ def test_a_key_without_a_record_among_the_openers_neither_holds_nor_breaks_the_e
     assert close == pytest.approx(6.0) and members == ("a", "b", "c", "new")
 
 
+def test_an_opener_the_group_does_not_expect_that_expects_it_neither_holds_nor_breaks_the_early_close() -> (
+    None
+):
+    """A node that joined the last round late (a member, none of its owners) is back in step and
+    registers as an opener, expecting the group the others expect, which it is not in (the last
+    round's owners). The round closes as soon as that group is in; the node is a member. Stop 54's
+    owner-omit victim held its first round back with the others open for the patience."""
+    owners = ("a", "b")
+    expects = dict.fromkeys((*owners, "v"), expectation(owners))
+    patience = dict.fromkeys((*owners, "v"), 6.0)
+    close, members = close_and_members(
+        {"a": 0.0, "v": 0.1, "b": 0.2}, 1.0, 0.3, expects=expects, patience=patience
+    )
+    assert close == _approx(0.2) and members == ("a", "b", "v")
+    # The group it expects is not in yet: the patience, as before.
+    close, _ = close_and_members({"a": 0.0, "v": 0.1}, 1.0, 0.3, expects=expects, patience=patience)
+    assert close == _approx(6.0)
+
+
 def test_a_registration_still_expecting_a_peer_most_leave_out_does_not_break_the_early_close() -> None:
     """Stop 53's owner-omit (record 072): the evidence against a lying owner reached the honest
     registrants after different rounds, so for one round one of them still expected the group with
@@ -648,9 +667,9 @@ def test_a_registration_still_expecting_a_peer_most_leave_out_does_not_break_the
     )
     assert other.outvoted() == set()
     assert other.close_and_members(1.0, 0.3)[0] == pytest.approx(6.0)
-    # And with one, an expectation of another group than the group with or without it still does.
+    # And with one, an expectation of a group with a peer that is not here still does.
     odd = registrations(
-        {"a": without, "b": expectation(("a", "b", "liar")), "c": without}, {"a": ("liar",), "c": ("liar",)}
+        {"a": without, "b": expectation(("a", "b", "d")), "c": without}, {"a": ("liar",), "c": ("liar",)}
     )
     assert odd.close_and_members(1.0, 0.3)[0] == pytest.approx(6.0)
 
