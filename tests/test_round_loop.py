@@ -222,7 +222,7 @@ def test_a_failed_try_waits_for_the_vouched_peers_records_of_the_round_the_other
     peer = _peer(corpus, "me", overlap)
     swarm = LaggingSwarm(peer, _others_round_zero(corpus), lag_s=0.6)
     averager = ScriptedAverager("me", ["late", "alone"], on_late=swarm.others_apply)
-    averager.matchmaking_s = 2.0  # type: ignore[misc]  # the window and grace: the longest wait
+    averager.matchmaking_s = 2.0  # the window and grace: the longest wait
     loop = _loop(peer, averager, swarm, timeout_s=30.0)
     loop.run(lambda: loop.ops.counters.applied >= 1)
 
