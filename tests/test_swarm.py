@@ -498,11 +498,14 @@ def test_a_node_left_behind_by_peers_that_have_gone_finishes_its_rounds_alone(
     # matchmaking for round 3 (its registration stored, the others' group formed without it), its
     # exchange finds nobody and it completes that round alone; or, thawed, it comes late to their
     # try of round 3 and, their records of it not read yet, opens the next try itself and completes
-    # it alone once its patience is out (CI of stop 48): in every way, not waiting for them.
+    # it alone once its patience is out (CI of stop 48); or, thawed after they stopped, it reads
+    # no registration but its own, averages the round alone and finds that none of the peers at its
+    # round stand by their state (stop 54's CI): in every way, not waiting for them.
     log = procs.log("n2")
     ways = (
         "no longer answer: going on without them",
         "left the round: no stream reaches them",
         "late: the round",
+        "0 of 2 peers stand by the state they published",
     )
     assert any(way in log for way in ways), "\n".join(procs.log(name)[-3000:] for name in ("n2", "n0", "n1"))
