@@ -1156,10 +1156,10 @@ def test_an_owner_that_drops_a_member_it_signed_a_receipt_for_is_convicted_by_ev
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The issue's "omitting a member": the owner of the largest part takes the third member's parts,
-    signs its receipt of them, and reduces without them. The others complete the round without the
-    dropped member (nothing wrong reached them), but the dropped member passes on the owner's
-    receipt and answer statement, two signatures of the owner that prove the drop: every honest
-    member convicts it, and the next try completes without it (the dropped member included)."""
+    signs its receipt of them, and reduces without them. The dropped member holds the two
+    signatures of the owner that prove the drop: it takes the round all the same, with the very
+    bytes the others apply (record 076), and passes the proof on, so every honest member convicts
+    the owner, and the next try completes without it."""
     from adloco.protocol.transport import owner as owner_module
 
     swarm = Swarm("hivemind")
@@ -1171,7 +1171,11 @@ def test_an_owner_that_drops_a_member_it_signed_a_receipt_for_is_convicted_by_ev
         contributions = _contributions(averagers, "int8", seed=23)
         with caplog.at_level("WARNING"):
             first = _average_together(averagers, contributions, round=0, spec="int8")
-            assert first[2].result is None  # the dropped member
+            results = [o.result for o in first]
+            assert all(r is not None for r in results)
+            assert results[2].averaged == results[1].averaged == results[0].averaged  # type: ignore[union-attr]
+            # The round's members are those every owner admitted: the dropped one's report counts nowhere.
+            assert [list(r.members) for r in results] == [sorted(a.peer_id for a in averagers[:2])] * 3  # type: ignore[union-attr]
             honest: Any = averagers[1]
             deadline = time.monotonic() + 10
             while liar.peer_id not in honest.verdicts() and time.monotonic() < deadline:
@@ -1188,25 +1192,34 @@ def test_an_owner_that_drops_a_member_it_signed_a_receipt_for_is_convicted_by_ev
         swarm.close()
 
 
-def test_an_owner_that_some_owner_did_not_admit_is_not_expected_at_the_next_round(
+def test_a_member_an_owner_dropped_by_proof_is_expected_at_the_next_round_by_the_honest(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Record 072: the owner of the largest part leaves the third member's parts out of round 0. The
-    third fails the round (a round behind, it catches up); the two that completed it expect each
-    other at the next round and not the third, so the next round closes once both are in instead
-    of waiting out the patience for a member still catching up. Both expect the same group."""
+    """Records 072 and 076: the owner of the largest part leaves the third member's parts out of
+    round 0. The third takes the round all the same (the drop is proven), so it is level with the
+    others: the honest member that completed the round with it expects it at the next round, as
+    soon as the accusation reached it, and both honest members expect the same group once they
+    leave the liar out (the matchmaker drops the peers it leaves out). Without the proof the third
+    failed the round and nobody waited for it (record 072)."""
     swarm = Swarm("hivemind")
     try:
         swarm.add_nodes(3)
         averagers = sorted((swarm.averager(i) for i in range(3)), key=lambda a: a.peer_id)
+        liar, honest, dropped = (cast(Any, a) for a in averagers)
         _drop_in_reductions(monkeypatch, averagers[0], averagers[2])
         contributions = _contributions(averagers, "int8", seed=29)
         first = _average_together(averagers, contributions, round=0, spec="int8")
-        assert first[2].result is None and first[0].result is not None and first[1].result is not None
-        completed = sorted(a.peer_id for a in averagers[:2])
-        assert list(first[0].result.members) == completed
-        for a in averagers[:2]:
-            assert list(cast(Any, a)._matchmaker.expected) == completed
+        assert all(o.result is not None for o in first)
+        everyone = sorted(a.peer_id for a in averagers)
+        deadline = time.monotonic() + 10
+        while sorted(honest._matchmaker.expected) != everyone and time.monotonic() < deadline:
+            time.sleep(0.05)  # the accusation comes with the dropped member's round, not before ours ends
+        assert sorted(honest._matchmaker.expected) == everyone
+        assert sorted(dropped._matchmaker.expected) == everyone
+        assert liar.peer_id in dropped.excluded()
+        while liar.peer_id not in honest.excluded() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert liar.peer_id in honest.excluded()
     finally:
         swarm.close()
 

@@ -94,9 +94,15 @@ def test_a_round_closes_once_the_group_its_registrants_expect_is_complete() -> N
     assert joined == (_approx(1.1), ("a", "b", "c", "d"))
     # One after it: the round had closed, it is late.
     assert close_and_members({**times, "d": 0.3}, 1.0, 0.3, expects={**expects, "d": ""}) == (0.2, group)
-    # Registrants that expect different groups (one left since): the window.
-    split = {**expects, "a": expectation(("a", "b"))}
+    # Registrants that expect different groups, one of them with a peer that has not come: the window.
+    split = {**expects, "a": expectation(("a", "b", "d"))}
     assert close_and_members(times, 1.0, 0.3, expects=split)[0] == pytest.approx(1.1)
+    # One that expects the group less a peer that came (it saw that one leave a round since, or does
+    # not list it as an owner yet): every peer any of them expects is in, so the round closes there.
+    # With the second opener in, the first's group less it was complete, yet the second's was not.
+    fewer = {**expects, "a": expectation(("a", "b"))}
+    assert close_and_members(times, 1.0, 0.3, expects=fewer) == (0.2, group)
+    assert close_and_members({"a": 0.0, "b": 0.1}, 1.0, 0.3, expects=fewer)[0] == pytest.approx(1.1)
     # Alone, expecting itself: no early close (the quorum), its round closes a window later.
     assert close_and_members({"a": 5.0}, 1.0, 0.3, expects={"a": expectation(["a"])}) == (6.0, ("a",))
 
@@ -599,7 +605,7 @@ def test_a_key_without_a_record_among_the_openers_neither_holds_nor_breaks_the_e
     between the openers' registrations and expecting another group (its own), held every round open
     for the patience (rounds of 8 s where the clean ones took 1.2 s). A registrant that is no opener
     is now a member if it came by the early close, and neither holds nor breaks it; another opener
-    expecting another group still does."""
+    expecting a group with a peer that has not come still does."""
     group = ("a", "b", "c")
     expects = {**dict.fromkeys(group, expectation(group)), "new": expectation((*group, "new"))}
     patience = dict.fromkeys(group, 6.0)
@@ -612,7 +618,7 @@ def test_a_key_without_a_record_among_the_openers_neither_holds_nor_breaks_the_e
     assert close == pytest.approx(0.4) and members == ("a", "b", "c", "new")
     close, members = closed({**times, "new": 0.5}, expects)  # after the early close: not a member
     assert close == pytest.approx(0.4) and members == group
-    close, members = closed(times, {**expects, "b": expectation(("a", "b"))})
+    close, members = closed(times, {**expects, "b": expectation(("a", "b", "d"))})
     assert close == pytest.approx(6.0) and members == ("a", "b", "c", "new")
 
 
@@ -641,7 +647,7 @@ def test_a_registration_still_expecting_a_peer_most_leave_out_does_not_break_the
     the liar and the others the group without it, and the round waited out the patience on every
     node. The liar is outvoted (most registrations ask to leave it out): a registration expecting the
     group with it expects the same group, and the round closes once the honest three are in. An
-    opener expecting another group still keeps the patience, outvoted peers or not."""
+    opener expecting a peer that has not come still keeps the patience, outvoted peers or not."""
     honest = ("a", "b", "c")
     lists = {p: tuple(q for q in honest if q != p) for p in honest}
     patience = dict.fromkeys([*honest, "liar"], 6.0)
@@ -661,9 +667,10 @@ def test_a_registration_still_expecting_a_peer_most_leave_out_does_not_break_the
     assert late_news.outvoted() == {"liar"}
     close, members = late_news.close_and_members(1.0, 0.3)
     assert close == pytest.approx(0.4) and members == honest
-    # Without an outvoted peer to account for it, an opener expecting another group keeps the wait.
+    # Without an outvoted peer to account for it, an opener expecting a peer that has not come keeps
+    # the wait.
     other = registrations(
-        {"a": without, "b": expectation(("a", "b")), "c": without}, dict.fromkeys(honest, ())
+        {"a": without, "b": expectation(("a", "b", "d")), "c": without}, dict.fromkeys(honest, ())
     )
     assert other.outvoted() == set()
     assert other.close_and_members(1.0, 0.3)[0] == pytest.approx(6.0)

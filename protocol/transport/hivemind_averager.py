@@ -275,6 +275,7 @@ class HivemindAverager:
         self._worked = WorkLedger()  # whose work this peer took lately (`trust`)
         self._partners: dict[str, int] = {}  # peer -> this peer's completed round they last shared
         self._completed = 0  # rounds this peer completed
+        self._last_group: Group | None = None  # the group of the last round this peer completed
         self._shared: dict[str, int] = {}  # partner -> rounds it completed with this peer
         self._laggards: set[str] = set()  # non-seeders whose reveal missed its grace (`verify_round`)
         # Until then (loop time) the members this peer holds no record of are not waited for: one
@@ -333,6 +334,7 @@ class HivemindAverager:
             executor=self._verify_executor,
             admission=self.admission,
             on_evidence=lambda peer, why: self._convict(Caught(why, {peer: why}, proven=True)),
+            on_dropped=self._level_by_proof,
         )
         self._call(self._p2p.add_binary_stream_handler(self._verify_name, checks.serve), timeout=30)
         self._board = EvidenceBoard(self.dht, prefix=self.prefix, ttl_s=EXCLUDE_PROVEN_S)
@@ -418,7 +420,8 @@ class HivemindAverager:
         An owner that some owner did not admit failed the round (`member.assemble`): it is a round
         behind and catching up, and waiting for it could hold the next round open for the patience
         (the member a lying owner dropped, record 072). It is expected again as a chaser once it
-        comes after a close.
+        comes after a close. One that an owner left out by proof took the round (record 076): the
+        caller counts it among `completed`.
 
         A key without a record that averaged a round and left (a key is 0.1 s to make) held every
         next round open for the patience; it owns nothing, so it is not waited for. Every member
@@ -428,6 +431,20 @@ class HivemindAverager:
         chasing = {p for p in chasers if self._shared.get(p, 0) >= WAITED_AFTER_ROUNDS}
         owners = set(group.owners) & set(completed)
         return tuple(sorted({self._peer_id, *owners, *chasing}))
+
+    def _level_by_proof(self, state: RoundState, member: str) -> None:
+        """An accusation showed that an owner left `member` out of `state`'s round after signing its
+        receipt: the member took the round all the same (`member.assemble`), so where that round is
+        the last this peer completed, its next registrations expect it as they do the owners that
+        completed it (`_expected_again`). Came after our round ended, the accusation adds it now;
+        the registration follows a local round later."""
+        expected = self._matchmaker.expected
+        group = state.group
+        if group is not self._last_group or expected is None:
+            return
+        if member in expected or member not in group.owners:
+            return
+        self._matchmaker.expected = tuple(sorted({*expected, member}))
 
     def newcomers(self, members: Sequence[str], seeders: Collection[str]) -> tuple[set[str], set[str]]:
         """Of a round's `members`, the keys this peer holds no record of (`trust.WorkLedger`) that
@@ -786,7 +803,7 @@ class HivemindAverager:
             self._convict(e)
             how = "shown by their signed statements" if e.proven else "seen by this peer"
             self._log(round, "no result: %s (%s)", e, how, level=logging.WARNING)
-            self._pass_on(ready, e)
+            self._pass_on(_formed(ready), e)
             self._withdraw(ready, e)
         except RoundFailed as e:
             self._log(round, "no result: %s", e, level=logging.WARNING)
@@ -916,7 +933,11 @@ class HivemindAverager:
             del self._partners[peer]
             self._shared.pop(peer, None)
         chasers = await self._chasers(round, group.members)
-        self._matchmaker.expected = self._expected_again(group, result.members, chasers)
+        # A member an owner left out by proof took the round too (`member.assemble`): it is level
+        # (an accusation that comes later adds it: `_level_by_proof`).
+        completed = {*result.members, *(state.mail.dropped & set(group.members))}
+        self._matchmaker.expected = self._expected_again(group, completed, chasers)
+        self._last_group = group
         self._log(
             round,
             "averaged with %d members, %d wire bytes out, %d in, %d parts rejected",
@@ -927,11 +948,10 @@ class HivemindAverager:
         )
         return result
 
-    def _pass_on(self, ready: asyncio.Future[RoundState | None], caught: Caught) -> None:
+    def _pass_on(self, state: RoundState | None, caught: Caught) -> None:
         """Send the evidence of a drop `caught` holds to every other member of the round's group at
         once: they convict the culprit on its own signatures, without having seen what we saw (and
         every node of the run does, from the board: `_watch_board`)."""
-        state = _formed(ready)
         if state is None or not caught.evidence:
             return
         for evidence in caught.evidence:

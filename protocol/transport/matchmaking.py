@@ -336,14 +336,16 @@ def close_and_members(
         if not expected or t > close:
             break
         if peer not in waiting:
-            if expects.get(peer, "") != expected:
-                if peer not in opening:
-                    # A key that opens nothing (no record with the openers), expecting another group:
-                    # a member if it came by then, and it neither holds nor breaks the early close.
-                    continue
-                if not out:
-                    break
-                # Another expectation: with outvoted peers, perhaps the same group with them.
+            if expects.get(peer, "") != expected and peer not in opening:
+                # A key that opens nothing (no record with the openers), expecting another group:
+                # a member if it came by then, and it neither holds nor breaks the early close.
+                continue
+            # An opener expecting another group than the first may still expect one of the sets
+            # tried below (the same group with outvoted peers, or without an opener that came); one
+            # that expects none of them keeps the window (and the patience) from then on. Broken off
+            # at it, the round waited the patience for the member an owner had dropped by proof,
+            # which counts itself among the group it expects and the others did not yet list it as
+            # an owner (record 076).
             openers_in.append(peer)
         if len(openers_in) < quorum:
             continue

@@ -317,6 +317,31 @@ def _parse_answer(
     return Answer(contributors, dict(zip(keys, body, strict=True)), metadata, rejected)
 
 
+def omission(state: RoundState, peer_id: str, answers: Mapping[str, Answer]) -> Caught | None:
+    """The owners that left this member's contribution out of their answers, as a `Caught` (None when
+    every answer holds it): `proven` when each of them had signed its receipt of our parts
+    (`statements.Receipt`) before the answer statement that leaves them out; the two signatures
+    prove the drop to anyone (`Caught.evidence`). An owner that answered on the stream our parts
+    came in on had taken them."""
+    dropping = [o for o, a in answers.items() if peer_id not in a.contributors]
+    if not dropping:
+        return None
+    evidence = [
+        (state.receipts[o], answers[o].statement)
+        for o in dropping
+        if o in state.receipts
+        and answers[o].statement is not None
+        and dropped_after_receipt(state.receipts[o], answers[o].statement)  # type: ignore[arg-type]
+    ]
+    caught = Caught(
+        "our contribution was not included",
+        dict.fromkeys(dropping, "left out our contribution it had taken"),
+        proven=len(evidence) == len(dropping),
+    )
+    caught.evidence = [Evidence.dropped(r.signed, st.signed) for r, st in evidence if st is not None]
+    return caught
+
+
 async def assemble(
     state: RoundState,
     *,
@@ -344,26 +369,17 @@ async def assemble(
     member can have received other bytes for those parts and completed the round.
     Conversely a member fails when an owner it got its parts from contributed to no other owner:
     that is the owner someone else may have stood in for.
+
+    A member whose contribution an owner left out after signing its receipt (`omission`, proven)
+    takes the round all the same: its bytes are the ones every other member applies, and the member
+    is not among the round's members (its report does not count). Failing it left the member a
+    round behind, late for the rounds after while it caught up, its Δs dropped (a founder's
+    owner-omit, stop 54). One left out without that proof (its exchange there broke) fails.
     """
     contributor_sets = [set(answer.contributors) for answer in answers.values()]
-    if peer_id not in set.intersection(*contributor_sets):
-        # It answered on the stream our parts came in on, so it had taken them; its receipt of them
-        # and its answer statement, both signed, prove it to anyone (`statements.Receipt`).
-        dropping = [o for o, a in answers.items() if peer_id not in a.contributors]
-        evidence = [
-            (state.receipts[o], answers[o].statement)
-            for o in dropping
-            if o in state.receipts
-            and answers[o].statement is not None
-            and dropped_after_receipt(state.receipts[o], answers[o].statement)  # type: ignore[arg-type]
-        ]
-        caught = Caught(
-            "our contribution was not included",
-            dict.fromkeys(dropping, "left out our contribution it had taken"),
-            proven=len(evidence) == len(dropping),
-        )
-        caught.evidence = [Evidence.dropped(r.signed, st.signed) for r, st in evidence if st is not None]
-        raise caught
+    dropped = omission(state, peer_id, answers)
+    if dropped is not None and not dropped.proven:
+        raise dropped
     outsiders = {o for o, a in answers.items() if not set(a.contributors) <= set(state.group.members)}
     if outsiders:
         # Its signed statement lists them.

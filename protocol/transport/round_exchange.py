@@ -36,7 +36,7 @@ from ..algorithms.verify import payload_digest
 from .averager import MemberResult
 from .checks import Settings
 from .matchmaking import Caught, Group, RoundFailed
-from .member import OwnerUnreachable, assemble, fetch
+from .member import OwnerUnreachable, assemble, fetch, omission
 from .owner import Answer, Incoming, OwnerSession, RoundState
 from .statements import Commitment, Signed
 from .turns import SendTurn, chain, send_order, turn_budget_s
@@ -150,6 +150,16 @@ class RoundExchange:
         watch = a._spawn(self._watch_members())
         try:
             result = await self._exchange()
+            dropped = omission(state, a.peer_id, state.answers)
+            if dropped is not None:  # proven (`assemble` raised otherwise): the round is ours all the same
+                a._convict(dropped)
+                a._pass_on(state, dropped)
+                a._log(
+                    group.round,
+                    "%s left our contribution out after signing its receipt: taking the round all the same",
+                    sorted(p[-8:] for p in dropped.culprits),
+                    level=logging.WARNING,
+                )
             # A member within its exchange budget may reveal as late as that budget allows.
             reveal_by = (
                 self.grouped_at
@@ -470,10 +480,14 @@ class RoundExchange:
             )
 
         unwaited, watched = a.newcomers(result.members, seeders_of(result.members, state.group.owners))
+        # Our statements go to every member an owner admitted: one that another owner left out
+        # takes the round too (`member.assemble`), and checks it on them.
+        admitted = set().union(*(answer.contributors for answer in state.answers.values()))
         liars = await verify_round(
             state=state,
             answers=state.answers,
             members=result.members,
+            audience=[m for m in state.group.members if m in admitted],
             peer_id=a.peer_id,
             own=state.own,
             secret=self.secret,

@@ -553,6 +553,9 @@ class Mailbox:
     withdrawals: dict[str, list[str]] = field(default_factory=dict)
     unrevealed: set[str] = field(default_factory=set)
     arrived: dict[str, float] = field(default_factory=dict)  # loop time of each member's first reveal
+    # Members an owner was shown (an accusation that checked out) to have left out after signing
+    # their receipt: they take the round all the same (`member.assemble`).
+    dropped: set[str] = field(default_factory=set)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
     def lost(self, peer: str) -> None:

@@ -118,6 +118,7 @@ async def verify_round(
     grouped_at: float,
     laggards: set[str] | None = None,
     unwaited: Collection[str] = (),
+    audience: Sequence[str] = (),
 ) -> dict[str, str]:
     """The module doc's three steps for one round; returns when every answer checked out, with the
     contributors an owner showed to have sent false projections (the round still checks out with
@@ -129,6 +130,8 @@ async def verify_round(
     `answers`: each answer keyed by the owner whose parts it holds (reduced by it, by a stand-in,
     or by this peer);
     `members`: the round's members (those every owner admitted), who reveal and project;
+    `audience`: the other group members our reveal and projections go to as well (a member some
+    owner left out by proof takes the round, and checks it on them: `member.assemble`);
     `payloads`: this member's own; `send(peer, kind, signed)` starts delivering a statement;
     `defend(owner, key, projections)` asks an owner whose part failed its check which of those
     projections were false (`ask_defense`);
@@ -153,8 +156,9 @@ async def verify_round(
         secret=secret,
     )
     others = [m for m in members if m != peer_id]
+    told = [*others, *(m for m in audience if m != peer_id and m not in members)]
     state.revealed = True
-    for peer in others:
+    for peer in told:
         send(peer, REVEAL, reveal.signed)
     mail = state.mail
     seeders = seeders_of(members, group.owners)
@@ -198,7 +202,7 @@ async def verify_round(
         secrets=[[m, secrets[m]] for m in seeders],
         dots=[None] * len(mine) if dots is None else await dots,
     )
-    for peer in others:
+    for peer in told:
         send(peer, PROJECT, projected.signed)
     checked = []
     for outcome in await asyncio.gather(*checks, return_exceptions=True):

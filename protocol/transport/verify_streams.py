@@ -73,8 +73,10 @@ class VerifyHandler:
         executor: Executor,
         admission: Admission | None = None,
         on_evidence: Callable[[str, str], None] = lambda peer, why: None,
+        on_dropped: Callable[[RoundState, str], None] = lambda state, member: None,
     ) -> None:
         self._on_evidence = on_evidence  # a peer proven to have lied, and why
+        self._on_dropped = on_dropped  # a member an owner was proven to have left out of a round
         self._round_state = round_state
         self._wait_s = wait_s
         self._chunk_bytes = chunk_bytes
@@ -142,6 +144,8 @@ class VerifyHandler:
         )
         if not dropped_after_receipt(receipt, statement):
             raise ValueError("the statements do not show the owner dropping the member")
+        state.mail.dropped.add(receipt.member)
+        self._on_dropped(state, receipt.member)
         self._on_evidence(receipt.owner, f"dropped {receipt.member[-8:]}'s parts after signing their receipt")
 
     def _statement(self, header: dict[str, Any], kind: str, state: RoundState) -> Reveal | Projections:
