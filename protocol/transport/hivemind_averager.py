@@ -428,9 +428,8 @@ class HivemindAverager:
         reads the owners from the group itself, so the members' registrations expect one group and
         the round closes once it is in: a rule read from each peer's own ledger made members expect
         different groups whenever their ledgers differed, and each such round waited the patience."""
-        chasing = {p for p in chasers if self._shared.get(p, 0) >= WAITED_AFTER_ROUNDS}
         owners = set(group.owners) & set(completed)
-        return tuple(sorted({self._peer_id, *owners, *chasing}))
+        return tuple(sorted({self._peer_id, *owners, *chasers}))
 
     def _level_by_proof(self, state: RoundState, member: str) -> None:
         """An accusation showed that an owner left `member` out of `state`'s round after signing its
@@ -594,16 +593,21 @@ class HivemindAverager:
         return await self._matchmaker.all_left(round, sorted(waited))
 
     async def _chasers(self, round: int, members: tuple[str, ...]) -> set[str]:
-        """`Matchmaker.chasers` of `round` that completed a round with this peer in its last
-        `PARTNER_ROUNDS` (a node restarted from its checkpoint comes back after more rounds than the
-        work ledger keeps), less those it leaves out; none when the DHT does not answer within
-        `CHASER_READ_S`."""
+        """`Matchmaker.chasers` of `round` that completed `WAITED_AFTER_ROUNDS` rounds with this peer,
+        the last within its last `PARTNER_ROUNDS` (a node restarted from its checkpoint comes back
+        after more rounds than the work ledger keeps), less those it leaves out; none when the DHT
+        does not answer within `CHASER_READ_S`. The log names only these: it named every partner
+        that came late, the ones not waited for too (the victim of owner-omit, stop 55)."""
         try:
             late = await asyncio.wait_for(self._matchmaker.chasers(round, members), CHASER_READ_S)
         except (asyncio.TimeoutError, RoundFailed):
             return set()
         out = set(self.excluded())
-        chasers = {p for p in late if p in self._partners and p not in out}
+        chasers = {
+            p
+            for p in late
+            if p in self._partners and p not in out and self._shared.get(p, 0) >= WAITED_AFTER_ROUNDS
+        }
         if chasers:
             self._log(round, "expecting %s, who came after the close", sorted(p[-8:] for p in chasers))
         return chasers
