@@ -144,8 +144,9 @@ class VerifyHandler:
         )
         if not dropped_after_receipt(receipt, statement):
             raise ValueError("the statements do not show the owner dropping the member")
-        state.mail.dropped.add(receipt.member)
-        self._on_dropped(state, receipt.member)
+        if receipt.member in group.members:  # a name the owner signed, not necessarily a member's
+            state.mail.dropped.add(receipt.member)
+            self._on_dropped(state, receipt.member)
         self._on_evidence(receipt.owner, f"dropped {receipt.member[-8:]}'s parts after signing their receipt")
 
     def _statement(self, header: dict[str, Any], kind: str, state: RoundState) -> Reveal | Projections:
