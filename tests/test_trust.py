@@ -135,6 +135,28 @@ def test_a_peer_is_listed_after_its_work_counted_in_enough_recent_rounds_and_for
     assert ledger.listed() == ["c"]
 
 
+def test_a_fresh_swarm_s_founders_are_listed_after_its_first_round_and_a_later_key_is_not() -> None:
+    """`WorkLedger.found` (record 077): the peers whose work counted in this peer's first round, a
+    fresh swarm's, are listed at once; a key that came a round later waits the bar as any newcomer;
+    a founder caught, or whose record ended, is a founder no more. Called after any later round, or
+    while a founder's work was weightless, it lists nobody more."""
+    ledger = WorkLedger()
+    ledger.count({"me": 1.0, "a": 1.0, "b": 1.0, "mute": 0.0}, me="me")
+    ledger.found()
+    assert ledger.listed() == ["a", "b"]  # never itself, never the key whose work did not count
+    ledger.count({"me": 1.0, "a": 1.0, "b": 1.0, "fresh": 1.0}, me="me")
+    ledger.found()  # a second round: nobody is a founder from it
+    assert ledger.listed() == ["a", "b"]
+    ledger.forget("a")
+    for _ in range(2):
+        ledger.count({"me": 1.0, "a": 1.0, "b": 1.0, "fresh": 1.0}, me="me")
+    assert ledger.listed() == ["b", "fresh"]  # fresh: its third round; a: its record began again
+    for _ in range(WORK_ROUNDS):
+        ledger.count({"me": 1.0, "a": 1.0, "fresh": 1.0}, me="me")
+    ledger.count({"me": 1.0, "a": 1.0, "b": 1.0, "fresh": 1.0}, me="me")
+    assert "b" not in ledger.listed()  # its record ended while it was away: it earns again
+
+
 def test_each_late_owner_it_listed_makes_every_new_record_span_more_rounds_before_it_is_listed() -> None:
     """`WorkLedger.demote`: a staller that earned ownership (`WORK_MIN_ROUNDS`) and stalled buys its
     next stall, under its key or a fresh one, with `BAR_GROWTH` times more rounds of work; peers

@@ -122,7 +122,12 @@ def seeders(members: Sequence[str], owners: Collection[str]) -> list[str]:
     A seed no owner can know before every answer is fixed needs one secret of a member that does
     not collude with the liar: an owner knows its own, so two owners at least. Keys that list one
     another and own a group's parts (the limit above) hold every secret of its seed, and so can fit
-    a lie to its direction; what bounds their answers there is the norm each is checked against."""
+    a lie to its direction; what bounds their answers there is the norm each is checked against.
+
+    A seeder late with its reveal is left out of the seed, which holds more than half of the
+    seeders' secrets then (`verification`, record 077): a liar among them that waits for the others'
+    reveals chooses between two seeds, by revealing or not, and pays for the choice with its key's
+    standing (it is left out a while, demoted where it had a record)."""
     chosen = [m for m in members if m in owners]
     return chosen if len(chosen) >= 2 else list(members)
 
@@ -138,7 +143,13 @@ class WorkLedger:
     `WORK_MIN_ROUNDS` while no owner stalled, `BAR_GROWTH` times more after each one that did (up to
     `MAX_BAR`), one step back after `MAX_BAR` rounds without. A staller that re-keys starts a record
     as any newcomer does, so the rounds between its stalls grow with every stall; an honest newcomer
-    waits as long to own parts, and contributes all the while. Peers listed already stay listed."""
+    waits as long to own parts, and contributes all the while. Peers listed already stay listed.
+
+    A swarm's founders are the exception (`found`): in this peer's first round, where every member
+    owned (nobody listed anyone: a fresh swarm), those whose work counted are listed from then on,
+    for as long as their record lasts. Without it a fresh swarm listed nobody for `bar` rounds, and
+    a key made after its first round owned parts and seeded like a founder until then (record 077:
+    robust_swarm's mute+fresh cost its third round)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -146,6 +157,7 @@ class WorkLedger:
         self._counted: dict[str, list[int]] = {}  # peer -> the rounds (this peer's count) it earned in
         self._since: dict[str, int] = {}  # peer -> the round its record began
         self._spanned: set[str] = set()  # peers whose record has spanned the bar in force
+        self._founders: set[str] = set()  # listed from the first round, while their record lasts
         self.bar = WORK_MIN_ROUNDS  # the rounds a record spans before it is listed
         self._raised_at = 0  # the round the bar last moved
 
@@ -164,9 +176,17 @@ class WorkLedger:
                 else:
                     del self._counted[peer], self._since[peer]
                     self._spanned.discard(peer)
+                    self._founders.discard(peer)
             if self.bar > WORK_MIN_ROUNDS and self._rounds - self._raised_at >= MAX_BAR:
                 self.bar, self._raised_at = max(WORK_MIN_ROUNDS, self.bar // BAR_GROWTH), self._rounds
             self._spanned |= {p for p, since in self._since.items() if self._rounds - since + 1 >= self.bar}
+
+    def found(self) -> None:
+        """This peer's only round so far was a fresh swarm's (every member owned): the peers whose work
+        counted in it are its founders (the class doc)."""
+        with self._lock:
+            if self._rounds == 1:
+                self._founders = {p for p, since in self._since.items() if since == 1}
 
     def forget(self, peer: str) -> None:
         """`peer` was caught: its trust is earned again, by work after its exclusion."""
@@ -174,6 +194,7 @@ class WorkLedger:
             self._counted.pop(peer, None)
             self._since.pop(peer, None)
             self._spanned.discard(peer)
+            self._founders.discard(peer)
 
     def demote(self, peer: str) -> None:
         """`peer` was late with its answer as an owner: its record ends (`forget`) and, if it was
@@ -186,13 +207,13 @@ class WorkLedger:
 
     def listed(self, *, without: Collection[str] = ()) -> list[str]:
         """The peers whose work counted in at least `WORK_MIN_ROUNDS` of the last `WORK_ROUNDS`
-        rounds and whose record spans `bar` rounds, the most recent first (ties by id), less
-        `without`."""
+        rounds and whose record spans `bar` rounds, and the founders whose record lasts (`found`),
+        the most recent first (ties by id), less `without`."""
         with self._lock:
             last = {
                 p: rounds[-1]
                 for p, rounds in self._counted.items()
-                if len(rounds) >= WORK_MIN_ROUNDS and p in self._spanned
+                if (len(rounds) >= WORK_MIN_ROUNDS and p in self._spanned) or p in self._founders
             }
         return sorted((p for p in last if p not in without), key=lambda p: (-last[p], p))
 

@@ -59,8 +59,10 @@ this peer leaves them out of its next rounds, and its readiness records say so (
 `matchmaking.outvoted`). So:
 - an owner that answers a lie, or different bytes to different members, fails the round for every
   honest member and is in no later group (docs/decisions/044-verified-reducers.md);
-- every seeder of the round must reveal its secret: one that does not fails the round everywhere,
-  once, and is named; another member that does not costs the others a grace, once
+- a seeder of the round that does not reveal its secret in the others' time is named and left out
+  a while, and the round goes on with the seed drawn from the secrets of the rest, more than half
+  of the seeders' (record 077); while fewer than that are in, it fails the round at the end of the
+  budget; another member that does not reveal costs the others a grace, once
   (`trust.GRACE_S`); and once a key this peer holds no record of has let that grace pass, no key
   without a record is waited for at all for `NEWCOMER_NOTICE_S` (a key is 0.1 s to make: one per
   round would cost every round a grace: `newcomers`);
@@ -916,7 +918,10 @@ class HivemindAverager:
         work = accepted_work(weights, result.rejected, len(exchange.keys))
         # A member that withheld its reveal from us earns nothing in our ledger (whose lists are our
         # own word): a key that takes the answers and never reveals never comes to seed a round.
-        self._worked.count({m: 0.0 if m in self._laggards else w for m, w in work.items()}, me=self._peer_id)
+        withheld = self._laggards | set(state.unrevealed)
+        self._worked.count({m: 0.0 if m in withheld else w for m, w in work.items()}, me=self._peer_id)
+        if set(group.owners) == set(group.members):  # nobody listed anyone: a fresh swarm's first round
+            self._worked.found()
         result = dataclasses.replace(
             result,
             work=work,
@@ -939,7 +944,8 @@ class HivemindAverager:
         chasers = await self._chasers(round, group.members)
         # A member an owner left out by proof took the round too (`member.assemble`): it is level
         # (an accusation that comes later adds it: `_level_by_proof`).
-        completed = {*result.members, *(state.mail.dropped & set(group.members))}
+        # A seeder whose secret the seed was drawn without did not complete it: it is left out a while.
+        completed = {*result.members, *(state.mail.dropped & set(group.members))} - set(state.unrevealed)
         self._matchmaker.expected = self._expected_again(group, completed, chasers)
         self._last_group = group
         self._log(

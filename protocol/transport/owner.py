@@ -477,6 +477,8 @@ class RoundState:
     seed: bytes | None = None  # the round's direction seed, once every secret is in
     commitments: dict[str, Commitment] = field(default_factory=dict)  # every contributor's, once checked
     revealed: bool = False  # whether this peer has sent the others its reveal (`verify_round`)
+    # The seeders whose secrets the seed was drawn without: their reveals were late (`verify_round`).
+    unrevealed: tuple[str, ...] = ()
 
     def reduction_of(self, key: str) -> OwnerSession | None:
         """Our reduction of part `key`, if we made one."""

@@ -506,6 +506,21 @@ class RoundExchange:
             unwaited=unwaited,
         )
         a.newcomers_missed(watched & a._laggards)
+        if state.unrevealed:  # late by the others' times: the seed was drawn without their secrets
+            a._convict(
+                Caught(
+                    f"no reveal from {[p[-8:] for p in state.unrevealed]} (late by the others' times)",
+                    dict.fromkeys(state.unrevealed, "withheld its reveal"),
+                    proven=False,
+                    late=True,
+                )
+            )
+            a._log(
+                state.group.round,
+                "%s withheld their reveals past the others' times: checked without their secrets",
+                sorted(p[-8:] for p in state.unrevealed),
+                level=logging.WARNING,
+            )
         if liars:
             a._convict(Caught("false projections", liars, proven=True))
             a._log(state.group.round, "owners showed false projections of %s", sorted(p[-8:] for p in liars))

@@ -11,10 +11,14 @@ Once every owner has answered (`member.assemble`), `verify_round`:
    round and waits for theirs: an owner that sent another member a different answer is caught by
    its two signed statements, and a secret must match its commitment. The seed is drawn from the
    secrets of the round's *seeders* (`trust.seeders`: its owners, or every member where fewer than
-   two own parts): a seeder that reveals nothing fails the round for everyone, as soon as it is late
-   by the others' times (once more than half of the seeders' reveals are in, ours counted, the rest
-   get `wire.late_answer_s` of the slowest, from the group's forming: record 057), not at the end of
-   the exchange budget, which is set for the slowest link the run admits; any other member's
+   two own parts). A seeder that reveals nothing is late by the others' times once more than half
+   of the seeders' reveals are in, ours counted (the rest get `wire.late_reveal_s` of the slowest,
+   from the group's forming: record 057), not at the end of the exchange budget, which is set for
+   the slowest link the run admits: the seed is then drawn from the secrets in hand (more than half
+   of the seeders'), the late seeders are named (`RoundState.unrevealed`) and the round goes on
+   without waiting for their projections (record 077; before, it failed for everyone, and the
+   retry cost the round's exchange again); a seeder silent while too few are in for that still
+   fails the round, at the end of the budget; any other member's
    reveal is waited for a grace only (`trust.GRACE_S`, not at all for one that missed it last time), so a
    key that did no work and withholds its reveal costs the round nothing;
 3. derives the round's seed, projects its own payloads on it and sends the projections to every
@@ -94,7 +98,7 @@ from .statements import (
     Signer,
     digest,
 )
-from .wire import late_answer_s
+from .wire import late_reveal_s
 
 logger = logging.getLogger(__name__)
 
@@ -165,7 +169,7 @@ async def verify_round(
     laggards = set() if laggards is None else laggards
     skipped = laggards | set(unwaited)
     waited = [m for m in others if m in seeders or m not in skipped]
-    secrets = await _gather_secrets(
+    secrets, late = await _gather_secrets(
         mail,
         commitments,
         statements,
@@ -178,11 +182,14 @@ async def verify_round(
         seeders,
         grouped_at,
     )
-    for peer in others:  # a seeder revealed (to someone): the round would have failed otherwise
+    state.unrevealed = tuple(late)
+    skipped |= set(late)  # nor are their projections waited for
+    for peer in others:  # a seeder revealed (to someone), or is named late
         (laggards.discard if peer in mail.reveals or peer in seeders else laggards.add)(peer)
+    drawn = [m for m in seeders if m in secrets]
     seed = verify.round_seed(
         group.group_id,
-        [secrets[m] for m in seeders],
+        [secrets[m] for m in drawn],
         [statements[r].signed.digest for r in reducers],
     )
     state.seed = seed  # for the owners' defense of their parts (`VerifyHandler._defend`)
@@ -199,7 +206,7 @@ async def verify_round(
         group_id=group.group_id,
         seed=seed,
         values=mine,
-        secrets=[[m, secrets[m]] for m in seeders],
+        secrets=[[m, secrets[m]] for m in drawn],
         dots=[None] * len(mine) if dots is None else await dots,
     )
     for peer in told:
@@ -212,7 +219,7 @@ async def verify_round(
     wanted = {
         c.part.contributors[i] for c in checked if c.tolerance is not None for i, _ in c.part.factors or []
     } - {peer_id}
-    needed = wanted & set(seeders)
+    needed = (wanted & set(seeders)) - set(late)
     await _wait_graced(
         mail,
         lambda: needed <= set(mail.projections) | set(mail.gone),
@@ -294,13 +301,14 @@ async def _gather_secrets(
     budget_s: float,
     seeders: Sequence[str],
     grouped_at: float,
-) -> dict[str, bytes]:
+) -> tuple[dict[str, bytes], list[str]]:
     """The seeders' secrets, each matching its commitment: from its reveal (whose answers must be
     ours), or relayed in another member's projections (a member may reveal to some members only:
-    what one honest member holds, all then hold). Caught when one is missing `budget_s` after
-    `reveal_by`, or a grace after it was late (`_late_reveal_at`): nobody revealed it, or nobody
-    passed it on in time. The reveals of `others` that are not seeders are waited for a grace and
-    checked like any."""
+    what one honest member holds, all then hold), and the seeders whose secrets are missing a grace
+    after they were late (`_late_reveal_at`): the seed is drawn without them (record 077). Caught
+    when one is missing `budget_s` after `reveal_by` without having been late (too few of the
+    others revealed to tell), or one left the round before revealing. The reveals of `others` that
+    are not seeders are waited for a grace and checked like any."""
 
     def known() -> dict[str, bytes]:
         found = {peer_id: secret}
@@ -349,14 +357,13 @@ async def _gather_secrets(
     silent = [p for p in required if p not in secrets]
     if any(p in mail.gone for p in silent):
         raise _left(mail, [p for p in silent if p in mail.gone])
-    if silent:
+    if silent and not late:
         raise Caught(
-            f"no reveal from {[p[-8:] for p in silent]}" + (" (late by the others' times)" if late else ""),
+            f"no reveal from {[p[-8:] for p in silent]}",
             dict.fromkeys(silent, "withheld its reveal"),
             proven=False,
-            late=late,
         )
-    return secrets
+    return secrets, silent
 
 
 async def _wait_seeders(
@@ -403,7 +410,7 @@ def _late_reveal_at(
 ) -> float | None:
     """The loop time past which the seeders yet to reveal are late: once more than half of the
     round's seeders have revealed (this member counted when it is one, from `started`), as long
-    after the group formed as `wire.late_answer_s` of the slowest of them. An honest seeder reveals
+    after the group formed as `wire.late_reveal_s` of the slowest of them. An honest seeder reveals
     once its own exchange is over, and the others' show how long that takes on this run's links;
     one that waits past it is treated as a late owner is (`Caught.late`: demoted where it had a
     record, left out a while where not). None while too few are in."""
@@ -412,7 +419,7 @@ def _late_reveal_at(
         took[peer_id] = started - grouped_at
     if 2 * len(took) <= len(seeders):
         return None
-    return grouped_at + late_answer_s(max(0.0, *took.values()))
+    return grouped_at + late_reveal_s(max(0.0, *took.values()))
 
 
 def _left(mail: Mailbox, seeders: Sequence[str]) -> Caught:
