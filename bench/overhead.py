@@ -146,26 +146,30 @@ def measure_inner_steps(
     corpus, _ = load_data(cfg)
     steps = cfg.inner_steps
     eager = replace(cfg, compile="off")
-    runners = {
-        "bare": bare_steps(cfg, corpus, vocab, hf_loss=False),
-        "bare_hf_loss": bare_steps(cfg, corpus, vocab, hf_loss=True),
-        "node": node_steps(eager, corpus, vocab),
-        "node_at_cap": node_steps(
-            replace(eager, schedule=replace(cfg.schedule, batch_cap=cfg.batch_size)), corpus, vocab
-        ),
-        "node_batch_test_off": node_steps(
+    at_cap = replace(cfg.schedule, batch_cap=cfg.batch_size)
+    on = replace(cfg, compile="on")
+    # Built lazily: only the runners asked for (a 124M model's seeded build takes seconds).
+    builders: dict[str, Callable[[], Runner]] = {
+        "bare": lambda: bare_steps(cfg, corpus, vocab, hf_loss=False),
+        "bare_hf_loss": lambda: bare_steps(cfg, corpus, vocab, hf_loss=True),
+        "node": lambda: node_steps(eager, corpus, vocab),
+        "node_at_cap": lambda: node_steps(replace(eager, schedule=at_cap), corpus, vocab),
+        "node_batch_test_off": lambda: node_steps(
             replace(eager, schedule=replace(cfg.schedule, test="none")), corpus, vocab
         ),
     }
     if compiled:
-        on = replace(cfg, compile="on")
-        runners["bare_compiled"] = bare_steps(cfg, corpus, vocab, hf_loss=True, compiled=True)
-        runners["node_compiled"] = node_steps(on, corpus, vocab)
-        runners["node_compiled_at_cap"] = node_steps(
-            replace(on, schedule=replace(cfg.schedule, batch_cap=cfg.batch_size)), corpus, vocab
-        )
+        builders["bare_compiled"] = lambda: bare_steps(cfg, corpus, vocab, hf_loss=True, compiled=True)
+        builders["node_compiled"] = lambda: node_steps(on, corpus, vocab)
+        builders["node_compiled_at_cap"] = lambda: node_steps(replace(on, schedule=at_cap), corpus, vocab)
     if only:
-        runners = {name: run for name, run in runners.items() if name in only}
+        unknown = only - builders.keys()
+        if unknown:
+            raise SystemExit(
+                f"bench/overhead.py: --only: no runner {', '.join(sorted(unknown))}"
+                f" (runners: {', '.join(builders)})"
+            )
+    runners = {name: build() for name, build in builders.items() if not only or name in only}
     # The warm-up round of each: kernels, allocator, AdamW state, and the compile where there is one
     # (the node's first round compiles both micro-batch sizes: the test's chunks and the plain step).
     warmup_s: dict[str, float] = {}
