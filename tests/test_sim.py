@@ -294,7 +294,8 @@ def test_hostile_peers_send_their_attack_and_the_owners_screen_or_bound_it() -> 
 
 def test_a_staller_costs_a_short_try_once_it_owns_parts_then_owns_nothing_for_longer() -> None:
     """`--attack stall` (issue 25 §2): the last peer contributes honestly until the others list it
-    (`trust.WORK_MIN_ROUNDS`), so that it owns parts, then takes them and never answers. That try
+    (a founder: after the fresh swarm's first round, `trust.WorkLedger.found`), so that it owns
+    parts, then takes them and never answers. That try
     fails once the other owners have answered and it is late by their time (`wire.late_answer_s`
     of the link's time for a Δ each way), not after the exchange budget (the floors, 25 s); the
     honest peers demote it (`trust.WorkLedger.demote`): it stays a member, owns nothing, and needs
@@ -312,8 +313,9 @@ def test_a_staller_costs_a_short_try_once_it_owns_parts_then_owns_nothing_for_lo
     records = stalled.run()
     assert clean.tries_lost == 0 and [r.group_size for r in clean_records] == [4] * 6
     assert stalled.tries_lost == 1 and [r.group_size for r in records] == [4] * 6
-    # The failed try delays the round after the staller's third by what its lateness cost.
-    after = WORK_MIN_ROUNDS
+    # The failed try delays the round after the staller's first (a founder, listed from its second)
+    # by what its lateness cost.
+    after = 1
     # The honest owners' answers take a Δ each way at the link's rate (a little less than the
     # round's whole exchange, which moves the codec's actual bytes).
     assert LATE_FLOOR_S < stalled.stalled_s <= late_answer_s(records[after].comm_s) < 5.0  # budget: 25 s

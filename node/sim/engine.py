@@ -373,7 +373,10 @@ class Simulator:
             members, close = self._stalls(members, close)
         exchange = self._exchange(members, pending)
         if self.cfg.attack == "stall":  # every honest member's ledger alike: the round's work
+            fresh = not self.ledger.listed()  # nobody listed anyone: every member owned (a fresh swarm)
             self.ledger.count(dict.fromkeys(exchange.result.members, 1.0))
+            if fresh:
+                self.ledger.found()  # as the averager: the first round's members are its founders
         done_at = close + exchange.comm_s
         landing = _Landing(result=exchange.result, at=done_at)
         locals_ = [pending[i].local for i in members]
@@ -389,15 +392,17 @@ class Simulator:
 
         A staller plays its best known strategy: it contributes honestly until the members list it
         (`trust.WorkLedger`: the same code, one ledger for every honest member, which all see the
-        same rounds), so that it owns parts; then it takes them and never answers. The try fails
+        same rounds; a founder is listed after the swarm's first round, `found`), so that it owns
+        parts; then it takes them and never answers. The try fails
         once most owners have answered and the rest are late (`wire.late_answer_s` of the honest
         owners' answer time, the link's: `transfer_time` of a Δ each way), or where fewer than three
         own, after the exchange budget (`_exchange_budget_s`). The members demote it (`demote`: its
         record ends, and every record needs more rounds before it is listed) and the next try
         completes with it as a member. It never needs a new key here: a late owner is not left out,
-        and a fresh key's record starts where a demoted one's does. Stallers own nothing in a fresh
-        swarm here (no record yet): there every member owns (`trust.eligible_owners`), the case the
-        decision record names as open."""
+        and a fresh key's record starts where a demoted one's does. In a fresh swarm's first round
+        every member owns (`trust.eligible_owners`); a staller answers honestly there, since that
+        round makes it a founder, listed from the next (stalling in the first instead is the mute
+        founder's case of robust_swarm, where it is convicted as late and earns no founder's place)."""
         while True:
             listed = set(self.ledger.listed())
             owners = [i for i in members if self.peers[i].peer_id in listed]
