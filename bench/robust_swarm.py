@@ -25,7 +25,9 @@ Printed and written to bench/results/robust_swarm.json: the honest nodes' final 
 (median of the three), and its gap against the clean run under the same rule and under the mean;
 the wall time's gap against the clean run; in_clean_time (issue 25 §2's measure, as bench/liveness.py
 takes it in the simulator): the share of the rounds the first honest node had applied by the time
-at which, in the clean run of the same rule and seed, it applied its last; theta_agree: every
+at which, in the clean run of the same rule and seed, it applied its last; in_clean_tokens: the
+same counted in the tokens that node had trained (rounds differ in work where the batch test grows b
+differently from run to run; tokens do not); theta_agree: every
 round all three honest nodes applied holds one θ on all three (a node that
 caught up over a round has no record of it; one that went on alone after the others stopped has
 rounds of its own past theirs). A rule with scoring on is labelled `rule+score`.
@@ -154,6 +156,8 @@ def one_run(
         # test grows it by what the gradients' noise shows, which differs from run to run, so two runs'
         # rounds are not equal work where it differs (`--node-arg=--batch-test --node-arg=none`).
         "batch_final": sum(nodes[0].rounds()[-1].get("batch_sizes", [])),
+        # The tokens the first honest node had trained when it applied each round (`in_clean_tokens`).
+        "tokens_at": [e["tokens_total"] for e in nodes[0].rounds()],
         "rejected_by_round": [e.get("rejected_parts", 0) for e in nodes[0].rounds()],  # cumulative
     }
 
@@ -191,6 +195,17 @@ def _in_clean_time(run: dict[str, Any], clean: dict[str, Any] | None) -> float |
     return sum(1 for t in run["round_at_s"] if t <= end) / len(clean["round_at_s"])
 
 
+def _in_clean_tokens(run: dict[str, Any], clean: dict[str, Any] | None) -> float | None:
+    """`_in_clean_time` counted in work, not rounds: the tokens the first honest node had trained
+    into the rounds it applied by the clean run's end (from its start), over the clean run's. Rounds
+    are not equal work where the batch test grows b differently from run to run; tokens are."""
+    if clean is None or not clean.get("tokens_at") or not run.get("tokens_at"):
+        return None
+    end = clean["round_at_s"][-1]
+    done = [tok for t, tok in zip(run["round_at_s"], run["tokens_at"], strict=True) if t <= end]
+    return (done[-1] if done else 0) / clean["tokens_at"][-1]
+
+
 def _gap(value: float, base: float | None) -> str:
     return "" if base is None else f"{100 * (value / base - 1):+.1f} %"
 
@@ -207,6 +222,7 @@ def medians(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for (rule, attack), same in table.items():
         pairs = [(r, clean[rule, r["seed"]]) for r in same if (rule, r["seed"]) in clean]
         shares = [s for s in (_in_clean_time(r, b) for r, b in pairs) if s is not None]
+        work = [s for s in (_in_clean_tokens(r, b) for r, b in pairs) if s is not None]
         rows.append(
             {
                 "rule": rule,
@@ -214,6 +230,8 @@ def medians(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "seeds": sorted(r["seed"] for r in same),
                 "in_clean_time": statistics.median(shares) if shares else None,
                 "in_clean_time_min": min(shares) if shares else None,
+                "in_clean_tokens": statistics.median(work) if work else None,
+                "in_clean_tokens_min": min(work) if work else None,
                 "wall_gap": _median_gap(pairs, "wall_s"),
                 "val_gap": _median_gap(pairs, "val_loss"),
                 "dropped_max": max(r["dropped"] for r in same),
@@ -238,12 +256,15 @@ def print_medians(rows: list[dict[str, Any]]) -> None:
 
     print(
         f"\n{'rule':<14} {'attack':<18} {'seeds':>5} {'in clean time':>14} {'lowest':>8}"
-        f" {'wall vs clean':>14} {'val vs clean':>13} {'dropped':>8} {'θ agreed':>9}"
+        f" {'tokens':>8} {'lowest':>8} {'wall vs clean':>14} {'val vs clean':>13}"
+        f" {'dropped':>8} {'θ agreed':>9}"
     )
     for m in rows:
         print(
             f"{m['rule']:<14} {m['attack']:<18} {len(m['seeds']):>5} {pct(m['in_clean_time']):>14}"
-            f" {pct(m['in_clean_time_min']):>8} {pct(m['wall_gap'], '+'):>14} {pct(m['val_gap'], '+'):>13}"
+            f" {pct(m['in_clean_time_min']):>8} {pct(m.get('in_clean_tokens')):>8}"
+            f" {pct(m.get('in_clean_tokens_min')):>8} {pct(m['wall_gap'], '+'):>14}"
+            f" {pct(m['val_gap'], '+'):>13}"
             f" {m['dropped_max']:>8} {'yes' if m['theta_agree'] else 'NO':>9}"
             + (
                 f"  joiner: on the honest θ after {m['joiner_agree_s']} s (median), never in"
