@@ -30,6 +30,7 @@ checked against the stored whole-run utilization before anything is written.
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import statistics
 import time
@@ -43,8 +44,8 @@ from adloco.node.training.runtime import load_data
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CURVES = {
-    "gpt2-124m": (RESULTS / "step_curve_124m_h200.json", 124_439_808),
-    "llama-1b": (RESULTS / "step_curve_1b_h200.json", 1_103_812_608),
+    "gpt2-124m": (RESULTS / "step_curve_124m_h200_1204.json", 124_439_808),
+    "llama-1b": (RESULTS / "step_curve_1b_h200_1204.json", 1_103_812_608),
 }
 BANDWIDTHS = (10.0, 100.0, 1000.0)
 COMMON = (
@@ -149,7 +150,10 @@ def rederive(path: Path) -> None:
     """Add `utilization_from_third_round` to the rows of a stored result (see the module's doc)."""
     result = json.loads(path.read_text())
     for row in result["rows"]:
-        curve = json.loads(CURVES[row["model"]][0].read_text())
+        # The curve the run itself was timed with (its argv), not today's default for the model.
+        argv = row["argv"] if isinstance(row["argv"], list) else ast.literal_eval(row["argv"])
+        named = Path(argv[argv.index("--step-curve") + 1])
+        curve = json.loads((RESULTS / named.name if not named.exists() else named).read_text())
         step_s = next(p["step_s"] for p in curve["points"] if p["batch"] == 8)
         compute = [h * step_s for h in row["inner_steps"]]
         ends = [0.0] + [float(r["sim_time_s"]) for r in row["curve"]]
