@@ -393,16 +393,17 @@ class Simulator:
         A staller plays its best known strategy: it contributes honestly until the members list it
         (`trust.WorkLedger`: the same code, one ledger for every honest member, which all see the
         same rounds; a founder is listed after the swarm's first round, `found`), so that it owns
-        parts; then it takes them and never answers. The try fails
-        once most owners have answered and the rest are late (`wire.late_answer_s` of the honest
-        owners' answer time, the link's: `transfer_time` of a Δ each way), or where fewer than three
-        own, after the exchange budget (`_exchange_budget_s`). The members demote it (`demote`: its
+        parts; then it takes them and never answers. The try fails once most owners have answered
+        and the rest are late (`wire.late_answer_s` of the honest owners' answer time, the link's:
+        `transfer_time` of a Δ each way), or where fewer than three own, after the exchange budget
+        (`_exchange_budget_s`). The members demote it (`demote`: its
         record ends, and every record needs more rounds before it is listed) and the next try
         completes with it as a member. It never needs a new key here: a late owner is not left out,
         and a fresh key's record starts where a demoted one's does. In a fresh swarm's first round
         every member owns (`trust.eligible_owners`); a staller answers honestly there, since that
-        round makes it a founder, listed from the next (stalling in the first instead is the mute
-        founder's case of robust_swarm, where it is convicted as late and earns no founder's place)."""
+        round makes it a founder, listed from the next (stalling in the first instead, as
+        robust_swarm's founder does with `owner-stall`, fails that try, and the round that completes
+        without its work makes it no founder)."""
         while True:
             listed = set(self.ledger.listed())
             owners = [i for i in members if self.peers[i].peer_id in listed]
