@@ -20,7 +20,8 @@ seconds to its first round on the honest θ, any round it applied on another θ,
 are recorded. Every combination of `--rules` (the owners' `--aggregate`; "default": the flag left
 out, so a public run's default applies; the trimmed mean is refused in a public run, as every run
 here is), `--scores` (every node's `--score`: owners judge each member's Δ over their parts by the
-loss on their own data) and `--attacks` runs once per seed.
+loss on their own data) and `--attacks` runs once per seed, after a discarded clean warm-up run
+(`--warmup-rounds`).
 Printed and written to bench/results/robust_swarm.json: the honest nodes' final val loss
 (median of the three), and its gap against the clean run under the same rule and under the mean;
 the wall time's gap against the clean run; in_clean_time (issue 25 §2's measure, as bench/liveness.py
@@ -304,6 +305,13 @@ def main() -> None:
         metavar="ARG",
         help="one more argument for every node, hostile or not (repeat; --node-arg=--batch-test)",
     )
+    p.add_argument(
+        "--warmup-rounds",
+        type=int,
+        default=3,
+        help="a clean run of this many rounds first, discarded: the first run of a pass starts cold"
+        " (bytecode, page cache), which made its clean run slower than the attacked ones (0: none)",
+    )
     p.add_argument("--keep", action="store_true", help="keep every run's logs (a fork's are kept anyway)")
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument(
@@ -325,6 +333,24 @@ def main() -> None:
         return
     runs = []
     t0 = time.time()
+    if args.warmup_rounds:
+        work = Path(tempfile.mkdtemp(prefix="adloco-robust-"))
+        warm = one_run(
+            work,
+            rule=args.rules[0],
+            score=args.scores[0],
+            attack="none",
+            rounds=args.warmup_rounds,
+            seed=args.seeds[0],
+            honest=args.honest,
+            model=args.model,
+            node_args=tuple(args.node_arg),
+        )
+        shutil.rmtree(work)
+        print(
+            f"warm-up: a clean run of {args.warmup_rounds} rounds in {warm['wall_s']} s, discarded",
+            flush=True,
+        )
     for seed in args.seeds:
         for rule, score in [(r, sc) for r in args.rules for sc in args.scores]:
             for attack in args.attacks:
