@@ -6,7 +6,9 @@
 # needs explaining (where the step's device time goes).
 #
 #   1. bench/overhead.py --compile: the node's inner steps against bare PyTorch loops, eager and
-#      compiled, GPT-2 124M, bf16, seq 1024, batch 8, with MFU (issue 27 §1);
+#      compiled, GPT-2 124M, bf16, seq 1024, batch 8, with MFU (issue 27 §1); each node round's time
+#      outside its steps (θ in, Δ out) and, after the reps, one round of each under cProfile (where
+#      the host's time goes at batch 8, where the step waits on the host);
 #   2. the same, compiled only, at batch 32 (a node's batch once the test has grown it): the goal's
 #      figures, 400k tokens/s and 35 % MFU inside the node;
 #   3. bench/step_curve.py: the step time of the node's compiled step against the batch size, GPT-2
@@ -33,7 +35,7 @@ python3 -c "import torch, transformers; print('torch', torch.__version__, 'trans
 cd bench
 quiet() { grep --line-buffered -v "^\[transformers\]" | tee -a "$OUT/session.log"; }
 timeout "${OVERHEAD_S:-165}" python3 overhead.py --model gpt2-124m --device cuda --precision bf16 \
-  --seq-len 1024 --batch-size 8 --inner-steps 10 --reps 5 --codec-mb 0 --compile \
+  --seq-len 1024 --batch-size 8 --inner-steps 10 --reps 5 --codec-mb 0 --compile --profile \
   --out "$OUT/overhead_cuda_124m.json" 2>&1 | quiet
 timeout "${OVERHEAD_B32_S:-105}" python3 overhead.py --model gpt2-124m --device cuda --precision bf16 \
   --seq-len 1024 --batch-size 32 --inner-steps 10 --reps 3 --codec-mb 0 --compile \

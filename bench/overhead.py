@@ -18,9 +18,10 @@ The figure is tokens per second of wall time around the H steps (CUDA synchroniz
 The overhead is 1 − node / bare of each rep, the node's round and the bare one run side by side,
 and its median over `--reps` reps after one warm-up round: this machine's speed drifts by 10 % and
 more over a few minutes, which pairing cancels and independent medians of each mode do not (the
-unpaired figure, from those medians, is reported too). As a reference, a bare loop through
-transformers' own loss (`model(input_ids, labels=...)`) is timed too: the node's fused loss head is
-part of the node, so it can beat a naive loop.
+unpaired figure, from those medians, is reported too). Each node round's time outside its steps
+(θ loaded into the model, Δ read out: host-device copies on a GPU) is reported apart. As a
+reference, a bare loop through transformers' own loss (`model(input_ids, labels=...)`) is timed
+too: the node's fused loss head is part of the node, so it can beat a naive loop.
 
 Part B, codecs. Encode and decode of each codec on `--codec-mb` MB of float32 values with one CPU
 thread, in GB/s of float32 values (input bytes for encode, output bytes for decode), against a
@@ -35,8 +36,10 @@ Run from the repository root:
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import platform
+import pstats
 import statistics
 import sys
 import tempfile
@@ -118,8 +121,11 @@ def bare_steps(cfg: TrainConfig, corpus: Any, vocab: int, *, hf_loss: bool, comp
     return run
 
 
-def node_steps(cfg: TrainConfig, corpus: Any, vocab: int) -> Runner:
-    """A real peer's local round; returns run(steps) -> (tokens, wall seconds) with H = steps."""
+def node_steps(cfg: TrainConfig, corpus: Any, vocab: int, outside: list[float] | None = None) -> Runner:
+    """A real peer's local round; returns run(steps) -> (tokens, wall seconds) with H = steps.
+    `outside` gets each round's seconds outside its steps (the round's wall time less the instance's
+    compute time): loading θ into the model at the round's start and reading Δ out at its end, which
+    on a GPU cross between host and device (`devices.Placement`)."""
     peer = Peer(peer_id="overhead", index=0, num_peers=1, cfg=cfg, corpus=corpus, vocab_size=vocab)
     device = torch.device(cfg.device)
 
@@ -131,6 +137,8 @@ def node_steps(cfg: TrainConfig, corpus: Any, vocab: int) -> Runner:
         local = peer.train_round()
         _sync(device)
         wall = time.perf_counter() - t0
+        if outside is not None:
+            outside.append(wall - local.compute_s)
         # The round's Δ is dropped unapplied: θ stays where it was, as in a solo run between rounds.
         del local
         return cfg.batch_size * steps * cfg.seq_len, wall
@@ -139,7 +147,13 @@ def node_steps(cfg: TrainConfig, corpus: Any, vocab: int) -> Runner:
 
 
 def measure_inner_steps(
-    cfg: TrainConfig, *, reps: int, vocab: int, compiled: bool = False, only: set[str] | None = None
+    cfg: TrainConfig,
+    *,
+    reps: int,
+    vocab: int,
+    compiled: bool = False,
+    only: set[str] | None = None,
+    profile: bool = False,
 ) -> dict[str, Any]:
     """Tokens/s of the bare loops and the node, alternating, median over `reps` after a warm-up.
     `compiled`: also a bare loop through a compiled model and the node with its layers compiled."""
@@ -148,20 +162,26 @@ def measure_inner_steps(
     eager = replace(cfg, compile="off")
     at_cap = replace(cfg.schedule, batch_cap=cfg.batch_size)
     on = replace(cfg, compile="on")
+    # Each node runner's seconds per round outside its steps (`node_steps`).
+    outside: dict[str, list[float]] = {}
+
+    def node(name: str, node_cfg: TrainConfig) -> Runner:
+        return node_steps(node_cfg, corpus, vocab, outside.setdefault(name, []))
+
     # Built lazily: only the runners asked for (a 124M model's seeded build takes seconds).
     builders: dict[str, Callable[[], Runner]] = {
         "bare": lambda: bare_steps(cfg, corpus, vocab, hf_loss=False),
         "bare_hf_loss": lambda: bare_steps(cfg, corpus, vocab, hf_loss=True),
-        "node": lambda: node_steps(eager, corpus, vocab),
-        "node_at_cap": lambda: node_steps(replace(eager, schedule=at_cap), corpus, vocab),
-        "node_batch_test_off": lambda: node_steps(
-            replace(eager, schedule=replace(cfg.schedule, test="none")), corpus, vocab
+        "node": lambda: node("node", eager),
+        "node_at_cap": lambda: node("node_at_cap", replace(eager, schedule=at_cap)),
+        "node_batch_test_off": lambda: node(
+            "node_batch_test_off", replace(eager, schedule=replace(cfg.schedule, test="none"))
         ),
     }
     if compiled:
         builders["bare_compiled"] = lambda: bare_steps(cfg, corpus, vocab, hf_loss=True, compiled=True)
-        builders["node_compiled"] = lambda: node_steps(on, corpus, vocab)
-        builders["node_compiled_at_cap"] = lambda: node_steps(replace(on, schedule=at_cap), corpus, vocab)
+        builders["node_compiled"] = lambda: node("node_compiled", on)
+        builders["node_compiled_at_cap"] = lambda: node("node_compiled_at_cap", replace(on, schedule=at_cap))
     if only:
         unknown = only - builders.keys()
         if unknown:
@@ -183,6 +203,7 @@ def measure_inner_steps(
             rates[name].append(tokens / wall)
         print(f"  rep {rep + 1}: " + ", ".join(f"{k} {v[-1]:,.0f}" for k, v in rates.items()), flush=True)
     med = {name: statistics.median(r) for name, r in rates.items()}
+    host_profile = {name: _host_profile(run, steps) for name, run in runners.items()} if profile else None
 
     def overhead(name: str) -> tuple[float, list[float]]:
         """1 − node / bare of each rep (the two ran side by side) in %, and their median."""
@@ -194,7 +215,13 @@ def measure_inner_steps(
         "tokens_per_s_runs": rates,
         "warmup_round_s": warmup_s,
         "spread_pct": {name: 100.0 * (max(r) - min(r)) / statistics.median(r) for name, r in rates.items()},
+        # The node's rounds outside their steps (θ in, Δ out), median ms over the timed reps.
+        "round_outside_steps_ms": {
+            name: 1000.0 * statistics.median(spent[1:]) for name, spent in outside.items() if spent[1:]
+        },
     }
+    if host_profile is not None:
+        result["host_profile"] = host_profile
     if {"bare", "node", "node_at_cap", "node_batch_test_off", "bare_hf_loss"} <= rates.keys():
         node, node_runs = overhead("node")
         result.update(
@@ -210,6 +237,32 @@ def measure_inner_steps(
         result["node_compiled_vs_bare_compiled"] = statistics.median(paired)
         result["node_compiled_vs_bare_compiled_runs"] = paired
     return result
+
+
+def _host_profile(run: Runner, steps: int, top: int = 15) -> dict[str, Any]:
+    """One more round of `run` under cProfile: where the host's time went, by Python function and
+    torch call (a call that waits for the device, such as a copy to the host, shows as its own
+    time). The functions with the most time of their own, and the round's wall time under the
+    profiler (which inflates the Python-heavy parts)."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    _, wall = run(steps)
+    profiler.disable()
+    stats = pstats.Stats(profiler)
+    rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:top]  # type: ignore[attr-defined]
+    return {
+        "wall_s": wall,
+        "calls": stats.total_calls,  # type: ignore[attr-defined]
+        "top_own_time": [
+            {
+                "function": f"{Path(file).name}:{line}({name})" if line else name,
+                "calls": calls,
+                "own_s": own,
+                "cumulative_s": cumulative,
+            }
+            for (file, line, name), (_, calls, own, cumulative, _) in rows
+        ],
+    }
 
 
 def codec_speed(*, megabytes: float, reps: int) -> dict[str, Any]:
@@ -263,6 +316,7 @@ def run(
     codec_reps: int = 5,
     compiled: bool = False,
     only: set[str] | None = None,
+    profile: bool = False,
 ) -> dict[str, Any]:
     """Both parts; the dict `adloco-bench` stores under `overhead`."""
     vocab = 256
@@ -288,7 +342,9 @@ def run(
         cfg = replace(cfg, schedule=replace(cfg.schedule, batch_cap=2 * batch_size))
         built = build_model(spec, vocab_size=vocab, max_seq_len=max(1024, seq_len))
         params, flops_per_token = count_parameters(built), train_flops_per_token(built, seq_len)
-        inner_steps_result = measure_inner_steps(cfg, reps=reps, vocab=vocab, compiled=compiled, only=only)
+        inner_steps_result = measure_inner_steps(
+            cfg, reps=reps, vocab=vocab, compiled=compiled, only=only, profile=profile
+        )
     result: dict[str, Any] = {
         "model": model or "default",
         "params": params,
@@ -329,6 +385,11 @@ def main() -> None:
     ap.add_argument("--codec-mb", type=float, default=64.0, help="0 skips part B")
     ap.add_argument("--compile", action="store_true", help="also a compiled bare loop and compiled node")
     ap.add_argument("--only", default=None, help="comma-separated runners to time (default: all)")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="after the timed reps, one more round of each runner under cProfile (host time by function)",
+    )
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -345,6 +406,7 @@ def main() -> None:
         codec_mb=args.codec_mb,
         compiled=args.compile,
         only=set(args.only.split(",")) if args.only else None,
+        profile=args.profile,
     )
     result["duration_s"] = time.perf_counter() - t0
     tps = result["tokens_per_s"]
@@ -359,8 +421,17 @@ def main() -> None:
     if "node_compiled_vs_bare_compiled" in result:
         print(f"  compiled node against compiled bare: {result['node_compiled_vs_bare_compiled']:.3f}×")
     print("  warm-up rounds (s): " + ", ".join(f"{k} {v:.1f}" for k, v in result["warmup_round_s"].items()))
+    if result["round_outside_steps_ms"]:
+        print(
+            "  node rounds outside their steps (θ in, Δ out; ms): "
+            + ", ".join(f"{k} {v:.1f}" for k, v in result["round_outside_steps_ms"].items())
+        )
     if "mfu" in result:
         print("  MFU: " + ", ".join(f"{k} {100 * v:.1f} %" for k, v in result["mfu"].items()))
+    for name, prof in result.get("host_profile", {}).items():
+        print(f"  host profile of one {name} round ({prof['wall_s']:.3f} s under the profiler):")
+        for row in prof["top_own_time"][:8]:
+            print(f"    {row['own_s']:8.4f} s own, {row['calls']:6d} calls  {row['function']}")
     for name, c in result.get("codec", {}).get("codecs", {}).items():
         print(
             f"  {name}: encode {c['encode_gb_per_s']:.2f} GB/s ({c['encode_vs_memcpy']:.3f}× memcpy),"
