@@ -21,6 +21,12 @@ first exchange, which no round before it could hide).
     python bench/hide_comm.py --out bench/results/hide_comm.json            # ~15 min here
     python bench/hide_comm.py --quick                                       # a tiny budget
     python bench/hide_comm.py --rederive bench/results/hide_comm_124m.json  # add the steady state
+    python bench/hide_comm.py --at-equal-time bench/results/hide_comm_124m_1204.json
+
+The token budget favours the fixed H (the same tokens, more outer steps); hide_comm's point is
+tokens per second. `at_equal_time` (stored in a new result, printed for a stored one with
+`--at-equal-time`) sets each hide_comm run's val loss against the fixed run's at the same simulated
+time: the fixed run's last round completed by the time hide_comm's run ended.
 
 `--rederive` adds the steady-state figure to results written before it was reported: a round's
 compute is H steps at the curve's batch-8 step time in these runs (batch 8, b_max 8, no batch test),
@@ -93,6 +99,7 @@ def run(*, tokens: int, seed: int, models: list[str], out: Path | None) -> dict[
                 )
     result = {
         "rows": rows,
+        "at_equal_time": at_equal_time(rows),
         "tokens": tokens,
         "seed": seed,
         "small_model_params": small,
@@ -146,6 +153,41 @@ def _row(
     }
 
 
+def at_equal_time(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """For each model and link: hide_comm's val loss at the end of its run against the fixed run's
+    at the same simulated time (its last round completed by then), from the rows' curves."""
+    out = []
+    for hide in (r for r in rows if r["policy"] == "hide_comm"):
+        fixed = next(
+            r
+            for r in rows
+            if r["policy"] == "fixed"
+            and (r["model"], r["bandwidth_mbps"]) == (hide["model"], hide["bandwidth_mbps"])
+        )
+        done = [point for point in fixed["curve"] if point["sim_time_s"] <= hide["sim_time_s"]]
+        out.append(
+            {
+                "model": hide["model"],
+                "bandwidth_mbps": hide["bandwidth_mbps"],
+                "sim_time_s": hide["sim_time_s"],
+                "hide_comm_val_loss": hide["val_loss"],
+                "hide_comm_tokens": hide["tokens"],
+                "fixed_val_loss": done[-1]["val_loss"] if done else fixed["initial_val_loss"],
+                "fixed_tokens": done[-1]["tokens"] if done else 0,
+            }
+        )
+    return out
+
+
+def print_at_equal_time(rows: list[dict[str, Any]]) -> None:
+    for r in rows:
+        print(
+            f"{r['model']} {r['bandwidth_mbps']:g} Mbit/s, at {r['sim_time_s']:.0f} s: hide_comm val"
+            f" {r['hide_comm_val_loss']:.3f} ({r['hide_comm_tokens']:,} tokens), fixed H = 10 val"
+            f" {r['fixed_val_loss']:.3f} ({r['fixed_tokens']:,} tokens)"
+        )
+
+
 def rederive(path: Path) -> None:
     """Add `utilization_from_third_round` to the rows of a stored result (see the module's doc)."""
     result = json.loads(path.read_text())
@@ -180,12 +222,20 @@ def main() -> None:
     ap.add_argument("--models", default="gpt2-124m,llama-1b")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--rederive", type=Path, default=None, help="add the steady state to a stored result")
+    ap.add_argument(
+        "--at-equal-time", type=Path, default=None, help="print a stored result's comparison at equal time"
+    )
     args = ap.parse_args()
     if args.rederive is not None:
         rederive(args.rederive)
         return
+    if args.at_equal_time is not None:
+        print_at_equal_time(at_equal_time(json.loads(args.at_equal_time.read_text())["rows"]))
+        return
     tokens = 4 * 8 * 64 * 40 if args.quick else args.tokens
-    run(tokens=tokens, seed=args.seed, models=args.models.split(","), out=args.out)
+    print_at_equal_time(
+        run(tokens=tokens, seed=args.seed, models=args.models.split(","), out=args.out)["at_equal_time"]
+    )
 
 
 if __name__ == "__main__":
