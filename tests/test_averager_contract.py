@@ -1694,8 +1694,9 @@ def test_streams_naming_rounds_nobody_called_hold_a_bounded_number_per_partner_a
         swarm.close()
 
 
+@pytest.mark.parametrize("other_slow_s", [0.0, 1.5], ids=["others-quick", "budget-before-late-bound"])
 def test_a_founder_late_as_an_owner_in_a_fresh_swarm_is_grouped_again_and_owns_nothing_after(
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, other_slow_s: float
 ) -> None:
     """Issue 26: a node killed while it reduced looks to the others like an owner late with its
     answer. In a fresh swarm it is a founder the others list from their first round together
@@ -1704,7 +1705,12 @@ def test_a_founder_late_as_an_owner_in_a_fresh_swarm_is_grouped_again_and_owns_n
     restarted this way chased the survivors for 27 rounds, left out as seen for `EXCLUDE_SEEN_S`;
     the others' next registrations do not wait for it, record 062); demoted, it owns nothing
     after, so it cannot stall another round (before record 077, nobody listed anyone for three
-    rounds: it owned again, and was left out as a silence the second time)."""
+    rounds: it owned again, and was left out as a silence the second time).
+
+    With `other_slow_s`, one honest owner answers that late, so that the other honest member's late
+    bound for the dead one (`wire.late_answer_s` of the slow answer) falls past its budget: the
+    dead founder is late to it all the same, not silent (on a slow machine the two members once
+    decided differently, and one left the restart out: CI, stop 59)."""
     swarm = Swarm("hivemind")
     try:
         swarm.add_nodes(3)
@@ -1722,12 +1728,26 @@ def test_a_founder_late_as_an_owner_in_a_fresh_swarm_is_grouped_again_and_owns_n
             await asyncio.sleep(3600)
 
         victim._handler._answer = never  # dead while it reduces
+        slow: Any = honest[0]
+        quick = slow._handler._answer
+
+        async def late(*args: Any) -> Any:
+            await asyncio.sleep(other_slow_s)
+            return await quick(*args)
+
+        slow._handler._answer = late
         with caplog.at_level("WARNING"):
             died = _average_together(averagers, contributions, round=1, spec="int8")
+        slow._handler._answer = quick
         assert [o.result for o in died[1:]] == [None, None]
         for a in honest:
             assert victim.peer_id not in cast(Any, a).excluded()  # not left out ...
             assert victim.peer_id not in cast(Any, a).workers()  # ... demoted
+        if other_slow_s:  # the quick member waited its whole budget, with the slow answer in
+            assert any(
+                "the other 1 answered within 1." in r.getMessage() and slow.peer_id[-8:] not in r.getMessage()
+                for r in caplog.records
+            ), [r.getMessage() for r in caplog.records]
         victim._handler._answer = answer  # restarted: it answers again
         first_in = [0.0, NEWCOMERS_FIRST_S, NEWCOMERS_FIRST_S]  # the restart registers before a close
         again = _average_together(averagers, contributions, round=2, spec="int8", delays=first_in)
@@ -1832,6 +1852,81 @@ def test_a_seeder_that_withholds_its_reveal_is_left_out_and_the_round_goes_on_wi
             after = _average_together(averagers, contributions, round=1, spec="int8")
         assert after[2].result is None
         _assert_matches_reduce_group(after[:2], contributions[:2], "int8")
+    finally:
+        swarm.close()
+
+
+@pytest.mark.parametrize("revealed_to_holder", [False, True], ids=["revealed-to-nobody", "revealed-to-one"])
+def test_a_seeder_that_dies_with_its_answers_read_by_one_member_leaves_both_members_on_one_theta(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, revealed_to_holder: bool
+) -> None:
+    """A seeder dies once it holds the answers, as a node killed after one member read its answer and
+    before the other had: no stream from the second member (`cut`) reaches it, and it sends no
+    withdrawal. Both members decide the try alike (record 078):
+    - it revealed to nobody: to the first member (`holder`) it is late (its secret is left out of the
+      seed, record 077), while `cut` fails the try and withdraws naming it. `holder`, which hears
+      from every other seeder before it applies a round without a secret, reads that withdrawal and
+      fails the try too. Before, it applied the round while `cut` averaged it again with the dead
+      node's restart: two lineages among live nodes until the fork healing (the container
+      kill/restart test, CI of stop 58);
+    - it revealed to `holder` only, then died: `cut` waits for the secret in `holder`'s projections
+      instead of failing at once (it did, while `holder` applied), and both complete the round
+      with `reduce_group`'s bytes of the three contributions."""
+    from adloco.protocol.transport import round_exchange, verification
+    from adloco.protocol.transport.statements import PROJECT, REVEAL
+
+    swarm = Swarm("hivemind")
+    try:
+        swarm.add_nodes(3)
+        averagers = sorted(
+            (swarm.averager(i, part_timeout_s=30.0) for i in range(3)), key=lambda a: a.peer_id
+        )
+        holder, cut, dead = averagers[0], averagers[1], cast(Any, averagers[2])
+        real = verification.verify_round  # what round_exchange calls, patched there
+
+        async def as_seen(**kw: Any) -> dict[str, str]:
+            mail, send = kw["state"].mail, kw["send"]
+            if kw["peer_id"] == dead.peer_id:  # it dies once it holds the answers (or has revealed)
+
+                def last_words(peer: str, kind: str, signed: Any) -> None:
+                    if revealed_to_holder and peer == holder.peer_id and kind == REVEAL:
+                        send(peer, kind, signed)
+
+                kw = {**kw, "send": last_words}
+                with contextlib.suppress(asyncio.TimeoutError):  # its call ends (the test's own time)
+                    return await asyncio.wait_for(real(**kw), 2.0)
+                raise RoundFailed("dead")
+            else:  # no stream reaches it from `cut`, nor from `holder` once it had the reveal
+
+                def reaching(peer: str, kind: str, signed: Any) -> None:
+                    dead_to = (REVEAL, PROJECT) if kw["peer_id"] == cut.peer_id else (PROJECT,)
+                    if peer == dead.peer_id and kind in dead_to:
+                        mail.lost(peer)
+                    else:
+                        send(peer, kind, signed)
+
+                kw = {**kw, "send": reaching}
+            return await real(**kw)
+
+        monkeypatch.setattr(round_exchange, "verify_round", as_seen)
+        monkeypatch.setattr(dead, "_withdraw", lambda *args: None)  # nor does it say it leaves
+        contributions = _contributions(averagers, "int8", seed=21)
+        with caplog.at_level("WARNING"):
+            outcomes = _average_together(averagers, contributions, round=0, spec="int8")
+        if revealed_to_holder:
+            _assert_matches_reduce_group(outcomes[:2], contributions, "int8")
+            return
+        assert [o.result for o in outcomes[:2]] == [None, None], caplog.text
+        said = [r.getMessage() for r in caplog.records if "no result" in r.getMessage()]
+        assert any(
+            m.startswith(f"[{holder.peer_id[-8:]}") and "a member that withdrew could not reach them" in m
+            for m in said
+        ), said
+        assert any(
+            m.startswith(f"[{cut.peer_id[-8:]}") and "left the round before revealing" in m for m in said
+        ), said
+        for a in (holder, cut):  # a departure, as the dead node's restart must find itself grouped
+            assert dead.peer_id not in cast(Any, a).excluded()
     finally:
         swarm.close()
 

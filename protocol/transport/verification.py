@@ -16,11 +16,13 @@ Once every owner has answered (`member.assemble`), `verify_round`:
    from the group's forming: record 057), not at the end of the exchange budget, which is set for
    the slowest link the run admits: the seed is then drawn from the secrets in hand (more than half
    of the seeders'), the late seeders are named (`RoundState.unrevealed`) and the round goes on
-   without waiting for their projections (record 077; before, it failed for everyone, and the
-   retry cost the round's exchange again); a seeder silent while too few are in for that still
-   fails the round, at the end of the budget; any other member's
-   reveal is waited for a grace only (`trust.GRACE_S`, not at all for one that missed it last time), so a
-   key that did no work and withholds its reveal costs the round nothing;
+   without waiting for their projections (record 077; before, it failed for everyone, and the retry
+   cost the round's exchange again), unless a member that withdrew named one of them as out of its
+   reach: this member, which hears from every other seeder before it applies such a round, fails it
+   too (a member that failed the try while the others applied it split θ, record 078); a seeder
+   silent while too few are in for that still fails the round, at the end of the budget; any other
+   member's reveal is waited for a grace only (`trust.GRACE_S`, not at all for one that missed it
+   last time), so a key that did no work and withholds its reveal costs the round nothing;
 3. derives the round's seed, projects its own payloads on it and sends the projections to every
    other member, with the inner products of its payloads with the CenteredClip answers they went
    into; checks every part it did not reduce itself: exactly where the answer needs no projection,
@@ -34,8 +36,10 @@ A member that leaves the round before it has checked it (its exchange with an ow
 owner answered nothing) says so to the others (`WITHDRAW`, with whom it blames and whether it had
 revealed), and a member to which no stream opens when this member sends it a statement has left
 too (`Mailbox.lost`: dead, or gone from the network): nobody waits for their reveals or
-projections. A seeder gone before its secret reached this member fails the round (`Caught.gone`),
-naming it where this member could not reach it, and a withdrawn one (with whom it blamed) unless
+projections. A seeder gone before its secret reached this member fails the round (`Caught.gone`)
+once every other member has projected or left (it may have revealed to them before it died: its
+secret then comes relayed, and the round completes for all, record 078), naming it where this member
+could not reach it, and a withdrawn one (with whom it blamed) unless
 this member found some peer of the round unreachable itself, which bears the withdrawal out
 (issue 26: an owner that died with some members holding its answer and others not cost the
 survivors the whole reveal budget, ~45 s). One that withdrew before revealing fails it at once,
@@ -220,6 +224,8 @@ async def verify_round(
         c.part.contributors[i] for c in checked if c.tolerance is not None for i, _ in c.part.factors or []
     } - {peer_id}
     needed = (wanted & set(seeders)) - set(late)
+    if late:  # every other seeder's word before we apply without a secret: `_named_left`
+        needed |= set(seeders) - set(late) - {peer_id}
     await _wait_graced(
         mail,
         lambda: needed <= set(mail.projections) | set(mail.gone),
@@ -227,6 +233,7 @@ async def verify_round(
         max(loop.time(), reveal_by) + budget_s,
     )
     _check_equivocations(mail)
+    _named_left(mail, late)
     held = {p: s for p, s in mail.projections.items() if s.seed == seed}
     held[peer_id] = projected
     failed: list[Checked] = []
@@ -341,12 +348,22 @@ async def _gather_secrets(
         )
     if not all(p in known() for p in required):
         relay_by = reveal_by + budget_s
-        if late:
+        gone = [p for p in required if p in mail.gone and p not in known()]
+        if late or gone:
             # Relayed in a projection: a member that holds the secret projects as soon as it has it,
             # so a grace of this member's own exchange (`trust.grace_s`), not the budget, nor of the
             # time since the group formed, which holds the late wait itself (record 057).
             relay_by = min(relay_by, loop.time() + grace_s(start - grouped_at))
-        await mail.wait(lambda: all(p in known() or p in mail.gone for p in required), relay_by)
+
+        def relayed() -> bool:  # every other member that might hold a gone seeder's secret projected
+            return all(m in mail.projections or m in mail.gone for m in others)
+
+        # A seeder gone (no stream reaches it) may have revealed to the others before it died: its
+        # secret then comes in their projections, and failing without it while they apply the round
+        # would split θ (record 078). One that withdrew unrevealed failed the round above.
+        await mail.wait(
+            lambda: all(p in known() or (p in mail.gone and relayed()) for p in required), relay_by
+        )
     _check_equivocations(mail)
     for peer, revealed in mail.reveals.items():
         commitment = commitments.get(peer)
@@ -438,6 +455,27 @@ def _left(mail: Mailbox, seeders: Sequence[str]) -> Caught:
                 culprits.setdefault(blamed, f"could not be reached by {peer[-8:]}")
     names = sorted(p[-8:] for p in seeders)
     return Caught(f"{names} left the round before revealing", culprits, proven=False, gone=True)
+
+
+def _named_left(mail: Mailbox, late: Sequence[str]) -> None:
+    """The round fails when a member withdrew naming a seeder whose secret the seed was drawn
+    without (`late`): that member could not reach it and failed the try (`_left`), so the seeder is
+    gone, not late, and were this member to apply the round, the two would go on from different θ.
+    A node killed after one member had read its answer and before the other had did just that: the
+    first applied without its secret (record 077), the second failed the try and averaged the round
+    again with the dead node's restart, and the two lineages ran until the fork healing (CI, stop
+    58; record 078). A withdrawal naming a seeder that did reveal to this member changes nothing
+    here: its secret is in the seed, and the withdrawn member only left the round."""
+    named = {p: sorted(m[-8:] for m, blamed in mail.withdrawals.items() if p in blamed) for p in late}
+    left = {p: by for p, by in named.items() if by}
+    if left:
+        raise Caught(
+            f"{sorted(p[-8:] for p in left)} left the round before revealing"
+            f" (a member that withdrew could not reach them)",
+            {p: f"left the round (could not be reached by {', '.join(by)})" for p, by in left.items()},
+            proven=False,
+            gone=True,
+        )
 
 
 def _check_equivocations(mail: Mailbox) -> None:
