@@ -47,7 +47,7 @@ from adloco.protocol.algorithms.trust import WORK_MIN_ROUNDS
 from adloco.protocol.transport.averager import Averager, MemberResult, Misconduct, NotOpened
 from adloco.protocol.transport.dht import DHT_STALL_S
 from adloco.protocol.transport.hivemind_averager import MAX_ASKED_ROUNDS
-from adloco.protocol.transport.matchmaking import RoundFailed
+from adloco.protocol.transport.matchmaking import Caught, RoundFailed
 from adloco.protocol.transport.memory import MemoryAverager, MemoryHub
 
 from background import AVERAGER_TEST_MARK
@@ -1856,25 +1856,58 @@ def test_a_seeder_that_withholds_its_reveal_is_left_out_and_the_round_goes_on_wi
         swarm.close()
 
 
+def _dies_once_it_holds_the_answers(
+    monkeypatch: pytest.MonkeyPatch, holder: Any, cut: Any, dead: Any, *, revealed_to_holder: bool
+) -> None:
+    """From now on, `dead` dies once it holds a round's answers (after its reveal to `holder` where
+    `revealed_to_holder`): it sends nothing more, not even a withdrawal, and no stream reaches it
+    from `cut`, nor from `holder` once `holder` had its reveal."""
+    from adloco.protocol.transport import round_exchange, verification
+    from adloco.protocol.transport.statements import PROJECT, REVEAL
+
+    real = verification.verify_round  # what round_exchange calls, patched there
+
+    async def as_seen(**kw: Any) -> dict[str, str]:
+        mail, send = kw["state"].mail, kw["send"]
+        if kw["peer_id"] == dead.peer_id:
+
+            def last_words(peer: str, kind: str, signed: Any) -> None:
+                if revealed_to_holder and peer == holder.peer_id and kind == REVEAL:
+                    send(peer, kind, signed)
+
+            with contextlib.suppress(asyncio.TimeoutError):  # its call ends (the test's own time)
+                return await asyncio.wait_for(real(**{**kw, "send": last_words}), 2.0)
+            raise RoundFailed("dead")
+
+        def reaching(peer: str, kind: str, signed: Any) -> None:
+            dead_to = (REVEAL, PROJECT) if kw["peer_id"] == cut.peer_id else (PROJECT,)
+            if peer == dead.peer_id and kind in dead_to:
+                mail.lost(peer)
+            else:
+                send(peer, kind, signed)
+
+        return await real(**{**kw, "send": reaching})
+
+    monkeypatch.setattr(round_exchange, "verify_round", as_seen)
+    monkeypatch.setattr(dead, "_withdraw", lambda *args: None)
+
+
 @pytest.mark.parametrize("revealed_to_holder", [False, True], ids=["revealed-to-nobody", "revealed-to-one"])
 def test_a_seeder_that_dies_with_its_answers_read_by_one_member_leaves_both_members_on_one_theta(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, revealed_to_holder: bool
 ) -> None:
-    """A seeder dies once it holds the answers, as a node killed after one member read its answer and
-    before the other had: no stream from the second member (`cut`) reaches it, and it sends no
-    withdrawal. Both members decide the try alike (record 078):
-    - it revealed to nobody: to the first member (`holder`) it is late (its secret is left out of the
-      seed, record 077), while `cut` fails the try and withdraws naming it. `holder`, which hears
-      from every other seeder before it applies a round without a secret, reads that withdrawal and
-      fails the try too. Before, it applied the round while `cut` averaged it again with the dead
-      node's restart: two lineages among live nodes until the fork healing (the container
-      kill/restart test, CI of stop 58);
-    - it revealed to `holder` only, then died: `cut` waits for the secret in `holder`'s projections
-      instead of failing at once (it did, while `holder` applied), and both complete the round
-      with `reduce_group`'s bytes of the three contributions."""
-    from adloco.protocol.transport import round_exchange, verification
-    from adloco.protocol.transport.statements import PROJECT, REVEAL
-
+    """Three founders (a first round together: each lists the others). In the next, one dies once it
+    holds the answers, as a node killed after one member read its answer and before the other had:
+    no stream from the second member (`cut`) reaches it, and it sends no withdrawal. Both members
+    complete the round with `reduce_group`'s bytes of the three contributions (record 078):
+    - it revealed to nobody: to the first member (`holder`) it is late (record 077: its secret is
+      left out of the seed); to `cut` it is gone, and done without, as a late one is, more than half
+      of the seeders' secrets being in hand (a departure: not left out, so its restart is grouped
+      again; `holder` too finds no stream reaching it once it projects). Before, `cut` failed the
+      try while `holder` applied the round, and averaged it again with the dead node's restart: two
+      lineages among live nodes until the fork healing (the container kill/restart test, CI of
+      stop 58);
+    - it revealed to `holder` only, then died: `cut` has its secret from `holder`'s projections."""
     swarm = Swarm("hivemind")
     try:
         swarm.add_nodes(3)
@@ -1882,51 +1915,76 @@ def test_a_seeder_that_dies_with_its_answers_read_by_one_member_leaves_both_memb
             (swarm.averager(i, part_timeout_s=30.0) for i in range(3)), key=lambda a: a.peer_id
         )
         holder, cut, dead = averagers[0], averagers[1], cast(Any, averagers[2])
+        contributions = _contributions(averagers, "int8", seed=21)
+        _assert_matches_reduce_group(
+            _average_together(averagers, contributions, round=0, spec="int8"), contributions, "int8"
+        )
+        _dies_once_it_holds_the_answers(monkeypatch, holder, cut, dead, revealed_to_holder=revealed_to_holder)
+        with caplog.at_level("WARNING"):
+            outcomes = _average_together(averagers, contributions, round=1, spec="int8")
+        _assert_matches_reduce_group(outcomes[:2], contributions, "int8")
+        said = [r.getMessage() for r in caplog.records]
+        if not revealed_to_holder:
+            gone = "left the round before their reveals reached this peer"
+            assert any(m.startswith(f"[{cut.peer_id[-8:]}") and gone in m for m in said), said
+        for a in (holder, cut):  # its restart is grouped again
+            assert dead.peer_id not in cast(Any, a).excluded()
+    finally:
+        swarm.close()
+
+
+def test_a_member_that_fails_a_try_over_a_seeder_late_to_the_others_fails_it_for_them(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A seeder holds the answers and reveals to nobody; one member (`cut`), having revealed, fails
+    the try over it and withdraws naming it (as one that could not reach it with too few secrets in
+    hand to do without it). To the other (`holder`) the seeder is late, and the seed could do
+    without its secret (record 077), but `holder` hears from every other seeder before it applies
+    such a round, reads the withdrawal and fails the try too: both retry from the same θ, where it
+    applied the round while `cut` went on without it (record 078)."""
+    from adloco.protocol.transport import round_exchange, verification
+    from adloco.protocol.transport.statements import REVEAL
+
+    swarm = Swarm("hivemind")
+    try:
+        swarm.add_nodes(3)
+        averagers = sorted(
+            (swarm.averager(i, part_timeout_s=30.0) for i in range(3)), key=lambda a: a.peer_id
+        )
+        holder, cut, mute = averagers[0], averagers[1], cast(Any, averagers[2])
         real = verification.verify_round  # what round_exchange calls, patched there
 
         async def as_seen(**kw: Any) -> dict[str, str]:
-            mail, send = kw["state"].mail, kw["send"]
-            if kw["peer_id"] == dead.peer_id:  # it dies once it holds the answers (or has revealed)
+            if kw["peer_id"] == mute.peer_id:
+                return await real(**{**kw, "send": lambda *args: None})
+            if kw["peer_id"] != cut.peer_id:
+                return await real(**kw)
+            revealed = asyncio.Event()
 
-                def last_words(peer: str, kind: str, signed: Any) -> None:
-                    if revealed_to_holder and peer == holder.peer_id and kind == REVEAL:
-                        send(peer, kind, signed)
+            def send(peer: str, kind: str, signed: Any) -> None:
+                kw["send"](peer, kind, signed)
+                if kind == REVEAL and peer == holder.peer_id:
+                    revealed.set()
 
-                kw = {**kw, "send": last_words}
-                with contextlib.suppress(asyncio.TimeoutError):  # its call ends (the test's own time)
-                    return await asyncio.wait_for(real(**kw), 2.0)
-                raise RoundFailed("dead")
-            else:  # no stream reaches it from `cut`, nor from `holder` once it had the reveal
-
-                def reaching(peer: str, kind: str, signed: Any) -> None:
-                    dead_to = (REVEAL, PROJECT) if kw["peer_id"] == cut.peer_id else (PROJECT,)
-                    if peer == dead.peer_id and kind in dead_to:
-                        mail.lost(peer)
-                    else:
-                        send(peer, kind, signed)
-
-                kw = {**kw, "send": reaching}
-            return await real(**kw)
+            checking = asyncio.ensure_future(real(**{**kw, "send": send}))
+            await revealed.wait()
+            checking.cancel()
+            raise Caught(
+                f"{[mute.peer_id[-8:]]} left the round before revealing",
+                {mute.peer_id: "left the round (unreachable)"},
+                proven=False,
+                gone=True,
+            )
 
         monkeypatch.setattr(round_exchange, "verify_round", as_seen)
-        monkeypatch.setattr(dead, "_withdraw", lambda *args: None)  # nor does it say it leaves
-        contributions = _contributions(averagers, "int8", seed=21)
+        contributions = _contributions(averagers, "int8", seed=22)
         with caplog.at_level("WARNING"):
             outcomes = _average_together(averagers, contributions, round=0, spec="int8")
-        if revealed_to_holder:
-            _assert_matches_reduce_group(outcomes[:2], contributions, "int8")
-            return
         assert [o.result for o in outcomes[:2]] == [None, None], caplog.text
-        said = [r.getMessage() for r in caplog.records if "no result" in r.getMessage()]
+        said = [r.getMessage() for r in caplog.records]
         assert any(
-            m.startswith(f"[{holder.peer_id[-8:]}") and "a member that withdrew could not reach them" in m
-            for m in said
+            m.startswith(f"[{holder.peer_id[-8:]}") and "named by a member that withdrew" in m for m in said
         ), said
-        assert any(
-            m.startswith(f"[{cut.peer_id[-8:]}") and "left the round before revealing" in m for m in said
-        ), said
-        for a in (holder, cut):  # a departure, as the dead node's restart must find itself grouped
-            assert dead.peer_id not in cast(Any, a).excluded()
     finally:
         swarm.close()
 

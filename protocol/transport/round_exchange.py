@@ -510,11 +510,15 @@ class RoundExchange:
             unwaited=unwaited,
         )
         a.newcomers_missed(watched & a._laggards)
-        if state.unrevealed:  # late by the others' times: the seed was drawn without their secrets
+        # The seed was drawn without their secrets: late by the others' times, or gone (a departure:
+        # a node that died as it revealed, whose restart is grouped again, record 078).
+        gone = [p for p in state.unrevealed if p in state.mail.gone]
+        late = [p for p in state.unrevealed if p not in state.mail.gone]
+        if late:
             a._convict(
                 Caught(
-                    f"no reveal from {[p[-8:] for p in state.unrevealed]} (late by the others' times)",
-                    dict.fromkeys(state.unrevealed, "withheld its reveal"),
+                    f"no reveal from {[p[-8:] for p in late]} (late by the others' times)",
+                    dict.fromkeys(late, "withheld its reveal"),
                     proven=False,
                     late=True,
                 )
@@ -522,7 +526,18 @@ class RoundExchange:
             a._log(
                 state.group.round,
                 "%s withheld their reveals past the others' times: checked without their secrets",
-                sorted(p[-8:] for p in state.unrevealed),
+                sorted(p[-8:] for p in late),
+                level=logging.WARNING,
+            )
+        if gone:
+            why = {p: f"left the round before revealing ({state.mail.gone[p]})" for p in gone}
+            a._convict(
+                Caught(f"{sorted(p[-8:] for p in gone)} left before revealing", why, proven=False, gone=True)
+            )
+            a._log(
+                state.group.round,
+                "%s left the round before their reveals reached this peer: checked without their secrets",
+                sorted(p[-8:] for p in gone),
                 level=logging.WARNING,
             )
         if liars:

@@ -17,9 +17,9 @@ Once every owner has answered (`member.assemble`), `verify_round`:
    the slowest link the run admits: the seed is then drawn from the secrets in hand (more than half
    of the seeders'), the late seeders are named (`RoundState.unrevealed`) and the round goes on
    without waiting for their projections (record 077; before, it failed for everyone, and the retry
-   cost the round's exchange again), unless a member that withdrew named one of them as out of its
-   reach: this member, which hears from every other seeder before it applies such a round, fails it
-   too (a member that failed the try while the others applied it split θ, record 078); a seeder
+   cost the round's exchange again), unless a member that withdrew named one of them: this member,
+   which hears from every other seeder before it applies such a round, fails it too (a member that
+   failed the try while the others applied it split θ, record 078); a seeder
    silent while too few are in for that still fails the round, at the end of the budget; any other
    member's reveal is waited for a grace only (`trust.GRACE_S`, not at all for one that missed it
    last time), so a key that did no work and withholds its reveal costs the round nothing;
@@ -36,10 +36,13 @@ A member that leaves the round before it has checked it (its exchange with an ow
 owner answered nothing) says so to the others (`WITHDRAW`, with whom it blames and whether it had
 revealed), and a member to which no stream opens when this member sends it a statement has left
 too (`Mailbox.lost`: dead, or gone from the network): nobody waits for their reveals or
-projections. A seeder gone before its secret reached this member fails the round (`Caught.gone`)
-once every other member has projected or left (it may have revealed to them before it died: its
-secret then comes relayed, and the round completes for all, record 078), naming it where this member
-could not reach it, and a withdrawn one (with whom it blamed) unless
+projections. A seeder gone before its secret reached this member is waited for in the others'
+projections (it may have revealed to them before it died: its secret then comes relayed) until
+every other member has projected or left, a grace at most; then it is done without, as a late one
+is, while more than half of the seeders' secrets are in hand (record 078: a node killed after one
+member read its answer was late to that member and gone to the other, which failed the try the
+first applied). With fewer, it fails the round (`Caught.gone`), naming it where this member could
+not reach it, and a withdrawn one (with whom it blamed) unless
 this member found some peer of the round unreachable itself, which bears the withdrawal out
 (issue 26: an owner that died with some members holding its answer and others not cost the
 survivors the whole reveal budget, ~45 s). One that withdrew before revealing fails it at once,
@@ -359,8 +362,8 @@ async def _gather_secrets(
             return all(m in mail.projections or m in mail.gone for m in others)
 
         # A seeder gone (no stream reaches it) may have revealed to the others before it died: its
-        # secret then comes in their projections, and failing without it while they apply the round
-        # would split θ (record 078). One that withdrew unrevealed failed the round above.
+        # secret then comes in their projections, where the seed is drawn with it (a seed drawn
+        # without it would differ from theirs, and widen every check, as for a late seeder).
         await mail.wait(
             lambda: all(p in known() or (p in mail.gone and relayed()) for p in required), relay_by
         )
@@ -372,12 +375,20 @@ async def _gather_secrets(
         _compare_answers(revealed, statements, state)
     secrets = known()
     silent = [p for p in required if p not in secrets]
-    if any(p in mail.gone for p in silent):
-        raise _left(mail, [p for p in silent if p in mail.gone])
-    if silent and not late:
+    gone = [p for p in silent if p in mail.gone]
+    # A seeder gone before its secret reached this member is done without, as a late one is, while
+    # more than half of the seeders' secrets are in hand (record 078): a node killed after one
+    # member read its answer is late to that member and gone to the other, and both complete the
+    # round. Before, the second failed the try while the first applied it, and averaged the round
+    # again with the dead node's restart: two lineages (the container kill/restart test, CI of stop
+    # 58). With too few secrets in hand, the round fails (`_left`).
+    if gone and 2 * (len(seeders) - len(silent)) <= len(seeders):
+        raise _left(mail, gone)
+    waiting = [p for p in silent if p not in mail.gone]
+    if waiting and not late:
         raise Caught(
-            f"no reveal from {[p[-8:] for p in silent]}",
-            dict.fromkeys(silent, "withheld its reveal"),
+            f"no reveal from {[p[-8:] for p in waiting]}",
+            dict.fromkeys(waiting, "withheld its reveal"),
             proven=False,
         )
     return secrets, silent
@@ -459,20 +470,19 @@ def _left(mail: Mailbox, seeders: Sequence[str]) -> Caught:
 
 def _named_left(mail: Mailbox, late: Sequence[str]) -> None:
     """The round fails when a member withdrew naming a seeder whose secret the seed was drawn
-    without (`late`): that member could not reach it and failed the try (`_left`), so the seeder is
-    gone, not late, and were this member to apply the round, the two would go on from different θ.
-    A node killed after one member had read its answer and before the other had did just that: the
-    first applied without its secret (record 077), the second failed the try and averaged the round
-    again with the dead node's restart, and the two lineages ran until the fork healing (CI, stop
-    58; record 078). A withdrawal naming a seeder that did reveal to this member changes nothing
-    here: its secret is in the seed, and the withdrawn member only left the round."""
+    without (`late`, gone or late to this member): that member failed the try over it (it could not
+    reach it, with too few secrets in hand to do without it: `_left`), and were this member to apply
+    the round, the two would go on from different θ (a member that failed a try the others applied
+    averaged the round again with a dead node's restart: two lineages until the fork healing,
+    record 078). A withdrawal naming a seeder whose secret is in the seed changes nothing: the
+    withdrawn member only left the round."""
     named = {p: sorted(m[-8:] for m, blamed in mail.withdrawals.items() if p in blamed) for p in late}
     left = {p: by for p, by in named.items() if by}
     if left:
         raise Caught(
             f"{sorted(p[-8:] for p in left)} left the round before revealing"
-            f" (a member that withdrew could not reach them)",
-            {p: f"left the round (could not be reached by {', '.join(by)})" for p, by in left.items()},
+            f" (named by a member that withdrew from it)",
+            {p: f"left the round (named by {', '.join(by)}, which withdrew)" for p, by in left.items()},
             proven=False,
             gone=True,
         )
