@@ -226,9 +226,9 @@ async def verify_round(
     wanted = {
         c.part.contributors[i] for c in checked if c.tolerance is not None for i, _ in c.part.factors or []
     } - {peer_id}
-    needed = (wanted & set(seeders)) - set(late)
-    if late:  # every other seeder's word before we apply without a secret: `_named_left`
-        needed |= set(seeders) - set(late) - {peer_id}
+    # Every other seeder's word before we apply without a secret (`_named_left`); else those the
+    # checks use.
+    needed = ((set(others) if late else wanted) & set(seeders)) - set(late)
     await _wait_graced(
         mail,
         lambda: needed <= set(mail.projections) | set(mail.gone),
@@ -351,8 +351,7 @@ async def _gather_secrets(
         )
     if not all(p in known() for p in required):
         relay_by = reveal_by + budget_s
-        gone = [p for p in required if p in mail.gone and p not in known()]
-        if late or gone:
+        if late or any(p in mail.gone for p in required if p not in known()):
             # Relayed in a projection: a member that holds the secret projects as soon as it has it,
             # so a grace of this member's own exchange (`trust.grace_s`), not the budget, nor of the
             # time since the group formed, which holds the late wait itself (record 057).
