@@ -135,6 +135,29 @@ def test_a_peer_is_listed_after_its_work_counted_in_enough_recent_rounds_and_for
     assert ledger.listed() == ["c"]
 
 
+def test_work_credited_after_its_round_counts_as_if_counted_with_it_within_the_window() -> None:
+    """`WorkLedger.credit` (record 079): a newcomer's work held back until its reveal came counts in
+    the round it was done in: three rounds of it, each credited late (one after the next round was
+    counted), list it as three counted with their rounds would; a credit of a round past the window,
+    or of one not yet counted, counts nothing."""
+    ledger = WorkLedger()
+    rounds = [ledger.count({"me": 1.0, "a": 1.0, "new": 0.0}, me="me") for _ in range(2)]
+    ledger.credit("new", rounds[1])
+    ledger.credit("new", rounds[0])
+    third = ledger.count({"me": 1.0, "a": 1.0, "new": 0.0}, me="me")
+    assert "new" not in ledger.listed()
+    ledger.credit("new", third)
+    ledger.credit("new", third)  # twice is once
+    assert ledger.listed() == ["a", "new"]
+    late = WorkLedger()
+    first = late.count({"me": 1.0, "a": 1.0}, me="me")
+    last = [late.count({"me": 1.0, "a": 1.0}, me="me") for _ in range(WORK_ROUNDS)][-2:]
+    for peer, past in (("old", first), ("ahead", last[-1] + 1)):  # out of the window, not yet counted
+        for at in (*last, past):
+            late.credit(peer, at)
+    assert late.listed() == ["a"]
+
+
 def test_a_fresh_swarm_s_founders_are_listed_after_its_first_round_and_a_later_key_is_not() -> None:
     """`WorkLedger.found` (record 077): the peers whose work counted in this peer's first round, a
     fresh swarm's, are listed at once; a key that came a round later waits the bar as any newcomer;

@@ -161,25 +161,45 @@ class WorkLedger:
         self.bar = WORK_MIN_ROUNDS  # the rounds a record spans before it is listed
         self._raised_at = 0  # the round the bar last moved
 
-    def count(self, work: Mapping[str, float], *, me: str = "") -> None:
-        """One more completed round, in which the members of `work` did that work."""
+    def count(self, work: Mapping[str, float], *, me: str = "") -> int:
+        """One more completed round, in which the members of `work` did that work; its number here
+        (for `credit`)."""
         with self._lock:
             self._rounds += 1
             for peer in earners(work):
                 if peer != me:
                     self._counted.setdefault(peer, []).append(self._rounds)
                     self._since.setdefault(peer, self._rounds)
-            for peer, rounds in list(self._counted.items()):
-                kept = [r for r in rounds if r > self._rounds - WORK_ROUNDS]
-                if kept:
-                    self._counted[peer] = kept
-                else:
-                    del self._counted[peer], self._since[peer]
-                    self._spanned.discard(peer)
-                    self._founders.discard(peer)
-            if self.bar > WORK_MIN_ROUNDS and self._rounds - self._raised_at >= MAX_BAR:
-                self.bar, self._raised_at = max(WORK_MIN_ROUNDS, self.bar // BAR_GROWTH), self._rounds
-            self._spanned |= {p for p, since in self._since.items() if self._rounds - since + 1 >= self.bar}
+            self._expire()
+            return self._rounds
+
+    def credit(self, peer: str, at: int) -> None:
+        """`peer`'s work in round `at` (`count`'s number) counts after all: it was held back until
+        its reveal came (`HivemindAverager`, record 079). No round older than `WORK_ROUNDS` counts."""
+        with self._lock:
+            if not self._rounds - WORK_ROUNDS < at <= self._rounds:
+                return
+            rounds = self._counted.setdefault(peer, [])
+            if at not in rounds:
+                rounds.append(at)
+                rounds.sort()
+            self._since[peer] = min(self._since.get(peer, at), at)
+            if self._rounds - self._since[peer] + 1 >= self.bar:
+                self._spanned.add(peer)
+
+    def _expire(self) -> None:
+        """End the records without work in the last `WORK_ROUNDS` rounds; move the bar (class doc)."""
+        for peer, rounds in list(self._counted.items()):
+            kept = [r for r in rounds if r > self._rounds - WORK_ROUNDS]
+            if kept:
+                self._counted[peer] = kept
+            else:
+                del self._counted[peer], self._since[peer]
+                self._spanned.discard(peer)
+                self._founders.discard(peer)
+        if self.bar > WORK_MIN_ROUNDS and self._rounds - self._raised_at >= MAX_BAR:
+            self.bar, self._raised_at = max(WORK_MIN_ROUNDS, self.bar // BAR_GROWTH), self._rounds
+        self._spanned |= {p for p, since in self._since.items() if self._rounds - since + 1 >= self.bar}
 
     def found(self) -> None:
         """This peer's only round so far was a fresh swarm's (every member owned): the peers whose work

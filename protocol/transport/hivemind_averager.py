@@ -63,9 +63,9 @@ this peer leaves them out of its next rounds, and its readiness records say so (
   a while, and the round goes on with the seed drawn from the secrets of the rest, more than half
   of the seeders' (record 077); while fewer than that are in, it fails the round at the end of the
   budget; another member that does not reveal costs the others a grace, once
-  (`trust.GRACE_S`); and once a key this peer holds no record of has let that grace pass, no key
-  without a record is waited for at all for `NEWCOMER_NOTICE_S` (a key is 0.1 s to make: one per
-  round would cost every round a grace: `newcomers`);
+  (`trust.GRACE_S`), and a key this peer holds no record of not even that: it is not waited for
+  at all (a key is 0.1 s to make: one per round would cost every round a grace), and its work counts
+  once its reveal comes within the round's budget (`newcomers`, `_credit_late`: record 079);
 - an owner that takes the parts and does not answer fails the try once most owners have answered
   and it is late by their times (`wire.late_answer_s`), not after the exchange budget. An owner
   this peer lists is not left out (an honest owner may be slow once) but demoted: it owns nothing
@@ -108,10 +108,10 @@ from ..algorithms.parts import (
     check_outlier_factor,
 )
 from ..algorithms.scoring import Scorer
-from ..algorithms.trust import WorkLedger, accepted_work
+from ..algorithms.trust import WorkLedger, accepted_work, earners
 from .admission import Admission
 from .averager import MemberResult, Misconduct
-from .conduct import EXCLUDE_PROVEN_S, EXCLUDE_SEEN_S, Verdict, Verdicts
+from .conduct import EXCLUDE_PROVEN_S, Verdict, Verdicts
 from .dht import DHT_RPC_TIMEOUT_S, DHT_STALL_S
 from .evidence import DROPPED, EvidenceBoard
 from .identity import NodeDHT
@@ -120,6 +120,7 @@ from .owner import OwnerSession, RoundState
 from .owner_streams import OwnerHandler
 from .round_exchange import RoundExchange, own_facts
 from .statements import Commitment, Signed, Signer
+from .verification import check_late_reveal
 from .verify_streams import ACCUSE, WITHDRAW, WITHDRAW_CHARS, VerifyHandler, send_statement
 from .verify_streams import handler_name as verification_handler
 from .wire import (
@@ -154,10 +155,6 @@ WAITED_AFTER_ROUNDS = 2
 # Rounds other peers' streams may make this peer hold before a call here names them: an honest
 # member is at most a round or two ahead of us (`_round_future`).
 MAX_ASKED_ROUNDS = 4
-# How long, after a key this peer holds no record of withheld its reveal past its grace, no such key
-# is waited for (`newcomers`): as long as a peer caught by this peer's observation alone is
-# left out (`conduct.EXCLUDE_SEEN_S`), so keys made one after another cost one grace in that time.
-NEWCOMER_NOTICE_S = EXCLUDE_SEEN_S
 HANG_UP_S = 1.0  # the most a failed try waits for its daemon to close a connection (`_hang_up`)
 
 
@@ -280,9 +277,6 @@ class HivemindAverager:
         self._last_group: Group | None = None  # the group of the last round this peer completed
         self._shared: dict[str, int] = {}  # partner -> rounds it completed with this peer
         self._laggards: set[str] = set()  # non-seeders whose reveal missed its grace (`verify_round`)
-        # Until then (loop time) the members this peer holds no record of are not waited for: one
-        # of them missed its grace lately (`newcomers`).
-        self._newcomers_on_notice_until = 0.0
         self._tasks: set[asyncio.Task[Any]] = set()
         self._calls: set[asyncio.Task[Any]] = set()  # our `average` calls running on the loop
         self._closed = False
@@ -447,26 +441,45 @@ class HivemindAverager:
             return
         self._matchmaker.expected = tuple(sorted({*expected, member}))
 
-    def newcomers(self, members: Sequence[str], seeders: Collection[str]) -> tuple[set[str], set[str]]:
+    def newcomers(self, members: Sequence[str], seeders: Collection[str]) -> set[str]:
         """Of a round's `members`, the keys this peer holds no record of (`trust.WorkLedger`) that
-        are not seeders, as (unwaited, watched) for `verification.verify_round`:
-        - unwaited: while a key without a record withheld its reveal past its grace lately (the
-          module doc), all of them: neither their reveals nor their projections are waited for;
-        - watched: the others, that get the grace (and are no laggards): one that lets it pass puts
-          this peer on notice (`newcomers_missed`).
-        The grace is for a non-seeder's work to be counted, and a reveal that comes with the seeders'
-        still counts; a key made fresh for every round would otherwise cost every round a grace."""
+        are not seeders: `verification.verify_round` waits for neither their reveals nor their
+        projections (a key is 0.1 s to make: a grace for each would cost every round one). Their
+        work counts all the same once their reveals come, within the round's budget
+        (`_credit_late`, record 079)."""
         listed = set(self._worked.listed())
-        fresh = {m for m in members if m != self._peer_id and m not in listed and m not in seeders}
-        if self._loop.time() < self._newcomers_on_notice_until:
-            return fresh, set()
-        return set(), fresh - self._laggards
+        return {m for m in members if m != self._peer_id and m not in listed and m not in seeders}
 
-    def newcomers_missed(self, missed: Collection[str]) -> None:
-        """Keys without a record that were waited for withheld their reveals past the grace: for the
-        next `NEWCOMER_NOTICE_S`, no such key is waited for."""
-        if missed:
-            self._newcomers_on_notice_until = self._loop.time() + NEWCOMER_NOTICE_S
+    def _late_reveals(self, state: RoundState, peers: Collection[str]) -> tuple[set[str], set[str]]:
+        """Of `peers` (members the round did not wait for), those whose reveals are in and check out
+        (`verification.check_late_reveal`), taken off the laggards, and those whose reveals show a
+        lie, convicted."""
+        good, bad = set(), set()
+        for peer in peers:
+            try:
+                if check_late_reveal(state, peer):
+                    good.add(peer)
+                    self._laggards.discard(peer)
+            except Caught as e:
+                self._convict(e)
+                bad.add(peer)
+        return good, bad
+
+    async def _credit_late(self, state: RoundState, at: int, peers: set[str], until: float) -> None:
+        """The work of `peers` in round `at` (`trust.WorkLedger.count`'s number), held back as their
+        reveals had not come when the round ended, counts once they come and check out, up to the
+        loop time `until` (record 079). One caught since begins its record after its exclusion."""
+        mail = state.mail
+        left = set(peers)
+
+        def come() -> bool:
+            return any(p in mail.reveals or p in mail.gone for p in left)
+
+        while left and await mail.wait(come, until):
+            good, bad = self._late_reveals(state, left)
+            for peer in good - set(self.excluded()):
+                self._worked.credit(peer, at)
+            left.difference_update(good | bad | set(mail.gone))
 
     def workers(self) -> list[str]:
         """The peers whose work this peer took lately (`trust.WorkLedger.listed`), less those it
@@ -917,9 +930,15 @@ class HivemindAverager:
         weights = {m: state.commitments[m].weight for m in result.members if m in state.commitments}
         work = accepted_work(weights, result.rejected, len(exchange.keys))
         # A member that withheld its reveal from us earns nothing in our ledger (whose lists are our
-        # own word): a key that takes the answers and never reveals never comes to seed a round.
+        # own word): a key that takes the answers and never reveals never comes to seed a round. One
+        # the round did not wait for earns once its reveal comes (record 079).
+        unwaited = exchange.unwaited & self._laggards
+        come, lied = self._late_reveals(state, unwaited)  # by now: counted with the round
         withheld = self._laggards | set(state.unrevealed)
-        self._worked.count({m: 0.0 if m in withheld else w for m, w in work.items()}, me=self._peer_id)
+        at = self._worked.count({m: 0.0 if m in withheld else w for m, w in work.items()}, me=self._peer_id)
+        pending = (unwaited - come - lied) & set(earners(work))
+        if pending and exchange.reveal_by is not None:
+            self._spawn(self._credit_late(state, at, pending, exchange.reveal_by))
         if set(group.owners) == set(group.members):  # nobody listed anyone: a fresh swarm's first round
             self._worked.found()
         result = dataclasses.replace(

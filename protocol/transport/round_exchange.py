@@ -99,6 +99,10 @@ class RoundExchange:
             # Our own slot is released below once we have taken the result (not on the wire).
             session.admit(me, _incoming(contribution, self.by_owner[me], commitment))
         self._stand_in_for: dict[str, OwnerSession] = {}
+        # Set by the checks: the members they did not wait for (`HivemindAverager.newcomers`), and
+        # the loop time by which every member within its exchange budget has revealed.
+        self.unwaited: set[str] = set()
+        self.reveal_by: float | None = None
         self.state = RoundState(group, session, take_over=self._take_over, layout=self.layout, own=commitment)
         self.state.reductions = [session] if session is not None else []
 
@@ -483,7 +487,8 @@ class RoundExchange:
                 meter=state.meter,
             )
 
-        unwaited, watched = a.newcomers(result.members, seeders_of(result.members, state.group.owners))
+        self.unwaited = unwaited = a.newcomers(result.members, seeders_of(result.members, state.group.owners))
+        self.reveal_by = reveal_by
         # Our statements go to every member an owner admitted: one that another owner left out
         # takes the round too (`member.assemble`), and checks it on them.
         admitted = set().union(*(answer.contributors for answer in state.answers.values()))
@@ -509,7 +514,6 @@ class RoundExchange:
             laggards=a._laggards,
             unwaited=unwaited,
         )
-        a.newcomers_missed(watched & a._laggards)
         # The seed was drawn without their secrets: late by the others' times, or gone (a departure:
         # a node that died as it revealed, whose restart is grouped again, record 078).
         gone = [p for p in state.unrevealed if p in state.mail.gone]

@@ -21,8 +21,9 @@ Once every owner has answered (`member.assemble`), `verify_round`:
    which hears from every other seeder before it applies such a round, fails it too (a member that
    failed the try while the others applied it split θ, record 078); a seeder
    silent while too few are in for that still fails the round, at the end of the budget; any other
-   member's reveal is waited for a grace only (`trust.GRACE_S`, not at all for one that missed it
-   last time), so a key that did no work and withholds its reveal costs the round nothing;
+   member's reveal is waited for a grace only (`trust.GRACE_S`), not at all for one that missed it
+   last time nor for a key this member holds no record of (its work counts once its reveal comes:
+   `check_late_reveal`, record 079), so a key that withholds its reveal costs the round nothing;
 3. derives the round's seed, projects its own payloads on it and sends the projections to every
    other member, with the inner products of its payloads with the CenteredClip answers they went
    into; checks every part it did not reduce itself: exactly where the answer needs no projection,
@@ -148,9 +149,9 @@ async def verify_round(
     projections were false (`ask_defense`);
     `laggards`: the members other than seeders whose reveal missed its grace in an earlier round
     (this peer's own memory, updated here to those that missed it in this one): they are not
-    waited for; nor are `unwaited` members that are not seeders (keys without a record, while one
-    of them withheld its reveal lately: `HivemindAverager.newcomers`). A reveal of either
-    that is in when the seeders' are still counts.
+    waited for; nor are `unwaited` members that are not seeders (keys without a record:
+    `HivemindAverager.newcomers`). A reveal of either that is in when the seeders' are is checked
+    and counts; one that comes later, `check_late_reveal`.
     """
     loop = asyncio.get_running_loop()
     layout = state.layout
@@ -367,11 +368,8 @@ async def _gather_secrets(
             lambda: all(p in known() or (p in mail.gone and relayed()) for p in required), relay_by
         )
     _check_equivocations(mail)
-    for peer, revealed in mail.reveals.items():
-        commitment = commitments.get(peer)
-        if commitment is None or digest(revealed.secret) != commitment.secret:
-            raise blame(peer, "revealed a secret it had not committed to", proven=True)
-        _compare_answers(revealed, statements, state)
+    for revealed in mail.reveals.values():
+        _check_reveal(revealed, commitments, statements, state)
     secrets = known()
     silent = [p for p in required if p not in secrets]
     gone = [p for p in silent if p in mail.gone]
@@ -495,6 +493,34 @@ def _check_equivocations(mail: Mailbox) -> None:
             proven=True,
             evidence=Evidence.equivocated(kind, first, second),
         )
+
+
+def check_late_reveal(state: RoundState, peer: str) -> bool:
+    """Whether `peer` revealed (to this member) in the round `state` holds, checked as a reveal in
+    time is: True once it holds a secret that matches the peer's commitment and every answer this
+    member holds; Caught (proven) where it shows a lie, the revealer's or an owner's. A member that
+    `verify_round` did not wait for (`unwaited`) may reveal after the round: its work then counts
+    (`HivemindAverager._credit_late`, record 079)."""
+    revealed = state.mail.reveals.get(peer)
+    if revealed is None:
+        return False
+    statements = {slot: a.statement for slot, a in state.answers.items() if a.statement is not None}
+    _check_reveal(revealed, state.commitments, statements, state)
+    return True
+
+
+def _check_reveal(
+    revealed: Reveal,
+    commitments: Mapping[str, Commitment],
+    statements: Mapping[str, AnswerStatement],
+    state: RoundState,
+) -> None:
+    """Caught (proven) unless `revealed` holds the secret its peer committed to and every answer
+    this member holds (`_compare_answers`)."""
+    commitment = commitments.get(revealed.peer)
+    if commitment is None or digest(revealed.secret) != commitment.secret:
+        raise blame(revealed.peer, "revealed a secret it had not committed to", proven=True)
+    _compare_answers(revealed, statements, state)
 
 
 def _compare_answers(reveal: Reveal, statements: Mapping[str, AnswerStatement], state: RoundState) -> None:
