@@ -1309,7 +1309,8 @@ def test_a_fresh_key_that_withholds_its_reveal_costs_the_round_nothing(
     (its part of each check widened by what its projection could have been), not waiting for its
     reveal (a key without a record: `HivemindAverager.newcomers`), nor in the next rounds. Its
     work counts in the round (every member computes the same) but not in the ledgers of those it
-    withheld its reveal from: it is never listed, so it never comes to seed a round it could fail."""
+    withheld its reveal from: it is never listed, so it never comes to seed a round it could fail.
+    Once no round of the last `PARTNER_ROUNDS` shared it, they forget it as a laggard."""
 
     swarm = Swarm("hivemind")
     try:
@@ -1333,6 +1334,11 @@ def test_a_fresh_key_that_withholds_its_reveal_costs_the_round_nothing(
                 assert mute.peer_id not in cast(Any, a).workers()
             reveal_deadline = old[0]._exchange_budget_s(0)  # type: ignore[attr-defined]
             assert max(o.elapsed_s for o in outcomes[:3]) < WINDOW_S + GRACE_S + reveal_deadline, round
+        # Once no round of the last `PARTNER_ROUNDS` shared it, the three forget it: the laggards do
+        # not grow with every key made.
+        monkeypatch.setattr("adloco.protocol.transport.hivemind_averager.PARTNER_ROUNDS", 1)
+        _average_together(old, contributions[:3], round=rounds[-1] + 1, spec="int8")
+        assert all(cast(Any, a)._laggards == set() for a in old)
     finally:
         swarm.close()
 

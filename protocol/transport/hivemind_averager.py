@@ -960,6 +960,9 @@ class HivemindAverager:
         for peer in [p for p, n in self._partners.items() if self._completed - n >= PARTNER_ROUNDS]:
             del self._partners[peer]
             self._shared.pop(peer, None)
+        # A laggard none of those rounds shared is forgotten: a key made for each round would grow
+        # the set for the process's life (a returning one is a laggard again after one grace).
+        self._laggards.intersection_update(self._partners)
         chasers = await self._chasers(round, group.members)
         # A member an owner left out by proof took the round too (`member.assemble`): it is level
         # (an accusation that comes later adds it: `_level_by_proof`).
