@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal, cast
@@ -623,6 +624,106 @@ def test_overlap_update_lands_mid_round_and_progress_is_rebased(corpus: Corpus) 
     assert peers[0].state.theta_hash() == peers[1].state.theta_hash()
     # Round 1 contributes at round 1 with staleness 0.
     assert all(p.contribute(loc)[1].staleness == 0 for p, loc in zip(peers, locals_, strict=True))
+
+
+@pytest.mark.parametrize("mode", ["mix", "overwrite"])
+@pytest.mark.parametrize("outcome", ["applied", "failed"])
+def test_a_round_that_ends_before_its_update_lands_is_measured_as_if_it_landed_after_the_last_step(
+    corpus: Corpus, mode: Literal["mix", "overwrite"], outcome: str
+) -> None:
+    """Record 080: under mix and overwrite a round with its update in flight keeps no copy of where
+    it started. One that ends first takes the update at its end (`land`), and its Δ, its weights
+    and θ are those of a twin whose update landed after its last step, bit for bit; where the update
+    failed, both are measured from the θ they hold. Nothing of the lean one is a copy of θ."""
+    cfg = replace(OVERLAP, overlap=mode, instances=1)
+    lean, twin = _peer(corpus, cfg=cfg), _peer(corpus, cfg=cfg)
+    results = [reduce_group([_contribution(p)], codec=p.downlink_codec("int8")) for p in (lean, twin)]
+    calls: list[int] = []
+    _peer(corpus, cfg=cfg).train_round(on_step=calls.append)  # a third twin counts the steps
+
+    def land(_compute_s: float) -> None:
+        if outcome == "applied":
+            lean.apply_round(results[0])
+
+    def at_last_step(samples: int) -> None:
+        if samples == calls[-1] and twin.state.round == 0:
+            twin.apply_round(results[1]) if outcome == "applied" else twin.rebase_instances()
+
+    got = lean.train_round(land=land)
+    want = twin.train_round(on_step=at_last_step)
+    assert len(calls) == cfg.inner_steps and lean.state.round == twin.state.round
+    assert got.base_round == want.base_round == lean.state.round
+    assert all(torch.equal(a, b) for a, b in zip(got.delta, want.delta, strict=True))
+    for a, b in zip(lean.local_instances[0].params, twin.local_instances[0].params, strict=True):
+        assert torch.equal(a, b)
+    assert lean.state.theta_hash() == twin.state.theta_hash()
+    start = lean.local_instances[0].start
+    assert all(s is t for s, t in zip(start, lean.state.theta, strict=True))  # θ's own tensors
+    assert not all(s is t for s, t in zip(twin.local_instances[0].start, twin.state.theta, strict=True))
+
+
+def _bytes_beyond_the_state(peer: Peer) -> int:
+    """Bytes of live tensors that are none of θ, m, the instances' weights and AdamW moments."""
+    gc.collect()
+    known = {t.untyped_storage().data_ptr() for t in [*peer.state.theta, *peer.state.momentum]}
+    for inst in peer.local_instances:
+        known |= {p.untyped_storage().data_ptr() for p in inst.params}
+        for fields in inst.optimizer.state.values():
+            known |= {v.untyped_storage().data_ptr() for v in fields.values() if isinstance(v, torch.Tensor)}
+    storages = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and obj.numel() >= 1024:
+            storages[obj.untyped_storage().data_ptr()] = obj.untyped_storage().nbytes()
+    return sum(size for ptr, size in storages.items() if ptr not in known)
+
+
+def test_an_overlapped_peer_keeps_no_copy_of_its_round_start(corpus: Corpus) -> None:
+    """Record 080: between rounds under overlap (mix) a peer holds θ, m, the weights, the AdamW
+    moments and the int8 error-feedback residual (1 B/param), whether the round overlapped its update
+    (landing at its end) or waited for it and started from θ; no copy of a round start (4 B/param)."""
+    peer = _peer(corpus, cfg=replace(OVERLAP, overlap="mix", instances=1))
+    params = sum(t.numel() for t in peer.state.theta)
+    contribution = _contribution(peer)  # round 1: nothing in flight, so it records its start
+    peer.apply_round(reduce_group([contribution], codec=peer.downlink_codec("int8")))
+    local = peer.train_round(from_theta=True)  # round 2 waited for its update
+    assert _bytes_beyond_the_state(peer) < 1.5 * params
+    contribution = cast(Contribution, peer.contribute(local)[0])
+    result = reduce_group([contribution], codec=peer.downlink_codec("int8"))
+    del contribution, local
+
+    def land(_compute_s: float) -> None:
+        peer.apply_round(result)
+
+    peer.train_round(land=land)  # round 3 overlapped, landing late
+    assert _bytes_beyond_the_state(peer) < 1.5 * params
+
+
+def test_an_instance_done_before_its_update_lands_mid_round_is_measured_from_the_new_theta(
+    corpus: Corpus,
+) -> None:
+    """Record 080, two instances in one process: the update lands while the second trains, after the
+    first has ended its steps without a start of its own. Every instance's Δ is then θ_1 − its
+    weights at the end, the first one's too (read after the shift, not left empty)."""
+    peer = _peer(corpus, cfg=replace(OVERLAP, overlap="mix"))
+    result = reduce_group([_contribution(peer)], codec=peer.downlink_codec("int8"))
+    calls: list[int] = []
+
+    def on_step(samples: int) -> None:
+        calls.append(samples)
+        if len(calls) == OVERLAP.inner_steps + 1:  # the second instance's first step
+            peer.apply_round(result)
+
+    def land(_compute_s: float) -> None:
+        assert peer.state.round == 1  # landed mid-round: nothing left to land
+
+    local = peer.train_round(on_step=on_step, land=land)
+    assert len(calls) == 2 * OVERLAP.inner_steps and local.base_round == 1
+    ends = [
+        [t - w.detach() for t, w in zip(peer.state.theta, i.params, strict=True)]
+        for i in peer.local_instances
+    ]
+    for k, d in enumerate(local.delta):
+        torch.testing.assert_close(d, (ends[0][k] + ends[1][k]) / 2)
 
 
 def test_overlap_rebase_keeps_the_progress_made_before_landing(corpus: Corpus) -> None:

@@ -342,10 +342,11 @@ class Simulator:
         self, index: int, *, at: float, landing: _Landing | None = None, from_theta: bool = False
     ) -> _Pending:
         """Run peer `index`'s next local round from simulated time `at`; with overlap, `landing`
-        is applied after the first inner step that ends once it has arrived."""
+        is applied after the first inner step that ends once it has arrived, or after the last
+        (`Peer.train_round`'s `land`: the round then waits for it)."""
         peer = self.peers[index]
         sec_per_sample = self.sec_per_sample(index)
-        landed = landing is None
+        landed, late = landing is None, False
 
         def on_step(samples_done: int) -> None:
             nonlocal landed
@@ -353,15 +354,24 @@ class Simulator:
                 peer.apply_round(landing.result)
                 landed = True
 
-        local = peer.train_round(on_step=on_step if landing is not None else None, from_theta=from_theta)
+        def land(_compute_s: float) -> None:
+            nonlocal landed, late
+            if landing is not None and not landed:
+                peer.apply_round(landing.result)
+                landed, late = True, True
+
+        local = peer.train_round(
+            on_step=on_step if landing is not None else None,
+            from_theta=from_theta,
+            land=land if landing is not None else None,
+        )
         # What the group sees of this round is the modelled time, not this machine's (DyLU, budget).
         local.report_time(self.compute_time(index, local))
         ready_at = at + self.compute_time(index, local)
         idle = 0.0
-        if landing is not None and not landed:
-            # The local round ended first: wait for the update, apply it, then contribute.
-            peer.apply_round(landing.result)
-            local.base_round = peer.phase_round
+        if late:
+            # The local round ended first and waited for its update before contributing.
+            assert landing is not None
             idle = max(0.0, landing.at - ready_at)
             ready_at += idle
         return _Pending(local=local, ready_at=ready_at, idle_s=idle)

@@ -280,11 +280,9 @@ class RoundLoop:
                 # auto: the exchange outlasts a local round, so this round waits for the update.
                 self._wait_and_land(stopping=False)
                 from_theta = True
-            local = self._local_round(on_step=self._land_if_done, from_theta=from_theta)
-            if self._inflight is not None:
-                self._wait_and_land(stopping=False)
-                # Δ is measured from the θ the instances were rebased onto.
-                local.base_round = self.peer.phase_round
+            # A round that ends before its update lands waits for it at its end, inside the round:
+            # its Δ is then measured from the new θ, as if the update had landed after its last step.
+            local = self._local_round(on_step=self._land_if_done, from_theta=from_theta, land_late=True)
             self.ops.between_rounds()
             if should_stop() or not self._settle(should_stop):
                 break
@@ -355,9 +353,16 @@ class RoundLoop:
     # ---- one round's steps -------------------------------------------------------------------
 
     def _local_round(
-        self, on_step: Callable[[int], None] | None = None, *, from_theta: bool = False
+        self,
+        on_step: Callable[[int], None] | None = None,
+        *,
+        from_theta: bool = False,
+        land_late: bool = False,
     ) -> LocalRound:
+        """One local round (`Peer.train_round`); with `land_late` an update still in flight when its
+        last step ends is waited for and applied then, after the simulated slowdown's sleep."""
         last = time.perf_counter()
+        slowed = False
 
         def step_done(samples: int) -> None:
             nonlocal last
@@ -367,18 +372,32 @@ class RoundLoop:
             if on_step is not None:
                 on_step(samples)
 
+        def land(compute_s: float) -> None:
+            nonlocal slowed
+            self._slow_down(compute_s)
+            slowed = True
+            if self._inflight is not None:
+                self._wait_and_land(stopping=False)
+
         self.ops.phase = "training"
-        local = self.peer.train_round(on_step=step_done, from_theta=from_theta)
+        late = land if land_late and self._inflight is not None else None
+        local = self.peer.train_round(on_step=step_done, from_theta=from_theta, land=late)
         self.ops.counters.tokens_total += local.tokens
         self.metrics.tokens.inc(local.tokens)
         self.metrics.samples.inc(local.samples)
         slowdown = self.cfg.simulate_slowdown
+        if not slowed:
+            self._slow_down(local.compute_s)
         if slowdown > 1:
-            time.sleep((slowdown - 1) * local.compute_s)
             # Others see this node as slow as it is made to be (DyLU compares step times).
             local.report_time(local.compute_s * slowdown)
         self._last_compute_s = local.compute_s * slowdown
         return local
+
+    def _slow_down(self, compute_s: float) -> None:
+        """The test knob: make the round last `simulate_slowdown` times its compute."""
+        if self.cfg.simulate_slowdown > 1:
+            time.sleep((self.cfg.simulate_slowdown - 1) * compute_s)
 
     def _settle(self, should_stop: Callable[[], bool]) -> bool:
         """Before another try at a round whose last try failed here, wait until that try is over.

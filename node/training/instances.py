@@ -7,6 +7,9 @@ Each round an instance starts from the global θ, runs H optimizer steps of micr
 Under one-step-delay overlap (DiLoCoX) a round starts from the instance's own weights instead, and
 when the averaged update of the previous round lands mid-round, `shift` moves the weights and the
 recorded start onto the new θ (rebase, overwrite or mix), so Δ is always measured from a global θ.
+Under mix and overwrite a round with an update in flight need not record its start at all
+(`begin(None, keep_start=False)`): the shift puts it on θ itself, and a round that ends first takes
+its update then, as if it had landed after the last step (record 080).
 
 The statistics come from the micro-batch gradients of the *first* optimizer step of the round, which
 every instance (and, in a synchronous round, every peer) computes at the same synchronized θ. This is
@@ -134,6 +137,9 @@ class Instance:
         # own tensors (a round from θ that nothing moves meanwhile: no copy) or this instance's copy.
         self.start: list[torch.Tensor] = []
         self._own_start: list[torch.Tensor] | None = None
+        # A round begun without recording its start (`begin(None, keep_start=False)`): the shift of
+        # the update that lands gives it (θ itself), and Δ is read only after that.
+        self._start_pending = False
         # The last round's Δ, read from the start and the weights while someone still holds it.
         self._delta: weakref.ref[PseudoGradient] | None = None
         # The round's forward and backward passes by micro-batch size (`InstanceRound.passes`).
@@ -203,18 +209,35 @@ class Instance:
         """The round start is the caller's θ itself, not a copy (`begin(θ, share=True)`)."""
         return self._own_start is None or self.start is not self._own_start
 
+    @property
+    def start_pending(self) -> bool:
+        """The round began without recording its start, and no shift has given it one yet."""
+        return self._start_pending
+
     @torch.no_grad()
-    def begin(self, theta: Sequence[torch.Tensor] | None, *, share: bool = False) -> None:
+    def begin(
+        self, theta: Sequence[torch.Tensor] | None, *, share: bool = False, keep_start: bool = True
+    ) -> None:
         """Start a round from θ, or (θ None: overlap) from the instance's own current weights.
 
         `share`: the start is θ's tensors themselves, saving a copy of the model. Only for a round
-        in which the caller changes θ neither in place nor through `shift` before `run_round` ends.
+        in which the caller changes θ in place only after calling `settle_delta`, and shifts it only
+        under mix or overwrite, which do not read the start.
+        `keep_start` False (θ None): no copy of where the round started either. The caller shifts
+        the instance onto θ (mix or overwrite) before it reads the round's Δ (`round_delta`), which is
+        then measured from that θ: for a round that ended first, as if its update had landed after
+        its last step (record 080).
         """
         self.settle_delta()
+        self._start_pending = False
         if theta is not None:
             self.load(theta)
+        # A round that records no start of its own frees the copy an earlier round made.
         if theta is not None and share:
-            self.start = list(theta)
+            self.start, self._own_start = list(theta), None
+            return
+        if theta is None and not keep_start:
+            self.start, self._own_start, self._start_pending = [], None, True
             return
         if self._own_start is None:
             # On the state device: on a GPU the round start takes host memory, not device memory.
@@ -231,27 +254,32 @@ class Instance:
         rebase: weights ← θ + (weights − start), the local progress of the round kept on top of θ.
         overwrite: weights ← θ, the progress since the round started is dropped.
         mix: weights ← mix·weights + (1 − mix)·θ (Streaming DiLoCo's α-mixing).
-        In every mode the start becomes θ, so the round's Δ is measured from the global θ. An
-        instance that has not begun a round yet (a joiner catching up before it trains) has no
-        progress to carry: it simply starts from θ.
+        In every mode the start becomes θ, so the round's Δ is measured from the global θ: a copy of
+        it where the round keeps its own start, else θ's tensors themselves. An instance that has not
+        begun a round yet (a joiner catching up before it trains) has no progress to carry: it simply
+        starts from θ.
         """
-        if not self.start:
-            self.begin(theta)
+        if mode not in ("rebase", "overwrite", "mix"):
+            raise ValueError(f"unknown overlap mode {mode!r}")
+        if not self.start and not self._start_pending:
+            self.begin(theta, share=mode != "rebase")
             return
         self.settle_delta()
-        if self.start_is_shared:
-            raise RuntimeError("shift() needs a round begun with its own start (begin(..., share=False))")
+        own = not self.start_is_shared
+        if mode == "rebase" and not own:
+            raise RuntimeError("shift(mode='rebase') needs a round begun with its own start")
         # θ and the start live on the state device: one tensor at a time crosses (no copy on a CPU).
-        for p, s, t in zip(self.params, self.start, theta, strict=True):
+        for j, (p, t) in enumerate(zip(self.params, theta, strict=True)):
             if mode == "rebase":
-                p.add_((t - s).to(p.device))
+                p.add_((t - self.start[j]).to(p.device))
             elif mode == "overwrite":
                 p.copy_(t)
-            elif mode == "mix":
-                p.mul_(mix).add_(t.to(p.device), alpha=1 - mix)
             else:
-                raise ValueError(f"unknown overlap mode {mode!r}")
-            s.copy_(t)
+                p.mul_(mix).add_(t.to(p.device), alpha=1 - mix)
+            if own:
+                self.start[j].copy_(t)
+        if not own:
+            self.start, self._start_pending = list(theta), False
         self._moved()
 
     def run_round(
@@ -271,8 +299,10 @@ class Instance:
         continues a round `begin(None)` started, and Δ is measured from the start as `shift` may have
         moved it meanwhile. The gradients are freed when the round ends. Δ is a `PseudoGradient`
         read from the start and the weights: until the instance or θ next changes, which computes it
-        whole first (`settle_delta`), it costs no memory. `on_step(step)` runs after every step. The
-        losses stay on the device until the round ends: no step waits for the host to read one.
+        whole first (`settle_delta`), it costs no memory; in a round begun with `keep_start` False
+        and not shifted by its end it is empty, and `round_delta` gives it after the shift.
+        `on_step(step)` runs after every step. The losses stay on the device until the round ends:
+        no step waits for the host to read one.
         """
         self.settle_delta()
         if theta is not None:
@@ -307,17 +337,9 @@ class Instance:
         # Reading the mean waits for the last step: the compute time below includes it.
         mean_loss = float(torch.stack(losses).mean()) if losses else 0.0
         compute_s = time.perf_counter() - t0
-        delta: Sequence[torch.Tensor]
-        if self.placement.staged:
-            # Training on another device: Δ comes to the host through the staging buffer, whole.
-            delta = self.placement.delta(self.start, self.params)
-        else:
-            lazy = PseudoGradient(self.start, self.params)
-            self._delta = weakref.ref(lazy)
-            delta = lazy
         samples = plan.effective * steps
         return InstanceRound(
-            delta=delta,
+            delta=[] if self._start_pending else self.round_delta(),
             tokens=samples * self.sampler.seq_len,
             samples=samples,
             steps=steps,
@@ -326,6 +348,18 @@ class Instance:
             compute_s=compute_s,
             passes=dict(self.passes),
         )
+
+    def round_delta(self) -> Sequence[torch.Tensor]:
+        """The round's Δ = start − weights: a `PseudoGradient` (see `run_round`), or where training runs
+        on another device, Δ on the host, whole. RuntimeError while the start awaits its shift."""
+        if self._start_pending:
+            raise RuntimeError("the round's Δ is read before the shift that gives its start")
+        if self.placement.staged:
+            # Training on another device: Δ comes to the host through the staging buffer, whole.
+            return self.placement.delta(self.start, self.params)
+        lazy = PseudoGradient(self.start, self.params)
+        self._delta = weakref.ref(lazy)
+        return lazy
 
     def inner_step(self, plan: BatchPlan, *, collect_stats: bool) -> tuple[torch.Tensor, GradStats | None]:
         """One AdamW step over plan.accum micro-batches; its mean loss (a 0-d tensor on the training

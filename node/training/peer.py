@@ -300,6 +300,16 @@ class Peer:
         return self.cfg.overlap != "off"
 
     @property
+    def _shift_mode(self) -> str:
+        """How an update landing mid-round moves the instances (`Instance.shift`)."""
+        return "mix" if self.cfg.overlap == "auto" else self.cfg.overlap
+
+    @property
+    def _start_on_theta(self) -> bool:
+        """Under overlap, a round start may be θ itself: a shift (mix, overwrite) never reads it."""
+        return self.overlap and self._shift_mode != "rebase"
+
+    @property
     def in_round(self) -> bool:
         """A local round is running, or its deferred MIT merges are not done yet."""
         return self._in_round or bool(self._deferred_merges)
@@ -310,7 +320,11 @@ class Peer:
         return self._codecs
 
     def train_round(
-        self, on_step: Callable[[int], None] | None = None, *, from_theta: bool = False
+        self,
+        on_step: Callable[[int], None] | None = None,
+        *,
+        from_theta: bool = False,
+        land: Callable[[float], None] | None = None,
     ) -> LocalRound:
         """Run every instance for one round; the node pseudo-gradient and its statistics.
 
@@ -318,6 +332,13 @@ class Peer:
         starts from θ. With overlap they go on from their own weights, and `on_step(samples done so
         far)` runs after every inner step: the place to apply an update that has landed. The round's
         base is the θ it is measured from when it ends.
+
+        `land(compute seconds)` (overlap, an update in flight): runs after the last step and must
+        apply the update if `on_step` has not (`apply_round`, or `rebase_instances` if it failed).
+        With it, under mix or overwrite, the instances of this process record no copy of where their
+        round started: the update's shift puts the start on θ itself, so a round that ended first is
+        measured as if its update had landed after its last step (record 080). A round `land` leaves
+        unshifted is measured from the θ held, as if its update had failed.
         """
         self._replan()
         plans = accumulation_for(self.state.schedule, self.b_max)
@@ -326,13 +347,30 @@ class Peer:
             steps = dylu_inner_steps(steps, self.dylu_speed_ratio, 1.0)
         overlapped = self.overlap and not from_theta
         if overlapped:
+            keep = land is None or not self._start_on_theta
             for inst in self.instances:
-                inst.begin(None)
+                if isinstance(inst, Instance):
+                    inst.begin(None, keep_start=keep)
+                else:
+                    inst.begin(None)
         else:
             self.phase_round = self.state.round
         self._in_round = True
         try:
             results = self._run_instances(plans, steps, from_theta=not overlapped, on_step=on_step)
+            if land is not None:
+                # Still in the round: a merge the update decides waits for its end (`_local_round`).
+                land(self._compute_s(results, plans))
+                if any(isinstance(inst, Instance) and inst.start_pending for inst in self.instances):
+                    self.rebase_instances()
+                # An instance whose steps ended before the shift gave its start has an empty Δ (even
+                # if the update landed while another instance trained): read it now.
+                results = [
+                    replace(r, delta=inst.round_delta())
+                    if isinstance(inst, Instance) and not len(r.delta)
+                    else r
+                    for inst, r in zip(self.instances, results, strict=True)
+                ]
         finally:
             self._in_round = False
         return self._local_round(results, plans, steps)
@@ -361,17 +399,19 @@ class Peer:
         theta = self.state.theta if from_theta else None
         cap = self.cfg.schedule.batch_cap
 
-        # Without overlap nothing changes θ until the round ends, so it is the round start itself.
-        # A slot whose batch is at the cap gathers no statistics: the batch test only grows b up to
-        # the cap, so they could not change the schedule (`batchtest.next_batch`), and they cost the
-        # first step a split into micro-batches and, with the norm test, its hooks.
-        def launch(run: Callable[..., Any], plan: BatchPlan, batch: int) -> Any:
+        # Without overlap nothing changes θ until the round ends, so it is the round start itself; so
+        # it is under overlap (mix, overwrite) for this process's instances: whatever changes θ
+        # settles their Δ first (`settle_delta`), and their shift reads no start. A slot whose batch
+        # is at the cap gathers no statistics: the batch test only grows b up to the cap, so they
+        # could not change the schedule (`batchtest.next_batch`), and they cost the first step a
+        # split into micro-batches and, with the norm test, its hooks.
+        def launch(run: Callable[..., Any], plan: BatchPlan, batch: int, *, local: bool) -> Any:
             return run(
                 theta,
                 plan=plan,
                 steps=steps,
                 on_step=counter(plan.effective),
-                share_theta=not self.overlap,
+                share_theta=not self.overlap or (local and self._start_on_theta),
                 collect_stats=batch < cap,
             )
 
@@ -383,11 +423,11 @@ class Peer:
             self.data_parallel.serve(replicas)
             for inst, plan, batch in rounds:
                 if isinstance(inst, RemoteInstance):
-                    launch(inst.start_round, plan, batch)
+                    launch(inst.start_round, plan, batch, local=False)
                     primaries.append(inst)
             for inst, plan, batch in rounds:
                 if isinstance(inst, Instance):
-                    results[id(inst)] = launch(inst.run_round, plan, batch)
+                    results[id(inst)] = launch(inst.run_round, plan, batch, local=True)
         except BaseException:
             # No worker is left mid-round: replicas whose primary will lead no round end theirs when
             # it leaves the group. What they report then (their group closed) says less than the
@@ -418,16 +458,8 @@ class Peer:
             for r in results:
                 if isinstance(r.delta, PseudoGradient):
                     r.delta.release()  # read tensor by tensor into the mean; never computed whole
-        # Devices train at once: the round took as long as the busiest device's instances in turn.
-        by_device: dict[str, tuple[int, float]] = {}
-        for inst, r, plan in zip(self.instances, results, plans, strict=True):
-            own = inst.worker.label if isinstance(inst, RemoteInstance) else self.device_labels[0]
-            # A data-parallel instance's tokens by its devices' shares of the rows.
-            for where, part in self.data_parallel.by_device(inst, plan.micro * plan.accum):
-                label = own if where is None else self.device_labels[where]
-                tokens_before, seconds = by_device.get(label, (0, 0.0))
-                by_device[label] = (tokens_before + round(r.tokens * part), seconds + r.compute_s)
-        compute_s = max(seconds for _, seconds in by_device.values())
+        by_device = self._by_device(results, plans)
+        compute_s = self._compute_s(results, plans)
         slot_stats = [r.stats for r in results]
         for victim, survivor, batch in self._deferred_merges:
             # A merge decided while this round ran: the survivor's slot reports both instances.
@@ -457,6 +489,24 @@ class Peer:
             passes=dict(sum((Counter(r.passes) for r in results), Counter())),
             by_device=by_device,
         )
+
+    def _by_device(
+        self, results: Sequence[InstanceRound], plans: Sequence[BatchPlan]
+    ) -> dict[str, tuple[int, float]]:
+        """Tokens and compute seconds of a round by device label (before its deferred merges)."""
+        by_device: dict[str, tuple[int, float]] = {}
+        for inst, r, plan in zip(self.instances, results, plans, strict=True):
+            own = inst.worker.label if isinstance(inst, RemoteInstance) else self.device_labels[0]
+            # A data-parallel instance's tokens by its devices' shares of the rows.
+            for where, part in self.data_parallel.by_device(inst, plan.micro * plan.accum):
+                label = own if where is None else self.device_labels[where]
+                tokens_before, seconds = by_device.get(label, (0, 0.0))
+                by_device[label] = (tokens_before + round(r.tokens * part), seconds + r.compute_s)
+        return by_device
+
+    def _compute_s(self, results: Sequence[InstanceRound], plans: Sequence[BatchPlan]) -> float:
+        """Devices train at once: a round takes as long as the busiest device's instances in turn."""
+        return max(seconds for _, seconds in self._by_device(results, plans).values())
 
     # ---- contribution --------------------------------------------------------------------------
 
@@ -681,8 +731,7 @@ class Peer:
         """Overlap: move the instances' progress onto the current θ (`cfg.overlap` says how); the
         local round in progress is measured from this θ from now on."""
         for inst in self.instances:
-            mode = "mix" if self.cfg.overlap == "auto" else self.cfg.overlap
-            inst.shift(self.state.theta, mode=mode, mix=self.cfg.overlap_mix)
+            inst.shift(self.state.theta, mode=self._shift_mode, mix=self.cfg.overlap_mix)
         self.phase_round = self.state.round
 
     def replayed_hash(self, updates: Sequence[Update]) -> str:
