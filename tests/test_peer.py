@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import types
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal, cast
@@ -663,17 +664,25 @@ def test_a_round_that_ends_before_its_update_lands_is_measured_as_if_it_landed_a
 
 
 def _bytes_beyond_the_state(peer: Peer) -> int:
-    """Bytes of live tensors that are none of θ, m, the instances' weights and AdamW moments."""
-    gc.collect()
+    """Bytes of the tensors the peer holds (reachable from it, not through code) that are none of θ,
+    m, the instances' weights and AdamW moments."""
     known = {t.untyped_storage().data_ptr() for t in [*peer.state.theta, *peer.state.momentum]}
     for inst in peer.local_instances:
         known |= {p.untyped_storage().data_ptr() for p in inst.params}
         for fields in inst.optimizer.state.values():
             known |= {v.untyped_storage().data_ptr() for v in fields.values() if isinstance(v, torch.Tensor)}
-    storages = {}
-    for obj in gc.get_objects():
-        if isinstance(obj, torch.Tensor) and obj.numel() >= 1024:
+    code = (types.FunctionType, types.MethodType, types.ModuleType, types.BuiltinFunctionType, type)
+    storages: dict[int, int] = {}
+    seen, todo = {id(peer)}, [peer]
+    while todo:
+        obj = todo.pop()
+        if isinstance(obj, torch.Tensor):
             storages[obj.untyped_storage().data_ptr()] = obj.untyped_storage().nbytes()
+            continue
+        for ref in gc.get_referents(obj):
+            if id(ref) not in seen and not isinstance(ref, code):
+                seen.add(id(ref))
+                todo.append(ref)
     return sum(size for ptr, size in storages.items() if ptr not in known)
 
 
