@@ -380,8 +380,8 @@ class RoundLoop:
                 self._wait_and_land(stopping=False)
 
         self.ops.phase = "training"
-        late = land if land_late and self._inflight is not None else None
-        local = self.peer.train_round(on_step=step_done, from_theta=from_theta, land=late)
+        at_end = land if land_late and self._inflight is not None else None
+        local = self.peer.train_round(on_step=step_done, from_theta=from_theta, land=at_end)
         self.ops.counters.tokens_total += local.tokens
         self.metrics.tokens.inc(local.tokens)
         self.metrics.samples.inc(local.samples)

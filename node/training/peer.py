@@ -360,7 +360,7 @@ class Peer:
             results = self._run_instances(plans, steps, from_theta=not overlapped, on_step=on_step)
             if land is not None:
                 # Still in the round: a merge the update decides waits for its end (`_local_round`).
-                land(self._compute_s(results, plans))
+                land(self._compute_s(self._by_device(results, plans)))
                 if any(isinstance(inst, Instance) and inst.start_pending for inst in self.instances):
                     self.rebase_instances()
                 # An instance whose steps ended before the shift gave its start has an empty Δ (even
@@ -459,7 +459,7 @@ class Peer:
                 if isinstance(r.delta, PseudoGradient):
                     r.delta.release()  # read tensor by tensor into the mean; never computed whole
         by_device = self._by_device(results, plans)
-        compute_s = self._compute_s(results, plans)
+        compute_s = self._compute_s(by_device)
         slot_stats = [r.stats for r in results]
         for victim, survivor, batch in self._deferred_merges:
             # A merge decided while this round ran: the survivor's slot reports both instances.
@@ -504,9 +504,10 @@ class Peer:
                 by_device[label] = (tokens_before + round(r.tokens * part), seconds + r.compute_s)
         return by_device
 
-    def _compute_s(self, results: Sequence[InstanceRound], plans: Sequence[BatchPlan]) -> float:
+    @staticmethod
+    def _compute_s(by_device: Mapping[str, tuple[int, float]]) -> float:
         """Devices train at once: a round takes as long as the busiest device's instances in turn."""
-        return max(seconds for _, seconds in self._by_device(results, plans).values())
+        return max(seconds for _, seconds in by_device.values())
 
     # ---- contribution --------------------------------------------------------------------------
 
