@@ -452,30 +452,41 @@ def test_a_malformed_report_is_dropped_by_every_member_and_the_round_completes(
 
 
 def _count_decodes(monkeypatch: pytest.MonkeyPatch) -> Counter[bytes]:
-    """Count `codecs.decode` calls by payload, in every module of the package that imported it."""
+    """Count the reads of each payload's values, whole (`codecs.decode`) or span by span
+    (`codecs.decoded_spans`), in every module of the package that imported them."""
     counts: Counter[bytes] = Counter()
     lock = threading.Lock()  # owners decode on their own executor threads
-    real = codecs.decode
+    real, real_spans = codecs.decode, codecs.decoded_spans
 
     def counting(payload: bytes) -> torch.Tensor:
         with lock:
             counts[bytes(payload)] += 1
         return real(payload)
 
+    def counting_spans(payload: bytes, span: int = codecs.SPAN) -> Iterator[torch.Tensor]:
+        with lock:
+            counts[bytes(payload)] += 1
+        return real_spans(payload, span)
+
     for module in list(sys.modules.values()):
-        if getattr(module, "__name__", "").startswith("adloco.") and getattr(module, "decode", None) is real:
+        if not getattr(module, "__name__", "").startswith("adloco."):
+            continue
+        if getattr(module, "decode", None) is real:
             monkeypatch.setattr(module, "decode", counting)
+        if getattr(module, "decoded_spans", None) is real_spans:
+            monkeypatch.setattr(module, "decoded_spans", counting_spans)
     return counts
 
 
 def test_every_payload_is_decoded_as_often_as_its_checks_need(
     swarm: Swarm, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Owners check what they receive from its header (`codecs.payload_shape`) and decode each
-    contributed payload exactly once, when they reduce it. Over the network every member also
-    decodes its own payloads twice (the norms it commits to, then its projections:
-    protocol/transport/verification.py) and each answer it did not reduce itself once, to check it;
-    nothing else is decoded in a round."""
+    """Owners check what they receive from its header (`codecs.payload_shape`) and read each
+    contributed payload's values exactly twice, a span at a time, when they reduce it: its norm for
+    the screening, then the mean (holding every decoded payload between the two was the reduction's
+    peak memory, issue 28 §2). Over the network every member also reads its own payloads twice (the
+    norms it commits to, then its projections: protocol/transport/verification.py) and each answer
+    it did not reduce itself once, to check it; nothing else is read in a round."""
     swarm.add_nodes(3)
     averagers = [swarm.averager(i) for i in range(3)]
     contributions = _contributions(averagers, "int8", seed=11)
@@ -485,13 +496,13 @@ def test_every_payload_is_decoded_as_often_as_its_checks_need(
     assert all(r is not None for r in results)
     contributed = Counter(p for c in contributions for p in c.payloads.values())
     if swarm.kind == "memory":
-        assert decodes == contributed
+        assert decodes == Counter({p: 2 * n for p, n in contributed.items()})
         return
     answers = Counter(a for r in results if r is not None for a in r.averaged.values())
     assert all(n == len(averagers) for n in answers.values())  # every member holds every answer
     # Each answer is checked by the members that did not reduce it.
     checked = Counter({a: n - 1 for a, n in answers.items()})
-    assert decodes == Counter({p: 3 * n for p, n in contributed.items()}) + checked
+    assert decodes == Counter({p: 4 * n for p, n in contributed.items()}) + checked
 
 
 def test_alone_timeouts_and_misuse(swarm: Swarm) -> None:

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import math
 import random
 import re
 import resource
 import struct
+import tracemalloc
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +28,7 @@ from adloco.protocol.algorithms.adaptive import (
     relative_error,
 )
 from adloco.protocol.algorithms.codecs import (
+    SPAN,
     Codec,
     Int4Codec,
     Int8Codec,
@@ -34,6 +37,7 @@ from adloco.protocol.algorithms.codecs import (
     SparseCodec,
     decode,
     decode_tensors,
+    decoded_spans,
     encode_tensors,
     make_codec,
     payload_shape,
@@ -722,3 +726,93 @@ def test_choose_is_deterministic_and_ignores_warm_state() -> None:
     assert choose_codec(tensors, candidates=["int8", "int8"], max_rel_error=0.0).spec == "int8"
     with pytest.raises(ValueError):
         choose_codec(tensors, candidates=[], max_rel_error=0.1)
+
+
+# --- span by span (an owner's reduction and a member's checks, issue 28 §2) ---------------------
+
+SPAN_SHAPES = [(), (0,), (7,), (SPAN + 77,), (3 * SPAN,), (1025, 2049)]
+SPAN_CODECS: list[Callable[[], Codec]] = [
+    *(
+        functools.partial(make_codec, spec)
+        for spec in ("none", "fp16", "int8", "int4", "sparse", "lowrank:3")
+    ),
+    functools.partial(Int8Codec, 100),  # blocks that straddle spans
+    functools.partial(Int4Codec, 33),
+]
+
+
+@pytest.mark.parametrize("make", SPAN_CODECS)
+@pytest.mark.parametrize("shape", SPAN_SHAPES)
+def test_a_payload_decoded_span_by_span_is_its_whole_decode_bit_for_bit(
+    make: Callable[[], Codec], shape: tuple[int, ...]
+) -> None:
+    """`decoded_spans` yields `SPAN` values at a time (the last fewer), and together they are
+    `decode`'s values bit for bit, NaN included, whatever the block size."""
+    tensor = torch.randn(shape, generator=torch.Generator().manual_seed(3))
+    if tensor.numel() > 10:
+        tensor.view(-1)[5] = math.nan
+    payload = make().encode("w", tensor)
+    spans = list(decoded_spans(payload))
+    assert [len(s) for s in spans[:-1]] == [SPAN] * (len(spans) - 1)
+    whole = decode(payload).reshape(-1)
+    joined = torch.cat(spans) if spans else torch.empty(0)
+    assert torch.equal(joined.view(torch.int32), whole.view(torch.int32))
+
+
+@pytest.mark.parametrize("make", SPAN_CODECS)
+@pytest.mark.parametrize("shape", SPAN_SHAPES)
+def test_a_codec_encodes_from_spans_the_bytes_it_encodes_whole(
+    make: Callable[[], Codec], shape: tuple[int, ...]
+) -> None:
+    """`encode_spans` of a tensor's values, `SPAN` at a time, gives `encode`'s bytes (the dense
+    codecs encode each span as it comes; the others gather them first)."""
+    tensor = torch.randn(shape, generator=torch.Generator().manual_seed(4))
+    flat = tensor.reshape(-1)
+    spans = (flat[start : start + SPAN] for start in range(0, flat.numel(), SPAN))
+    assert make().encode_spans("w", tuple(shape), spans) == make().encode("w", tensor)
+    with pytest.raises(ValueError, match="span"):  # too few values for the shape
+        make().encode_spans("w", (flat.numel() + 1,), [flat])
+
+
+def test_a_dense_payload_is_read_a_span_at_a_time() -> None:
+    """Reading an int8 payload of 16 Mi values span by span allocates a few spans' worth of memory
+    (numpy's allocations, traced), not the 64 MiB its whole decode does."""
+    payload = make_codec("int8").encode("w", gaussian(16 * SPAN, seed=5))
+    tracemalloc.start()
+    try:
+        for _ in decoded_spans(payload):
+            pass
+        _, spans_peak = tracemalloc.get_traced_memory()
+        tracemalloc.reset_peak()
+        decode(payload)
+        _, whole_peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert spans_peak < 3 * 4 * SPAN < 64 * 2**20 <= whole_peak
+
+
+def test_an_int8_residual_is_fed_back_a_span_at_a_time() -> None:
+    """Two rounds of error feedback into an int8 residual over a tensor of 16 Mi values: the payload
+    and the residual are those of the arithmetic done whole (e + Δ encoded, the decoded payload taken
+    off, e stored), bit for bit, and the second round allocates (traced) about its payload's bytes,
+    twice, and a few spans, where decoding the payload whole alone is 64 MiB: the residual, e + Δ and
+    the decoded payload whole were 12 B/param of the largest tensor in every contribution."""
+    numel = 16 * SPAN
+    generator = torch.Generator().manual_seed(12)
+    deltas = [torch.randn(numel, generator=generator) for _ in range(2)]
+    codec = make_codec("int8")
+    feedback = ErrorFeedback(torch.int8)
+    feedback.compress_tensor(codec, "w", deltas[0])
+    residual = Int8Residual(torch.zeros(numel))
+    residual.store(feedback.state_dict()["w"])
+    tracemalloc.start()
+    try:
+        payload = feedback.compress_tensor(codec, "w", deltas[1])
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    whole = residual.dequantize().add_(deltas[1])
+    assert payload == codec.encode("w", whole)
+    residual.store(whole.sub_(decode(payload)))
+    assert torch.equal(feedback.state_dict()["w"], residual.dequantize(torch.bfloat16))
+    assert peak < 2 * len(payload) + 6 * 4 * SPAN < 4 * numel

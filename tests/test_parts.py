@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import math
+import tracemalloc
 
 import pytest
 import torch
 
-from adloco.protocol.algorithms.codecs import decode, make_codec
+from adloco.protocol.algorithms.codecs import SPAN, decode, make_codec
 from adloco.protocol.algorithms.parts import (
     DEFAULT_OUTLIER_FACTOR,
     assign_parts,
@@ -16,6 +17,7 @@ from adloco.protocol.algorithms.parts import (
     round_traffic,
     screen_part,
     screening_work,
+    weighted_sum,
 )
 
 NONE = make_codec("none")
@@ -288,3 +290,24 @@ def test_a_zero_token_claim_is_left_out_and_does_not_change_how_the_others_are_s
     assert screen_norms(norms, 10.0, work) == {3: "claims no work"}
     assert screen_norms(norms[:3], 10.0, work[:3]) == {}  # the same verdicts on the others
     assert screening_work([0.0, 0.0], None) is None  # nobody says what any work was: raw norms
+
+
+def test_an_owners_mean_reads_a_span_of_each_payload_never_one_decoded_whole() -> None:
+    """Three int8 payloads of 16 Mi values: the owner's mean is what the weighted sum of their
+    decoded tensors encodes to, bit for bit, and reducing them allocates (numpy's and Python's
+    allocations, traced) about its answer's bytes, twice, and a few spans, where one whole decode
+    alone is 64 MiB. It runs beside the next round's training step (issue 28 §2)."""
+    numel = 16 * SPAN
+    int8 = make_codec("int8")
+    generator = torch.Generator().manual_seed(8)
+    payloads = [int8.encode("w", torch.randn(numel, generator=generator) * (1 + i)) for i in range(3)]
+    tracemalloc.start()
+    try:
+        part = reduce_part(payloads, [1.0, 2.0, 3.0], int8, "w", tokens=[10.0, 20.0, 30.0])
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert not part.rejected
+    expected = int8.encode("w", weighted_sum([decode(p) for p in payloads], [1 / 60, 2 / 60, 3 / 60]))
+    assert part.payload == expected
+    assert peak < 2 * len(part.payload) + 6 * 4 * SPAN < 4 * numel

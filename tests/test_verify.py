@@ -9,13 +9,14 @@ seed alone, whatever the chunking.
 from __future__ import annotations
 
 import math
+import tracemalloc
 from collections.abc import Callable
 
 import pytest
 import torch
 
 from adloco.protocol.algorithms import verify
-from adloco.protocol.algorithms.codecs import decode, error_bound, make_codec, sum_payload
+from adloco.protocol.algorithms.codecs import SPAN, Int8Codec, decode, error_bound, make_codec, sum_payload
 from adloco.protocol.algorithms.downlink import Gather
 from adloco.protocol.algorithms.parts import MEAN, SCREENED, Aggregate, Clip, reduce_part, tensor_norm
 from adloco.protocol.algorithms.verify import Claim, Misanswer, Misprojection
@@ -46,11 +47,12 @@ def _check(
     """What a member does with one part's answer (verify's steps 1-4), all projections known."""
     factors = verify.expected_factors(claims, codes, outlier_factor=10.0, work_cap=None)
     decoded = decode(payload)
-    if verify.check_exact(payload, decoded, claims, factors):
+    if verify.check_exact(payload, claims, factors):
         return
     assert factors is not None
-    verify.check_bound(decoded, payload, claims, factors, aggregate)
-    tolerance = verify.mean_tolerance(payload, decoded, claims, factors)
+    facts = verify.answer_facts(payload, SEED, "w")
+    verify.check_bound(facts, claims, factors, aggregate)
+    tolerance = verify.mean_tolerance(facts, claims, factors)
     if aggregate.rule != "mean" or tolerance is None:
         return
     projections = {i: verify.project_payload(p, SEED, "w") for i, p in enumerate(payloads)}
@@ -127,8 +129,9 @@ def _pass_rate(
     factors = verify.expected_factors(claims, codes, outlier_factor=10.0, work_cap=None)
     assert factors is not None
     decoded = decode(told)
-    verify.check_bound(decoded, told, claims, factors, MEAN)  # within the norm: only z can tell
-    tolerance = verify.mean_tolerance(told, decoded, claims, factors)
+    facts = verify.answer_facts(told, None, "w")
+    verify.check_bound(facts, claims, factors, MEAN)  # within the norm: only z can tell
+    tolerance = verify.mean_tolerance(facts, claims, factors)
     assert tolerance is not None
     passed = 0
     for trial in range(trials):
@@ -154,7 +157,7 @@ def test_a_lie_within_the_norm_passes_as_rarely_as_its_size_says(spec: str, lie:
     told = make_codec(spec).encode("w", LIES[lie](decode(honest)))
     factors = verify.expected_factors(claims, codes, outlier_factor=10.0, work_cap=None)
     assert factors is not None
-    tolerance = verify.mean_tolerance(told, decode(told), claims, factors) or 0.0
+    tolerance = verify.mean_tolerance(verify.answer_facts(told, None, "w"), claims, factors) or 0.0
     mean = sum(f * decode(payloads[i]) for i, f in factors)
     error = float((decode(told) - mean).norm())
     predicted = math.erf(tolerance * math.sqrt(3) / (error * math.sqrt(2)))
@@ -212,27 +215,27 @@ def test_exact_answers_forwarded_gathered_or_zero() -> None:
     codes = {1: "scored", 2: "scored"}
     factors = verify.expected_factors(claims, codes, outlier_factor=10.0, work_cap=None)
     assert factors == [(0, 1.0)]
-    assert verify.check_exact(payloads[0], decode(payloads[0]), claims, factors)
+    assert verify.check_exact(payloads[0], claims, factors)
     with pytest.raises(Misanswer):
-        verify.check_exact(payloads[1], decode(payloads[1]), claims, factors)
+        verify.check_exact(payloads[1], claims, factors)
     # Gathered: the accepted contributions with their factors.
     factors = verify.expected_factors(claims, {}, outlier_factor=10.0, work_cap=None)
     assert factors is not None
     gathered = Gather(make_codec("int8")).gather(payloads, [f for _, f in factors])
-    assert verify.check_exact(gathered, decode(gathered), claims, factors)
+    assert verify.check_exact(gathered, claims, factors)
     swapped = sum_payload([payloads[0], payloads[0], payloads[2]], [f for _, f in factors])
     with pytest.raises(Misanswer):
-        verify.check_exact(swapped, decode(swapped), claims, factors)
+        verify.check_exact(swapped, claims, factors)
     reweighed = sum_payload(payloads, [1.0, 0.0, 0.0])
     with pytest.raises(Misanswer):
-        verify.check_exact(reweighed, decode(reweighed), claims, factors)
+        verify.check_exact(reweighed, claims, factors)
     # Nothing weighs: zeros, and anything else is a lie.
     zero = [Claim(0.0, 0.0, c.norm, c.digest) for c in claims]
     assert verify.expected_factors(zero, {}, outlier_factor=10.0, work_cap=None) is None
     zeros = make_codec("int8").encode("w", torch.zeros(*SHAPE))
-    assert verify.check_exact(zeros, decode(zeros), zero, None)
+    assert verify.check_exact(zeros, zero, None)
     with pytest.raises(Misanswer):
-        verify.check_exact(payloads[0], decode(payloads[0]), zero, None)
+        verify.check_exact(payloads[0], zero, None)
 
 
 @pytest.mark.parametrize(
@@ -263,7 +266,7 @@ def test_a_projection_beyond_its_committed_norm_is_refused_and_a_missing_one_wid
     factors = verify.expected_factors(claims, codes, outlier_factor=10.0, work_cap=None)
     assert factors is not None
     decoded = decode(answer)
-    tolerance = verify.mean_tolerance(answer, decoded, claims, factors)
+    tolerance = verify.mean_tolerance(verify.answer_facts(answer, None, "w"), claims, factors)
     assert tolerance is not None
     full = {i: verify.project_payload(p, SEED, "w") for i, p in enumerate(payloads)}
     t = verify.project(decoded, SEED, "w")
@@ -323,8 +326,9 @@ def _check_clip(
     factors = verify.stated_factors(clip, mean, aggregate)
     assert mean is not None and factors is not None
     decoded = decode(answer)
-    verify.check_bound(decoded, answer, claims, factors, MEAN)
-    tolerance = verify.mean_tolerance(answer, decoded, claims, factors)
+    facts = verify.answer_facts(answer, SEED, "w")
+    verify.check_bound(facts, claims, factors, MEAN)
+    tolerance = verify.mean_tolerance(facts, claims, factors)
     bound = error_bound(answer, decoded)
     assert tolerance is not None and bound is not None
     projections = {i: verify.project_payload(p, SEED, "w") for i, p in enumerate(payloads)}
@@ -431,3 +435,49 @@ def test_an_inner_product_beyond_its_committed_norm_is_the_contributors_lie() ->
     verify.check_dot(true, claims[1], tensor_norm(decoded))
     with pytest.raises(Misprojection):
         verify.check_dot(claims[1].norm * tensor_norm(decoded) * 1.01, claims[1], tensor_norm(decoded))
+
+
+@pytest.mark.parametrize("spec", ["int8", "int4", "fp16", "none", "int8:100"])
+def test_a_members_check_reads_an_answer_a_span_at_a_time(spec: str) -> None:
+    """`answer_facts` reads an answer of 8 Mi + 77 values span by span and finds what the whole
+    decode gives: `tensor_norm`, `project` and `error_bound` of it, the norm and projection bit for
+    bit (blocks of 100 straddle the spans); the projections and inner products a member sends of
+    its own payloads too. Reading it allocates (traced) a few spans, where its whole decode alone
+    is 32 MiB: the checks run beside the next round's training step (issue 28 §2)."""
+    codec = Int8Codec(100) if spec == "int8:100" else make_codec(spec)
+    generator = torch.Generator().manual_seed(9)
+    answer = codec.encode("w", torch.randn(8 * SPAN + 77, generator=generator))
+    other = codec.encode("w", torch.randn(8 * SPAN + 77, generator=generator))
+    decoded = decode(answer)
+    tracemalloc.start()
+    try:
+        facts = verify.answer_facts(answer, SEED, "w")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 * 4 * SPAN < 4 * decoded.numel()
+    assert facts.norm == tensor_norm(decoded)
+    assert facts.projection == verify.project(decoded, SEED, "w")
+    assert verify.answer_facts(answer, None, "w").projection == 0.0
+    bound = error_bound(answer, decoded)
+    assert facts.rounding is not None and bound is not None
+    assert facts.rounding.l2 == pytest.approx(bound.l2, rel=1e-12)
+    assert facts.rounding.peak == pytest.approx(bound.peak, rel=1e-12)
+    assert verify.project_payload(other, SEED, "w") == verify.project(decode(other), SEED, "w")
+    assert verify.inner_payloads(other, answer) == verify.inner(decode(other), decoded)
+
+
+def test_a_block_that_no_honest_encoder_made_is_caught_across_spans() -> None:
+    """An int8 answer (blocks of 100, which straddle the spans) whose block 10485, split between the
+    first and second span, holds a largest value below its scale: `answer_facts` raises as
+    `error_bound` does, as it does for a block inside a span."""
+    codec = Int8Codec(100)
+    tensor = torch.randn(2 * SPAN, generator=torch.Generator().manual_seed(10))
+    for block in (10485, 3):  # straddling SPAN (1048576 = 10485 * 100 + 76), and inside the first
+        lie = bytearray(codec.encode("w", tensor))
+        at = len(lie) - tensor.numel() + block * 100  # the block's values
+        lie[at : at + 100] = bytes(100)  # zeros under a nonzero scale
+        with pytest.raises(ValueError, match="no honest encoder"):
+            error_bound(bytes(lie), decode(bytes(lie)))
+        with pytest.raises(ValueError, match="no honest encoder"):
+            verify.answer_facts(bytes(lie), SEED, "w")

@@ -26,7 +26,7 @@ residual at its next commit. What is dropped is lost as under "encode", never se
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Literal
 
 import torch
@@ -132,6 +132,9 @@ class Gather(Codec):
 
     def encode(self, key: str, tensor: torch.Tensor) -> bytes:
         return self.inner.encode(key, tensor)
+
+    def encode_spans(self, key: str, shape: tuple[int, ...], spans: Iterable[torch.Tensor]) -> bytes:
+        return self.inner.encode_spans(key, shape, spans)
 
     def wire_bytes(self, shape: tuple[int, ...]) -> int:
         """A single encode's (a gathered part is the sum of its contributions' sizes and a header)."""

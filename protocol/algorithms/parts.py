@@ -37,12 +37,12 @@ from __future__ import annotations
 import logging
 import math
 import statistics
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from .codecs import Codec, decode
+from .codecs import SPAN, Codec, decode, decoded_spans, payload_shape
 from .downlink import Gather
 from .scoring import Scorer
 
@@ -281,16 +281,38 @@ def tensor_norm(tensor: torch.Tensor) -> float:
     value is: the squares are summed in float32 per chunk of 2**16 values (30x faster than a float64
     pass; ~1e-7 relative) and the chunks in float64, and a chunk whose float32 sum overflows is summed
     again in float64, where the squares of finite float32 values cannot overflow."""
-    flat = tensor.reshape(-1)
-    total = 0.0
-    for start in range(0, flat.numel(), _NORM_CHUNK):
-        chunk = flat[start : start + _NORM_CHUNK].float()
-        squares = float(torch.dot(chunk, chunk))
-        if not math.isfinite(squares):
-            wide = chunk.to(torch.float64)
-            squares = float(torch.dot(wide, wide))
-        total += squares
-    return math.sqrt(total)
+    norm = Norm()
+    norm.add(tensor.reshape(-1))
+    return norm.value
+
+
+def payload_norm(payload: bytes) -> float:
+    """`tensor_norm(decode(payload))`, bit for bit, from its decoded spans (never decoded whole)."""
+    norm = Norm()
+    for span in decoded_spans(payload):
+        norm.add(span)
+    return norm.value
+
+
+class Norm:
+    """`tensor_norm` of the values `add`ed so far, in order: the same number whether they come
+    whole or in spans of whole chunks (as `codecs.decoded_spans` yields them)."""
+
+    def __init__(self) -> None:
+        self._squares = 0.0
+
+    def add(self, flat: torch.Tensor) -> None:
+        for start in range(0, flat.numel(), _NORM_CHUNK):
+            chunk = flat[start : start + _NORM_CHUNK].float()
+            squares = float(torch.dot(chunk, chunk))
+            if not math.isfinite(squares):
+                wide = chunk.to(torch.float64)
+                squares = float(torch.dot(wide, wide))
+            self._squares += squares
+
+    @property
+    def value(self) -> float:
+        return math.sqrt(self._squares)
 
 
 def screen_part(
@@ -418,11 +440,13 @@ def reduce_part(
     """
     _check_inputs(payloads, weights, tokens)
     check_outlier_factor(outlier_factor)
-    tensors = [decode(payload) for payload in payloads]
-    shapes = {tuple(t.shape) for t in tensors}
+    shapes = {payload_shape(payload) for payload in payloads}  # every check decoding makes
     if len(shapes) != 1:
         raise ValueError(f"{key}: payload shapes differ: {sorted(shapes)}")
-    norms = [tensor_norm(t) for t in tensors]
+    (shape,) = shapes
+    # A span of each payload at a time, never one decoded whole: the reduction runs beside the next
+    # round's training step (overlap), where whole tensors were its peak (issue 28 §2).
+    norms = [payload_norm(payload) for payload in payloads]
     excluded = dict(excluded or {})
     codes = dict.fromkeys(excluded, SCORED)
     if claimed_norms is not None:
@@ -435,12 +459,12 @@ def reduce_part(
         norms = [float(n) for n in claimed_norms]
     rejected = _screen(norms, outlier_factor, excluded, screening_work(tokens, work_cap))
     codes = {i: codes.get(i, SCREENED) for i in rejected}
-    accepted = [i for i in range(len(tensors)) if i not in rejected]
+    accepted = [i for i in range(len(payloads)) if i not in rejected]
     normalized = _normalized(
         [weights[i] for i in accepted], None if tokens is None else [tokens[i] for i in accepted]
     )
     if normalized is None:
-        return ReducedPart(codec.encode(key, torch.zeros_like(tensors[0])), rejected, codes)
+        return ReducedPart(codec.encode_spans(key, shape, _zero_spans(math.prod(shape))), rejected, codes)
     if normalized == [1.0]:
         # The average of one contribution is that contribution: forward its bytes rather than
         # re-encode them and add a second compression error.
@@ -449,10 +473,19 @@ def reduce_part(
     if isinstance(gather, Gather) and aggregate.rule == "mean":
         # The contributions travel as they came, with the factors of their mean (`downlink`).
         return ReducedPart(gather.gather([payloads[i] for i in accepted], normalized), rejected, codes)
-    average, clip = aggregate.combine_stated([tensors[i] for i in accepted], normalized)
+    if aggregate.rule == "mean" or len(accepted) < MIN_OUTLIER_GROUP:  # the mean, a span at a time
+        spans = zip(*(decoded_spans(payloads[i]) for i in accepted), strict=True)
+        sums = (weighted_sum(values, normalized) for values in spans)
+        return ReducedPart(codec.encode_spans(key, shape, sums), rejected, codes)
+    average, clip = aggregate.combine_stated([decode(payloads[i]) for i in accepted], normalized)
     if clip is not None:
         clip = Clip(clip.tau, {accepted[j]: rho for j, rho in clip.rhos.items()})
     return ReducedPart(codec.encode(key, average), rejected, codes, clip)
+
+
+def _zero_spans(numel: int) -> Iterator[torch.Tensor]:
+    for start in range(0, numel, SPAN):
+        yield torch.zeros(min(SPAN, numel - start))
 
 
 def _screen(

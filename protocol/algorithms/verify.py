@@ -68,13 +68,13 @@ from __future__ import annotations
 import hashlib
 import math
 import statistics
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from .codecs import decode, error_bound, sum_parts
+from .codecs import ErrorBound, Rounding, decoded_spans, payload_shape, sum_parts
 from .parts import (
     CLIP_AGREEMENT,
     CLIP_RADIUS_AGREEMENT,
@@ -84,11 +84,11 @@ from .parts import (
     SCREENED,
     Aggregate,
     Clip,
+    Norm,
     accepted_factors,
     clip_factor,
     clip_weights,
     screened_out,
-    tensor_norm,
 )
 
 KAPPA = 7.0
@@ -145,29 +145,85 @@ def project(tensor: torch.Tensor, seed: bytes, key: str) -> float:
     """<tensor, z> for part `key`'s direction, the products and their sum in float64 (exact to
     ~1e-16 relative, far below any tolerance)."""
     flat = tensor.reshape(-1)
-    total = 0.0
-    start = 0
-    for z in direction(seed, key, flat.numel()):
-        total += float(torch.dot(flat[start : start + len(z)].to(torch.float64), z))
-        start += len(z)
-    return total
+    projection = Projection(seed, key, flat.numel())
+    projection.add(flat)
+    return projection.value
+
+
+class Projection:
+    """`project` of the `numel` values `add`ed in order: the same number whether they come whole or
+    in spans of whole `PROJECTION_CHUNK`s (as `codecs.decoded_spans` yields them)."""
+
+    def __init__(self, seed: bytes, key: str, numel: int) -> None:
+        self._z = direction(seed, key, numel)
+        self.value = 0.0
+
+    def add(self, flat: torch.Tensor) -> None:
+        start = 0
+        while start < flat.numel():
+            z = next(self._z)
+            chunk = flat[start : start + len(z)]
+            if len(chunk) != len(z):
+                raise ValueError(f"a span of {flat.numel()} values, not whole chunks of {len(z)}")
+            self.value += float(torch.dot(chunk.to(torch.float64), z))
+            start += len(z)
 
 
 def inner(a: torch.Tensor, b: torch.Tensor) -> float:
     """<a, b> with the products and their sum in float64, in chunks (no whole-part float64 copy)."""
-    x, y = a.reshape(-1), b.reshape(-1)
-    if x.numel() != y.numel():
-        raise ValueError(f"inner product of {x.numel()} and {y.numel()} values")
+    return _inner_spans([a.reshape(-1)], [b.reshape(-1)])
+
+
+def _inner_spans(xs: Iterable[torch.Tensor], ys: Iterable[torch.Tensor]) -> float:
     total = []
-    for i in range(0, x.numel(), PROJECTION_CHUNK):
-        chunk = x[i : i + PROJECTION_CHUNK].to(torch.float64)
-        total.append(float(torch.dot(chunk, y[i : i + PROJECTION_CHUNK].to(torch.float64))))
+    for x, y in zip(xs, ys, strict=True):
+        if x.numel() != y.numel():
+            raise ValueError(f"inner product of {x.numel()} and {y.numel()} values")
+        for i in range(0, x.numel(), PROJECTION_CHUNK):
+            chunk = x[i : i + PROJECTION_CHUNK].to(torch.float64)
+            total.append(float(torch.dot(chunk, y[i : i + PROJECTION_CHUNK].to(torch.float64))))
     return math.fsum(total)
 
 
+def inner_payloads(a: bytes, b: bytes) -> float:
+    """`inner` of two payloads' decoded values, a span of each at a time (never decoded whole)."""
+    if payload_shape(a) != payload_shape(b):
+        raise ValueError(f"inner product of payloads of shapes {payload_shape(a)} and {payload_shape(b)}")
+    return _inner_spans(decoded_spans(a), decoded_spans(b))
+
+
 def project_payload(payload: bytes, seed: bytes, key: str) -> float:
-    """`project` of a payload's decoded values."""
-    return project(decode(payload), seed, key)
+    """`project` of a payload's decoded values, a span at a time (never decoded whole)."""
+    projection = Projection(seed, key, math.prod(payload_shape(payload)))
+    for span in decoded_spans(payload):
+        projection.add(span)
+    return projection.value
+
+
+@dataclass(frozen=True)
+class AnswerFacts:
+    """What the checks read of an answer's values, in one pass over its decoded spans: its norm
+    (`parts.tensor_norm`'s), its projection on the part's direction (`project`'s; 0.0 when not asked
+    for), how far an honest encoding's values may be from what was encoded (`codecs.error_bound`'s;
+    None where the payload does not bound it)."""
+
+    norm: float
+    projection: float
+    rounding: Rounding | None
+
+
+def answer_facts(payload: bytes, seed: bytes | None, key: str) -> AnswerFacts:
+    """`AnswerFacts` of `payload`, its projection on part `key`'s direction for the round's `seed`
+    (None: not projected), a span at a time: an answer is never decoded whole beside the training
+    step that runs while a round is checked. ValueError where `codecs.error_bound` raises it."""
+    norm, rounding = Norm(), ErrorBound(payload)
+    projection = None if seed is None else Projection(seed, key, math.prod(payload_shape(payload)))
+    for span in decoded_spans(payload):
+        norm.add(span)
+        rounding.add(span)
+        if projection is not None:
+            projection.add(span)
+    return AnswerFacts(norm.value, 0.0 if projection is None else projection.value, rounding.value)
 
 
 @dataclass(frozen=True)
@@ -208,15 +264,13 @@ def expected_factors(
     return None if factors is None else list(zip(accepted, factors, strict=True))
 
 
-def check_exact(
-    payload: bytes, decoded: torch.Tensor, claims: Sequence[Claim], factors: list[tuple[int, float]] | None
-) -> bool:
+def check_exact(payload: bytes, claims: Sequence[Claim], factors: list[tuple[int, float]] | None) -> bool:
     """Check the answers that need no projection; True when `payload` is one of them and right,
     False when it must be projected (or bounded). Misanswer when it is wrong: nonzero where nothing
     weighs, not the single contribution it stands for, or a sum that does not carry the accepted
     contributions with their factors."""
     if factors is None:
-        if bool(decoded.count_nonzero()):
+        if any(bool(span.count_nonzero()) for span in decoded_spans(payload)):
             raise Misanswer("nothing weighs in this part, yet the answer is not zeros")
         return True
     if len(factors) == 1 and factors[0][1] == 1.0:
@@ -252,16 +306,16 @@ def bernstein(l2: float, peak: float, kappa: float = KAPPA) -> float:
 
 
 def mean_tolerance(
-    payload: bytes, decoded: torch.Tensor, claims: Sequence[Claim], factors: list[tuple[int, float]]
+    facts: AnswerFacts, claims: Sequence[Claim], factors: list[tuple[int, float]]
 ) -> float | None:
     """How far an honest mean's <v, z> may be from Σ f_j s_j: `bernstein` of the answer's rounding
     (`codecs.error_bound`), plus κ × one float32 rounding per term of the owner's sum and of the
     factors (Hoeffding). None for an answer whose payload bounds no error (low rank, sparse)."""
-    rounding = error_bound(payload, decoded)
+    rounding = facts.rounding
     if rounding is None:
         return None
     weighed = math.fsum(f * claims[i].norm for i, f in factors)
-    arithmetic = (len(factors) + 2) * FLOAT32_ROUNDING * (weighed + tensor_norm(decoded))
+    arithmetic = (len(factors) + 2) * FLOAT32_ROUNDING * (weighed + facts.norm)
     return bernstein(rounding.l2, rounding.peak) + KAPPA * arithmetic
 
 
@@ -368,8 +422,7 @@ def check_clip(
 
 
 def check_bound(
-    decoded: torch.Tensor,
-    payload: bytes,
+    facts: AnswerFacts,
     claims: Sequence[Claim],
     factors: list[tuple[int, float]],
     aggregate: Aggregate,
@@ -383,9 +436,8 @@ def check_bound(
         allowed = math.fsum(f * claims[i].norm for i, f in factors)
     else:
         allowed = total * math.sqrt(math.fsum(claims[i].norm ** 2 for i, _ in factors))
-    bound = error_bound(payload, decoded)
-    rounding = 0.0 if bound is None else bound.l2
-    norm = tensor_norm(decoded)
+    rounding = 0.0 if facts.rounding is None else facts.rounding.l2
+    norm = facts.norm
     allowed = allowed * (1 + 1e-6) + rounding
     if not norm <= allowed:
         raise Misanswer(f"the answer's norm {norm:.6g} exceeds the {allowed:.6g} its contributions allow")

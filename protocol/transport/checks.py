@@ -16,8 +16,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ..algorithms import verify
-from ..algorithms.codecs import decode, error_bound, payload_codec, sum_count
-from ..algorithms.parts import MIN_OUTLIER_GROUP, MISMATCH, SCORED, Aggregate, Clip, tensor_norm
+from ..algorithms.codecs import payload_codec, sum_count
+from ..algorithms.parts import MIN_OUTLIER_GROUP, MISMATCH, SCORED, Aggregate, Clip
 from ..algorithms.verify import Claim, Misanswer, Misprojection
 from .evidence import Evidence
 from .matchmaking import Caught
@@ -39,12 +39,10 @@ the part's answer (None where it sent none)."""
 
 def statements_of(payloads: Mapping[str, bytes], answer: bytes, seed: bytes, key: str) -> dict[str, Shown]:
     """What each of `payloads` truly gives: its projection and its inner product with `answer`."""
-    decoded = decode(answer)
-    true: dict[str, Shown] = {}
-    for peer, payload in payloads.items():
-        values = decode(payload)
-        true[peer] = (verify.project(values, seed, key), verify.inner(values, decoded))
-    return true
+    return {
+        peer: (verify.project_payload(payload, seed, key), verify.inner_payloads(payload, answer))
+        for peer, payload in payloads.items()
+    }
 
 
 def agree_all(true: Shown, claimed: Shown) -> bool:
@@ -201,13 +199,12 @@ class Checked:
 
 def check_part(part: Part, seed: bytes, settings: Settings) -> Checked:
     """Everything about one part's answer that needs no other member's projection (on an executor:
-    it decodes the answer); Caught (proven) when the answer is wrong on its face."""
+    it decodes the answer, a span at a time); Caught (proven) when the answer is wrong on its face."""
     try:
         codec = payload_codec(part.payload)
         if codec == "sum" and len(part.contributors) < sum_count(part.payload):
             raise Misanswer("a sum of more payloads than contributors")
-        decoded = decode(part.payload)
-        if verify.check_exact(part.payload, decoded, part.claims, part.factors):
+        if verify.check_exact(part.payload, part.claims, part.factors):
             return Checked(part)
         assert part.factors is not None
         # A weighted mean: the mean, CenteredClip with its factors, any rule below its minimum.
@@ -217,15 +214,15 @@ def check_part(part: Part, seed: bytes, settings: Settings) -> Checked:
             or len(part.factors) < MIN_OUTLIER_GROUP
         )
         rule = Aggregate() if weighted else settings.aggregate
-        verify.check_bound(decoded, part.payload, part.claims, part.factors, rule)
+        # One pass over the answer's spans: its norm, rounding and (for a weighted mean) projection.
+        facts = verify.answer_facts(part.payload, seed if weighted else None, part.key)
+        verify.check_bound(facts, part.claims, part.factors, rule)
         if not weighted:
             return Checked(part)
-        tolerance = verify.mean_tolerance(part.payload, decoded, part.claims, part.factors)
-        bound = error_bound(part.payload, decoded)
-        if tolerance is None or bound is None:
+        tolerance = verify.mean_tolerance(facts, part.claims, part.factors)
+        if tolerance is None or facts.rounding is None:
             return Checked(part)
-        projection = verify.project(decoded, seed, part.key)
-        return Checked(part, tolerance, projection, tensor_norm(decoded), bound.l2)
+        return Checked(part, tolerance, facts.projection, facts.norm, facts.rounding.l2)
     except ValueError as e:  # Misanswer, or an answer no honest encoder makes
         raise blame(part.owner, f"{part.key!r}: {e}", proven=True) from e
 
@@ -243,7 +240,7 @@ def own_dots(
     executor)."""
     dots: list[float | None] = []
     for key in layout:
-        dots.append(None if key not in clipped else verify.inner(decode(payloads[key]), decode(clipped[key])))
+        dots.append(None if key not in clipped else verify.inner_payloads(payloads[key], clipped[key]))
     return dots
 
 

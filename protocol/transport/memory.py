@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -41,6 +41,10 @@ class _OwnerCodecs(Codec):
     def encode(self, key: str, tensor: torch.Tensor) -> bytes:
         """Encode with the owner's codec."""
         return self._by_key[key].encode(key, tensor)
+
+    def encode_spans(self, key: str, shape: tuple[int, ...], spans: Iterable[torch.Tensor]) -> bytes:
+        """Encode with the owner's codec, span by span where it can."""
+        return self._by_key[key].encode_spans(key, shape, spans)
 
     def for_part(self, key: str) -> Codec:
         """The owner's codec."""

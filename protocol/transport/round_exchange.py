@@ -29,8 +29,8 @@ from hivemind.p2p import P2P, PeerID
 
 from ..algorithms.allreduce import Contribution
 from ..algorithms.claims import ClaimBounds
-from ..algorithms.codecs import Codec, decode, payload_codec, payload_shape
-from ..algorithms.parts import deal_parts, most_bytes_moved, tensor_norm
+from ..algorithms.codecs import Codec, payload_codec, payload_shape
+from ..algorithms.parts import deal_parts, most_bytes_moved, payload_norm
 from ..algorithms.trust import seeders as seeders_of
 from ..algorithms.verify import payload_digest
 from .averager import MemberResult
@@ -602,7 +602,7 @@ def own_facts(payloads: Mapping[str, bytes]) -> tuple[list[bytes], list[float]]:
     """What a member commits to of its payloads: their digests and the norms of their decoded values
     (`statements.Commitment`), in the layout's order."""
     digests = [payload_digest(p) for p in payloads.values()]
-    norms = [tensor_norm(decode(p)) for p in payloads.values()]
+    norms = [payload_norm(p) for p in payloads.values()]
     return digests, norms
 
 

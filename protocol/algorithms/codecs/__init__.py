@@ -47,9 +47,17 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from .decoding import Rounding, decode, error_bound, payload_codec, payload_shape
+from .decoding import (
+    ErrorBound,
+    Rounding,
+    decode,
+    decoded_spans,
+    error_bound,
+    payload_codec,
+    payload_shape,
+)
 from .dense import Fp16Codec, Int4Codec, Int8Codec, NoneCodec
-from .frame import DEFAULT_BLOCK_SIZE, MAGIC, VERSION, Codec, to_cpu_float
+from .frame import DEFAULT_BLOCK_SIZE, MAGIC, SPAN, VERSION, Codec, to_cpu_float
 from .lowrank import LowRankCodec, low_rank_product
 from .sparse import _MAX_SPARSE_CHUNK, SparseCodec
 from .sums import sum_count, sum_parts, sum_payload, sum_payload_bytes
@@ -57,8 +65,10 @@ from .sums import sum_count, sum_parts, sum_payload, sum_payload_bytes
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
     "MAGIC",
+    "SPAN",
     "VERSION",
     "Codec",
+    "ErrorBound",
     "Fp16Codec",
     "Int4Codec",
     "Int8Codec",
@@ -68,6 +78,7 @@ __all__ = [
     "SparseCodec",
     "decode",
     "decode_tensors",
+    "decoded_spans",
     "encode_tensors",
     "error_bound",
     "low_rank_product",

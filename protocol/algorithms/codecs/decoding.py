@@ -7,12 +7,13 @@ included), and what a payload says of itself, for verification: the codec family
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from .dense import Int4Codec, Int8Codec, _block_absmax
+from .dense import Int4Codec, Int8Codec, _block_absmax, dense_span
 from .frame import (
     _ID_FP16,
     _ID_INT4,
@@ -22,6 +23,7 @@ from .frame import (
     _ID_SPARSE,
     _ID_SUM,
     _U32,
+    SPAN,
     _read,
     _read_header,
     _read_u32,
@@ -43,6 +45,30 @@ def payload_shape(payload: bytes) -> tuple[int, ...]:
 def decode(payload: bytes) -> torch.Tensor:
     """Reconstruct the float32 CPU tensor of any codec's payload; ValueError if it is malformed."""
     return _read(bytes(payload), _READERS)[1]()
+
+
+def decoded_spans(payload: bytes, span: int = SPAN) -> Iterator[torch.Tensor]:
+    """`decode(payload).reshape(-1)`, `span` values at a time (the last may be fewer), bit for bit: a
+    dense payload (none, fp16, int8, int4) is decoded a span at a time and never whole, any other
+    whole first. What an owner's reduction and a member's checks read, so that a decoded part is
+    never whole beside the training step (4 B/param of the part, issue 28 §2). ValueError, raised
+    here and not at the first span, if the payload is malformed."""
+    payload = bytes(payload)
+    shape, build = _read(payload, _READERS)  # every check `decode` makes
+    numel = math.prod(shape)
+    dense = dense_span(payload)
+    read = dense[1] if dense is not None else None
+
+    def spans() -> Iterator[torch.Tensor]:
+        whole = build().reshape(-1) if read is None else None
+        for start in range(0, numel, span):
+            stop = min(start + span, numel)
+            if read is not None:
+                yield read(start, stop)
+            elif whole is not None:
+                yield whole[start:stop]
+
+    return spans()
 
 
 # --- what a payload says of itself (verification) -----------------------------------------------
@@ -91,35 +117,71 @@ def error_bound(payload: bytes, decoded: torch.Tensor) -> Rounding | None:
     encoder, and would let a liar widen the bound with an inflated absmax (a block "rounded" to
     zeros): ValueError. Non-finite values give inf.
     """
-    codec_id, shape, offset = _read_header(payload)
-    values = decoded.reshape(-1)
+    shape = payload_shape(payload)
     if tuple(decoded.shape) != shape:
         raise ValueError(f"decoded shape {tuple(decoded.shape)} is not the payload's {shape}")
-    if codec_id == _ID_NONE:
-        return Rounding(0.0, 0.0)
-    if codec_id == _ID_FP16:
-        norm = float(torch.linalg.vector_norm(values, dtype=torch.float64))
-        peak = float(values.abs().max()) if values.numel() else 0.0
-        return Rounding(
-            _FP16_RELATIVE * norm + _FP16_SUBNORMAL * math.sqrt(values.numel()),
-            _FP16_RELATIVE * peak + _FP16_SUBNORMAL,
+    bound = ErrorBound(payload)
+    bound.add(decoded.reshape(-1))
+    return bound.value
+
+
+class ErrorBound:
+    """`error_bound(payload, decoded)` with `decoded`'s flattened values `add`ed in order, in spans of
+    any length (the values of a block split between two spans wait for the rest); `value` once all
+    are in. ValueError from `add` for a block no honest encoder made, as `error_bound` raises it."""
+
+    def __init__(self, payload: bytes) -> None:
+        codec_id, shape, offset = _read_header(payload)
+        self._codec, self._numel, self._seen = codec_id, math.prod(shape), 0
+        self._squares, self._peak = 0.0, 0.0  # fp16: Σ x² in float64, max |x|
+        if codec_id not in (_ID_INT8, _ID_INT4):
+            return
+        self._qmax = Int8Codec._qmax if codec_id == _ID_INT8 else Int4Codec._qmax
+        self._block = block = _read_u32(payload, offset)
+        nblocks = -(-self._numel // block)
+        self._absmax = torch.from_numpy(
+            np.frombuffer(payload, dtype="<f4", count=nblocks, offset=offset + _U32.size).astype(np.float32)
         )
-    if codec_id not in (_ID_INT8, _ID_INT4):
-        return None
-    qmax = Int8Codec._qmax if codec_id == _ID_INT8 else Int4Codec._qmax
-    block = _read_u32(payload, offset)
-    numel = values.numel()
-    nblocks = -(-numel // block)
-    absmax = torch.from_numpy(
-        np.frombuffer(payload, dtype="<f4", count=nblocks, offset=offset + _U32.size).astype(np.float32)
-    )
-    if not bool(torch.isfinite(absmax).all()):
-        return Rounding(math.inf, math.inf)
-    largest = _block_absmax(values, block)
-    # ±qmax · absmax / qmax comes back within a rounding of absmax (for 1 % of values, not exactly).
-    if bool(((largest - absmax).abs() > absmax * 2.0**-22).any()):
-        raise ValueError("a block's largest value is not its absmax: no honest encoder made this payload")
-    counts = torch.full((nblocks,), float(block), dtype=torch.float64)
-    counts[-1] = numel - block * (nblocks - 1)
-    half_steps = absmax.to(torch.float64) / (2 * qmax)
-    return Rounding(math.sqrt(float((counts * half_steps.square()).sum())), float(half_steps.max()))
+        self._finite = bool(torch.isfinite(self._absmax).all())
+        self._carry = torch.empty(0)  # the values of a block that the next span completes
+
+    def add(self, flat: torch.Tensor) -> None:
+        self._seen += flat.numel()
+        if self._codec == _ID_FP16:
+            self._squares += float(torch.linalg.vector_norm(flat, dtype=torch.float64)) ** 2
+            self._peak = max(self._peak, float(flat.abs().max()) if flat.numel() else 0.0)
+        if self._codec not in (_ID_INT8, _ID_INT4) or not self._finite:
+            return
+        block = self._block
+        if self._carry.numel():
+            flat = torch.cat([self._carry, flat])
+        done = self._seen - flat.numel()  # values before `flat`: whole blocks
+        whole = flat.numel() if self._seen == self._numel else flat.numel() // block * block
+        self._carry = flat[whole:].clone()
+        first = done // block
+        largest = _block_absmax(flat[:whole], block)
+        absmax = self._absmax[first : first + len(largest)]
+        # ±qmax · absmax / qmax comes back within a rounding of absmax (for 1 % of values, not exactly).
+        if bool(((largest - absmax).abs() > absmax * 2.0**-22).any()):
+            raise ValueError("a block's largest value is not its absmax: no honest encoder made this payload")
+
+    @property
+    def value(self) -> Rounding | None:
+        if self._seen != self._numel:
+            raise ValueError(f"{self._seen} values of a payload of {self._numel}")
+        if self._codec == _ID_NONE:
+            return Rounding(0.0, 0.0)
+        if self._codec == _ID_FP16:
+            return Rounding(
+                _FP16_RELATIVE * math.sqrt(self._squares) + _FP16_SUBNORMAL * math.sqrt(self._numel),
+                _FP16_RELATIVE * self._peak + _FP16_SUBNORMAL,
+            )
+        if self._codec not in (_ID_INT8, _ID_INT4):
+            return None
+        if not self._finite:
+            return Rounding(math.inf, math.inf)
+        nblocks = len(self._absmax)
+        counts = torch.full((nblocks,), float(self._block), dtype=torch.float64)
+        counts[-1] = self._numel - self._block * (nblocks - 1)
+        half_steps = self._absmax.to(torch.float64) / (2 * self._qmax)
+        return Rounding(math.sqrt(float((counts * half_steps.square()).sum())), float(half_steps.max()))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import abc
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 import numpy.typing as npt
@@ -22,12 +22,14 @@ from .frame import (
     _STEP,
     _U32,
     DEFAULT_BLOCK_SIZE,
+    SPAN,
     Codec,
     _Build,
     _check_length,
     _header,
     _header_size,
     _little_endian,
+    _read_header,
     _read_u32,
     _Reader,
     _spans,
@@ -48,6 +50,12 @@ class NoneCodec(Codec):
         flat = to_cpu_float(tensor)
         return b"".join((_header(_ID_NONE, tuple(flat.shape)), _little_endian(flat.numpy(), "<f4")))
 
+    def encode_spans(self, key: str, shape: tuple[int, ...], spans: Iterable[torch.Tensor]) -> bytes:
+        """`encode` of the tensor the spans make up, span by span."""
+        pieces = [_little_endian(to_cpu_float(span).numpy(), "<f4") for span in spans]
+        _check_span_count(sum(len(p) for p in pieces) // 4, shape)
+        return b"".join((_header(_ID_NONE, shape), *pieces))
+
     def wire_bytes(self, shape: tuple[int, ...]) -> int:
         """Header plus 4 bytes per value."""
         return _header_size(shape) + 4 * math.prod(shape)
@@ -61,14 +69,30 @@ class Fp16Codec(Codec):
     def encode(self, key: str, tensor: torch.Tensor) -> bytes:
         """Encode `tensor` as little-endian float16 (round to nearest)."""
         flat = to_cpu_float(tensor)
-        # torch converts, numpy allocates: numpy's float16 conversion is ~10x slower than torch's.
-        half = np.empty(flat.numel(), dtype=np.float16)
-        torch.from_numpy(half).copy_(flat.reshape(-1))
-        return b"".join((_header(_ID_FP16, tuple(flat.shape)), _little_endian(half, "<f2")))
+        return b"".join((_header(_ID_FP16, tuple(flat.shape)), _little_endian(_half(flat), "<f2")))
+
+    def encode_spans(self, key: str, shape: tuple[int, ...], spans: Iterable[torch.Tensor]) -> bytes:
+        """`encode` of the tensor the spans make up, span by span."""
+        pieces = [_little_endian(_half(to_cpu_float(span)), "<f2") for span in spans]
+        _check_span_count(sum(len(p) for p in pieces) // 2, shape)
+        return b"".join((_header(_ID_FP16, shape), *pieces))
 
     def wire_bytes(self, shape: tuple[int, ...]) -> int:
         """Header plus 2 bytes per value."""
         return _header_size(shape) + 2 * math.prod(shape)
+
+
+def _half(flat: torch.Tensor) -> npt.NDArray[np.float16]:
+    """`flat`'s values as float16, round to nearest: torch converts, numpy allocates (numpy's float16
+    conversion is ~10x slower than torch's)."""
+    half = np.empty(flat.numel(), dtype=np.float16)
+    torch.from_numpy(half).copy_(flat.reshape(-1))
+    return half
+
+
+def _check_span_count(count: int, shape: tuple[int, ...]) -> None:
+    if count != math.prod(shape):
+        raise ValueError(f"spans of {count} values for a tensor of shape {shape}")
 
 
 def _block_absmax(flat: torch.Tensor, block: int) -> torch.Tensor:
@@ -133,10 +157,15 @@ class _BlockwiseCodec(Codec):
 
     @staticmethod
     @abc.abstractmethod
+    def _data(numel: int) -> npt.NDArray[np.generic]:
+        """An array for the data bytes of `numel` values."""
+
+    @staticmethod
+    @abc.abstractmethod
     def _pack(
-        spans: Iterator[tuple[int, int, npt.NDArray[np.float32]]], numel: int
-    ) -> npt.NDArray[np.generic]:
-        """The data bytes of `numel` values quantized by `_quantized_spans`."""
+        spans: Iterator[tuple[int, int, npt.NDArray[np.float32]]], data: npt.NDArray[np.generic], at: int
+    ) -> None:
+        """Write values quantized by `_quantized_spans` into `data`, the first at value `at` (even)."""
 
     @staticmethod
     @abc.abstractmethod
@@ -147,9 +176,38 @@ class _BlockwiseCodec(Codec):
         flat = to_cpu_float(tensor)
         values = flat.reshape(-1)
         absmax = _block_absmax(values, self.block_size).numpy()
-        spans = _quantized_spans(values.numpy(), absmax, self.block_size, self._qmax)
-        data = self._pack(spans, values.numel())
-        header = _header(self._codec_id, tuple(flat.shape)) + _U32.pack(self.block_size)
+        data = self._data(values.numel())
+        self._pack(_quantized_spans(values.numpy(), absmax, self.block_size, self._qmax), data, 0)
+        return self._join(tuple(flat.shape), absmax, data)
+
+    def encode_spans(self, key: str, shape: tuple[int, ...], spans: Iterable[torch.Tensor]) -> bytes:
+        """`encode` of the tensor the spans make up, span by span: its blocks never straddle two
+        spans (`SPAN` is a multiple of the block), so each is quantized as the whole tensor's is."""
+        block = self.block_size
+        if SPAN % block:
+            return super().encode_spans(key, shape, spans)
+        numel = math.prod(shape)
+        absmax = np.empty(-(-numel // block), dtype=np.float32)
+        data = self._data(numel)
+        at = 0
+        for span in spans:
+            values = to_cpu_float(span).reshape(-1)
+            n = values.numel()
+            if at + n > numel:
+                raise ValueError(f"spans of more than {numel} values for a tensor of shape {shape}")
+            if n % block and at + n != numel:
+                raise ValueError(f"a span of {n} values, not whole blocks of {block}")
+            scales = _block_absmax(values, block).numpy()
+            absmax[at // block : at // block + len(scales)] = scales
+            self._pack(_quantized_spans(values.numpy(), scales, block, self._qmax), data, at)
+            at += n
+        _check_span_count(at, shape)
+        return self._join(shape, absmax, data)
+
+    def _join(
+        self, shape: tuple[int, ...], absmax: npt.NDArray[np.float32], data: npt.NDArray[np.generic]
+    ) -> bytes:
+        header = _header(self._codec_id, shape) + _U32.pack(self.block_size)
         return b"".join((header, _little_endian(absmax, "<f4"), data.data.cast("B")))
 
     def wire_bytes(self, shape: tuple[int, ...]) -> int:
@@ -167,13 +225,15 @@ class Int8Codec(_BlockwiseCodec):
     _qmax = 127
 
     @staticmethod
+    def _data(numel: int) -> npt.NDArray[np.generic]:
+        return np.empty(numel, dtype=np.int8)
+
+    @staticmethod
     def _pack(
-        spans: Iterator[tuple[int, int, npt.NDArray[np.float32]]], numel: int
-    ) -> npt.NDArray[np.generic]:
-        data = np.empty(numel, dtype=np.int8)
+        spans: Iterator[tuple[int, int, npt.NDArray[np.float32]]], data: npt.NDArray[np.generic], at: int
+    ) -> None:
         for start, stop, q in spans:
-            data[start:stop] = q
-        return data
+            data[at + start : at + stop] = q
 
     @staticmethod
     def _data_bytes(numel: int) -> int:
@@ -199,10 +259,13 @@ class Int4Codec(_BlockwiseCodec):
     _qmax = 7
 
     @staticmethod
+    def _data(numel: int) -> npt.NDArray[np.generic]:
+        return np.empty((numel + 1) // 2, dtype=np.uint8)
+
+    @staticmethod
     def _pack(
-        spans: Iterator[tuple[int, int, npt.NDArray[np.float32]]], numel: int
-    ) -> npt.NDArray[np.generic]:
-        data = np.empty((numel + 1) // 2, dtype=np.uint8)
+        spans: Iterator[tuple[int, int, npt.NDArray[np.float32]]], data: npt.NDArray[np.generic], at: int
+    ) -> None:
         pairs = np.empty(0, dtype=np.int8)
         for start, stop, q in spans:
             n = stop - start
@@ -210,11 +273,8 @@ class Int4Codec(_BlockwiseCodec):
                 pairs = np.empty(n + 1, dtype=np.int8)
             pairs[:n] = q
             pairs[n] = 0  # an odd last value pairs with q = 0 (nibble 8)
-            m = (n + 1) // 2
-            np.take(
-                _INT4_PACK, pairs[: 2 * m].view("<u2"), out=data[start // 2 : start // 2 + m], mode="clip"
-            )
-        return data
+            m, first = (n + 1) // 2, (at + start) // 2
+            np.take(_INT4_PACK, pairs[: 2 * m].view("<u2"), out=data[first : first + m], mode="clip")
 
     @staticmethod
     def _data_bytes(numel: int) -> int:
@@ -317,6 +377,62 @@ def _dequantize(
     if full < values.size:  # a partial last block
         np.multiply(values[full:], absmax[full // block], out=values[full:])
     np.divide(values, np.float32(qmax), out=values)
+
+
+_Span = Callable[[int, int], torch.Tensor]
+
+
+def dense_span(payload: bytes) -> tuple[tuple[int, ...], _Span] | None:
+    """For a dense payload (none, fp16, int8, int4) that its reader has checked: its shape, and the
+    function that decodes values [start, stop) of its flattened tensor, bit for bit what the whole
+    decode holds there, reading only their bytes and their blocks' scales. None for any other."""
+    codec_id, shape, offset = _read_header(payload)
+    if codec_id == _ID_NONE:
+
+        def none(start: int, stop: int) -> torch.Tensor:
+            values = np.frombuffer(payload, dtype="<f4", count=stop - start, offset=offset + 4 * start)
+            return torch.from_numpy(values.astype(np.float32))
+
+        return shape, none
+    if codec_id == _ID_FP16:
+
+        def half(start: int, stop: int) -> torch.Tensor:
+            values = np.frombuffer(payload, dtype="<f2", count=stop - start, offset=offset + 2 * start)
+            return torch.from_numpy(values.copy()).float()  # torch converts from writable memory only
+
+        return shape, half
+    if codec_id not in (_ID_INT8, _ID_INT4):
+        return None
+    int8 = codec_id == _ID_INT8
+    qmax = Int8Codec._qmax if int8 else Int4Codec._qmax
+    block = _read_u32(payload, offset)
+    scales_at = offset + _U32.size
+    data_at = scales_at + 4 * -(-math.prod(shape) // block)
+
+    def blockwise(start: int, stop: int) -> torch.Tensor:
+        first = start - start % block  # from the start of its block: dequantized blockwise
+        count = stop - first
+        absmax = np.frombuffer(
+            payload,
+            dtype="<f4",
+            count=-(-stop // block) - first // block,
+            offset=scales_at + 4 * (first // block),
+        ).astype(np.float32)
+        if int8:
+            values = np.frombuffer(payload, dtype=np.int8, count=count, offset=data_at + first).astype(
+                np.float32
+            )
+        else:  # the bytes holding values [first, stop), two values each
+            low, high = first // 2, (stop + 1) // 2
+            packed = np.frombuffer(payload, dtype=np.uint8, count=high - low, offset=data_at + low)
+            pairs = np.empty(high - low, dtype=np.uint64)
+            np.take(_INT4_UNPACK, packed, out=pairs, mode="clip")
+            values = pairs.view(np.float32)[first - 2 * low : first - 2 * low + count]
+        with np.errstate(invalid="ignore", over="ignore"):  # 0 * inf = NaN is the point
+            _dequantize(values, absmax, block, qmax)
+        return torch.from_numpy(values[start - first :])
+
+    return shape, blockwise
 
 
 _DENSE_READERS: dict[int, _Reader] = {

@@ -13,8 +13,9 @@ A reader (`_Reader`) checks a payload whole and returns the function that builds
 from __future__ import annotations
 
 import abc
+import math
 import struct
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import numpy as np
 import numpy.typing as npt
@@ -27,6 +28,11 @@ _STEP = 1 << 16
 """Values per step of the vectorized loops (256 kB of float32): the three or four passes of a step
 run over data in the L2 cache, not over whole tensors in memory. On the development machine (1 MB
 of L2 per core) steps of 2**15 to 2**18 values were within 6% of each other, 2**14 10-20% slower."""
+
+SPAN = 1 << 20
+"""Values per span of a span-wise decode (`decoding.decoded_spans`) and encode (`Codec.encode_spans`):
+4 MB of float32. A multiple of `_STEP`, of the default block and of the chunks the norms and
+projections sum in (2**16 values), so that a sum taken span by span is the one taken whole."""
 
 # The codec ids of the header; the wire format of each codec's body is in the package docstring.
 _ID_NONE, _ID_FP16, _ID_INT8, _ID_INT4, _ID_LOWRANK, _ID_SPARSE, _ID_SUM = range(7)
@@ -53,6 +59,20 @@ class Codec(abc.ABC):
     @abc.abstractmethod
     def wire_bytes(self, shape: tuple[int, ...]) -> int:
         """Exact `len(self.encode(key, t))` for any tensor `t` of this shape."""
+
+    def encode_spans(self, key: str, shape: tuple[int, ...], spans: Iterable[torch.Tensor]) -> bytes:
+        """`encode(key, t)` of the float32 tensor `t` of `shape` whose flattened values `spans`
+        yields in order, `SPAN` at a time (the last span may be shorter). A dense codec encodes them
+        span by span, never holding `t` whole (an owner's average, `parts.reduce_part`); this
+        default gathers them into `t` and encodes it."""
+        whole = torch.empty(math.prod(shape), dtype=torch.float32)
+        at = 0
+        for span in spans:
+            whole[at : at + span.numel()] = span.reshape(-1)
+            at += span.numel()
+        if at != whole.numel():
+            raise ValueError(f"spans of {at} values for a tensor of shape {shape}")
+        return self.encode(key, whole.view(shape))
 
     def answer_bytes(self, shape: tuple[int, ...], contribution_bytes: int, members: int) -> int:
         """At most how long an owner's answer for a part of `shape` is, in a group of `members` whose
