@@ -2087,12 +2087,14 @@ def test_a_member_projecting_falsely_to_frame_an_owner_is_shown_up_and_the_round
         swarm.close()
 
 
-def test_once_its_exchange_is_over_an_owner_holds_its_reductions_inputs_on_disk(tmp_path: Path) -> None:
+def test_once_its_exchange_is_over_an_owner_holds_its_reductions_inputs_and_answers_on_disk(
+    tmp_path: Path,
+) -> None:
     """Three averagers with a node's `shelve` (an unnamed file each, record 067). Once its exchange
     is over, each holds of the answers only those of the parts it reduced (the caller's result holds
-    the rest), and its reductions' inputs, kept in case another member's check asks to see them,
-    in its file: read back, they are the bytes each contributor sent for those parts. The round
-    holds reduce_group's bytes."""
+    the rest), and those answers and its reductions' inputs, kept in case another member's check
+    asks to see them, in its file: read back, they are the bytes each contributor sent for those
+    parts and the averaged bytes every member got. The round holds reduce_group's bytes."""
     from adloco.node.training.replica import DiskShelf, SpilledPayloads
 
     swarm = Swarm("hivemind")
@@ -2113,13 +2115,23 @@ def test_once_its_exchange_is_over_an_owner_holds_its_reductions_inputs_on_disk(
 
         def shelved() -> bool:
             kept = [p for state in states for s in state.reductions for p in s.kept.values()]
-            return len(kept) == 9 and all(isinstance(p, SpilledPayloads) for p in kept)
+            answers = [a.payloads for state in states for a in state.answers.values() if a.payloads]
+            return (
+                len(kept) == 9
+                and len(answers) == 3
+                and all(isinstance(p, SpilledPayloads) for p in [*kept, *answers])
+            )
 
-        wait_for(shelved, timeout=5.0, what="the reductions' inputs on disk")
+        wait_for(shelved, timeout=5.0, what="the reductions' inputs and answers on disk")
+        result = outcomes[0].result
+        assert result is not None
+        averaged = result.averaged
         for state in states:
             for session in state.reductions:
                 for peer, payloads in session.kept.items():
                     assert dict(payloads) == {k: sent[peer][k] for k in session.keys}
+            for answer in state.answers.values():
+                assert dict(answer.payloads) == {k: averaged[k] for k in answer.payloads}
     finally:
         swarm.close()
 

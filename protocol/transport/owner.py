@@ -100,7 +100,7 @@ class Answer:
     """
 
     contributors: tuple[str, ...]
-    payloads: dict[str, bytes]
+    payloads: Mapping[str, bytes]
     metadata: tuple[bytes, ...] | None
     rejected: dict[str, int] = field(default_factory=dict)
     statement: AnswerStatement | None = None

@@ -182,7 +182,11 @@ class VerifyHandler:
         listed = header.get("s")
         session = state.reduction_of(key) if isinstance(key, str) else None
         # Our answer of the part as every member holds it (the session frees its own once sent).
-        answer = next((a.payloads[key] for a in state.answers.values() if key in a.payloads), None)
+        answer = (
+            next((a.payloads[key] for a in state.answers.values() if key in a.payloads), None)
+            if isinstance(key, str)
+            else None
+        )
         if (
             not isinstance(key, str)
             or session is None
