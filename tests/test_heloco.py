@@ -1,6 +1,10 @@
 """HeLoCo correction branches, staleness weights and DyLU on hand-computed 2-D examples."""
 
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -165,3 +169,44 @@ def test_dylu_inner_steps() -> None:
         dylu_inner_steps(10, 1.0, 1.0, min_steps=11)
     with pytest.raises(ValueError):
         dylu_inner_steps(0, 1.0, 1.0)
+
+
+_PEAK = """
+import sys
+import torch
+from adloco.protocol.algorithms.heloco import Correction, HelocoConfig
+
+def status(field):
+    for line in open("/proc/self/status"):
+        if line.startswith(field):
+            return int(line.split()[1]) * 1024
+
+n = 16 * 2**20
+g = torch.Generator().manual_seed(1)
+m = torch.randn(n, generator=g)
+d = torch.randn(n, generator=g) - float(sys.argv[1]) * m
+correction = Correction(HelocoConfig())
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # the peak resident memory starts again from here
+before = status("VmRSS:")
+out = correction.apply(d, m, scale=0.1)
+report = correction.report()
+print(status("VmHWM:") - before, report.shrink + report.rotate)
+"""
+
+
+@pytest.mark.parametrize("lean", [2.0, -0.1], ids=["shrink", "rotate"])
+def test_a_late_delta_is_corrected_a_slice_at_a_time(lean: float) -> None:
+    """Correcting a tensor of 16 Mi values (64 MiB) against 0.1 × its momentum, in a fresh process
+    whose large blocks are mapped apart: the peak resident memory grows by the corrected tensor and
+    a few float64 slices, not by the float64 copies of Δ, m, v and Δ̂ (4 × 128 MiB) nor a scaled m
+    (64 MiB) that a late contribution's largest tensor cost before (issue 28 §2)."""
+    if not Path("/proc/self/clear_refs").exists():
+        pytest.skip("needs Linux's /proc/self/clear_refs to reset the peak resident memory")
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}
+    out = subprocess.run(
+        [sys.executable, "-c", _PEAK, str(lean)], capture_output=True, text=True, check=True, env=env
+    )
+    grown, corrected = (int(x) for x in out.stdout.split())
+    assert corrected == 1
+    assert grown < 64 * 2**20 + 4 * 8 * 2**20

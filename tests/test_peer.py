@@ -450,7 +450,7 @@ def test_late_contribution_is_corrected_and_down_weighted(corpus: Corpus) -> Non
 def test_a_late_contribution_is_corrected_a_tensor_at_a_time_as_the_whole_would_be(corpus: Corpus) -> None:
     """Issue 28 §2: HeLoCo corrects a late Δ a tensor at a time as it is encoded (no whole corrected
     Δ nor a whole (1 − μ)·m beside the trained one, 8 B/param); the payloads and the report are
-    those of correcting the whole Δ against the whole scaled momentum first, bit for bit."""
+    those of correcting the whole Δ against (1 − μ) × the momentum first, bit for bit."""
     cfg = replace(CFG, heloco=HelocoConfig(c_ok=0.95))  # near-alignment asked: tensors are rotated
     a = _peer(corpus, "a", 0, cfg)
     late, twin = _peer(corpus, "late", 1, cfg), _peer(corpus, "late", 1, cfg)
@@ -461,7 +461,7 @@ def test_a_late_contribution_is_corrected_a_tensor_at_a_time_as_the_whole_would_
         p.catch_up(a.state.history)
     contribution, info = late.contribute(mine)
     mu = twin.cfg.outer.momentum
-    whole, report = correct(list(theirs.delta), [(1 - mu) * m for m in twin.state.momentum], cfg.heloco)
+    whole, report = correct(list(theirs.delta), twin.state.momentum, cfg.heloco, scale=1 - mu)
     codec = twin.codec(twin.state.schedule.codec)
     expected = {
         n: twin.error_feedback.compress_tensor(codec, n, d) for n, d in zip(twin.names, whole, strict=True)

@@ -557,7 +557,7 @@ class Peer:
         payloads = {}
         for i, (name, d) in enumerate(zip(self.names, delta, strict=True)):
             if correction is not None:
-                d = correction.apply(d, self._momentum_reference(self.state.momentum[i]))
+                d = correction.apply(d, self.state.momentum[i], scale=self._momentum_scale())
             payloads[name] = self.error_feedback.compress_tensor(codec, name, d)
         if isinstance(delta, PseudoGradient):
             self._contributed = weakref.ref(delta)
@@ -575,16 +575,16 @@ class Peer:
         corrected = None if correction is None else correction.report()
         return contribution, ContributionInfo(tau, weight, corrected, wire, spec)
 
-    def _momentum_reference(self, m: torch.Tensor) -> torch.Tensor:
-        """One tensor of the momentum HeLoCo compares late Δ against, on the scale of one Δ.
+    def _momentum_scale(self) -> float:
+        """The factor of the momentum HeLoCo compares late Δ against, to put it on the scale of one Δ.
 
         HeLoCo's formula uses the dampened (N2) buffer, whose norm is that of a typical Δ, so its κ
         weighs ‖Δ‖ against ‖m‖ on equal terms. Under N1 the buffer is about 1/(1−μ) larger; we
         compare against (1−μ)·m so κ keeps its meaning (same direction, so the cosines are equal).
         """
         if self.cfg.outer.convention == "n2":
-            return m
-        return (1 - self.cfg.outer.momentum) * m
+            return 1.0
+        return 1 - self.cfg.outer.momentum
 
     def _ref_tokens(self) -> int:
         return reference_tokens(self.state.schedule, self.cfg.seq_len)

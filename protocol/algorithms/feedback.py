@@ -38,12 +38,14 @@ class Int8Residual:
 
     __slots__ = ("codes", "scales", "shape")
 
-    def __init__(self, values: torch.Tensor) -> None:
-        self.shape = values.shape
-        n = values.numel()
-        self.codes = torch.empty(n, dtype=torch.int8)
-        self.scales = torch.empty(-(-n // RESIDUAL_BLOCK), dtype=torch.float32)
-        self.store(values)
+    def __init__(self, values: torch.Tensor | None, shape: torch.Size | None = None) -> None:
+        """`values` quantized, or with None zeros of `shape`."""
+        self.shape = values.shape if values is not None else torch.Size(shape or ())
+        n = self.shape.numel()
+        self.codes = torch.zeros(n, dtype=torch.int8)
+        self.scales = torch.zeros(-(-n // RESIDUAL_BLOCK), dtype=torch.float32)
+        if values is not None:
+            self.store(values)
 
     def store(self, values: torch.Tensor, at: int = 0) -> None:
         """Quantize `values` (any float dtype) into the codes from value `at` on (a multiple of
@@ -125,6 +127,9 @@ class ErrorFeedback:
                 f"{key}: shape {tuple(delta.shape)} != residual {tuple(residual.shape)}; reset()"
             )
         decay = self.decay != 1.0
+        if residual is None and self.dtype == torch.int8:
+            # From a zero residual, span by span: e + Δ is Δ (a −0.0 of Δ becomes 0.0, the same value).
+            residual = self._residuals[key] = Int8Residual(None, delta.shape)
         if residual is None:
             payload = codec.encode(key, delta)
             error = delta - decode(payload)

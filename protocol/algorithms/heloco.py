@@ -11,7 +11,7 @@ dynamic local updates) shortens H on slow peers so they fall behind less (§6.3)
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -112,9 +112,10 @@ class Correction:
         self._before: list[float] = []
         self._after: list[float] = []
 
-    def apply(self, delta: Tensor, momentum: Tensor) -> Tensor:
-        """One tensor of Δ corrected against its momentum (`correct_tensor`), counted."""
-        corrected, action, cos_before, cos_after = _correct(delta, momentum, self.cfg)
+    def apply(self, delta: Tensor, momentum: Tensor, *, scale: float = 1.0) -> Tensor:
+        """One tensor of Δ corrected against `scale` × its momentum (`correct_tensor`), counted: the
+        scaled momentum is never formed."""
+        corrected, action, cos_before, cos_after = _correct(delta, momentum, self.cfg, scale)
         self._counts[action] += 1
         if action != "skip":
             self._before.append(cos_before)
@@ -135,13 +136,14 @@ class Correction:
 
 
 def correct(
-    deltas: Sequence[Tensor], momenta: Sequence[Tensor], cfg: HelocoConfig
+    deltas: Sequence[Tensor], momenta: Sequence[Tensor], cfg: HelocoConfig, *, scale: float = 1.0
 ) -> tuple[list[Tensor], CorrectionReport]:
-    """Apply `correct_tensor` to every tensor of a pseudo-gradient and summarise what happened."""
+    """Apply `correct_tensor` against `scale` × the momentum to every tensor of a pseudo-gradient
+    and summarise what happened."""
     if len(deltas) != len(momenta):
         raise ValueError(f"got {len(deltas)} deltas but {len(momenta)} momenta")
     correction = Correction(cfg)
-    out = [correction.apply(d, m) for d, m in zip(deltas, momenta, strict=True)]
+    out = [correction.apply(d, m, scale=scale) for d, m in zip(deltas, momenta, strict=True)]
     return out, correction.report()
 
 
@@ -196,17 +198,36 @@ def dylu_inner_steps(inner_steps: int, speed: float, ref_speed: float, *, min_st
     return max(min_steps, math.floor(steps + 1e-9))
 
 
-def _correct(delta: Tensor, momentum: Tensor, cfg: HelocoConfig) -> tuple[Tensor, Action, float, float]:
+_SLICE = 1 << 20  # values of Δ and m in float64 at a time: 16 MB, never a whole tensor's
+
+
+def _correct(
+    delta: Tensor, momentum: Tensor, cfg: HelocoConfig, scale: float = 1.0
+) -> tuple[Tensor, Action, float, float]:
+    """`correct_tensor` against `scale` × `momentum`, with its cosines before and after. In two
+    passes over slices in float64: the norms and ⟨Δ, m⟩, then Δ̂ = a·Δ + b·m (both branches are
+    such a sum; its norm and cosine follow from the three sums), so nothing but Δ̂ is as large as
+    the tensor (its float64 copies of Δ, m, v and Δ̂ were 32 B per value of the largest tensor: the
+    peak of a late contribution, issue 28 §2)."""
     if delta.shape != momentum.shape:
         raise ValueError(f"delta {tuple(delta.shape)} and momentum {tuple(momentum.shape)} differ in shape")
     with torch.no_grad():
-        d = delta.detach().reshape(-1).double()
-        m = momentum.detach().reshape(-1).to(device=d.device, dtype=torch.float64)
-        d_norm, m_norm = float(d.norm()), float(m.norm())
+        flat_d, flat_m = delta.detach().reshape(-1), momentum.detach().reshape(-1)
+
+        def slices() -> Iterator[tuple[int, Tensor, Tensor]]:
+            for start in range(0, flat_d.numel(), _SLICE):
+                d = flat_d[start : start + _SLICE].double()
+                yield start, d, flat_m[start : start + _SLICE].to(device=d.device, dtype=torch.float64)
+
+        dd = dm = mm = 0.0
+        for _, d, m in slices():
+            dd, dm, mm = dd + float(d @ d), dm + float(d @ m), mm + float(m @ m)
+        d_norm, raw_m_norm = math.sqrt(dd), math.sqrt(mm)
+        m_norm = scale * raw_m_norm
         if d_norm < cfg.eps or m_norm < cfg.eps:
             return delta, "skip", math.nan, math.nan
-        v = m / m_norm
-        cos = min(1.0, max(-1.0, float(d @ v) / d_norm))
+        dv = dm / raw_m_norm  # ⟨Δ, v⟩, v = m / ||m||
+        cos = min(1.0, max(-1.0, dv / d_norm))
         conf = d_norm / (d_norm + cfg.kappa * m_norm + cfg.eps)
         if cos >= cfg.c_ok:
             return delta, "keep", cos, cos
@@ -214,15 +235,21 @@ def _correct(delta: Tensor, momentum: Tensor, cfg: HelocoConfig) -> tuple[Tensor
             beta = min(cfg.k_s * -cos * conf, cfg.beta_max)
             if beta == 0:
                 return delta, "keep", cos, cos
-            new = d - (beta * cos * d_norm) * v
+            a, b = 1.0, -(beta * cos * d_norm) / raw_m_norm  # Δ − β·c·||Δ||·v
             action: Action = "shrink"
         else:
             lam = min(cfg.k_d * (1.0 - cos) * conf, 1.0)
             if lam == 0:
                 return delta, "keep", cos, cos
-            u_tilde = (1.0 - lam) * (d / d_norm) + lam * v
-            new = d_norm * u_tilde / max(float(u_tilde.norm()), cfg.eps)
+            # ũ = (1 − λ)u + λv, whose norm the unit vectors' cosine gives; Δ̂ = ||Δ||·ũ / ||ũ||.
+            u_norm = math.sqrt(max((1.0 - lam) ** 2 + lam**2 + 2.0 * lam * (1.0 - lam) * cos, 0.0))
+            u_norm = max(u_norm, cfg.eps)
+            a, b = (1.0 - lam) / u_norm, d_norm * lam / (raw_m_norm * u_norm)
             action = "rotate"
-        new_norm = float(new.norm())
-        cos_after = float(new @ v) / new_norm if new_norm > 0 else 0.0
-        return new.reshape(delta.shape).to(delta.dtype), action, cos, cos_after
+        out = torch.empty(flat_d.numel(), dtype=delta.dtype, device=delta.device)
+        for start, d, m in slices():
+            out[start : start + len(d)] = torch.add(d * a, m, alpha=b)  # d may be Δ itself (float64)
+        new_v = a * dv + b * raw_m_norm  # ⟨Δ̂, v⟩
+        new_norm = math.sqrt(max(a * a * dd + b * b * mm + 2.0 * a * b * dm, 0.0))
+        cos_after = new_v / new_norm if new_norm > 0 else 0.0
+        return out.view(delta.shape), action, cos, cos_after
