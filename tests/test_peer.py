@@ -21,6 +21,7 @@ from adloco.node.training.replica import PeerState
 from adloco.node.training.runtime import load_data
 from adloco.protocol.algorithms.allreduce import Contribution, reduce_group
 from adloco.protocol.algorithms.batchtest import BatchTest, grad_stats
+from adloco.protocol.algorithms.feedback import Int8Residual
 from adloco.protocol.algorithms.heloco import HelocoConfig, correct
 from adloco.protocol.algorithms.switch import BatchPlan
 
@@ -345,6 +346,54 @@ def test_kept_updates_stay_in_memory_where_the_disk_cannot_hold_them(
         _round([a])
     assert a.state.round == 2 and [u.round for u in a.state.history] == [0, 1]
     assert not any(isinstance(u.averaged, SpilledPayloads) for u in a.state.history)
+    assert sum("stay in memory" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_residual_on_disk_gives_the_same_contributions_and_holds_no_memory(
+    corpus: Corpus, tmp_path: Path
+) -> None:
+    """A networked node keeps its int8 error-feedback residuals in an unnamed file
+    (`keep_residual_on_disk`): over three rounds its contributions are a twin's in memory bit for
+    bit, its residuals hold no bytes in memory, their values are the twin's, nothing is left in
+    the folder, and a checkpoint restored into a peer that keeps them on disk puts them back there."""
+    a, twin = _peer(corpus, "a", 0), _peer(corpus, "a", 0)
+    assert a.cfg.codec == "int8"
+    a.keep_residual_on_disk(str(tmp_path))
+    for _ in range(3):
+        mine, theirs = _contribution(a), _contribution(twin)
+        assert mine.payloads == theirs.payloads
+        for p in (a, twin):
+            p.apply_round(reduce_group([mine if p is a else theirs], codec=p.downlink_codec("int8")))
+    residuals = a.error_feedback._residuals.values()
+    assert residuals and all(isinstance(r, Int8Residual) and r.nbytes() == 0 for r in residuals)
+    assert all(
+        isinstance(r, Int8Residual) and r.nbytes() > 0 for r in twin.error_feedback._residuals.values()
+    )
+    state, expected = a.error_feedback.state_dict(), twin.error_feedback.state_dict()
+    assert state.keys() == expected.keys() and all(torch.equal(state[k], expected[k]) for k in state)
+    assert list(tmp_path.iterdir()) == []  # an unnamed file: nothing to leave behind
+    restored = _peer(corpus, "a", 0)
+    restored.keep_residual_on_disk(str(tmp_path))
+    restored.load_state_dict(a.state_dict())
+    again = restored.error_feedback.state_dict()
+    assert all(
+        isinstance(r, Int8Residual) and r.nbytes() == 0 for r in restored.error_feedback._residuals.values()
+    )
+    assert all(torch.equal(again[k], expected[k]) for k in expected)
+
+
+def test_a_residual_stays_in_memory_where_the_disk_cannot_hold_it(
+    corpus: Corpus, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A folder gone (or a full disk) costs the memory, not the contribution: it is made, its
+    residuals kept in memory, with one warning."""
+    a = _peer(corpus, "a", 0)
+    a.keep_residual_on_disk(str(tmp_path / "gone"))
+    with caplog.at_level("WARNING"):
+        _round([a])
+        _round([a])
+    assert a.state.round == 2
+    assert all(isinstance(r, Int8Residual) and r.nbytes() > 0 for r in a.error_feedback._residuals.values())
     assert sum("stay in memory" in r.getMessage() for r in caplog.records) == 1
 
 

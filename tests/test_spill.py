@@ -48,3 +48,20 @@ def test_threads_read_one_spill_file_at_once(tmp_path: Path) -> None:
 def test_a_folder_that_is_gone_is_an_os_error(tmp_path: Path) -> None:
     with pytest.raises(OSError):
         SpillFile(str(tmp_path / "gone"))
+
+
+def test_reserved_bytes_read_as_zeros_and_are_rewritten_in_place(tmp_path: Path) -> None:
+    """`reserve` adds zeros at the end (their disk space allocated where the file system can);
+    `write` overwrites within what was written or reserved, and nowhere else."""
+    spill = SpillFile(str(tmp_path))
+    assert spill.append(b"head") == 0
+    at = spill.reserve(10_000)
+    assert at == 4 and spill.size == 10_004
+    assert spill.read(at, 10_000) == bytes(10_000)
+    spill.write(at + 9_990, b"0123456789")
+    spill.write(1, bytearray(b"EA"))
+    assert spill.read(0, 4) == b"hEAd"
+    assert spill.read(at, 9_990) == bytes(9_990) and spill.read(at + 9_990, 10) == b"0123456789"
+    with pytest.raises(ValueError, match="outside"):
+        spill.write(spill.size - 1, b"xy")
+    assert spill.reserve(3) == 10_004 and spill.read(10_004, 3) == bytes(3)

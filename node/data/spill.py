@@ -1,14 +1,17 @@
 """Bytes a node keeps for others but rarely reads, on disk instead of in memory.
 
-A `SpillFile` is an unnamed temporary file (`tempfile.TemporaryFile`): written once, in order, and
-read back by range with `pread`, so threads may share it. The system removes it when the object is
+A `SpillFile` is an unnamed temporary file (`tempfile.TemporaryFile`): written in order (or
+regions reserved zeroed and rewritten in place), and read back by range with `pread`, so threads may
+share it. The system removes it when the object is
 collected or the process ends, however it ends: nothing is left behind to clean up. The kept updates
 for laggards (`replica.SpilledPayloads`) and a state frozen for a joiner's download
-(`offers.StateOffers`) wait in them.
+(`offers.StateOffers`) wait in them, and the int8 error-feedback residuals between contributions
+(`feedback.Int8Residual`, rewritten in place).
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 import weakref
@@ -31,6 +34,29 @@ class SpillFile:
         while view:
             view = view[os.write(self._fd, view) :]
         return at
+
+    def reserve(self, size: int) -> int:
+        """`size` zero bytes at the end, their disk space allocated now (so that rewriting them
+        cannot run out of it) where the file system can; returns where they start. OSError when the
+        disk is full."""
+        at = self.size
+        try:
+            os.posix_fallocate(self._fd, at, size)
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+            os.ftruncate(self._fd, at + size)  # a file system that cannot allocate ahead: a hole
+        self.size = at + size
+        return at
+
+    def write(self, at: int, data: bytes | bytearray | memoryview) -> None:
+        """Overwrite bytes from `at`, within what was written or reserved."""
+        view = memoryview(data).cast("B")
+        if at < 0 or at + view.nbytes > self.size:
+            raise ValueError(f"bytes [{at}, {at + view.nbytes}) outside the file's {self.size}")
+        while view:
+            done = os.pwrite(self._fd, view, at)
+            view, at = view[done:], at + done
 
     def read(self, at: int, size: int) -> bytes:
         """`size` bytes from `at`; OSError if the file ends before."""

@@ -52,6 +52,7 @@ from ...protocol.algorithms.schedule import accumulation_for, next_schedule
 from ...protocol.algorithms.switch import BatchPlan
 from ..data.corpus import Corpus
 from ..data.sampling import TokenSampler, evaluate, restore_streams, shard_corpus, validation_batches
+from ..data.spill import SpillFile
 from ..data.state import IncompatibleState, integer, malformed, mapping, number
 from ..data.tokenizer import ByteTokenizer, Tokenizer, tokenizer_files
 from ..model.bmax import probe_b_max
@@ -707,6 +708,13 @@ class Peer:
         self._kept_shelf = DiskShelf(directory, "kept updates")
         self._trim_history()
 
+    def keep_residual_on_disk(self, directory: str | None = None) -> None:
+        """Keep the int8 error-feedback residuals in an unnamed file in `directory` (default: the
+        system's temporary folder), read and rewritten a slice at a time as each contribution is
+        encoded, instead of in memory (1 B/param). The networked node does; the simulator does not.
+        Other residual dtypes stay in memory."""
+        self.error_feedback.keep_on_disk(lambda: SpillFile(directory))
+
     def _check_update(self, update: Update) -> None:
         """ValueError unless the update decodes to one finite tensor of θ's shape per name and any MIT
         merge it carries names two of the current slots, the next schedule having one fewer: checked
@@ -921,6 +929,8 @@ class Peer:
             for inst, inst_state in zip(kept, saved, strict=True):
                 inst.check_state_dict(inst_state)
             feedback = ErrorFeedback(RESIDUAL_DTYPES[residual_dtype(self.cfg)], decay=self.cfg.ef_decay)
+            if self.error_feedback.storage is not None:
+                feedback.keep_on_disk(self.error_feedback.storage)
             feedback.load_state_dict(mapping(state["error_feedback"], "error feedback"))
             codecs = {
                 key: self._codec_from_state(key, mapping(codec_state, f"codec {key}"))

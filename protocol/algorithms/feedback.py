@@ -17,12 +17,16 @@ as a momentum buffer does.
 
 from __future__ import annotations
 
+import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Protocol
 
 import torch
 
 from .codecs import SPAN, Codec, decode, decoded_spans, to_cpu_float
+
+logger = logging.getLogger(__name__)
 
 RESIDUAL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
 # Values per scale of an int8 residual (a 4-byte scale per 256 one-byte codes).
@@ -31,28 +35,73 @@ RESIDUAL_BLOCK = 256
 _SLICE = RESIDUAL_BLOCK << 12
 
 
+class Storage(Protocol):
+    """Bytes kept outside memory (a node's unnamed file, `node.data.spill.SpillFile`): regions
+    reserved zeroed, then read and rewritten in place."""
+
+    def reserve(self, size: int) -> int:
+        """`size` zero bytes at the end; where they start."""
+        ...
+
+    def read(self, at: int, size: int) -> bytes: ...
+
+    def write(self, at: int, data: bytes | memoryview) -> None:
+        """Overwrite reserved bytes from `at`."""
+        ...
+
+
 class Int8Residual:
     """A residual kept as int8 codes, each block of `RESIDUAL_BLOCK` values with its own scale (the
     smallest power of two ≥ the block's largest magnitude / 127): 1 + 4/256 bytes per value, each
-    kept to within half its block's scale (at most 1/127 of the block's largest value)."""
+    kept to within half its block's scale (at most 1/127 of the block's largest value). In memory,
+    or with a `storage` in it (the codes, then the scales), read and written a slice at a time."""
 
-    __slots__ = ("codes", "scales", "shape")
+    __slots__ = ("_at", "_storage", "codes", "numel", "scales", "shape")
 
-    def __init__(self, values: torch.Tensor | None, shape: torch.Size | None = None) -> None:
+    def __init__(
+        self, values: torch.Tensor | None, shape: torch.Size | None = None, *, storage: Storage | None = None
+    ) -> None:
         """`values` quantized, or with None zeros of `shape`."""
         self.shape = values.shape if values is not None else torch.Size(shape or ())
-        n = self.shape.numel()
-        self.codes = torch.zeros(n, dtype=torch.int8)
-        self.scales = torch.zeros(-(-n // RESIDUAL_BLOCK), dtype=torch.float32)
+        self.numel = n = self.shape.numel()
+        blocks = -(-n // RESIDUAL_BLOCK)
+        self._storage = storage
+        if storage is None:
+            self.codes = torch.zeros(n, dtype=torch.int8)
+            self.scales = torch.zeros(blocks, dtype=torch.float32)
+        else:
+            self.codes = self.scales = torch.empty(0)  # in the storage
+            self._at = storage.reserve(n + 4 * blocks)
         if values is not None:
             self.store(values)
+
+    def _read(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The codes of values [start, end) (`start` a block's) and the scales of their blocks."""
+        first, blocks = start // RESIDUAL_BLOCK, -(-(end - start) // RESIDUAL_BLOCK)
+        if self._storage is None:
+            return self.codes[start:end], self.scales[first : first + blocks]
+        codes = self._storage.read(self._at + start, end - start)
+        scales = self._storage.read(self._at + self.numel + 4 * first, 4 * blocks)
+        return (
+            torch.frombuffer(bytearray(codes), dtype=torch.int8),
+            torch.frombuffer(bytearray(scales), dtype=torch.float32),
+        )
+
+    def _write(self, start: int, codes: torch.Tensor, scales: torch.Tensor) -> None:
+        first = start // RESIDUAL_BLOCK
+        if self._storage is None:
+            self.codes[start : start + len(codes)] = codes
+            self.scales[first : first + len(scales)] = scales
+            return
+        self._storage.write(self._at + start, codes.numpy().tobytes())
+        self._storage.write(self._at + self.numel + 4 * first, scales.numpy().astype("<f4").tobytes())
 
     def store(self, values: torch.Tensor, at: int = 0) -> None:
         """Quantize `values` (any float dtype) into the codes from value `at` on (a multiple of
         `RESIDUAL_BLOCK`; by default the whole residual, of its shape), a slice at a time."""
         flat = values.reshape(-1)
-        if at % RESIDUAL_BLOCK or at + flat.numel() > self.codes.numel():
-            raise ValueError(f"{flat.numel()} values at {at} of a residual of {self.codes.numel()}")
+        if at % RESIDUAL_BLOCK or at + flat.numel() > self.numel:
+            raise ValueError(f"{flat.numel()} values at {at} of a residual of {self.numel}")
         for start in range(at, at + flat.numel(), _SLICE):
             part = flat[start - at : start - at + _SLICE].float()
             blocks = -(-part.numel() // RESIDUAL_BLOCK)
@@ -62,15 +111,14 @@ class Int8Residual:
             # A power of two at least the block's largest magnitude / 127, so code × scale is exact
             # in bf16 (a checkpoint's dtype) and quantizes back to the same code.
             scale = torch.exp2(torch.ceil(torch.log2(grid.abs().amax(dim=1).div_(127.0))))
-            first = start // RESIDUAL_BLOCK
-            self.scales[first : first + blocks] = scale
+            kept = scale.clone()
             codes = grid.div(scale.clamp_min_(torch.finfo(torch.float32).tiny)[:, None]).round_()
             end = min(start + _SLICE, at + flat.numel())
-            self.codes[start:end] = codes.view(-1)[: end - start].to(torch.int8)
+            self._write(start, codes.view(-1)[: end - start].to(torch.int8), kept)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The residual's values as a new tensor of its shape."""
-        return self.values(0, self.codes.numel(), dtype).view(self.shape)
+        return self.values(0, self.numel, dtype).view(self.shape)
 
     def values(self, begin: int, end: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Values [begin, end) of the flattened residual (`begin` a multiple of `RESIDUAL_BLOCK`) as a
@@ -79,8 +127,8 @@ class Int8Residual:
             raise ValueError(f"a residual is read from a block's start, not from {begin}")
         out = torch.empty(end - begin, dtype=dtype)
         for start in range(begin, end, _SLICE):
-            values = self.codes[start : min(start + _SLICE, end)].float()
-            scale = self.scales[start // RESIDUAL_BLOCK :][: -(-values.numel() // RESIDUAL_BLOCK)]
+            codes, scale = self._read(start, min(start + _SLICE, end))
+            values = codes.float()
             full = values.numel() // RESIDUAL_BLOCK * RESIDUAL_BLOCK
             values[:full].view(-1, RESIDUAL_BLOCK).mul_(scale[: full // RESIDUAL_BLOCK, None])
             values[full:].mul_(scale[-1])  # the tail block, if any
@@ -88,7 +136,8 @@ class Int8Residual:
         return out
 
     def nbytes(self) -> int:
-        return self.codes.numel() + 4 * self.scales.numel()
+        """The bytes it holds in memory."""
+        return 0 if self._storage is not None else self.codes.numel() + 4 * self.scales.numel()
 
 
 class ErrorFeedback:
@@ -109,6 +158,28 @@ class ErrorFeedback:
         self.dtype = dtype
         self.decay = decay
         self._residuals: dict[str, torch.Tensor | Int8Residual] = {}
+        self.storage: Callable[[], Storage] | None = None
+        self._store: Storage | None = None  # made at the first residual kept in it
+
+    def keep_on_disk(self, storage: Callable[[], Storage]) -> None:
+        """Keep int8 residuals made from now on in a `storage` (one for all; the networked node's is
+        an unnamed file), read and rewritten a slice at a time as each contribution is encoded: 1
+        B/param less in memory between contributions. Those already made stay where they are."""
+        self.storage, self._store = storage, None
+
+    def _int8(self, values: torch.Tensor | None, shape: torch.Size) -> Int8Residual:
+        """A new int8 residual (of `values`, or zeros), in the storage when there is one. A storage
+        that cannot hold it (a folder gone, a full disk) is never worth failing a round for: the
+        residuals stay in memory from then on, with one warning."""
+        if self.storage is not None:
+            try:
+                if self._store is None:
+                    self._store = self.storage()
+                return Int8Residual(values, shape, storage=self._store)
+            except OSError as e:
+                logger.warning("error-feedback residuals stay in memory from now on: %s", e)
+                self.storage = self._store = None
+        return Int8Residual(values, shape)
 
     def compress(self, codec: Codec, tensors: Mapping[str, torch.Tensor]) -> dict[str, bytes]:
         """Encode Δ + e for every tensor and update the residuals."""
@@ -129,7 +200,7 @@ class ErrorFeedback:
         decay = self.decay != 1.0
         if residual is None and self.dtype == torch.int8:
             # From a zero residual, span by span: e + Δ is Δ (a −0.0 of Δ becomes 0.0, the same value).
-            residual = self._residuals[key] = Int8Residual(None, delta.shape)
+            residual = self._residuals[key] = self._int8(None, delta.shape)
         if residual is None:
             payload = codec.encode(key, delta)
             error = delta - decode(payload)
@@ -173,7 +244,7 @@ class ErrorFeedback:
 
     def _kept(self, error: torch.Tensor) -> torch.Tensor | Int8Residual:
         if self.dtype == torch.int8:
-            return Int8Residual(error)
+            return self._int8(error, error.shape)
         return error if self.dtype == error.dtype else error.to(self.dtype)
 
     def residual_norm(self) -> float:
@@ -198,6 +269,7 @@ class ErrorFeedback:
         for key, e in state.items():
             if not (isinstance(key, str) and isinstance(e, torch.Tensor) and e.is_floating_point()):
                 raise ValueError(f"error-feedback residual {key!r} is not a float tensor")
+        self._store = None  # a new storage: the old one goes with the residuals it held
         self._residuals = {key: self._kept(e.detach().to("cpu", copy=True)) for key, e in state.items()}
 
 
