@@ -11,9 +11,10 @@ Runs the real entry points as separate processes and reads each process's own hi
 3. swarm: `adloco-swarm --nodes 3` for 2 rounds (a bootstrap peer and 3 nodes over the real p2pd),
    the peak of each node process.
 
-Alongside, the bytes per parameter the method cannot avoid (the floor: instance weights, gradients,
-two AdamW moments, θ and the outer momentum) and what the node holds on top by design (the
-error-feedback residual, the kept updates), computed from the parameter count and the codec, and
+Alongside, the bytes per parameter the method cannot avoid holding through a step (the floor:
+instance weights, gradients, two AdamW moments), what it holds only at a round's boundary, mapped
+from files between (θ and the outer momentum, record 082), and what it keeps on top by design in
+files (the error-feedback residual), computed from the parameter count and the codec, and
 the resident memory of a process that only imports torch and transformers and builds the model
 (the interpreter and libraries' share, which does not scale with the model). Every figure is
 measured when the script runs. From the repository root:
@@ -172,7 +173,7 @@ def measure_solo(config: Path, tokenizer: Path, work: Path, node_args: list[str]
     cmd = [
         sys.executable, "-m", "adloco.node.cli.entry", "--offline", "--rounds", "2",
         "--model", str(config), "--tokenizer", str(tokenizer), *TRAIN_ARGS,
-        "--checkpoint-dir", str(work / "ckpt-solo"), *node_args,
+        "--checkpoint-dir", str(work / f"ckpt-solo-{time.time_ns()}"), *node_args,
     ]  # fmt: skip
     watcher, wall = _run(cmd, cwd=work, timeout_s=1800)
     return {"peak_bytes": float(watcher.peaks[watcher.root][1]), "wall_s": wall}
@@ -254,15 +255,11 @@ def main() -> None:
         tokenizer = make_tokenizer(work)
         params = count_parameters(config)
         print(f"GPT-2 124M config: {params:,} parameters", flush=True)
-        floor = {
-            "instance weights": 4,
-            "gradients": 4,
-            "AdamW moments": 8,
-            "theta": 4,
-            "outer momentum": 4,
-        }
+        floor = {"instance weights": 4, "gradients": 4, "AdamW moments": 8}
+        at_boundary = {"theta": 4, "outer momentum": 4}
         residual_flag = _flag(args.node_arg, "--residual-dtype") or "auto"
         residual = {"float32": 4, "bfloat16": 2}.get(residual_flag, 1 + 4 / 256)  # auto: int8 for int8
+        # (an int8 residual waits in a file, read a slice at a time; others stay in memory)
         by_design = {"error-feedback residual": residual}
         baseline = library_baseline(config)
         result: dict[str, object] = {
@@ -271,6 +268,7 @@ def main() -> None:
             "node_args": args.node_arg,
             "allocator_env": {k: v for k, v in os.environ.items() if k.startswith(("MALLOC_", "GLIBC_"))},
             "floor_bytes_per_param": floor,
+            "mapped_held_at_round_boundary_bytes_per_param": at_boundary,
             "by_design_bytes_per_param": by_design,
             "libraries_and_one_model_bytes": baseline,
         }

@@ -10,10 +10,12 @@ from typing import Any, Literal, cast
 
 import pytest
 import torch
+from residency import resident_bytes
 
 from adloco.errors import UserError
 from adloco.node.data.corpus import Corpus
 from adloco.node.data.tokenizer import ByteTokenizer
+from adloco.node.operations.checkpoint import save_checkpoint
 from adloco.node.training import instances
 from adloco.node.training.config import TrainConfig
 from adloco.node.training.peer import Peer
@@ -818,3 +820,64 @@ def test_overlap_defers_a_merge_to_the_end_of_the_local_round(corpus: Corpus) ->
     assert set(counts) == {2}  # both instances ran the whole round
     assert len(peer.local_instances) == 1 and len(local.report.slot_stats) == 1
     assert local.report.slot_stats[0] is not None and local.report.slot_stats[0].num_grads == 4
+
+
+def test_theta_and_momentum_on_disk_give_the_same_rounds_and_are_held_only_at_a_boundary(
+    corpus: Corpus, tmp_path: Path
+) -> None:
+    """A networked node keeps θ and m in mapped unnamed files (`keep_state_on_disk`): over three
+    rounds its contributions, θ and m are a twin's in memory bit for bit; through a round's inner
+    steps it holds none of their pages (θ, read for the round's start, is released before the
+    first); nothing is left in the folder; and a checkpoint restored into a peer that keeps them on
+    disk puts them in its files."""
+    cfg = replace(CFG, instances=1, inner_steps=3)
+    a, twin = _peer(corpus, cfg=cfg), _peer(corpus, cfg=cfg)
+    a.keep_state_on_disk(str(tmp_path))
+    for _ in range(3):
+        held: list[tuple[int, int]] = []
+
+        def holding(_done: int, held: list[tuple[int, int]] = held) -> None:
+            held.append((resident_bytes(a.state.theta[0]), resident_bytes(a.state.momentum[0])))
+
+        local = a.train_round(on_step=holding)
+        mine = cast(Contribution, a.contribute(local)[0])
+        theirs = _contribution(twin)
+        assert mine.payloads == theirs.payloads
+        assert held == [(0, 0)] * 3
+        for p, c in ((a, mine), (twin, theirs)):
+            p.apply_round(reduce_group([c], codec=p.downlink_codec("int8")))
+    assert all(torch.equal(x, y) for x, y in zip(a.state.theta, twin.state.theta, strict=True))
+    assert all(torch.equal(x, y) for x, y in zip(a.state.momentum, twin.state.momentum, strict=True))
+    assert a.state.momentum[0].abs().sum() > 0
+    assert list(tmp_path.iterdir()) == []  # unnamed files: nothing to leave behind
+    # What reads them whole outside a round gives their pages back as it goes: θ's hash, a checkpoint.
+    assert a.theta_hash() == twin.state.theta_hash()
+    save_checkpoint(tmp_path / "ck", a.state_dict(), written=a.release_state)
+    assert resident_bytes(a.state.theta[0]) == 0 and resident_bytes(a.state.momentum[0]) == 0
+    adopter = _peer(corpus, cfg=cfg)
+    adopter.keep_state_on_disk(str(tmp_path))
+    adopter.adopt_state(twin.state, expected_hash=twin.state.theta_hash())  # copied straight to files
+    assert resident_bytes(adopter.state.theta[0]) == 0 and resident_bytes(adopter.state.momentum[0]) == 0
+    assert adopter.state.theta[0] is not twin.state.theta[0]
+    assert all(torch.equal(x, y) for x, y in zip(adopter.state.momentum, twin.state.momentum, strict=True))
+    restored = _peer(corpus, cfg=cfg)
+    restored.keep_state_on_disk(str(tmp_path))
+    restored.load_state_dict(a.state_dict())
+    for mine_now, theirs_now in (
+        (restored.state.theta, twin.state.theta),
+        (restored.state.momentum, twin.state.momentum),
+    ):
+        assert resident_bytes(mine_now[0]) == 0
+        assert all(torch.equal(x, y) for x, y in zip(mine_now, theirs_now, strict=True))
+
+
+def test_theta_and_momentum_stay_in_memory_where_the_disk_cannot_hold_them(
+    corpus: Corpus, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A folder gone costs the memory, not the run: θ and m stay in memory, with one warning."""
+    a = _peer(corpus)
+    with caplog.at_level("WARNING"):
+        a.keep_state_on_disk(str(tmp_path / "gone"))
+        _round([a])
+    assert a.state.round == 1 and not a._mapped
+    assert sum("stay in memory" in r.getMessage() for r in caplog.records) == 1

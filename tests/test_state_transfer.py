@@ -866,6 +866,25 @@ def test_a_manifest_is_refused_unless_it_is_the_published_one_and_well_formed() 
     assert "tensor entry" in refused(tensors=(TensorSpec("theta.a", "int64", (3000,)),))
 
 
+@pytest.mark.parametrize("sizes", [(3000, 4900, 5), (40_000, 7, 64_000, 1, 0, 20_000)])
+def test_a_manifest_tells_each_tensor_hashed_once_all_its_chunks_are(sizes: tuple[int, ...]) -> None:
+    """`build_manifest(hashed=...)` calls back each tensor, in order, only once every chunk
+    covering it is hashed: a tensor zeroed in its callback leaves every hash as it was (few chunks
+    on one thread, and many on several)."""
+    g = torch.Generator().manual_seed(0)
+    named = [(f"t{i}", torch.randn(n, generator=g)) for i, n in enumerate(sizes)]
+    expected = build_manifest(named, round=1, theta_hash="ab" * 32, schedule={}, chunk_bytes=4096)
+    called: list[int] = []
+
+    def hashed(i: int) -> None:
+        called.append(i)
+        named[i][1].zero_()  # a chunk of it hashed after this would hash otherwise
+
+    got = build_manifest(named, round=1, theta_hash="ab" * 32, schedule={}, chunk_bytes=4096, hashed=hashed)
+    assert got == expected and called == list(range(len(sizes)))
+    assert all(not t.any() for _, t in named)
+
+
 def test_timeouts_follow_the_bytes_with_a_floor() -> None:
     s = TransferSettings(bandwidth_bps=1e6, slack=4.0, timeout_floor_s=10.0)
     assert s.timeout(10 << 20, 1e6) == pytest.approx(4 * (10 << 20) / 1e6)  # 42 s for 10 MiB at 1 MB/s

@@ -97,7 +97,12 @@ def check_checkpoint_dir(path: Path) -> None:
 
 
 def save_checkpoint(
-    directory: Path, state: Mapping[str, Any], *, extra: Mapping[str, Any] | None = None, keep: int = 2
+    directory: Path,
+    state: Mapping[str, Any],
+    *,
+    extra: Mapping[str, Any] | None = None,
+    keep: int = 2,
+    written: Callable[[], None] | None = None,
 ) -> Path:
     """Write `state` as a new checkpoint in `directory`; return its path.
 
@@ -108,7 +113,8 @@ def save_checkpoint(
     is in place, the newest `keep` are kept; a checkpoint of a higher round than this one is stale
     (the node did not resume from it) and is removed too. Raises ValueError, writing nothing, for a
     tree that is not a state dict; OSError (disk full, read-only) with the previous checkpoints
-    untouched.
+    untouched. `written()` runs after each tensor is written (a peer whose θ and m are mapped from
+    files gives their pages back: `Peer.release_state`).
     """
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
@@ -122,7 +128,7 @@ def save_checkpoint(
         tmp = directory / f"{_TMP}{name}-{os.getpid()}-{secrets.token_hex(4)}"
         tmp.mkdir()
         try:
-            size = _write_checkpoint(tmp, meta, tensors)
+            size = _write_checkpoint(tmp, meta, tensors, written)
             # The rename is atomic (POSIX), and the new name never exists, so no reader ever sees a
             # half-written round-* directory.
             os.rename(tmp, directory / name)
@@ -302,9 +308,14 @@ def _escape(key: str) -> str:
     return key.replace("~", "~0").replace("/", "~1")
 
 
-def _write_checkpoint(tmp: Path, meta: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> int:
+def _write_checkpoint(
+    tmp: Path,
+    meta: Mapping[str, Any],
+    tensors: Mapping[str, torch.Tensor],
+    written: Callable[[], None] | None = None,
+) -> int:
     """Write and fsync the files, then the manifest (last, so its presence means complete)."""
-    _write_safetensors(tmp / TENSORS, tensors)
+    _write_safetensors(tmp / TENSORS, tensors, written)
     _write_json(tmp / META, meta)
     files: dict[str, dict[str, Any]] = {}
     total = 0
@@ -331,8 +342,11 @@ _SAFETENSORS_DTYPES = {
 }
 
 
-def _write_safetensors(path: Path, tensors: Mapping[str, torch.Tensor]) -> None:
-    """Write a safetensors file tensor by tensor from the tensors' own memory.
+def _write_safetensors(
+    path: Path, tensors: Mapping[str, torch.Tensor], written: Callable[[], None] | None = None
+) -> None:
+    """Write a safetensors file tensor by tensor from the tensors' own memory, calling `written()`
+    after each.
 
     The library's `save_file` first turns every tensor into a bytes copy, doubling the memory of the
     whole state for the length of the save; here the header is computed from shapes and dtypes and
@@ -358,6 +372,8 @@ def _write_safetensors(path: Path, tensors: Mapping[str, torch.Tensor]) -> None:
         for tensor in tensors.values():
             if tensor.numel():
                 f.write(memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy()))  # type: ignore[arg-type]
+            if written is not None:
+                written()
 
 
 def _write_json(path: Path, obj: Any) -> None:

@@ -58,6 +58,11 @@ def train_solo(
         vocab_size=tokenizer.vocab_size,
         tokenizer=tokenizer,
     )
+    # As a networked node: θ, m and the int8 residual wait in files beside the checkpoints (or in
+    # the temporary folder) while the instances train (record 082).
+    spill_dir = None if checkpoint_dir is None else str(checkpoint_dir)
+    peer.keep_residual_on_disk(spill_dir)
+    peer.keep_state_on_disk(spill_dir)
     tokens = 0
     if checkpoint_dir is not None:
         extra = load_checkpoint(checkpoint_dir, peer.load_state_dict)
@@ -67,7 +72,9 @@ def train_solo(
 
     def save() -> None:
         if checkpoint_dir is not None:
-            save_checkpoint(checkpoint_dir, peer.state_dict(), extra={"tokens_total": tokens})
+            save_checkpoint(
+                checkpoint_dir, peer.state_dict(), extra={"tokens_total": tokens}, written=peer.release_state
+            )
 
     done: list[RoundRecord] = []
     with MemoryAverager(MemoryHub(window_s=0.0), PEER_ID) as averager:
@@ -107,7 +114,7 @@ def _round(
         round=peer.state.round,
         val_loss=peer.validation_loss(),
         inner_loss=local.mean_loss,
-        theta_hash=peer.state.theta_hash(),
+        theta_hash=peer.theta_hash(),
         tokens=local.tokens,
         tokens_total=local.tokens + (previous.tokens_total if previous else tokens_before),
         tokens_per_s=local.tokens / max(local.compute_s, 1e-9),

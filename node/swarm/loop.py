@@ -212,7 +212,7 @@ class RoundLoop:
         deadline = time.monotonic() + self.cfg.average_timeout_s
         theta_hash, waited = None, False
         while True:
-            theta_hash = theta_hash or self.peer.state.theta_hash()
+            theta_hash = theta_hash or self.peer.theta_hash()
             pending = self._averaging_without_us(round_id, theta_hash)
             # The head after the level peers: peers that left our level between the two reads have
             # published their round by the second (read the other way round, they fell between).
@@ -620,7 +620,7 @@ class RoundLoop:
             round=state.round,
             val_loss=self.peer.validation_loss(),
             inner_loss=local.mean_loss,
-            theta_hash=state.theta_hash(),
+            theta_hash=self.peer.theta_hash(),
             tokens=local.tokens,
             tokens_total=counters.tokens_total,
             tokens_per_s=counters.tokens_per_s,

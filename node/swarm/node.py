@@ -158,6 +158,7 @@ class SwarmNode:
         # The updates kept for laggards wait on disk, beside the checkpoints where there are any.
         self.peer.keep_updates_on_disk(swarm.spill_dir)
         self.peer.keep_residual_on_disk(swarm.spill_dir)
+        self.peer.keep_state_on_disk(swarm.spill_dir)
         self.prefix = run_prefix(swarm.run_id, self.peer.fingerprint)
         self.ops = NodeOps(
             peer=self.peer,

@@ -92,9 +92,11 @@ class StateOffers:
         manifest = build_manifest(
             list(zip(names, tensors, strict=True)),
             round=state.round,
-            theta_hash=state.theta_hash(),
+            theta_hash=self.peer.theta_hash(),
             schedule=state.schedule.to_dict(),
             chunk_bytes=self.chunk_bytes,
+            # θ and m mapped from files: each tensor's pages go back once hashed
+            hashed=lambda i: self.peer.release_state(i % len(self.peer.names)),
         )
         encoded = manifest.encode()
         offer = _Offer(manifest, encoded, manifest.digest(), tensors, frozen=False)
@@ -147,6 +149,7 @@ class StateOffers:
             file = SpillFile(self.directory)
             for start in range(0, data.total, self.chunk_bytes):
                 file.append(data.read(start, min(start + self.chunk_bytes, data.total)))
+                self.peer.release_state()  # θ and m mapped from files: their pages read go back
         except OSError as e:
             logger.warning("a round frozen for a download is copied in memory: no disk room for it: %s", e)
             if _same(offer.tensors, [*self.peer.state.theta, *self.peer.state.momentum]):

@@ -113,7 +113,7 @@ class NodeOps:
         logger.warning(
             "[%s] resumed from the checkpoint of round %d", self.peer.peer_id[-6:], self.peer.state.round
         )
-        self.status.write("resumed", round=self.peer.state.round, theta_hash=self.peer.state.theta_hash())
+        self.status.write("resumed", round=self.peer.state.round, theta_hash=self.peer.theta_hash())
 
     def save(self, *, final: bool = False) -> tuple[int, str] | None:
         """Write a checkpoint now (call between rounds, on the training thread)."""
@@ -124,6 +124,7 @@ class NodeOps:
                 self.checkpoint_dir,
                 self.peer.state_dict(),
                 extra={"tokens_total": self.counters.tokens_total, "data_shard": self.data_shard},
+                written=self.peer.release_state,
             )
         self.last_checkpoint = (self.peer.state.round, str(path))
         self.status.write("checkpoint", round=self.peer.state.round, path=str(path), final=final)

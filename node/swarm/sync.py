@@ -523,7 +523,7 @@ class SwarmSync:
             self._catch_up(head, replay=False, event="fork_healed")
             return False
         if behind <= 0:
-            mine = self.peer.state.theta_hash()
+            mine = self.peer.theta_hash()
             if behind < 0 or head.theta_hash == mine or head.hashes[head.theta_hash] <= head.hashes[mine] + 1:
                 return False
             logger.warning(

@@ -248,8 +248,16 @@ class Instance:
         self.start = self._own_start
 
     @torch.no_grad()
-    def shift(self, theta: Sequence[torch.Tensor], *, mode: str, mix: float = 0.5) -> None:
-        """The global θ changed while this instance trains on (overlap): carry its progress over.
+    def shift(
+        self,
+        theta: Sequence[torch.Tensor],
+        *,
+        mode: str,
+        mix: float = 0.5,
+        on_tensor: Callable[[int], None] | None = None,
+    ) -> None:
+        """The global θ changed while this instance trains on (overlap): carry its progress over;
+        `on_tensor(j)` once tensor j of θ is read.
 
         rebase: weights ← θ + (weights − start), the local progress of the round kept on top of θ.
         overwrite: weights ← θ, the progress since the round started is dropped.
@@ -278,6 +286,8 @@ class Instance:
                 p.mul_(mix).add_(t.to(p.device), alpha=1 - mix)
             if own:
                 self.start[j].copy_(t)
+            if on_tensor is not None:
+                on_tensor(j)
         if not own:
             self.start, self._start_pending = list(theta), False
         self._moved()
@@ -291,6 +301,7 @@ class Instance:
         on_step: Callable[[int], None] | None = None,
         share_theta: bool = False,
         collect_stats: bool = True,
+        on_begin: Callable[[], None] | None = None,
     ) -> InstanceRound:
         """Run `steps` optimizer steps of `plan`; return Δ and the round's statistics (none unless
         `collect_stats`: a batch already at the cap has no test left to take).
@@ -301,12 +312,14 @@ class Instance:
         read from the start and the weights: until the instance or θ next changes, which computes it
         whole first (`settle_delta`), it costs no memory; in a round begun with `keep_start` False
         and not shifted by its end it is empty, and `round_delta` gives it after the shift.
-        `on_step(step)` runs after every step. The losses stay on the device until the round ends:
-        no step waits for the host to read one.
+        `on_step(step)` runs after every step, `on_begin()` once θ is read, before the first. The
+        losses stay on the device until the round ends: no step waits for the host to read one.
         """
         self.settle_delta()
         if theta is not None:
             self.begin(theta, share=share_theta)
+        if on_begin is not None:
+            on_begin()
         self.model.train()
         self.passes = Counter()
         t0 = time.perf_counter()

@@ -52,7 +52,7 @@ from ...protocol.algorithms.schedule import accumulation_for, next_schedule
 from ...protocol.algorithms.switch import BatchPlan
 from ..data.corpus import Corpus
 from ..data.sampling import TokenSampler, evaluate, restore_streams, shard_corpus, validation_batches
-from ..data.spill import SpillFile
+from ..data.spill import MappedTensors, SpillFile
 from ..data.state import IncompatibleState, integer, malformed, mapping, number
 from ..data.tokenizer import ByteTokenizer, Tokenizer, tokenizer_files
 from ..model.bmax import probe_b_max
@@ -141,6 +141,10 @@ class Peer:
         self._corpus, self._index, self._num_peers = corpus, index, num_peers
         # Where the kept updates wait for laggards (`keep_updates_on_disk`): in memory unless set.
         self._kept_shelf: DiskShelf | None = None
+        # θ and m mapped from files (`keep_state_on_disk`): the folder, and the mappings in use.
+        self._state_on_disk = False
+        self._state_dir: str | None = None
+        self._mapped: list[MappedTensors] = []
         # The probe runs on the first device for all (a node's devices are taken to be alike), and
         # counts the instances whose memory it shares: a GPU's own, but all of them on the host.
         sharing = (
@@ -394,6 +398,9 @@ class Peer:
                 done += samples_per_step
                 if on_step is not None:
                     on_step(done)
+                # The step read θ (a round's start) or the update it landed wrote θ and m: the
+                # mapped pages go back to the system until the round's boundary (no-op otherwise).
+                self.release_state()
 
             return step_done
 
@@ -414,6 +421,9 @@ class Peer:
                 on_step=counter(plan.effective),
                 share_theta=not self.overlap or (local and self._start_on_theta),
                 collect_stats=batch < cap,
+                # θ mapped from a file was read for the round's start: its pages go back before
+                # the first step (no-op otherwise; another device's worker reads no mapped θ).
+                **({"on_begin": self.release_state} if local else {}),
             )
 
         rounds = list(zip(self.instances, plans, self.state.schedule.batch, strict=True))
@@ -560,6 +570,8 @@ class Peer:
             if correction is not None:
                 d = correction.apply(d, self.state.momentum[i], scale=self._momentum_scale())
             payloads[name] = self.error_feedback.compress_tensor(codec, name, d)
+            del d
+            self.release_state(i)  # θ (the start Δ is read from) and m, mapped: back to the system
         if isinstance(delta, PseudoGradient):
             self._contributed = weakref.ref(delta)
         wire = sum(len(p) for p in payloads.values())
@@ -669,10 +681,13 @@ class Peer:
         for inst in self.instances:
             inst.settle_delta()  # a round's Δ may be read from θ itself, which changes now
         # Tensor by tensor: one decoded tensor at a time, never a decoded copy of the whole model.
-        for name, theta, momentum in zip(self.names, self.state.theta, self.state.momentum, strict=True):
+        for i, (name, theta, momentum) in enumerate(
+            zip(self.names, self.state.theta, self.state.momentum, strict=True)
+        ):
             delta = decode(update.averaged[name]).to(self.placement.state)
             outer_step([theta], [momentum], [delta], self.cfg.outer, index=self.state.round)
             del delta  # before the next is decoded
+            self.release_state(i)
         if update.merge is not None:
             if self._in_round:
                 # The instances are mid-round (overlap): merge when the round ends.
@@ -715,6 +730,56 @@ class Peer:
         Other residual dtypes stay in memory."""
         self.error_feedback.keep_on_disk(lambda: SpillFile(directory))
 
+    def keep_state_on_disk(self, directory: str | None = None) -> None:
+        """Keep θ and the outer momentum in unnamed files in `directory` (default: the system's
+        temporary folder) mapped into memory (`MappedTensors`), and hand their pages back to the
+        system after every inner step and every tensor of an outer step: the node holds them only
+        while it reads or writes them, at a round's boundary, not through its inner steps (8 B/param,
+        record 082). θ stays in memory where it crosses to a training device by DMA (pinned, for a
+        GPU) or to another device's worker process (shared memory); m never crosses. The networked
+        node does; the simulator does not. A folder that cannot hold them (gone, full, or a file
+        system that cannot allocate the file ahead) leaves them in memory, with one warning."""
+        self._state_on_disk, self._state_dir = True, directory
+        self._map_state()
+
+    def _map_state(self) -> None:
+        """Move the current θ and m into mapped files, a tensor at a time (`keep_state_on_disk`)."""
+        self._map(self.state.theta, self.state.momentum)
+
+    def _map(self, theta: list[torch.Tensor], momentum: list[torch.Tensor]) -> tuple[bool, bool]:
+        """Copy `theta` and `momentum` into new mapped files a tensor at a time, each list's entries
+        replaced by the mapped tensors, which this peer releases from now on; returns whether θ and
+        whether m were (neither without `keep_state_on_disk`, θ not where it must stay in memory)."""
+        if not self._state_on_disk:
+            return False, False
+        map_theta = not self.placement.pin and not self._workers
+        held = [theta, momentum] if map_theta else [momentum]
+        try:
+            mapped = [MappedTensors(tensors, self._state_dir) for tensors in held]
+        except OSError as e:
+            where = self._state_dir or "the temporary folder"
+            logger.warning("θ and the outer momentum stay in memory: %s cannot hold them: %s", where, e)
+            self._state_on_disk, self._mapped = False, []
+            return False, False
+        for store, tensors in zip(mapped, held, strict=True):
+            store.take(tensors)
+        self._mapped = mapped
+        return map_theta, True
+
+    def release_state(self, index: int | None = None) -> None:
+        """Hand the mapped θ's and m's pages (of tensor `index`, or all) back to the system: what
+        reads them whole calls it after each tensor (no-op unless `keep_state_on_disk`)."""
+        for store in self._mapped:
+            store.release(index)
+
+    def theta_hash(self) -> str:
+        """θ's hash (`PeerState.theta_hash`), each tensor of a mapped θ released once hashed."""
+        digest = TensorsHash()
+        for i, theta in enumerate(self.state.theta):
+            digest.update(theta)
+            self.release_state(i)
+        return digest.hexdigest()
+
     def _check_update(self, update: Update) -> None:
         """ValueError unless the update decodes to one finite tensor of θ's shape per name and any MIT
         merge it carries names two of the current slots, the next schedule having one fewer: checked
@@ -739,9 +804,14 @@ class Peer:
     def rebase_instances(self) -> None:
         """Overlap: move the instances' progress onto the current θ (`cfg.overlap` says how); the
         local round in progress is measured from this θ from now on."""
+        mode, mix = self._shift_mode, self.cfg.overlap_mix
         for inst in self.instances:
-            inst.shift(self.state.theta, mode=self._shift_mode, mix=self.cfg.overlap_mix)
+            if isinstance(inst, Instance):  # (a mapped θ's pages go back a tensor at a time)
+                inst.shift(self.state.theta, mode=mode, mix=mix, on_tensor=self.release_state)
+            else:
+                inst.shift(self.state.theta, mode=mode, mix=mix)
         self.phase_round = self.state.round
+        self.release_state()
 
     def replayed_hash(self, updates: Sequence[Update]) -> str:
         """θ's hash after replaying `updates` (those from the current round on, in order), worked out
@@ -752,7 +822,9 @@ class Peer:
         if [u.round for u in pending] != list(range(self.state.round, self.state.round + len(pending))):
             raise ValueError("the updates do not follow each other from this peer's round")
         digest = TensorsHash()
-        for name, theta, momentum in zip(self.names, self.state.theta, self.state.momentum, strict=True):
+        for i, (name, theta, momentum) in enumerate(
+            zip(self.names, self.state.theta, self.state.momentum, strict=True)
+        ):
             t, m = theta.detach().clone(), momentum.detach().clone()
             for update in pending:
                 payload = update.averaged.get(name)
@@ -764,6 +836,7 @@ class Peer:
                 del delta  # before the next is decoded
             digest.update(t)
             del t, m  # before the next tensor's copies
+            self.release_state(i)
         return digest.hexdigest()
 
     def catch_up(self, updates: Sequence[Update]) -> int:
@@ -793,9 +866,12 @@ class Peer:
             raise ValueError("downloaded state does not have this model's tensor shapes")
         if tensors_hash(other.theta) != expected_hash:
             raise ValueError("downloaded θ does not match the published θ hash")
+        # Copied straight into mapped files where this peer keeps them there (no copy in memory).
+        theta, momentum = list(other.theta), list(other.momentum)
+        mapped_theta, mapped_momentum = self._map(theta, momentum)
         self.state = PeerState(
-            theta=[self.placement.host_copy(t) for t in other.theta],
-            momentum=[self.placement.state_copy(t) for t in other.momentum],
+            theta=theta if mapped_theta else [self.placement.host_copy(t) for t in theta],
+            momentum=momentum if mapped_momentum else [self.placement.state_copy(t) for t in momentum],
             round=other.round,
             schedule=other.schedule,
             history=list(other.history),
@@ -853,7 +929,10 @@ class Peer:
         """
         model = self.home_model
         if not self.placement.staged:
-            return evaluate(model, self.val_batches, micro_batch=16, parameters=self.named_theta())
+            try:
+                return evaluate(model, self.val_batches, micro_batch=16, parameters=self.named_theta())
+            finally:
+                self.release_state()
         params = [p for p in model.parameters() if p.requires_grad]
         held = self.placement.swap(params, self.state.theta)
         try:
@@ -891,7 +970,7 @@ class Peer:
         if self._tokenizer_files is None:
             self._tokenizer_files = tokenizer_files(self.tokenizer)
         return {
-            **self.state.state_dict(),
+            **self.state.state_dict(theta_hash=self.theta_hash()),
             "model_fingerprint": self._model_fingerprint,
             "model_config": self._model_config,
             "tokenizer_fingerprint": self.tokenizer.fingerprint,
@@ -945,6 +1024,7 @@ class Peer:
             )
         # Everything is checked: from here on nothing raises, so the state is applied whole.
         self.state = replicated
+        self._map_state()
         self._trim_history()
         for slot, (inst, inst_state, sampler) in enumerate(zip(kept, saved, samplers, strict=True)):
             inst.slot = slot

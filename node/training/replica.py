@@ -134,13 +134,14 @@ class PeerState:
     def theta_hash(self) -> str:
         return tensors_hash(self.theta)
 
-    def state_dict(self) -> dict[str, Any]:
-        """The live tensors (not copies), θ's hash, round, schedule and the kept updates."""
+    def state_dict(self, *, theta_hash: str | None = None) -> dict[str, Any]:
+        """The live tensors (not copies), θ's hash (`theta_hash` where the caller has it), round,
+        schedule and the kept updates."""
         return {
             "round": self.round,
             "theta": list(self.theta),
             "momentum": list(self.momentum),
-            "theta_hash": self.theta_hash(),
+            "theta_hash": theta_hash or self.theta_hash(),
             "schedule": self.schedule.to_dict(),
             "history": [u.state_dict() for u in self.history],
         }

@@ -22,7 +22,7 @@ import math
 import os
 import re
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -166,8 +166,10 @@ def build_manifest(
     theta_hash: str,
     schedule: dict[str, Any],
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    hashed: Callable[[int], None] | None = None,
 ) -> StateManifest:
-    """The manifest of the named tensors, hashing them chunk by chunk (no concatenated copy)."""
+    """The manifest of the named tensors, hashing them chunk by chunk (no concatenated copy);
+    `hashed(i)` once every byte of tensor i is hashed (`TensorBytes.chunk_hashes`)."""
     if not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES:
         raise ValueError(f"chunk size {chunk_bytes} outside [{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}]")
     specs = tuple(TensorSpec.of(name, t) for name, t in named)
@@ -178,7 +180,7 @@ def build_manifest(
         schedule=schedule,
         chunk_bytes=chunk_bytes,
         tensors=specs,
-        chunks=tuple(data.chunk_hashes(chunk_bytes)),
+        chunks=tuple(data.chunk_hashes(chunk_bytes, hashed=hashed)),
     )
 
 
@@ -217,9 +219,12 @@ class TensorBytes:
         for offset, piece in self.pieces(start, start + len(data)):
             piece.numpy()[:] = source[offset : offset + piece.numel()]
 
-    def chunk_hashes(self, chunk_bytes: int) -> list[str]:
+    def chunk_hashes(self, chunk_bytes: int, *, hashed: Callable[[int], None] | None = None) -> list[str]:
         """sha256 hex of every chunk of `chunk_bytes` (at least one chunk, maybe empty), hashed on
-        a few threads (hashlib releases the GIL): a 1B-parameter θ and m are 8 GB to hash."""
+        a few threads (hashlib releases the GIL): a 1B-parameter θ and m are 8 GB to hash. In
+        order, a few chunks per thread at a time: `hashed(i)` is called for each tensor i, in order,
+        as soon as every chunk covering it is hashed (a reader that maps tensors from a file gives
+        their pages back as it goes)."""
 
         def hash_chunk(start: int) -> str:
             digest = hashlib.sha256()
@@ -228,10 +233,22 @@ class TensorBytes:
             return digest.hexdigest()
 
         starts = range(0, max(self.total, 1), chunk_bytes)
-        if len(starts) < 8:
-            return [hash_chunk(start) for start in starts]
-        with ThreadPoolExecutor(min(HASH_THREADS, os.cpu_count() or 1)) as pool:
-            return list(pool.map(hash_chunk, starts))
+        threads = min(HASH_THREADS, os.cpu_count() or 1) if len(starts) >= 8 else 1
+        window = 4 * threads
+        out: list[str] = []
+        done = 0  # tensors whose bytes are all hashed
+        with ThreadPoolExecutor(threads) as pool:
+            for first in range(0, len(starts), window):
+                out.extend(pool.map(hash_chunk, starts[first : first + window]))
+                through = min(starts[min(first + window, len(starts)) - 1] + chunk_bytes, self.total)
+                while (
+                    hashed is not None
+                    and done < len(self._flat)
+                    and (self._starts[done] + self._flat[done].numel() <= through)
+                ):
+                    hashed(done)
+                    done += 1
+        return out
 
 
 class ChunkedState:
