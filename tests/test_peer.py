@@ -825,11 +825,11 @@ def test_overlap_defers_a_merge_to_the_end_of_the_local_round(corpus: Corpus) ->
 def test_theta_and_momentum_on_disk_give_the_same_rounds_and_are_held_only_at_a_boundary(
     corpus: Corpus, tmp_path: Path
 ) -> None:
-    """A networked node keeps θ and m in mapped unnamed files (`keep_state_on_disk`): over three
-    rounds its contributions, θ and m are a twin's in memory bit for bit; through a round's inner
-    steps it holds none of their pages (θ, read for the round's start, is released before the
-    first); nothing is left in the folder; and a checkpoint restored into a peer that keeps them on
-    disk puts them in its files."""
+    """A node keeps θ and m in mapped unnamed files (`keep_state_on_disk`): over three rounds its
+    contributions, θ and m are a twin's in memory bit for bit; through a round's inner steps it holds
+    none of their pages (θ, read for the round's start, is released before the first); nothing is
+    left in the folder; θ's hash and a checkpoint give back the pages they read, an evaluation holds
+    θ a module at a time; an adopted state and a restored checkpoint go into its files."""
     cfg = replace(CFG, instances=1, inner_steps=3)
     a, twin = _peer(corpus, cfg=cfg), _peer(corpus, cfg=cfg)
     a.keep_state_on_disk(str(tmp_path))
@@ -854,6 +854,20 @@ def test_theta_and_momentum_on_disk_give_the_same_rounds_and_are_held_only_at_a_
     assert a.theta_hash() == twin.state.theta_hash()
     save_checkpoint(tmp_path / "ck", a.state_dict(), written=a.release_state)
     assert resident_bytes(a.state.theta[0]) == 0 and resident_bytes(a.state.momentum[0]) == 0
+    # An evaluation reads θ a module at a time: never as much as half of it held at once.
+    held_at: list[int] = []
+    probes = [
+        m.register_forward_pre_hook(lambda *_: held_at.append(resident_bytes(a.state.theta[0])))
+        for m in a.home_model.modules()
+        if next(m.parameters(recurse=False), None) is not None
+    ]
+    try:
+        assert a.validation_loss() == twin.validation_loss()
+    finally:
+        for probe in probes:
+            probe.remove()
+    theta_bytes = sum(t.numel() * t.element_size() for t in a.state.theta)
+    assert len(held_at) > 4 and max(held_at) < theta_bytes / 2
     adopter = _peer(corpus, cfg=cfg)
     adopter.keep_state_on_disk(str(tmp_path))
     adopter.adopt_state(twin.state, expected_hash=twin.state.theta_hash())  # copied straight to files

@@ -3,6 +3,7 @@ whose values are such a file mapped into memory."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import threading
@@ -72,6 +73,21 @@ def test_reserved_bytes_read_as_zeros_and_are_rewritten_in_place(tmp_path: Path)
     assert spill.reserve(3) == 10_004 and spill.read(10_004, 3) == bytes(3)
 
 
+def _open_in(folder: Path) -> list[str]:
+    """This process's open files in `folder` (an unnamed one reads "folder/#inode (deleted)")."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/self/fd/{fd}").startswith(f"{folder}/"):
+                found.append(fd)
+    return found
+
+
+def _mapped_from(folder: Path) -> bool:
+    with open("/proc/self/maps") as f:
+        return any(f" {folder}/" in line for line in f)
+
+
 def test_mapped_tensors_keep_their_values_in_a_file_and_are_held_only_until_released(
     tmp_path: Path,
 ) -> None:
@@ -99,10 +115,10 @@ def test_mapped_tensors_keep_their_values_in_a_file_and_are_held_only_until_rele
     assert resident_bytes(held[0]) == 0
     assert torch.equal(held[0], 2 * expected[0]) and torch.equal(held[1], expected[1] + 1)
     assert list(tmp_path.iterdir()) == []  # an unnamed file
-    fds = len(os.listdir("/proc/self/fd"))
+    assert len(_open_in(tmp_path)) == 1 and _mapped_from(tmp_path)
     del store, held, like
     gc.collect()
-    assert len(os.listdir("/proc/self/fd")) == fds - 1  # the mapping's file is closed with them
+    assert _open_in(tmp_path) == [] and not _mapped_from(tmp_path)  # gone with the last tensor
     with pytest.raises(ValueError, match="not mapped so"):
         MappedTensors([torch.zeros(3)], str(tmp_path)).take([torch.zeros(4)])
 

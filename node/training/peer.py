@@ -35,6 +35,7 @@ from dataclasses import replace
 from typing import Any, cast
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from ...errors import UserError
 from ...protocol.algorithms.adaptive import choose_codec, predicted_wire_bytes
@@ -929,9 +930,12 @@ class Peer:
         """
         model = self.home_model
         if not self.placement.staged:
+            hooks = self._release_after_modules(model) if self._mapped and not self.compiled else []
             try:
                 return evaluate(model, self.val_batches, micro_batch=16, parameters=self.named_theta())
             finally:
+                for hook in hooks:
+                    hook.remove()
                 self.release_state()
         params = [p for p in model.parameters() if p.requires_grad]
         held = self.placement.swap(params, self.state.theta)
@@ -939,6 +943,23 @@ class Peer:
             return evaluate(model, self.val_batches, micro_batch=16)
         finally:
             self.placement.load(params, held)
+
+    def _release_after_modules(self, model: torch.nn.Module) -> list[RemovableHandle]:
+        """Forward hooks that give a mapped θ's pages back as each module holding parameters is done
+        with them: an evaluation through θ then holds it a layer at a time, not whole (a tied
+        weight is released after each of its uses, and read back from the page cache)."""
+        index = {id(p): i for i, p in enumerate(p for p in model.parameters() if p.requires_grad)}
+        hooks = []
+        for module in model.modules():
+            own = tuple(index[id(p)] for p in module.parameters(recurse=False) if id(p) in index)
+            if own:
+
+                def release(*_: Any, own: tuple[int, ...] = own) -> None:
+                    for i in own:
+                        self.release_state(i)
+
+                hooks.append(module.register_forward_hook(release))
+        return hooks
 
     def named_theta(self) -> dict[str, torch.Tensor]:
         return dict(zip(self.names, self.state.theta, strict=True))
