@@ -80,6 +80,7 @@ def main() -> int:
 
     from adloco.node.cli.entry import main as node_main
     from adloco.node.solo import trainer
+    from adloco.node.swarm import node as swarm_node
     from adloco.node.swarm.loop import RoundLoop
     from adloco.node.swarm.node import SwarmNode
     from adloco.node.swarm.offers import StateOffers
@@ -87,7 +88,10 @@ def main() -> int:
     from adloco.node.training import instances
     from adloco.node.training.instances import Instance
     from adloco.node.training.peer import Peer
+    from adloco.node.training.replica import SpilledPayloads
+    from adloco.protocol.algorithms import parts
     from adloco.protocol.transport.hivemind_averager import HivemindAverager
+    from adloco.protocol.transport.state_transfer import StateServer
 
     for owner, name, tag in [
         (Peer, "__init__", "peer_init"),
@@ -95,6 +99,8 @@ def main() -> int:
         (Peer, "contribute", "contribute"),
         (Peer, "apply_round", "apply"),
         (Peer, "_check_update", "check"),
+        (Peer, "_step_spans", "step"),
+        (Instance, "settle_delta", "settle"),
         (Peer, "_trim_history", "keep"),
         (Peer, "rebase_instances", "rebase"),
         (Peer, "validation_loss", "val"),
@@ -113,6 +119,12 @@ def main() -> int:
         (StateOffers, "publish", "offer"),
         (SwarmNode, "_build", "peer_build"),
         (SwarmNode, "_join", "join"),
+        # What other threads run for the others (labelled where they run: "main's | theirs"): an
+        # owner's reduction of a part, a state chunk or the kept updates served to a joiner.
+        (parts, "reduce_part", "reduce"),
+        (StateServer, "_answer", "serve_chunk"),
+        (swarm_node, "updates_of", "serve_updates"),
+        (SpilledPayloads, "__getitem__", "read_kept"),
     ]:
         _label(owner, name, tag)
     one_round = trainer._round

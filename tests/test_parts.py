@@ -11,13 +11,13 @@ import torch
 from adloco.protocol.algorithms.codecs import SPAN, decode, make_codec
 from adloco.protocol.algorithms.parts import (
     DEFAULT_OUTLIER_FACTOR,
+    Aggregate,
     assign_parts,
     most_bytes_moved,
     reduce_part,
     round_traffic,
     screen_part,
     screening_work,
-    weighted_sum,
 )
 
 NONE = make_codec("none")
@@ -292,22 +292,29 @@ def test_a_zero_token_claim_is_left_out_and_does_not_change_how_the_others_are_s
     assert screening_work([0.0, 0.0], None) is None  # nobody says what any work was: raw norms
 
 
-def test_an_owners_mean_reads_a_span_of_each_payload_never_one_decoded_whole() -> None:
-    """Three int8 payloads of 16 Mi values: the owner's mean is what the weighted sum of their
-    decoded tensors encodes to, bit for bit, and reducing them allocates (numpy's and Python's
-    allocations, traced) about its answer's bytes, twice, and a few spans, where one whole decode
-    alone is 64 MiB. It runs beside the next round's training step (issue 28 §2)."""
+@pytest.mark.parametrize("rule", ["mean", "clip:0.5", "trimmed:0.25"])
+def test_an_owners_answer_reads_a_span_of_each_payload_never_one_decoded_whole(rule: str) -> None:
+    """Three int8 payloads of 16 Mi values: the owner's answer, under the mean and the robust rules
+    alike, is what the rule's combination of their decoded tensors encodes to, bit for bit, and
+    reducing them allocates (numpy's and Python's allocations, traced) about its answer's bytes,
+    twice, and a few spans, where one whole decode alone is 64 MiB. It runs beside the next round's
+    training step (issue 28 §2); CenteredClip reads the payloads once per iteration."""
+    aggregate = Aggregate.parse(rule)
     numel = 16 * SPAN
     int8 = make_codec("int8")
     generator = torch.Generator().manual_seed(8)
     payloads = [int8.encode("w", torch.randn(numel, generator=generator) * (1 + i)) for i in range(3)]
     tracemalloc.start()
     try:
-        part = reduce_part(payloads, [1.0, 2.0, 3.0], int8, "w", tokens=[10.0, 20.0, 30.0])
+        part = reduce_part(
+            payloads, [1.0, 2.0, 3.0], int8, "w", tokens=[10.0, 20.0, 30.0], aggregate=aggregate
+        )
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
     assert not part.rejected
-    expected = int8.encode("w", weighted_sum([decode(p) for p in payloads], [1 / 60, 2 / 60, 3 / 60]))
-    assert part.payload == expected
+    combined, clip = aggregate.combine_stated([decode(p) for p in payloads], [1 / 60, 2 / 60, 3 / 60])
+    assert part.payload == int8.encode("w", combined)
+    assert (part.clip is None) == (clip is None) == (rule != "clip:0.5")
+    assert part.clip == clip
     assert peak < 2 * len(part.payload) + 6 * 4 * SPAN < 4 * numel

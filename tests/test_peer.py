@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import types
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal, cast
@@ -444,13 +445,13 @@ def test_a_kept_update_that_would_decode_to_another_size_or_many_tensors_is_refu
         payload = sum_bomb(20_000, tuple(a.state.theta[0].shape))
         assert sum_count(payload) > peer_module.MAX_SUM_PARTS
     decoded: list[bytes] = []
-    real_decode = getattr(peer_module, "decode")  # noqa: B009 (not exported)
+    real_spans = getattr(peer_module, "decoded_spans")  # noqa: B009 (not exported)
 
-    def watched(payload: bytes) -> torch.Tensor:
+    def watched(payload: bytes, span: int) -> Iterator[torch.Tensor]:
         decoded.append(payload)
-        return cast(torch.Tensor, real_decode(payload))
+        return cast(Iterator[torch.Tensor], real_spans(payload, span))
 
-    monkeypatch.setattr(peer_module, "decode", watched)
+    monkeypatch.setattr(peer_module, "decoded_spans", watched)
     averaged = {**result.averaged, name: payload}
     theta = [t.clone() for t in a.state.theta]
     with pytest.raises(ValueError, match=r"misshapen|a sum of"):
@@ -462,6 +463,38 @@ def test_a_kept_update_that_would_decode_to_another_size_or_many_tensors_is_refu
     assert all(torch.equal(x, y) for x, y in zip(a.state.theta, theta, strict=True))
 
 
+def test_an_update_is_checked_and_stepped_a_span_at_a_time_with_the_whole_tensors_bits(
+    corpus: Corpus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`_apply` never decodes a tensor of the update whole: its outer step sees no Δ wider than a
+    span, and θ and m end bit for bit where the outer step on each whole decoded tensor leaves them
+    (two rounds, so the momentum is not Δ alone)."""
+    from adloco.node.training import peer as peer_module
+    from adloco.protocol.algorithms.codecs import decode
+    from adloco.protocol.algorithms.outer import outer_step
+
+    widest: list[int] = []
+
+    def spying_step(params: Any, momentum: Any, delta: Any, cfg: Any, *, index: int = 0) -> None:
+        widest.append(max(d.numel() for d in delta))
+        outer_step(params, momentum, delta, cfg, index=index)
+
+    monkeypatch.setattr(peer_module, "_SPAN", 7)
+    monkeypatch.setattr(peer_module, "outer_step", spying_step)
+    a = _peer(corpus, "a", 0)
+    theta = [t.clone() for t in a.state.theta]
+    momentum = [m.clone() for m in a.state.momentum]
+    assert max(t.numel() for t in theta) > 7 * 100
+    for r in range(2):
+        result = reduce_group([_contribution(a)], codec=a.downlink_codec(a.state.schedule.codec))
+        whole = [decode(result.averaged[name]) for name in a.names]
+        outer_step(theta, momentum, whole, a.cfg.outer, index=r)
+        a.apply_round(result)
+        assert all(torch.equal(x, y) for x, y in zip(a.state.theta, theta, strict=True))
+        assert all(torch.equal(x, y) for x, y in zip(a.state.momentum, momentum, strict=True))
+    assert widest and max(widest) == 7
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_an_update_not_finite_in_any_slice_changes_nothing(
     corpus: Corpus, bad: float, monkeypatch: pytest.MonkeyPatch
@@ -471,7 +504,7 @@ def test_an_update_not_finite_in_any_slice_changes_nothing(
     from adloco.node.training import peer as peer_module
     from adloco.protocol.algorithms.codecs import decode, make_codec
 
-    monkeypatch.setattr(peer_module, "_FINITE_SLICE", 7)
+    monkeypatch.setattr(peer_module, "_SPAN", 7)
     a = _peer(corpus, "a", 0)
     result = reduce_group([_contribution(a)], codec=a.downlink_codec("int8"))
     theta = [t.clone() for t in a.state.theta]
@@ -883,6 +916,110 @@ def test_theta_and_momentum_on_disk_give_the_same_rounds_and_are_held_only_at_a_
     ):
         assert resident_bytes(mine_now[0]) == 0
         assert all(torch.equal(x, y) for x, y in zip(mine_now, theirs_now, strict=True))
+
+
+@pytest.mark.parametrize("overlap", ["off", "mix"])
+def test_a_mapped_theta_and_momentum_are_held_a_span_at_a_time_by_a_round_s_start_step_and_shift(
+    corpus: Corpus, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, overlap: Literal["off", "mix"]
+) -> None:
+    """A round's start copies θ into the instance (without overlap), the outer step decodes and steps
+    the update, and an overlap's shift moves the instance onto the new θ, a span at a time, handing
+    a mapped θ's and m's pages back after each span: never more than a span's pages of either held
+    (GPT-2's embedding would otherwise hold 154 MB of θ at the start and 0.29 GiB of θ and m at the
+    step); the rounds are a twin's in memory bit for bit."""
+    import mmap
+
+    from adloco.node.training import peer as peer_module
+
+    span = mmap.PAGESIZE // 4  # float32 values: a page
+    monkeypatch.setattr(instances, "LOAD_SPAN", span)
+    monkeypatch.setattr(peer_module, "_SPAN", span)
+    cfg = replace(CFG, instances=1, inner_steps=2, overlap=overlap)
+    a, twin = _peer(corpus, cfg=cfg), _peer(corpus, cfg=cfg)
+    a.keep_state_on_disk(str(tmp_path))
+    # A span of θ and of m, each over 2 pages at most, and each mapping's fault-around: a read
+    # fault maps up to 16 pages around the one it needs where the page cache holds them.
+    bound = 2 * (2 * mmap.PAGESIZE + (64 << 10))
+    assert max(t.numel() * t.element_size() for t in a.state.theta) > bound  # a tensor at a time: over
+    release = a.release_state
+    held: list[int] = []
+
+    def spying(index: int | None = None, start: int = 0, stop: int | None = None) -> None:
+        if index is not None and stop is not None:
+            held.append(resident_bytes(a.state.theta[0]) + resident_bytes(a.state.momentum[0]))
+        release(index, start, stop)
+
+    a.release_state = spying  # type: ignore[method-assign]
+    spans = sum(-(-t.numel() // span) for t in a.state.theta)  # of θ, and as many of m
+    for _ in range(2):
+        local = a.train_round()
+        read_at_start = len(held)
+        assert read_at_start == (spans if overlap == "off" else 0)  # (under overlap: shifted)
+        mine = cast(Contribution, a.contribute(local)[0])
+        theirs = _contribution(twin)
+        assert mine.payloads == theirs.payloads
+        for p, c in ((a, mine), (twin, theirs)):
+            p.apply_round(reduce_group([c], codec=p.downlink_codec("int8")))
+        assert len(held) == read_at_start + (spans if overlap == "off" else 2 * spans)
+        assert max(held) <= bound, max(held)
+        held.clear()
+    assert all(torch.equal(x, y) for x, y in zip(a.state.theta, twin.state.theta, strict=True))
+    assert all(torch.equal(x, y) for x, y in zip(a.state.momentum, twin.state.momentum, strict=True))
+
+
+def test_a_round_contributed_late_waits_in_mapped_files_while_the_node_catches_up(
+    corpus: Corpus, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node whose round ended behind the swarm catches up before it contributes: its Δ is
+    computed whole first (θ, its start, changes), into files beside θ's, whose pages are handed
+    back with θ's as each span is computed (never more than a span of each held) and encoded;
+    its late contribution is a twin's in memory bit for bit."""
+    import mmap
+
+    from adloco.protocol.algorithms import pseudograd
+    from adloco.protocol.algorithms.pseudograd import PseudoGradient
+
+    span = mmap.PAGESIZE // 4  # float32 values: a page
+    monkeypatch.setattr(pseudograd, "MATERIALIZE_SPAN", span)
+    cfg = replace(CFG, instances=1, inner_steps=2)
+    a, twin, ahead = _peer(corpus, cfg=cfg), _peer(corpus, cfg=cfg), _peer(corpus, "b", 1, cfg)
+    a.keep_state_on_disk(str(tmp_path))
+    (inst,) = a.local_instances
+    files = inst.delta_files
+    assert files is not None
+    held: list[int] = []  # of θ and of Δ as each span of Δ is handed back
+
+    def watched(like: list[torch.Tensor]) -> tuple[list[torch.Tensor], Callable[[int, int, int], None]]:
+        tensors, hand_back = files(like)
+
+        def watching(j: int, start: int, stop: int) -> None:
+            held.append(resident_bytes(a.state.theta[0]) + resident_bytes(tensors[0]))
+            hand_back(j, start, stop)
+
+        return tensors, watching
+
+    inst.delta_files = watched
+    local, twin_local = a.train_round(), twin.train_round()
+    _round([ahead])
+    # (the replay's check, a span at a time on copies: where the updates lead, θ's pages handed back)
+    assert a.replayed_hash(ahead.state.history) == ahead.state.theta_hash()
+    assert resident_bytes(a.state.theta[0]) <= 2 * (64 << 10)  # (a fault-around or two at most)
+    for p in (a, twin):
+        p.catch_up(ahead.state.history)
+    # A span of θ and of Δ, each over 2 pages at most, and each mapping's fault-around (64 KiB).
+    bound = 2 * (2 * mmap.PAGESIZE + (64 << 10))
+    assert max(t.numel() * t.element_size() for t in a.state.theta) > bound  # a tensor at a time: over
+    assert len(held) == sum(-(-t.numel() // span) for t in a.state.theta)
+    assert max(held) <= bound, max(held)
+    delta = local.delta
+    assert isinstance(delta, PseudoGradient) and not delta.is_lazy
+    assert resident_bytes(delta[0]) == 0  # in a mapped file, none of it held
+    mine, info = a.contribute(local)
+    theirs, _ = twin.contribute(twin_local)
+    assert info.staleness == 1 and mine is not None and theirs is not None
+    assert mine.payloads == theirs.payloads
+    assert resident_bytes(delta[0]) == 0  # read and encoded, handed back tensor by tensor
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_theta_and_momentum_stay_in_memory_where_the_disk_cannot_hold_them(

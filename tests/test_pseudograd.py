@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from adloco.protocol.algorithms import pseudograd
 from adloco.protocol.algorithms.pseudograd import (
     PseudoGradient,
     flat_norm,
@@ -59,6 +60,35 @@ def test_lazy_pseudo_gradient_refuses_a_side_that_moved_and_keeps_a_materialized
     kept.materialize()  # a no-op once released
     with pytest.raises(RuntimeError, match="release"):
         kept[0]
+
+
+def test_a_pseudo_gradient_materialized_into_given_tensors_keeps_them_and_hands_each_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`materialize(into, hand_back=...)` computes Δ into the given tensors (the same bits as in
+    memory) a span at a time, keeps them as its values, and calls `hand_back(j, start, stop)` as
+    each span of tensor j is in and for the whole tensor once a reader is done with it; a misshapen
+    `into` is refused before anything is computed."""
+    gen = torch.Generator().manual_seed(1)
+    start = [torch.randn(6, 2, generator=gen), torch.randn(5, generator=gen)]
+    end = [torch.randn(6, 2, generator=gen), torch.randn(5, generator=gen)]
+    expected = pseudo_gradient(start, end)
+    with pytest.raises(ValueError, match="shape"):
+        PseudoGradient(start, end).materialize([torch.empty(6, 2), torch.empty(4)])
+    into = [torch.full((6, 2), math.nan), torch.full((5,), math.nan)]
+    handed: list[tuple[int, int, int]] = []
+    delta = PseudoGradient(start, end)
+    monkeypatch.setattr(pseudograd, "MATERIALIZE_SPAN", 5)
+    delta.materialize(into, hand_back=lambda j, a, b: handed.append((j, a, b)))
+    assert handed == [(0, 0, 5), (0, 5, 10), (0, 10, 12), (1, 0, 5)] and not delta.is_lazy
+    end[0].add_(1.0)  # a side moves on: the values were computed before
+    assert delta[0] is into[0] and all(torch.equal(a, b) for a, b in zip(delta, expected, strict=True))
+    handed.clear()
+    delta.done_with(1)
+    assert handed == [(1, 0, 5)]
+    delta.release()
+    delta.done_with(0)  # nothing left to hand back
+    assert handed == [(1, 0, 5)]
 
 
 def test_weighted_mean_normalizes_weights() -> None:

@@ -29,6 +29,7 @@ from unittest.mock import patch
 
 import pytest
 import torch
+from residency import resident_bytes
 
 from adloco.node.cli.processes import group_members
 from adloco.node.data.corpus import Corpus
@@ -781,6 +782,23 @@ def test_a_round_being_downloaded_is_frozen_when_the_donor_moves_on(disk: bool, 
     _train_alone(peer, 1)
     assert offers.offered(unasked.digest) is None
     assert offers.offered(asked.digest) is not None  # still held while its download is active
+
+
+def test_a_live_round_served_from_mapped_files_gives_each_chunk_s_pages_back(tmp_path: Path) -> None:
+    """No network: a donor whose θ and m live in mapped files (record 082) serves the live round
+    chunk after chunk and holds none of their pages after each: a joiner's download of the live
+    round left all it read of them held (8 B/param at the end) until the donor's next inner step."""
+    peer = _peer("donor")
+    peer.keep_state_on_disk(str(tmp_path))
+    offers = StateOffers(peer, threading.Lock(), chunk_bytes=CHUNK)
+    live = offers.publish()
+    served = offers.offered(live.digest)
+    assert served is not None and len(live.manifest.chunks) > 2
+    state = ChunkedState(StateManifest.decode(live.encoded, digest=live.digest), live.digest)
+    for index in range(len(live.manifest.chunks)):
+        assert state.accept(index, served.read_chunk(index))
+        assert resident_bytes(peer.state.theta[0]) == 0 and resident_bytes(peer.state.momentum[0]) == 0
+    assert state.complete
 
 
 def test_a_round_a_joiner_probed_is_still_served_when_the_donor_has_moved_on() -> None:

@@ -129,13 +129,23 @@ class MappedTensors:
             tensors[i] = mapped
             self._release(at, nbytes)
 
-    def release(self, index: int | None = None) -> None:
-        """Unmap the pages touched since the last release, of every tensor or of tensor `index`
-        (their values stay in the file)."""
+    def release(self, index: int | None = None, start: int = 0, stop: int | None = None) -> None:
+        """Unmap the pages touched since the last release, of every tensor or of tensor `index`, or
+        of the pages holding its values `start` to `stop` (flat; their values stay in the file)."""
         if index is None:
             self._map.madvise(mmap.MADV_DONTNEED)
-        else:
-            self._release(*self._regions[index])
+            return
+        at, nbytes = self._regions[index]
+        if start == 0 and stop is None:
+            self._release(at, nbytes)
+            return
+        size = self.tensors[index].element_size()
+        numel = nbytes // size if size else 0
+        stop = numel if stop is None else min(stop, numel)
+        if 0 <= start < stop:
+            page = mmap.PAGESIZE
+            first = (at + start * size) // page * page  # the pages the values touch, whole
+            self._release(first, at + stop * size - first)
 
     def flush(self) -> None:
         """Write the values changed since the last flush out to the file now (the system otherwise

@@ -22,7 +22,7 @@ from ..operations.checkpoint import load_checkpoint, save_checkpoint
 from ..training.config import TrainConfig
 from ..training.peer import Peer
 from ..training.rounds import RoundRecord
-from ..training.runtime import load_data
+from ..training.runtime import give_back_free_memory, load_data
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +80,7 @@ def train_solo(
     with MemoryAverager(MemoryHub(window_s=0.0), PEER_ID) as averager:
         while (rounds == 0 or len(done) < rounds) and not should_stop():
             record = _round(peer, averager, done[-1] if done else None, tokens)
+            give_back_free_memory()  # what the round's boundary freed (record 083)
             done.append(record)
             tokens = record.tokens_total
             if checkpoint_every > 0 and len(done) % checkpoint_every == 0:

@@ -43,6 +43,7 @@ from ..operations.control import AveragingInfo
 from ..operations.metrics import NodeMetrics
 from ..training.peer import Peer, overlap_this_round
 from ..training.rounds import ContributionInfo, LocalRound, RoundRecord
+from ..training.runtime import give_back_free_memory
 from .ops import NodeOps
 from .sync import SwarmSync
 
@@ -336,7 +337,14 @@ class RoundLoop:
             self._land(self._inflight, wait_s=0.0)
 
     def _land(self, inflight: _InFlight, *, wait_s: float) -> None:
-        """Apply the update in flight (rebasing the instances), or give its Δ up if it failed."""
+        """Apply the update in flight (rebasing the instances), or give its Δ up if it failed; then
+        the memory the round's exchange and landing freed goes back to the system."""
+        try:
+            self._land_update(inflight, wait_s=wait_s)
+        finally:
+            give_back_free_memory()
+
+    def _land_update(self, inflight: _InFlight, *, wait_s: float) -> None:
         self._inflight = None
         result = None
         if inflight.future.done() and inflight.future.exception() is None:

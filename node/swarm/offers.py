@@ -189,7 +189,11 @@ class StateOffers:
                 if self._offers.get(offer.digest) is not offer:
                     raise ValueError("that state is not offered here any more")
                 tensors = offer.tensors
-            return TensorBytes(tensors).read(start, end)
+            chunk = TensorBytes(tensors).read(start, end)
+            # θ and m mapped from files: the pages read go back, or a joiner's download of the live
+            # round would leave all of them held (8 B/param) until this node's next inner step.
+            self.peer.release_state()
+            return chunk
 
 
 def _rank(offer: _Offer, now: float) -> tuple[bool, bool, float]:

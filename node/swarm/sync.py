@@ -66,6 +66,7 @@ from ..training.catchup import catch_up
 from ..training.config import TrainConfig
 from ..training.peer import Peer
 from ..training.replica import HISTORY_ROUNDS, PeerState, Update
+from ..training.runtime import give_back_free_memory
 from .offers import StateOffers, state_layout
 from .ops import NodeOps
 
@@ -480,9 +481,13 @@ class SwarmSync:
             self._rejoined_at = time.monotonic()
             self._rejoin()
         self._head = None
-        for _ in range(SYNC_PASSES):
-            if not self._sync_once():
-                break
+        try:
+            for _ in range(SYNC_PASSES):
+                if not self._sync_once():
+                    break
+        finally:
+            if self.peer.state.round != start:  # a download or a replay freed what it held
+                give_back_free_memory()
         head = self._head
         self.behind = head is not None and head.round > self.peer.state.round and self.holders_stand(head)
         return self.peer.state.round - start

@@ -33,6 +33,7 @@ inside it (`_RunningSums`, `_ChunkSums`, which exist only for that loop).
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import time
 import weakref
@@ -53,7 +54,16 @@ from ..model.devices import Placement, adamw, autocast
 from ..model.loss import TiedEmbedding, causal_lm_loss
 from . import parallel
 
+logger = logging.getLogger(__name__)
+
+DeltaFiles = Callable[[list[torch.Tensor]], tuple[list[torch.Tensor], Callable[[int, int, int], None]]]
+"""Where a Δ computed whole goes (`Instance.delta_files`): given tensors like it, the tensors to
+compute it into (mapped from files) and what hands the pages of values `start` to `stop` of tensor
+j back (`PseudoGradient.materialize`'s `hand_back`)."""
+
 BatchStats = Literal["sums", "full", "none"]
+# Values of a θ tensor copied at a time when its reader hands its pages back as it goes (`load`).
+LOAD_SPAN = 1 << 20
 # What each batch test needs gathered in the first step of a round (`ScheduleConfig.test`).
 BATCH_STATS: dict[str, BatchStats] = {"norm": "sums", "augmented": "full", "none": "none"}
 
@@ -142,6 +152,9 @@ class Instance:
         self._start_pending = False
         # The last round's Δ, read from the start and the weights while someone still holds it.
         self._delta: weakref.ref[PseudoGradient] | None = None
+        # Where a Δ computed whole goes (`settle_delta`): tensors mapped from a file (the networked
+        # node: `Peer.keep_state_on_disk`), or memory (None, or where the file cannot be made).
+        self.delta_files: DeltaFiles | None = None
         # The round's forward and backward passes by micro-batch size (`InstanceRound.passes`).
         self.passes: Counter[int] = Counter()
         # Dropout's random stream, this instance's own: its masks do not depend on which other
@@ -159,11 +172,24 @@ class Instance:
 
     def settle_delta(self) -> None:
         """Compute the last round's Δ whole if it is still held: the weights or the start (which may
-        be θ itself) are about to change. Called by everything that changes them."""
+        be θ itself) are about to change. Called by everything that changes them. With `delta_files`
+        Δ goes into mapped files, a tensor's pages handed back once computed and once read
+        (`PseudoGradient.done_with`): a round contributed late (a joiner's, a laggard's) is then not
+        held whole while the node catches up (4 B/param)."""
         delta = self._delta() if self._delta is not None else None
-        if delta is not None:
-            delta.materialize()
         self._delta = None
+        if delta is None or not delta.is_lazy:
+            return
+        files = None
+        if self.delta_files is not None:
+            try:
+                files = self.delta_files(list(self.start))
+            except OSError as e:  # (the folder took θ and m: it is gone or full since)
+                logger.warning("the round's Δ stays in memory: its files cannot be made: %s", e)
+        if files is None:
+            delta.materialize()
+        else:
+            delta.materialize(files[0], hand_back=files[1])
 
     def join(self, spec: parallel.GroupSpec) -> None:
         """Join a data-parallel group (`parallel`): as its primary (rank 0) the replicas get this
@@ -198,10 +224,24 @@ class Instance:
             self._random = _rng_state(self.device)
 
     @torch.no_grad()
-    def load(self, theta: Sequence[torch.Tensor]) -> None:
-        """Set the instance's parameters to θ (copied, so the instance never aliases global state)."""
+    def load(
+        self, theta: Sequence[torch.Tensor], *, on_read: Callable[[int, int, int], None] | None = None
+    ) -> None:
+        """Set the instance's parameters to θ (copied, so the instance never aliases global state).
+        With `on_read`, θ is copied `LOAD_SPAN` values at a time, `on_read(j, start, stop)` after
+        the flat values `start` to `stop` of tensor j (for a θ mapped from a file, whose pages the
+        caller then hands back: `spill.MappedTensors`)."""
         self.settle_delta()
-        self.placement.load(self.params, theta)
+        if on_read is None:
+            self.placement.load(self.params, theta)
+        else:
+            for j, (p, t) in enumerate(zip(self.params, theta, strict=True)):
+                flat_p, flat_t = p.view(-1), t.reshape(-1)
+                for at in range(0, t.numel(), LOAD_SPAN):
+                    stop = min(at + LOAD_SPAN, t.numel())
+                    flat_p[at:stop].copy_(flat_t[at:stop], non_blocking=self.placement.pin)
+                    on_read(j, at, stop)
+            self.placement.synchronize()
         self._moved()
 
     @property
@@ -216,7 +256,12 @@ class Instance:
 
     @torch.no_grad()
     def begin(
-        self, theta: Sequence[torch.Tensor] | None, *, share: bool = False, keep_start: bool = True
+        self,
+        theta: Sequence[torch.Tensor] | None,
+        *,
+        share: bool = False,
+        keep_start: bool = True,
+        on_read: Callable[[int, int, int], None] | None = None,
     ) -> None:
         """Start a round from θ, or (θ None: overlap) from the instance's own current weights.
 
@@ -226,12 +271,12 @@ class Instance:
         `keep_start` False (θ None): no copy of where the round started either. The caller shifts
         the instance onto θ (mix or overwrite) before it reads the round's Δ (`round_delta`), which is
         then measured from that θ: for a round that ended first, as if its update had landed after
-        its last step (record 080).
+        its last step (record 080). `on_read`: as `load`'s.
         """
         self.settle_delta()
         self._start_pending = False
         if theta is not None:
-            self.load(theta)
+            self.load(theta, on_read=on_read)
         # A round that records no start of its own frees the copy an earlier round made.
         if theta is not None and share:
             self.start, self._own_start = list(theta), None
@@ -254,10 +299,10 @@ class Instance:
         *,
         mode: str,
         mix: float = 0.5,
-        on_tensor: Callable[[int], None] | None = None,
+        on_read: Callable[[int, int, int], None] | None = None,
     ) -> None:
         """The global θ changed while this instance trains on (overlap): carry its progress over;
-        `on_tensor(j)` once tensor j of θ is read.
+        with `on_read`, `LOAD_SPAN` values at a time, as `load` reads θ.
 
         rebase: weights ← θ + (weights − start), the local progress of the round kept on top of θ.
         overwrite: weights ← θ, the progress since the round started is dropped.
@@ -270,24 +315,31 @@ class Instance:
         if mode not in ("rebase", "overwrite", "mix"):
             raise ValueError(f"unknown overlap mode {mode!r}")
         if not self.start and not self._start_pending:
-            self.begin(theta, share=mode != "rebase")
+            self.begin(theta, share=mode != "rebase", on_read=on_read)
             return
         self.settle_delta()
         own = not self.start_is_shared
         if mode == "rebase" and not own:
             raise RuntimeError("shift(mode='rebase') needs a round begun with its own start")
         # θ and the start live on the state device: one tensor at a time crosses (no copy on a CPU).
-        for j, (p, t) in enumerate(zip(self.params, theta, strict=True)):
-            if mode == "rebase":
-                p.add_((t - self.start[j]).to(p.device))
-            elif mode == "overwrite":
-                p.copy_(t)
-            else:
-                p.mul_(mix).add_(t.to(p.device), alpha=1 - mix)
-            if own:
-                self.start[j].copy_(t)
-            if on_tensor is not None:
-                on_tensor(j)
+        # Every operation is elementwise: a span at a time gives the same bits as a tensor at a time.
+        for j, (whole_p, whole_t) in enumerate(zip(self.params, theta, strict=True)):
+            span = LOAD_SPAN if on_read is not None else max(whole_t.numel(), 1)
+            flat_p, flat_t = whole_p.view(-1), whole_t.reshape(-1)
+            flat_start = self.start[j].view(-1) if own else flat_t  # (not own: the start is θ)
+            for at in range(0, whole_t.numel(), span):
+                stop = min(at + span, whole_t.numel())
+                p, t = flat_p[at:stop], flat_t[at:stop]
+                if mode == "rebase":
+                    p.add_((t - flat_start[at:stop]).to(p.device))
+                elif mode == "overwrite":
+                    p.copy_(t)
+                else:
+                    p.mul_(mix).add_(t.to(p.device), alpha=1 - mix)
+                if own:
+                    flat_start[at:stop].copy_(t)
+                if on_read is not None:
+                    on_read(j, at, stop)
         if not own:
             self.start, self._start_pending = list(theta), False
         self._moved()
@@ -301,7 +353,7 @@ class Instance:
         on_step: Callable[[int], None] | None = None,
         share_theta: bool = False,
         collect_stats: bool = True,
-        on_begin: Callable[[], None] | None = None,
+        on_read: Callable[[int, int, int], None] | None = None,
     ) -> InstanceRound:
         """Run `steps` optimizer steps of `plan`; return Δ and the round's statistics (none unless
         `collect_stats`: a batch already at the cap has no test left to take).
@@ -312,14 +364,12 @@ class Instance:
         read from the start and the weights: until the instance or θ next changes, which computes it
         whole first (`settle_delta`), it costs no memory; in a round begun with `keep_start` False
         and not shifted by its end it is empty, and `round_delta` gives it after the shift.
-        `on_step(step)` runs after every step, `on_begin()` once θ is read, before the first. The
+        `on_step(step)` runs after every step; `on_read` is `load`'s, for the round's start. The
         losses stay on the device until the round ends: no step waits for the host to read one.
         """
         self.settle_delta()
         if theta is not None:
-            self.begin(theta, share=share_theta)
-        if on_begin is not None:
-            on_begin()
+            self.begin(theta, share=share_theta, on_read=on_read)
         self.model.train()
         self.passes = Counter()
         t0 = time.perf_counter()
@@ -330,6 +380,10 @@ class Instance:
             with self.own_random():
                 for step in range(steps):
                     loss, step_stats = self.inner_step(plan, collect_stats=collect_stats and step == 0)
+                    # Nothing reads the gradients after the step they made: freed now, not at the
+                    # next step's start, they leave their memory to what runs between (an update
+                    # landing under overlap, its evaluation: 4 B/param at GPT-2 124M on a CPU).
+                    self.optimizer.zero_grad(set_to_none=True)
                     losses.append(loss)
                     if step == 0:
                         stats = step_stats
@@ -345,8 +399,6 @@ class Instance:
             # their round at once (its connections close); the node forms it anew.
             self.leave()
             raise
-        # Until the next step nothing reads the gradients: free them for the exchange that follows.
-        self.optimizer.zero_grad(set_to_none=True)
         # Reading the mean waits for the last step: the compute time below includes it.
         mean_loss = float(torch.stack(losses).mean()) if losses else 0.0
         compute_s = time.perf_counter() - t0

@@ -26,11 +26,12 @@ residual; split, each half would reach into the other's state.
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import logging
 import weakref
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, cast
 
@@ -42,7 +43,7 @@ from ...protocol.algorithms.adaptive import choose_codec, predicted_wire_bytes
 from ...protocol.algorithms.allreduce import Contribution, GroupResult
 from ...protocol.algorithms.batchtest import pool_stats
 from ...protocol.algorithms.claims import ClaimBounds, reference_tokens
-from ...protocol.algorithms.codecs import Codec, decode, make_codec, payload_shape, sum_count
+from ...protocol.algorithms.codecs import SPAN, Codec, decoded_spans, make_codec, payload_shape, sum_count
 from ...protocol.algorithms.downlink import OwnerFeedback, make_downlink
 from ...protocol.algorithms.feedback import RESIDUAL_DTYPES, ErrorFeedback
 from ...protocol.algorithms.heloco import Correction, dylu_inner_steps, staleness_weight
@@ -67,7 +68,7 @@ from ..model.model import (
 from .build import instance_random_seed, new_instance, training_model
 from .config import TrainConfig, residual_dtype
 from .dataparallel import DataParallel, replica_devices
-from .instances import Instance, InstanceRound
+from .instances import DeltaFiles, Instance, InstanceRound
 from .remote import DeviceLost, DeviceWorker, RemoteInstance, WorkerSpec, finish_rounds
 from .replica import HISTORY_ROUNDS, DiskShelf, PeerState, Update, initial_state
 from .rounds import ContributionInfo, LocalRound
@@ -134,6 +135,10 @@ class Peer:
         # θ is evaluated through this model, and later instances start as copies of it, also once
         # MIT merges have left no instance on the first device (then it only carries θ).
         self.home_model = model
+        # θ and m mapped from files (`keep_state_on_disk`): the folder, and the mappings in use.
+        self._state_on_disk = False
+        self._state_dir: str | None = None
+        self._mapped: list[MappedTensors] = []
         self.instances: list[Instance | RemoteInstance] = [
             self._make_instance(corpus, model, slot=k, index=index, num_peers=num_peers)
             for k in range(cfg.instances)
@@ -142,10 +147,6 @@ class Peer:
         self._corpus, self._index, self._num_peers = corpus, index, num_peers
         # Where the kept updates wait for laggards (`keep_updates_on_disk`): in memory unless set.
         self._kept_shelf: DiskShelf | None = None
-        # θ and m mapped from files (`keep_state_on_disk`): the folder, and the mappings in use.
-        self._state_on_disk = False
-        self._state_dir: str | None = None
-        self._mapped: list[MappedTensors] = []
         # The probe runs on the first device for all (a node's devices are taken to be alike), and
         # counts the instances whose memory it shares: a GPU's own, but all of them on the host.
         sharing = (
@@ -261,7 +262,7 @@ class Peer:
         if where:
             worker = self._worker(where)
             return RemoteInstance(worker, slot=slot, sampler=sampler, random_seed=random_seed)
-        return new_instance(
+        inst = new_instance(
             self.cfg,
             slot=slot,
             model=model if slot == 0 else copy.deepcopy(model),
@@ -271,6 +272,29 @@ class Peer:
             compiled=self.compiled,
             random_seed=random_seed,
         )
+        inst.delta_files = self._delta_files()
+        return inst
+
+    def _delta_files(self) -> DeltaFiles | None:
+        """Where an instance's Δ computed whole goes (`Instance.settle_delta`): files beside θ's and
+        m's, the pages of each span handed back with θ's (the start Δ is read from) once computed,
+        and each tensor's once read."""
+        if not (self._state_on_disk and self._mapped):
+            return None
+        directory, release_state = self._state_dir, weakref.WeakMethod(self.release_state)
+
+        def files(like: list[torch.Tensor]) -> tuple[list[torch.Tensor], Callable[[int, int, int], None]]:
+            mapped = MappedTensors(like, directory)
+
+            def hand_back(j: int, start: int, stop: int) -> None:
+                mapped.release(j, start, stop)
+                release = release_state()
+                if release is not None:
+                    release(j, start, stop)
+
+            return mapped.tensors, hand_back
+
+        return files
 
     @property
     def local_instances(self) -> list[Instance]:
@@ -422,9 +446,9 @@ class Peer:
                 on_step=counter(plan.effective),
                 share_theta=not self.overlap or (local and self._start_on_theta),
                 collect_stats=batch < cap,
-                # θ mapped from a file was read for the round's start: its pages go back before
-                # the first step (no-op otherwise; another device's worker reads no mapped θ).
-                **({"on_begin": self.release_state} if local else {}),
+                # θ mapped from a file is read for the round's start: its pages go back a span at
+                # a time (no-op otherwise; another device's worker reads no mapped θ).
+                **({"on_read": self.release_state} if local else {}),
             )
 
         rounds = list(zip(self.instances, plans, self.state.schedule.batch, strict=True))
@@ -573,6 +597,8 @@ class Peer:
             payloads[name] = self.error_feedback.compress_tensor(codec, name, d)
             del d
             self.release_state(i)  # θ (the start Δ is read from) and m, mapped: back to the system
+            if isinstance(delta, PseudoGradient):
+                delta.done_with(i)  # (a Δ settled into mapped files: its pages too)
         if isinstance(delta, PseudoGradient):
             self._contributed = weakref.ref(delta)
         wire = sum(len(p) for p in payloads.values())
@@ -681,14 +707,16 @@ class Peer:
             self.before_change()
         for inst in self.instances:
             inst.settle_delta()  # a round's Δ may be read from θ itself, which changes now
-        # Tensor by tensor: one decoded tensor at a time, never a decoded copy of the whole model.
+        # Tensor by tensor, a decoded span at a time (`_step_spans`): never a decoded tensor whole
+        # (GPT-2's embedding: 154 MB, and as much again inside an int8 decode), let alone the model.
         for i, (name, theta, momentum) in enumerate(
             zip(self.names, self.state.theta, self.state.momentum, strict=True)
         ):
-            delta = decode(update.averaged[name]).to(self.placement.state)
-            outer_step([theta], [momentum], [delta], self.cfg.outer, index=self.state.round)
-            del delta  # before the next is decoded
-            self.release_state(i)
+            what = f"update for round {update.round}: {name}"
+            spans = _decoded_spans(update.averaged[name], theta.shape, what)
+            # A mapped θ and m are held a span at a time too (GPT-2's embedding: 0.29 GiB of both).
+            on_span = functools.partial(self.release_state, i)
+            self._step_spans(theta, momentum, spans, index=self.state.round, on_span=on_span)
         if update.merge is not None:
             if self._in_round:
                 # The instances are mid-round (overlap): merge when the round ends.
@@ -701,6 +729,27 @@ class Peer:
         self._trim_history()
         if self.overlap and rebase:
             self.rebase_instances()
+
+    def _step_spans(
+        self,
+        theta: torch.Tensor,
+        momentum: torch.Tensor,
+        spans: Iterable[torch.Tensor],
+        *,
+        index: int,
+        on_span: Callable[[int, int], None] | None = None,
+    ) -> None:
+        """The outer step of round `index` on one tensor, its Δ given flat a span at a time in order
+        (`codecs.decoded_spans`), `on_span(start, stop)` after each: every operation of the step is
+        elementwise, so θ and m end bit for bit as one step on the whole Δ leaves them."""
+        flat_theta, flat_momentum, at = theta.view(-1), momentum.view(-1), 0
+        for span in spans:
+            stop = at + span.numel()
+            delta = span.to(self.placement.state)
+            outer_step([flat_theta[at:stop]], [flat_momentum[at:stop]], [delta], self.cfg.outer, index=index)
+            if on_span is not None:
+                on_span(at, stop)
+            at = stop
 
     def _trim_history(self) -> None:
         """Keep the last few averaged updates, so a peer a few rounds behind can replay them: at most
@@ -742,6 +791,8 @@ class Peer:
         system that cannot allocate the file ahead) leaves them in memory, with one warning."""
         self._state_on_disk, self._state_dir = True, directory
         self._map_state()
+        for inst in self.local_instances:
+            inst.delta_files = self._delta_files()
 
     def _map_state(self) -> None:
         """Move the current θ and m into mapped files, a tensor at a time (`keep_state_on_disk`)."""
@@ -767,11 +818,12 @@ class Peer:
         self._mapped = mapped
         return map_theta, True
 
-    def release_state(self, index: int | None = None) -> None:
-        """Hand the mapped θ's and m's pages (of tensor `index`, or all) back to the system: what
-        reads them whole calls it after each tensor (no-op unless `keep_state_on_disk`)."""
+    def release_state(self, index: int | None = None, start: int = 0, stop: int | None = None) -> None:
+        """Hand the mapped θ's and m's pages (of tensor `index`, or all; of its flat values `start`
+        to `stop` only) back to the system: what reads them whole calls it after each tensor or
+        span (no-op unless `keep_state_on_disk`)."""
         for store in self._mapped:
-            store.release(index)
+            store.release(index, start, stop)
 
     def theta_hash(self) -> str:
         """θ's hash (`PeerState.theta_hash`), each tensor of a mapped θ released once hashed."""
@@ -797,18 +849,18 @@ class Peer:
             if update.schedule.instances != slots - 1:
                 raise ValueError(f"update for round {update.round}: a merge must leave {slots - 1} slots")
         for name, theta in zip(self.names, self.state.theta, strict=True):
-            delta = _decoded(update.averaged[name], theta.shape, f"update for round {update.round}: {name}")
-            if not _all_finite(delta):
-                raise ValueError(f"update for round {update.round}: {name} is not finite")
-            del delta  # before the next is decoded: one decoded tensor at a time
+            what = f"update for round {update.round}: {name}"
+            spans = _decoded_spans(update.averaged[name], theta.shape, what)
+            if not all(bool(torch.isfinite(span).all()) for span in spans):
+                raise ValueError(f"{what} is not finite")
 
     def rebase_instances(self) -> None:
         """Overlap: move the instances' progress onto the current θ (`cfg.overlap` says how); the
         local round in progress is measured from this θ from now on."""
         mode, mix = self._shift_mode, self.cfg.overlap_mix
         for inst in self.instances:
-            if isinstance(inst, Instance):  # (a mapped θ's pages go back a tensor at a time)
-                inst.shift(self.state.theta, mode=mode, mix=mix, on_tensor=self.release_state)
+            if isinstance(inst, Instance):  # (a mapped θ's pages go back a span at a time)
+                inst.shift(self.state.theta, mode=mode, mix=mix, on_read=self.release_state)
             else:
                 inst.shift(self.state.theta, mode=mode, mix=mix)
         self.phase_round = self.state.round
@@ -816,9 +868,10 @@ class Peer:
 
     def replayed_hash(self, updates: Sequence[Update]) -> str:
         """θ's hash after replaying `updates` (those from the current round on, in order), worked out
-        one tensor at a time on copies of it and of its momentum: nothing of this peer changes, so a
-        caller can refuse updates that do not lead where it trusts before applying any
-        (`catchup.catch_up`). ValueError for updates that do not follow each other from here."""
+        a span at a time on copies of θ's and its momentum's values there (a mapped θ's and m's
+        pages handed back after each): nothing of this peer changes, so a caller can refuse updates
+        that do not lead where it trusts before applying any (`catchup.catch_up`). ValueError for
+        updates that do not follow each other from here."""
         pending = [u for u in updates if u.round >= self.state.round]
         if [u.round for u in pending] != list(range(self.state.round, self.state.round + len(pending))):
             raise ValueError("the updates do not follow each other from this peer's round")
@@ -826,19 +879,35 @@ class Peer:
         for i, (name, theta, momentum) in enumerate(
             zip(self.names, self.state.theta, self.state.momentum, strict=True)
         ):
-            t, m = theta.detach().clone(), momentum.detach().clone()
+            deltas = []
             for update in pending:
                 payload = update.averaged.get(name)
                 if payload is None:
                     raise ValueError(f"update for round {update.round} has no {name}")
-                delta = _decoded(payload, t.shape, f"update for round {update.round}: {name}")
-                delta = delta.to(self.placement.state)
-                outer_step([t], [m], [delta], self.cfg.outer, index=update.round)
-                del delta  # before the next is decoded
-            digest.update(t)
-            del t, m  # before the next tensor's copies
-            self.release_state(i)
+                what = f"update for round {update.round}: {name}"
+                deltas.append((update.round, _decoded_spans(payload, theta.shape, what)))
+            digest.update_spans(theta.shape, self._replayed_spans(i, theta, momentum, deltas))
         return digest.hexdigest()
+
+    def _replayed_spans(
+        self,
+        i: int,
+        theta: torch.Tensor,
+        momentum: torch.Tensor,
+        deltas: Sequence[tuple[int, Iterator[torch.Tensor]]],
+    ) -> Iterator[torch.Tensor]:
+        """θ's tensor i after the outer steps of `deltas` ((round, its Δ's spans) in order), a span at
+        a time: each span of θ and m copied, stepped by every round's span of Δ there, and handed
+        back (elementwise steps: the bits of the whole tensor's)."""
+        flat_theta, flat_momentum = theta.detach().reshape(-1), momentum.detach().reshape(-1)
+        for at in range(0, flat_theta.numel(), _SPAN):
+            stop = min(at + _SPAN, flat_theta.numel())
+            t, m = flat_theta[at:stop].clone(), flat_momentum[at:stop].clone()
+            for round_, spans in deltas:
+                delta = next(spans).to(self.placement.state)
+                outer_step([t], [m], [delta], self.cfg.outer, index=round_)
+            self.release_state(i, at, stop)
+            yield t
 
     def catch_up(self, updates: Sequence[Update]) -> int:
         """Replay the averaged updates this peer missed, in order; returns how many were applied.
@@ -1110,15 +1179,14 @@ def instance_sampler(
     return TokenSampler(shard, seq_len=cfg.seq_len, seed=cfg.seed * 1000 + index * 31 + slot)
 
 
-# Elements checked at a time by `_all_finite`: `torch.isfinite(t).all()` on the whole of GPT-2's
-# embedding held 0.25 GiB of temporaries (its absolute values and two masks) at the outer step.
 # The most payloads a kept update's `sum` payload may carry (a "gather" downlink's answer: one per
-# contributor of a group); each decodes to the whole tensor (`_decoded`).
+# contributor of a group); each decodes to the whole tensor (`_decoded_spans`).
 MAX_SUM_PARTS = 256
 
 
-def _decoded(payload: bytes, shape: torch.Size, what: str) -> torch.Tensor:
-    """`payload` decoded, once its header says it decodes to `shape` and, as a sum, carries at most
+def _decoded_spans(payload: bytes, shape: torch.Size, what: str) -> Iterator[torch.Tensor]:
+    """`payload` decoded flat, a span at a time (`codecs.decoded_spans`: a dense payload is never
+    decoded whole), once its header says it decodes to `shape` and, as a sum, carries at most
     `MAX_SUM_PARTS` payloads; ValueError naming `what` otherwise. An update may come from any holder
     (`catchup`): a few bytes could state any shape (a low-rank pair of a 10^5 × 10^5 tensor), and a
     sum of many tiny sparse parts decodes each to the whole tensor (issue 25 §1.3)."""
@@ -1130,19 +1198,11 @@ def _decoded(payload: bytes, shape: torch.Size, what: str) -> torch.Tensor:
         raise ValueError(f"{what} is misshapen: {stated} for {tuple(shape)}")
     if count > MAX_SUM_PARTS:
         raise ValueError(f"{what} is a sum of {count} payloads (at most {MAX_SUM_PARTS})")
-    return decode(payload)
+    return decoded_spans(payload, _SPAN)
 
 
-_FINITE_SLICE = 1 << 20
-
-
-def _all_finite(tensor: torch.Tensor) -> bool:
-    """No NaN and no infinity in `tensor`, checked a slice at a time."""
-    flat = tensor.reshape(-1)
-    return all(
-        bool(torch.isfinite(flat[at : at + _FINITE_SLICE]).all())
-        for at in range(0, flat.numel(), _FINITE_SLICE)
-    )
+# Values of an update's tensor decoded, checked and stepped at a time (`_decoded_spans`).
+_SPAN = SPAN
 
 
 def overlap_this_round(mode: str, *, comm_s: float | None, compute_s: float | None) -> bool:

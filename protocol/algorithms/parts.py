@@ -34,6 +34,7 @@ CenteredClip lives beside the rule it must reproduce bit for bit.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import statistics
@@ -130,21 +131,38 @@ class Aggregate:
     ) -> tuple[torch.Tensor, Clip | None]:
         """`combine`, and what a CenteredClip answer states (None for the other rules, and below
         `MIN_OUTLIER_GROUP` payloads, where every rule is the mean)."""
-        if self.rule == "mean" or len(tensors) < MIN_OUTLIER_GROUP:
-            return weighted_sum(tensors, factors), None
+        flat = [t.reshape(-1) for t in tensors]
+        numel = flat[0].numel() if flat else 0
+
+        def spans() -> Iterator[Sequence[torch.Tensor]]:
+            return ([t[at : at + SPAN] for t in flat] for at in range(0, numel, SPAN))
+
+        answer, clip = self.combine_spans(spans, factors)
+        pieces = list(answer)
+        whole = torch.cat(pieces) if pieces else torch.empty(0, dtype=tensors[0].dtype)
+        return whole.view_as(tensors[0]), clip
+
+    def combine_spans(
+        self, spans: Callable[[], Iterator[Sequence[torch.Tensor]]], factors: Sequence[float]
+    ) -> tuple[Iterator[torch.Tensor], Clip | None]:
+        """`combine_stated` of payloads read a span at a time, never whole: `spans()` yields, span
+        after span, each payload's values there (flat; every span but the last a multiple of
+        `_ROBUST_SLICE` long), and is called once per pass over them (CenteredClip's fixed point
+        takes a few). Returns the aggregate's spans, to be read once in order, and the clip."""
+        if self.rule == "mean" or len(factors) < MIN_OUTLIER_GROUP:
+            return (weighted_sum(values, factors) for values in spans()), None
         if self.rule == "trimmed":
-            return _trimmed_mean(tensors, factors, self.param), None
-        return _centered_clip(tensors, factors, self.param)
+            return (_trimmed_mean(values, factors, self.param) for values in spans()), None
+        return _centered_clip(spans, factors, self.param)
 
 
 MEAN = Aggregate()
 
 
-def _trimmed_mean(tensors: Sequence[torch.Tensor], factors: Sequence[float], beta: float) -> torch.Tensor:
-    n, cut = len(tensors), int(beta * len(tensors))
+def _trimmed_mean(flat: Sequence[torch.Tensor], factors: Sequence[float], beta: float) -> torch.Tensor:
+    n, cut = len(flat), int(beta * len(flat))
     weights = torch.tensor(factors, dtype=torch.float32)
-    out = torch.empty_like(tensors[0]).reshape(-1)
-    flat = [t.reshape(-1) for t in tensors]
+    out = torch.empty_like(flat[0])
     for start in range(0, out.numel(), _ROBUST_SLICE):
         values = torch.stack([t[start : start + _ROBUST_SLICE] for t in flat])  # (n, slice)
         ordered, order = values.sort(dim=0, stable=True)
@@ -152,7 +170,7 @@ def _trimmed_mean(tensors: Sequence[torch.Tensor], factors: Sequence[float], bet
         total = kept.sum(dim=0)
         mean = (ordered[cut : n - cut] * kept).sum(dim=0) / total.clamp_min(torch.finfo(torch.float32).tiny)
         out[start : start + _ROBUST_SLICE] = mean * float(weights.sum())
-    return out.view_as(tensors[0])
+    return out
 
 
 def weighted_sum(tensors: Sequence[torch.Tensor], factors: Sequence[float]) -> torch.Tensor:
@@ -179,43 +197,56 @@ def clip_factor(distance: float, tau: float) -> float:
     return 1.0 if distance <= tau or tau <= 0 else tau / distance
 
 
-def _distances(flat: Sequence[torch.Tensor], v: torch.Tensor) -> list[float]:
-    """‖x_i − v‖ for each payload, in slices (no whole-part temporary): each slice's squares summed
-    in float32 (~1e-6 relative, far inside `CLIP_AGREEMENT`), the slices in float64."""
-    squares = [0.0] * len(flat)
-    diff = torch.empty(min(_ROBUST_SLICE, v.numel()), dtype=v.dtype)
-    for start in range(0, v.numel(), _ROBUST_SLICE):
-        center = v[start : start + _ROBUST_SLICE]
-        part = diff[: len(center)]
-        for i, t in enumerate(flat):
-            torch.sub(t[start : start + _ROBUST_SLICE], center, out=part)
-            squares[i] += float(torch.dot(part, part))
+def _distances(
+    spans: Callable[[], Iterator[Sequence[torch.Tensor]]],
+    center: Callable[[Sequence[torch.Tensor]], torch.Tensor],
+) -> list[float]:
+    """‖x_i − v‖ for each payload, v formed a span at a time by `center` from the payloads' values
+    there (so v is never whole), in slices of `_ROBUST_SLICE` (no whole-part temporary): each
+    slice's squares summed in float32 (~1e-6 relative, far inside `CLIP_AGREEMENT`), the slices in
+    float64."""
+    squares: list[float] = []
+    for values in spans():
+        v = center(values)
+        squares = squares or [0.0] * len(values)
+        diff = torch.empty(min(_ROBUST_SLICE, v.numel()), dtype=v.dtype)
+        for start in range(0, v.numel(), _ROBUST_SLICE):
+            at = v[start : start + _ROBUST_SLICE]
+            part = diff[: len(at)]
+            for i, t in enumerate(values):
+                torch.sub(t[start : start + _ROBUST_SLICE], at, out=part)
+                squares[i] += float(torch.dot(part, part))
     return [math.sqrt(s) for s in squares]
 
 
+def _median(values: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The coordinate-wise median of the payloads' values of a span, `_ROBUST_SLICE` at a time."""
+    out = torch.empty_like(values[0])
+    for start in range(0, out.numel(), _ROBUST_SLICE):
+        stacked = torch.stack([t[start : start + _ROBUST_SLICE] for t in values])
+        out[start : start + _ROBUST_SLICE] = stacked.median(dim=0).values
+    return out
+
+
 def _centered_clip(
-    tensors: Sequence[torch.Tensor], factors: Sequence[float], c: float
-) -> tuple[torch.Tensor, Clip]:
+    spans: Callable[[], Iterator[Sequence[torch.Tensor]]], factors: Sequence[float], c: float
+) -> tuple[Iterator[torch.Tensor], Clip]:
     """CenteredClip's fixed point as a verifiable weighted mean (`Clip`): from the coordinate-wise
     median, v ← Σ p_i ρ_i x_i / Σ p_j ρ_j (the M-estimator's reweighting step: CenteredClip's
     v + Σ p_i ρ_i (x_i − v) with the step normalized, the same fixed point) with ρ_i and τ taken at
     v, until the factors taken at the new v agree with the ones that made it to a quarter of
     `CLIP_AGREEMENT` and τ to half of `CLIP_RADIUS_AGREEMENT`, at most `CLIP_MAX_ITERATIONS` times.
     Each payload moves v by at most p_i τ / Σ p_j ρ_j however it was crafted. The answer is Σ g_i x_i
-    with `clip_weights`: at the fixed point, what the iteration converges to."""
+    with `clip_weights`: at the fixed point, what the iteration converges to (its spans, as
+    `Aggregate.combine_spans` gives them). Each iteration is one pass over the payloads' spans: v
+    is a weighted mean of them, so its span is formed where its distances are summed."""
     total = math.fsum(factors)
     shares = [f / total for f in factors] if total > 0 else [1.0 / len(factors)] * len(factors)
-    flat = [t.reshape(-1) for t in tensors]
-    v = torch.empty_like(flat[0])
-    for start in range(0, v.numel(), _ROBUST_SLICE):
-        values = torch.stack([t[start : start + _ROBUST_SLICE] for t in flat])
-        v[start : start + _ROBUST_SLICE] = values.median(dim=0).values
-    distances = _distances(flat, v)
+    distances = _distances(spans, _median)
     for _ in range(CLIP_MAX_ITERATIONS):
         tau = c * statistics.median(distances)
         rhos = [clip_factor(d, tau) for d in distances]
-        v = weighted_sum(flat, clip_weights(shares, rhos))
-        distances = _distances(flat, v)
+        distances = _distances(spans, functools.partial(weighted_sum, factors=clip_weights(shares, rhos)))
         held = [clip_factor(d, tau) for d in distances]
         radius = c * statistics.median(distances)
         if (
@@ -233,8 +264,8 @@ def _centered_clip(
             tau,
             radius,
         )
-    answer = weighted_sum(flat, clip_weights(factors, rhos))
-    return answer.view_as(tensors[0]), Clip(tau, dict(enumerate(rhos)))
+    weights = clip_weights(factors, rhos)
+    return (weighted_sum(values, weights) for values in spans()), Clip(tau, dict(enumerate(rhos)))
 
 
 def assign_parts(sizes: Sequence[int], num_members: int) -> list[int]:
@@ -477,10 +508,17 @@ def reduce_part(
         spans = zip(*(decoded_spans(payloads[i]) for i in accepted), strict=True)
         sums = (weighted_sum(values, normalized) for values in spans)
         return ReducedPart(codec.encode_spans(key, shape, sums), rejected, codes)
-    average, clip = aggregate.combine_stated([decode(payloads[i]) for i in accepted], normalized)
+
+    # The robust rules read the payloads a span at a time too, once per pass (CenteredClip's
+    # iterations): a group of three's owner held each tensor of its part decoded three times over
+    # and twice more in its answers (0.63 GiB at GPT-2 124M's embedding).
+    def read_spans() -> Iterator[Sequence[torch.Tensor]]:
+        return zip(*(decoded_spans(payloads[i]) for i in accepted), strict=True)
+
+    average, clip = aggregate.combine_spans(read_spans, normalized)
     if clip is not None:
         clip = Clip(clip.tau, {accepted[j]: rho for j, rho in clip.rhos.items()})
-    return ReducedPart(codec.encode(key, average), rejected, codes, clip)
+    return ReducedPart(codec.encode_spans(key, shape, average), rejected, codes, clip)
 
 
 def _zero_spans(numel: int) -> Iterator[torch.Tensor]:

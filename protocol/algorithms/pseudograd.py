@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import overload
 
 import torch
@@ -30,15 +30,20 @@ def pseudo_gradient(start: Sequence[Tensor], end: Sequence[Tensor]) -> list[Tens
         return [s.detach() - e.detach() for s, e in zip(start, end, strict=True)]
 
 
+# Values of a tensor of Δ computed at a time into the caller's tensors (`PseudoGradient.materialize`).
+MATERIALIZE_SPAN = 1 << 20
+
+
 class PseudoGradient(Sequence[Tensor]):
     """Δ = start − end per tensor, each computed when it is read: a pseudo-gradient without a copy.
 
     Holds the two lists of tensors themselves, so reading tensor j costs one tensor, and a reader
     that encodes Δ tensor by tensor never holds all of it. Its values are those of
     `pseudo_gradient(start, end)` as long as neither side changes: whoever is about to change one in
-    place calls `materialize()` first (Δ is then computed whole and kept), or `release()` if Δ will
-    not be read again. Reading a tensor whose sides changed in place since, or after `release()`,
-    raises RuntimeError rather than returning another Δ.
+    place calls `materialize()` first (Δ is then computed whole and kept: in memory, or in tensors
+    the caller gives, mapped from a file, say), or `release()` if Δ will not be read again. Reading a
+    tensor whose sides changed in place since, or after `release()`, raises RuntimeError rather than
+    returning another Δ. A reader done with tensor j calls `done_with(j)`.
     """
 
     def __init__(self, start: Sequence[Tensor], end: Sequence[Tensor]) -> None:
@@ -49,6 +54,7 @@ class PseudoGradient(Sequence[Tensor]):
         # In-place changes bump a tensor's version counter (shared with its views and detached twins).
         self._versions = [(s._version, e._version) for s, e in self._pairs]
         self._values: list[Tensor] | None = None
+        self._hand_back: Callable[[int, int, int], None] | None = None
         self._len = len(self._pairs)
 
     @property
@@ -56,15 +62,45 @@ class PseudoGradient(Sequence[Tensor]):
         """Still read from its two sides (not materialized, not released)."""
         return self._pairs is not None
 
-    def materialize(self) -> None:
-        """Compute and keep every tensor of Δ now, before either side changes (no-op once released)."""
-        if self._pairs is not None:
-            self._values = [self._compute(j) for j in range(self._len)]
-            self._pairs = None
+    def materialize(
+        self,
+        into: Sequence[Tensor] | None = None,
+        *,
+        hand_back: Callable[[int, int, int], None] | None = None,
+    ) -> None:
+        """Compute and keep every tensor of Δ now, before either side changes (no-op once released):
+        into new tensors, or into `into` (one per tensor, of Δ's shapes, contiguous), the same
+        values bit for bit, `MATERIALIZE_SPAN` values at a time. `hand_back(j, start, stop)` gives
+        back what holding values `start` to `stop` of tensor j (flat) costs, on both sides and in
+        `into` (the pages of tensors mapped from files): called as each span is computed, and by
+        `done_with(j)` for the whole tensor."""
+        if self._pairs is None:
+            return
+        if into is None:
+            values = [self._compute(j) for j in range(self._len)]
+        else:
+            _check_same_layout([s for s, _ in self._pairs], into, what="Δ/into")
+            values = list(into)
+            for j in range(self._len):
+                s, e = (side.reshape(-1) for side in self._sides(j))
+                out = values[j].view(-1)
+                for at in range(0, out.numel(), MATERIALIZE_SPAN):
+                    stop = min(at + MATERIALIZE_SPAN, out.numel())
+                    with torch.no_grad():
+                        torch.sub(s[at:stop], e[at:stop], out=out[at:stop])
+                    if hand_back is not None:
+                        hand_back(j, at, stop)
+        self._values, self._pairs, self._hand_back = values, None, hand_back
+
+    def done_with(self, j: int) -> None:
+        """A reader is done with tensor j for now: what holding it costs goes back (the pages of a
+        Δ materialized into mapped tensors; a no-op otherwise)."""
+        if self._values is not None and self._hand_back is not None:
+            self._hand_back(j, 0, self._values[j].numel())
 
     def release(self) -> None:
         """Drop Δ: it will not be read again (reading raises RuntimeError)."""
-        self._pairs, self._values = None, None
+        self._pairs, self._values, self._hand_back = None, None, None
 
     def __len__(self) -> int:
         return self._len
@@ -87,13 +123,18 @@ class PseudoGradient(Sequence[Tensor]):
         return (self[j] for j in range(self._len))
 
     def _compute(self, j: int) -> Tensor:
+        s, e = self._sides(j)
+        with torch.no_grad():
+            return s - e
+
+    def _sides(self, j: int) -> tuple[Tensor, Tensor]:
+        """Tensor j's start and end, unchanged since Δ was taken; RuntimeError otherwise."""
         if self._pairs is None:
             raise RuntimeError("pseudo-gradient read after release()")
         s, e = self._pairs[j]
         if (s._version, e._version) != self._versions[j]:
             raise RuntimeError(f"pseudo-gradient tensor {j}: a side changed in place; materialize() before")
-        with torch.no_grad():
-            return s - e
+        return s, e
 
 
 def weighted_mean(vectors: Sequence[Sequence[Tensor]], weights: Sequence[float]) -> list[Tensor]:
@@ -147,9 +188,15 @@ class TensorsHash:
         self._digest = hashlib.sha256()
 
     def update(self, tensor: Tensor) -> None:
-        values = tensor.detach().to(device="cpu", dtype=torch.float32).contiguous()
-        self._digest.update(repr(tuple(values.shape)).encode())
-        self._digest.update(memoryview(values.numpy()).cast("B"))  # type: ignore[arg-type]  # the buffer itself, no copy
+        self.update_spans(tensor.shape, [tensor.detach().reshape(-1)])
+
+    def update_spans(self, shape: Sequence[int], spans: Iterable[Tensor]) -> None:
+        """`update` with a tensor of `shape` whose values come flat, a span at a time in order: the
+        same digest."""
+        self._digest.update(repr(tuple(shape)).encode())
+        for span in spans:
+            values = span.detach().to(device="cpu", dtype=torch.float32).contiguous()
+            self._digest.update(memoryview(values.numpy()).cast("B"))  # type: ignore[arg-type]  # the buffer itself, no copy
 
     def hexdigest(self) -> str:
         return self._digest.hexdigest()
