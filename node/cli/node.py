@@ -73,8 +73,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
         "--host-allocator",
         choices=("default", "lean"),
         default="default",
-        help="lean: freed blocks of 128 KiB or more go back to the system at once (glibc), ~3 B/param"
-        " less host memory at GPT-2 124M for ~20%% slower CPU steps (docs/experiments.md)",
+        help="lean: freed blocks of 128 KiB or more go back to the system at once (glibc), not only at a"
+        " round's boundary: less host memory for ~20%% slower CPU steps (docs/experiments.md)",
     )
 
 
