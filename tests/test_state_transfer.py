@@ -485,11 +485,16 @@ def test_an_interrupted_download_resumes_without_fetching_verified_chunks_again(
     joiner = _peer("joiner")
     before = joiner.state.theta_hash()
     downloads = Downloads(swarm.client, joiner)
-    with pytest.raises(IncompleteDownload, match="chunks missing"):
+    with pytest.raises(IncompleteDownload, match="chunks missing") as stopped:
         _download(swarm, joiner, downloads, swarm.target([stalling]))  # its only donor stops answering
     assert joiner.state.theta_hash() == before and joiner.state.round == 0  # nothing adopted
-    assert downloads.partial is not None and len(downloads.partial.verified) == 10
+    assert downloads.partial is not None
     verified = set(downloads.partial.verified)
+    # Every chunk kept is verified and stays so: the 10 the donor answered before it stalled, less
+    # any whose answer came after its request had timed out on a loaded machine (one CI run: 9),
+    # which the client asked again of a donor that then stalled.
+    kept = stopped.value.report.kept[stalling.peer_id]
+    assert kept == len(verified) > 0 and verified <= set(stalling.indices[:10])
 
     _download(swarm, joiner, downloads, swarm.target([honest]))  # the next try, from another donor
     _assert_holds_the_holders_state(joiner, swarm.holder)
