@@ -139,8 +139,7 @@ class MappedTensors:
         if start == 0 and stop is None:
             self._release(at, nbytes)
             return
-        size = self.tensors[index].element_size()
-        numel = nbytes // size if size else 0
+        size, numel = self.tensors[index].element_size(), self.tensors[index].numel()
         stop = numel if stop is None else min(stop, numel)
         if 0 <= start < stop:
             page = mmap.PAGESIZE
