@@ -21,6 +21,7 @@ the optimizer every instance (and the b_max probe) steps with, fused wherever th
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
@@ -206,6 +207,13 @@ def autocast(device: torch.device, dtype: torch.dtype | None) -> AbstractContext
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    """A tensor sharded over a group; without importing DTensor's module (a third of a second) where
+    nothing has: then there is none."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(tensor, module.DTensor)
+
+
 def adamw(params: Sequence[torch.Tensor], **options: Any) -> torch.optim.AdamW:
     """AdamW with PyTorch's fused kernel wherever the device has one (CPUs and GPUs alike).
 
@@ -215,4 +223,10 @@ def adamw(params: Sequence[torch.Tensor], **options: Any) -> torch.optim.AdamW:
     bit-identical between peers: only θ does.
     """
     fused = {p.device.type for p in params} in ({"cpu"}, {"cuda"})
-    return torch.optim.AdamW(params, fused=fused or None, **options)
+    sharded = [p for p in params if _is_dtensor(p)]
+    if not sharded or len(sharded) == len(params):
+        return torch.optim.AdamW(params, fused=fused or None, **options)
+    # The fused kernel takes a group's tensors in one call, which must all be sharded or none: the
+    # layers sharded over a group (`training.sharding`) in one, the others in another.
+    groups = [{"params": sharded}, {"params": [p for p in params if not _is_dtensor(p)]}]
+    return torch.optim.AdamW(groups, fused=fused or None, **options)

@@ -40,7 +40,7 @@ import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -53,6 +53,9 @@ from ..data.state import malformed, mapping, tensors_like
 from ..model.devices import Placement, adamw, autocast
 from ..model.loss import TiedEmbedding, causal_lm_loss
 from . import parallel
+
+if TYPE_CHECKING:
+    from .sharding import SummedReduceScatter
 
 logger = logging.getLogger(__name__)
 
@@ -140,9 +143,7 @@ class Instance:
         device = self.params[0].device
         self.placement = placement or Placement(train=device, state=device)
         self.autocast_dtype = autocast_dtype
-        self.optimizer = adamw(
-            self.params, lr=inner.lr, weight_decay=inner.weight_decay, betas=(inner.beta1, inner.beta2)
-        )
+        self.rebuild_optimizer()
         # Where the current round started: Δ = start − weights at the end of the round. Either θ's
         # own tensors (a round from θ that nothing moves meanwhile: no copy) or this instance's copy.
         self.start: list[torch.Tensor] = []
@@ -165,10 +166,19 @@ class Instance:
         # (rank 0) or as a replica, and what the replicas need before the primary's next step.
         self.group: parallel.Group | None = None
         self._sync: parallel.Sync | None = None
+        # The decoder layers' reduce-scatter where they are sharded over the group (`sharding`).
+        self.sharded_layers: SummedReduceScatter | None = None
 
     @property
     def device(self) -> torch.device:
         return self.params[0].device
+
+    def rebuild_optimizer(self) -> None:
+        """A new AdamW over `params`, with no state (the parameters were replaced: `sharding.shard`)."""
+        inner = self.inner
+        self.optimizer = adamw(
+            self.params, lr=inner.lr, weight_decay=inner.weight_decay, betas=(inner.beta1, inner.beta2)
+        )
 
     def settle_delta(self) -> None:
         """Compute the last round's Δ whole if it is still held: the weights or the start (which may
@@ -195,8 +205,14 @@ class Instance:
         """Join a data-parallel group (`parallel`): as its primary (rank 0) the replicas get this
         instance's weights and AdamW state before its next step; as a replica, the primary's."""
         self.leave()
+        if spec.sharded and self.sharded_layers is not None:
+            raise RuntimeError("join: this instance's layers are sharded over a group already")
         self.group = parallel.Group(spec, self.device)
         self._sync = "all"
+        if spec.sharded:
+            from .sharding import shard
+
+            self.sharded_layers = shard(self)
 
     def leave(self) -> None:
         """Leave this instance's data-parallel group, if it has one."""

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
+import torch.distributed as dist
 from torch._C._distributed_c10d import BroadcastOptions, PrefixStore, ProcessGroupGloo, TCPStore
 
 from ...protocol.algorithms.batchtest import GradStats, stats_from_sums
@@ -65,6 +66,9 @@ class GroupSpec:
     name: str
     rank: int
     size: int
+    # The members shard the instance's decoder layers (`sharding`, FSDP2) instead of each holding
+    # the whole model: the group is then the process's default one, which FSDP2 needs.
+    sharded: bool = False
 
 
 def share(rows: int, rank: int, size: int) -> tuple[int, int]:
@@ -85,7 +89,20 @@ class Group:
         store = TCPStore("127.0.0.1", spec.port, None, False, timeout=TIMEOUT)
         prefixed = PrefixStore(spec.name, store)
         self._pg: Any  # gloo's or NCCL's backend: the same broadcast and allreduce
-        if device.type == "cuda":
+        self.sharded = spec.sharded
+        if spec.sharded:
+            # FSDP2 takes only a registered group: a process is in one group at most (a device's
+            # process holds one primary or one replica, record 064), so it is the default one.
+            if dist.is_initialized():
+                raise RuntimeError("a sharded group: this process is in one already")
+            backend = "nccl" if device.type == "cuda" else "gloo"
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            dist.init_process_group(
+                backend, store=prefixed, rank=spec.rank, world_size=spec.size, timeout=TIMEOUT
+            )
+            self._pg = dist.group.WORLD
+        elif device.type == "cuda":
             torch.cuda.set_device(device)
             # (only CUDA builds of torch have NCCL's process group)
             from torch._C import _distributed_c10d as c10d
@@ -129,6 +146,9 @@ class Group:
     def close(self) -> None:
         """Leave the group: the others' next collective fails at once (their connections close)."""
         self._pg = None
+        if self.sharded and dist.is_initialized():
+            dist.destroy_process_group()
+            self.sharded = False
 
 
 def _buckets(tensors: Sequence[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
@@ -256,7 +276,8 @@ def _step(
     the primary as it would alone), this member's share of its rows trained in passes of at most
     `micro` (so a switch-mode step takes 1/size of the passes it takes alone), the gradients summed
     in the group, clipped and applied alike everywhere. Returns the batch's mean loss (a 0-d tensor)
-    and, when `stats` asks, the batch test's statistics with one sample per member that trained."""
+    and, when `stats` asks, the batch test's statistics: one sample per member that trained, or with
+    sharded layers (`sharding`) one per pass."""
     rows = micro * accum
     if draw is not None:
         batch = torch.cat([draw(micro) for _ in range(accum)]).to(group.device)
@@ -266,56 +287,97 @@ def _step(
     lo, hi = share(rows, group.rank, group.size)
     weight = (hi - lo) / rows
     inst.optimizer.zero_grad(set_to_none=True)
+    comm = inst.sharded_layers
+    if comm is not None:
+        from . import sharding  # (FSDP2's modules, a third of a second: imported where a group shards)
+    gather = stats != "none"
+    if comm is not None and stats == "full":
+        raise ValueError("the augmented batch test needs whole gradients: sharded layers take the norm test")
+    norms = sharding.PassNorms(inst.params, comm) if comm is not None and gather else None
     loss_sum = torch.zeros((), dtype=torch.float64, device=inst.device)
-    for first in range(lo, hi, micro):
-        last = min(first + micro, hi)
-        part = batch[first:last].to(inst.device, non_blocking=True)
+    for first, last in _passes(rows, micro, group.rank, group.size, lockstep=comm is not None):
+        # (a pass of no rows keeps a sharded member in step with the others' collectives: one row's
+        # forward and backward, weighted 0)
+        part = batch[first:last] if last > first else batch[:1]
+        part = part.to(inst.device, non_blocking=True)
         with autocast(inst.device, inst.autocast_dtype):
             loss = causal_lm_loss(inst.model, part)
         # Each pass weighted by its rows' share of the batch: summed over the group, the batch's mean.
         torch.autograd.backward(loss * ((last - first) / rows))
+        if last == first:
+            continue
         loss_sum += loss.detach().double() * ((last - first) / rows)
         inst.passes[last - first] += 1
+        if norms is not None:
+            norms.end_pass((last - first) / rows)
+    if norms is not None:
+        norms.finish()
     grads = []
     for p in inst.params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         grads.append(p.grad)
-    gather = stats != "none"
-    # ||G_r||² / w_r = w_r·||g_r||²: g_r this member's mean gradient, G_r = w_r·g_r what it holds.
+    # ||G_r||² / w_r = w_r·||g_r||²: g_r this member's mean gradient, G_r = w_r·g_r what it holds
+    # (with sharded layers: the sum of the same over its passes, `sharding.PassNorms`).
     own_sq = 0.0
-    if gather and hi > lo:
+    if norms is not None:
+        own_sq = norms.total
+    elif gather and hi > lo:
         own_sq = _sq_norm(grads) / weight
+    summed = grads if comm is None else [g for g in grads if not sharding.is_shard(g)]
     with torch.no_grad():
-        own_inner = group.all_reduce(grads, inner_with_own=stats == "full")
-    # What every member needs: the loss, Σ_r w_r·||g_r||², how many trained, ⟨g_r, ḡ⟩ of each.
+        own_inner = group.all_reduce(summed, inner_with_own=stats == "full")
+    # What every member needs: the loss, Σ_r w_r·||g_r||², how many samples, ⟨g_r, ḡ⟩ of each.
     scalars = torch.zeros(3 + group.size, dtype=torch.float64, device=group.device)
     scalars[0] = loss_sum.to(group.device)
     scalars[1] = own_sq
-    if hi > lo:
+    if norms is not None:
+        scalars[2] = norms.passes
+    elif hi > lo:
         scalars[2] = 1.0
         scalars[3 + group.rank] = own_inner / weight
     group.all_reduce([scalars])
     step_stats = None
-    members = round(float(scalars[2]))
-    if gather and members >= 2:
-        sq_norm = _sq_norm(grads)
+    samples = round(float(scalars[2]))
+    whole_sq = None
+    if comm is not None and (inst.inner.grad_clip > 0 or (gather and samples >= 2)):
+        whole_sq = sharding.sq_norm(inst.params, all_reduce=group.all_reduce)
+    if gather and samples >= 2:
+        sq_norm = whole_sq if whole_sq is not None else _sq_norm(grads)
         # Σ_r w_r·||g_r − ḡ||² = Σ_r w_r·||g_r||² − ||ḡ||²; times M: S of M samples of equal size.
-        sq_dev = members * max(float(scalars[1]) - sq_norm, 0.0)
-        inner = [float(v) for v in scalars[3:]] if stats == "full" else [sq_norm] * group.size
-        trained = [
-            r for r in range(group.size) if share(rows, r, group.size)[1] > share(rows, r, group.size)[0]
-        ]
+        sq_dev = samples * max(float(scalars[1]) - sq_norm, 0.0)
+        if stats == "full":
+            inner = [float(v) for v in scalars[3:]]
+            ip = [
+                inner[r]
+                for r in range(group.size)
+                if share(rows, r, group.size)[1] > share(rows, r, group.size)[0]
+            ]
+        else:
+            ip = [sq_norm] * samples
         step_stats = stats_from_sums(
-            sq_dev=sq_dev,
-            sq_norm=sq_norm,
-            ip=[inner[r] for r in trained],
-            samples_per_grad=max(1, round(rows / members)),
+            sq_dev=sq_dev, sq_norm=sq_norm, ip=ip, samples_per_grad=max(1, round(rows / samples))
         )
     if inst.inner.grad_clip > 0:
-        torch.nn.utils.clip_grad_norm_(inst.params, inst.inner.grad_clip)
+        if whole_sq is not None:
+            sharding.clip(inst.params, inst.inner.grad_clip, whole_sq)
+        else:
+            torch.nn.utils.clip_grad_norm_(inst.params, inst.inner.grad_clip)
     inst.optimizer.step()
     return scalars[0].float().to(inst.device), step_stats
+
+
+def _passes(rows: int, micro: int, rank: int, size: int, *, lockstep: bool) -> list[tuple[int, int]]:
+    """The passes [first, last) in which member `rank` trains its share of a batch of `rows`: of at
+    most `micro` rows each. In `lockstep` (sharded layers: every pass is a collective of the whole
+    group) every member makes as many passes as the member with the most rows, its share split as
+    evenly as can be (a pass may then be empty)."""
+    lo, hi = share(rows, rank, size)
+    if not lockstep:
+        return [(first, min(first + micro, hi)) for first in range(lo, hi, micro)]
+    most = share(rows, 0, size)
+    count = max(1, -(-(most[1] - most[0]) // micro))
+    return [(lo + a, lo + b) for a, b in (share(hi - lo, k, count) for k in range(count))]
 
 
 def _sq_norm(tensors: Sequence[torch.Tensor]) -> float:

@@ -1,0 +1,234 @@
+"""An instance's decoder layers sharded over its data-parallel group (FSDP2; issue 27 §2, record 084).
+
+Record 064's replicas each hold the whole model and its AdamW state. Where that does not fit one
+device, the group's members can shard the decoder layers instead (`fully_shard` on each block of
+the model's layer list, `decoder_layers`): each member then holds 1/n of the layers' weights,
+gradients and AdamW moments, and gathers a block's weights only while it runs. The rest (the
+embeddings, the final norm, the head) stays whole on every member, its gradients summed by hand as
+record 064 sums them: the node's fused loss head reads the head's weight outside any module's
+forward pass, which a sharded root would not have gathered, and the layers are most of a large
+model (a 7B Llama: 6.5 of its 6.7 B parameters).
+
+What changes in a step (`parallel._step` with a sharded instance):
+- the layers' gradients are reduce-scattered by FSDP2 inside the backward pass, summed, not
+  averaged (`SummedReduceScatter`: each member's loss is weighted by its rows' share, as in record
+  064, so the sum is the batch's mean gradient; FSDP2's own average would need gloo's pre-scaled
+  sum, which gloo does not have);
+- the batch test's samples are the passes, not the members: FSDP2 sums the layers' gradients after
+  every backward pass, so a member's gradient over several passes is never whole on it. Each pass's
+  squared norm is read as it forms, the layers' in the reduce-scatter's input, the others' by a hook
+  (`PassNorms`); the inner products of the augmented test are not (it needs a pass's gradient
+  against the sum, held by other members), so a sharded instance takes the norm test;
+- the clip's norm is summed over the members' shards (float64) and the gradients scaled by hand.
+
+θ crosses into the shards and back a tensor at a time (`scatter`, `gather`): rank 0's whole tensor
+is broadcast and each member keeps its slice (FSDP2's: `torch.chunk` along the first dimension);
+gathering forms each whole tensor on every member in turn.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+from torch.distributed.tensor import DTensor
+
+if TYPE_CHECKING:
+    from .instances import Instance
+
+# (torch 2.13 renamed it; the GPU machine's 2.11 has only the old name)
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The model's repeated blocks: the `ModuleList` holding most of its parameters (Llama's
+    `model.layers`, GPT-2's `transformer.h`, OPT's `decoder.layers`, ...). ValueError if it has none."""
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)]
+    if not lists:
+        raise ValueError(f"{type(model).__name__} has no list of layers to shard")
+    return max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
+
+
+class SummedReduceScatter(ReduceScatter):
+    """FSDP2's reduce-scatter of a block's gradients as a plain sum, which also adds the squared norm
+    of its input (this member's own gradient of the pass, before the sum; FSDP2 pads with zeros) to
+    `own_sq` (float64, on the device) while `measuring`."""
+
+    def __init__(self) -> None:
+        self.measuring = False
+        self.own_sq: torch.Tensor | None = None
+
+    def allocate(
+        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: Any,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        if self.measuring:
+            sq = torch.dot(input_tensor.double(), input_tensor.double())
+            self.own_sq = sq if self.own_sq is None else self.own_sq + sq
+        # (`op` is FSDP2's scaled sum for a divide factor of 1: the plain sum here, which gloo has)
+        work: dist.Work | None = _REDUCE_SCATTER(
+            output_tensor, input_tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op
+        )
+        return work
+
+    def take(self) -> float:
+        """What was measured since the last `take` (one wait for a GPU), and start again from 0."""
+        value = 0.0 if self.own_sq is None else float(self.own_sq)
+        self.own_sq = None
+        return value
+
+
+def shard(inst: Instance) -> SummedReduceScatter:
+    """Shard `inst`'s decoder layers over the default process group (its data-parallel group,
+    `parallel.Group` of a sharded spec) and rebuild its parameter list and AdamW over the new
+    parameters (`fully_shard` replaces them; the optimizer starts with no state, as a new replica's
+    does: the primary sends its moments before the next step). Returns the layers' reduce-scatter."""
+    comm = SummedReduceScatter()
+    for block in decoder_layers(inst.model):
+        fully_shard(block)
+        assert isinstance(block, FSDPModule)
+        block.set_gradient_divide_factor(1.0)
+        block.set_custom_reduce_scatter(comm)
+    inst.params = [p for p in inst.model.parameters() if p.requires_grad]
+    inst.rebuild_optimizer()
+    return comm
+
+
+def is_shard(tensor: torch.Tensor) -> bool:
+    """A tensor sharded over the group (a layer's parameter or its gradient), not held whole."""
+    return isinstance(tensor, DTensor)
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """What this member holds of `tensor`: its shard, or the whole tensor where it is not sharded."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def local_slice(whole: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """The part of `whole` that member `rank` of `size` holds: FSDP2's shard, `torch.chunk` along the
+    first dimension (empty for a member past the chunks of a short tensor)."""
+    chunks = torch.chunk(whole, size, dim=0)
+    return chunks[rank] if rank < len(chunks) else whole[:0]
+
+
+@torch.no_grad()
+def scatter(
+    params: Sequence[torch.Tensor],
+    whole: Sequence[torch.Tensor] | None,
+    *,
+    rank: int,
+    size: int,
+    broadcast: Callable[[list[torch.Tensor]], None],
+) -> None:
+    """Rank 0's `whole` tensors (None on the others) into every member's `params`, a tensor at a
+    time: a sharded one's slice, a plain one whole. `broadcast` is the group's."""
+    if (whole is None) != (rank != 0):
+        raise ValueError("scatter: rank 0 and only rank 0 gives the whole tensors")
+    for j, p in enumerate(params):
+        held = local(p)
+        if whole is not None:
+            buffer = whole[j].detach().to(held.device)
+        else:
+            buffer = torch.empty(p.shape, dtype=p.dtype, device=held.device)
+        broadcast([buffer])
+        held.copy_(local_slice(buffer, rank, size) if isinstance(p, DTensor) else buffer)
+
+
+@torch.no_grad()
+def gather(params: Sequence[torch.Tensor]) -> Iterator[torch.Tensor]:
+    """Every member's parameters whole, a tensor at a time (each member must take every one: a
+    sharded tensor is gathered from all of them)."""
+    for p in params:
+        yield p.full_tensor() if isinstance(p, DTensor) else p.detach()
+
+
+class PassNorms:
+    """Σ over a step's passes of ‖G_p‖² / w_p, with G_p what pass p adds to the gradient (its loss
+    weighted by its rows' share w_p of the batch): one batch-test sample per pass, read as it forms,
+    the layers' in their reduce-scatter (`comm`), the other parameters' by a hook that reads each
+    pass's gradient and adds it into the step's (kept apart, so that a pass's own can be read)."""
+
+    def __init__(self, params: Sequence[torch.Tensor], comm: SummedReduceScatter) -> None:
+        self.comm = comm
+        self._plain = [p for p in params if not isinstance(p, DTensor)]
+        self._sums: list[torch.Tensor | None] = [None] * len(self._plain)
+        self._pass_sq = torch.zeros((), dtype=torch.float64, device=self._plain[0].device)
+        self.total = 0.0
+        self.passes = 0
+        self._handles = [
+            p.register_post_accumulate_grad_hook(self._hook(k))  # type: ignore[no-untyped-call]
+            for k, p in enumerate(self._plain)
+        ]
+        comm.measuring = True
+        comm.take()
+
+    def _hook(self, k: int) -> Callable[[torch.Tensor], None]:
+        def read(param: torch.Tensor) -> None:
+            with torch.no_grad():
+                g = param.grad
+                assert g is not None
+                param.grad = None  # the next pass forms its own afresh
+                self._pass_sq += torch.sum(g.double() * g.double())
+                held = self._sums[k]
+                if held is None:
+                    self._sums[k] = g
+                else:
+                    held.add_(g)
+
+        return read
+
+    def end_pass(self, weight: float) -> None:
+        """After pass p's backward: add ‖G_p‖² / w_p."""
+        self.total += (self.comm.take() + float(self._pass_sq)) / weight
+        self._pass_sq.zero_()
+        self.passes += 1
+
+    def finish(self) -> None:
+        """Stop reading, and give the other parameters their gradient: the passes' sum."""
+        for handle in self._handles:
+            handle.remove()
+        self.comm.measuring = False
+        for p, total in zip(self._plain, self._sums, strict=True):
+            p.grad = total
+        self._sums = []
+
+
+def sq_norm(params: Sequence[torch.Tensor], *, all_reduce: Callable[[list[torch.Tensor]], Any]) -> float:
+    """‖gradient‖² of a sharded instance, float64: the shards' squares summed over the group, the
+    plain parameters' (whole, the same on every member) once."""
+    device = local(params[0]).device
+    shards = torch.zeros(1, dtype=torch.float64, device=device)
+    plain = torch.zeros((), dtype=torch.float64, device=device)
+    for p in params:
+        if p.grad is None:
+            continue
+        held = local(p.grad).double()
+        if is_shard(p.grad):
+            shards += torch.sum(held * held)
+        else:
+            plain += torch.sum(held * held)
+    all_reduce([shards])
+    return float(shards[0] + plain)
+
+
+@torch.no_grad()
+def clip(params: Sequence[torch.Tensor], max_norm: float, total_sq: float) -> None:
+    """Scale every gradient as `clip_grad_norm_` does, from the whole gradient's squared norm."""
+    coefficient = min(1.0, max_norm / (total_sq**0.5 + 1e-6))
+    for p in params:
+        if p.grad is not None:
+            p.grad.mul_(coefficient)
