@@ -3,9 +3,10 @@ model replicated (record 064): GPT-2 124M by default, two processes over gloo on
 
 Each mode runs in two fresh processes: the model built, the group joined (sharded or not), `--steps`
 steps of one micro-batch of `--rows` rows (a row per member), and each member reports the values it
-holds (parameters, AdamW moments, gradients: the step's state), its peak resident memory (VmHWM,
-the libraries and the model's build included) and its median step time. No timing is compared
-across modes unless the machine is otherwise idle.
+holds in the trained model (parameters, AdamW moments), its resident memory (VmRSS, also with glibc's
+free pages handed back) and peak (VmHWM, the libraries and the model's build included), and its
+median step time. Rank 0 is the group's primary: sharded, it trains a sharded copy and keeps the
+instance's whole weights beside it, as in a node (record 084). The step times are one run's.
 
     python bench/sharding.py --out bench/results/sharding_124m.json
 """
@@ -53,6 +54,8 @@ def _member(rank: int, port: int, args: argparse.Namespace, mode: str, out: str)
     )
     inst.join(parallel.GroupSpec(port, f"{mode}/", rank, 2, sharded=mode == "sharded"))
     assert inst.group is not None
+    # The primary of a sharded group trains a sharded copy and keeps its whole weights (record 084).
+    member: parallel.Member = inst.trainer if inst.trainer is not None else inst
     gc.collect()
     give_back_free_memory()
     joined = {"peak_rss_gib_built_and_joined": _status_gib("VmHWM"), "rss_gib_joined": _status_gib("VmRSS")}
@@ -60,7 +63,7 @@ def _member(rank: int, port: int, args: argparse.Namespace, mode: str, out: str)
     for _ in range(args.steps):
         t0 = time.perf_counter()
         parallel._step(
-            inst,
+            member,
             inst.group,
             micro=args.rows,
             accum=1,
@@ -69,10 +72,10 @@ def _member(rank: int, port: int, args: argparse.Namespace, mode: str, out: str)
             draw=inst.sampler.next_batch if rank == 0 else None,
         )
         times.append(time.perf_counter() - t0)
-    held = sum(sharding.local(p).numel() for p in inst.params)
+    held = sum(sharding.local(p).numel() for p in member.params)
     moments = sum(
         sharding.local(t).numel()
-        for state in inst.optimizer.state.values()
+        for state in member.optimizer.state.values()
         for name, t in state.items()
         if name != "step"
     )
@@ -80,6 +83,7 @@ def _member(rank: int, port: int, args: argparse.Namespace, mode: str, out: str)
         "rank": rank,
         "parameters": sum(p.numel() for p in inst.params),
         "held_parameter_values": held,
+        "whole_weights_kept": inst.trainer is not None,
         "held_moment_values": moments,
         **joined,
         "peak_rss_gib": _status_gib("VmHWM"),

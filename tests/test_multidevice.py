@@ -29,6 +29,7 @@ import torch
 
 from adloco.node.data.corpus import Corpus
 from adloco.node.model.devices import resolve_devices
+from adloco.node.training import sharding
 from adloco.node.training.config import TrainConfig
 from adloco.node.training.instances import Instance
 from adloco.node.training.peer import Peer
@@ -160,17 +161,22 @@ def _overlapped(peer: Peer, rounds: int) -> list[LocalRound]:
 
 
 @pytest.mark.parametrize("overlap", ["off", "mix"])
+@pytest.mark.parametrize("shard", [False, True], ids=["whole", "sharded"])
 def test_an_instance_trains_data_parallel_over_the_device_no_instance_holds(
-    corpus: Corpus, overlap: Literal["off", "mix"]
+    corpus: Corpus, overlap: Literal["off", "mix"], shard: bool
 ) -> None:
     """One instance on two devices: the worker's device holds a replica, each trains half of every
     batch's rows, and the gradients are summed before the step. θ is one device's up to float
     rounding (the rows of one matrix product are split in two); the replica stays the primary's
     copy bit for bit, also when overlap shifts the instance mid-round; the batch test takes the two
-    halves as its two samples, as one device takes its two chunks (the same statistics)."""
+    halves as its two samples, as one device takes its two chunks (the same statistics).
+    `--data-parallel shard` (record 084): the replica's layers, like the primary's trainer's, are
+    half of the model's; the primary's whole weights are gathered at each round's end (and before
+    a mid-round shift, then scattered again), and its AdamW moments, gathered into host memory, are
+    one device's to rounding."""
     cfg = replace(CFG, instances=1, overlap=overlap, model="tiny-llama")
     one = _peer(corpus, cfg)
-    two = _peer(corpus, replace(cfg, device="cpu,cpu"))
+    two = _peer(corpus, replace(cfg, device="cpu,cpu", shard_layers=shard))
     try:
         assert [group.devices for group in two.data_parallel.groups] == [(1,)]
         if overlap == "off":
@@ -190,17 +196,35 @@ def test_an_instance_trains_data_parallel_over_the_device_no_instance_holds(
         for x, y in zip(one.state.theta, two.state.theta, strict=True):
             torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-5)
         assert one.state.theta_hash() != two.state.theta_hash()  # (two matrix products, not one)
-        assert _replicas_match_their_primaries(two) == 1
+        if not shard:
+            assert _replicas_match_their_primaries(two) == 1
+            return
+        (primary,) = two.local_instances
+        assert primary.trainer is not None
+        held = sum(sharding.local(p).numel() for p in primary.trainer.params)
+        assert held < 0.8 * sum(p.numel() for p in primary.params)
+        (ours_,), (theirs_,) = one.state_dict()["instances"], two.state_dict()["instances"]
+        assert ours_["optimizer"].keys() == theirs_["optimizer"].keys()
+        for idx, fields in ours_["optimizer"].items():
+            assert float(theirs_["optimizer"][idx]["step"]) == float(fields["step"])
+            for name in ("exp_avg", "exp_avg_sq"):  # (whole tensors: a moment near 0 is all rounding)
+                error = theirs_["optimizer"][idx][name] - fields[name]
+                assert float(error.norm()) <= 1e-4 * float(fields[name].norm())
     finally:
         two.close()
 
 
-def test_a_round_that_fails_mid_way_leaves_no_replica_waiting_and_the_next_trains(corpus: Corpus) -> None:
-    """The primary's round stops after its first step (its step hook raises): the replica, waiting
-    for the second, ends its round when the primary leaves the group, the error is the hook's, and
-    the next round forms the group anew, syncs the replica and trains on both devices."""
-    two = _peer(corpus, replace(CFG, instances=1, model="tiny-llama", device="cpu,cpu"))
+@pytest.mark.parametrize("shard", [False, True], ids=["whole", "sharded"])
+def test_a_round_that_fails_mid_way_leaves_no_replica_waiting_and_the_next_trains(
+    corpus: Corpus, shard: bool
+) -> None:
+    """The primary's second round stops after its first step (its step hook raises): the replica,
+    waiting for the second, ends its round when the primary leaves the group, the error is the
+    hook's, and the next round forms the group anew, syncs the replica and trains on both devices
+    (sharded: a new replica, sharded again, the primary's whole weights and moments scattered in)."""
+    two = _peer(corpus, replace(CFG, instances=1, model="tiny-llama", device="cpu,cpu", shard_layers=shard))
     try:
+        _round(two)
 
         def fail(_done: int) -> None:
             raise RuntimeError("the hook failed")
@@ -209,7 +233,9 @@ def test_a_round_that_fails_mid_way_leaves_no_replica_waiting_and_the_next_train
             two.train_round(on_step=fail)
         local = _round(two)
         assert set(local.by_device) == {"cpu", "cpu#1"}
-        assert _replicas_match_their_primaries(two) == 1
+        assert math.isfinite(local.mean_loss) and math.isfinite(two.validation_loss())
+        if not shard:
+            assert _replicas_match_their_primaries(two) == 1
     finally:
         two.close()
 
@@ -309,16 +335,21 @@ def _workers_of(pid: int) -> list[int]:
     return [int(c) for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
 
 
-@pytest.mark.parametrize("instances", [2, 1], ids=["an-instance-on-it", "a-replica-on-it"])
+@pytest.mark.parametrize(
+    ("instances", "data_parallel"),
+    [(2, "on"), (1, "on"), (1, "shard")],
+    ids=["an-instance-on-it", "a-replica-on-it", "a-sharded-replica-on-it"],
+)
 def test_a_device_lost_mid_run_stops_the_node_with_one_line_and_its_checkpoint_resumes(
-    tmp_path: Path, instances: int
+    tmp_path: Path, instances: int, data_parallel: str
 ) -> None:
     """The worker process of the second device is killed while the node trains (it holds the second
-    instance, or, with one instance, its data-parallel replica): the node exits with one line naming
-    the device (no traceback), writes no checkpoint after the loss, and a restart on the device that
-    remains resumes from the last one."""
+    instance, or, with one instance, its data-parallel replica, whole or holding half of the layers):
+    the node exits with one line naming the device (no traceback), writes no checkpoint after the
+    loss, and a restart on the device that remains resumes from the last one."""
     ck = tmp_path / "ck"
-    node = _node(["--device", "cpu,cpu", "--rounds", "0"], ck, instances=instances)
+    args = ["--device", "cpu,cpu", "--data-parallel", data_parallel, "--rounds", "0"]
+    node = _node(args, ck, instances=instances)
     try:
         deadline = time.monotonic() + 240
         while not (ck / "round-00000002").exists():
@@ -368,3 +399,33 @@ def test_shared_memory_too_small_for_the_devices_is_one_line_that_says_what_to_d
     last = run.stderr.strip().splitlines()[-1]
     assert last.startswith("adloco-node: error: device cpu: shared memory (/dev/shm) is too small"), last
     assert "--shm-size" in last
+
+
+# ---- the layers sharded over the devices (`--data-parallel shard`, record 084) -------------------------
+
+
+def test_after_the_merge_the_survivor_trains_sharded_over_both_devices(corpus: Corpus) -> None:
+    """Two instances on two devices merge after round 1 into the worker's: the survivor moves into
+    the node's process and trains with its layers sharded over both devices (the worker's old model
+    serves as the replica). θ is one device's to rounding through the merge."""
+    cfg = replace(CFG, model="tiny-llama")
+    one = _peer(corpus, cfg)
+    two = _peer(corpus, replace(cfg, device="cpu,cpu", shard_layers=True))
+    try:
+        for _ in range(3):
+            ours, theirs = _round(one), _round(two)
+            assert theirs.mean_loss == pytest.approx(ours.mean_loss, rel=1e-5)
+        assert len(two.instances) == 1 and isinstance(two.instances[0], Instance)
+        assert two.instances[0].trainer is not None
+        assert [group.devices for group in two.data_parallel.groups] == [(1,)]
+        assert set(theirs.by_device) == {"cpu", "cpu#1"}
+        for x, y in zip(one.state.theta, two.state.theta, strict=True):
+            torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-5)
+        assert two.validation_loss() == pytest.approx(one.validation_loss(), rel=1e-5)
+    finally:
+        two.close()
+
+
+def test_sharded_layers_refuse_the_augmented_test_with_a_message_that_says_what_to_use() -> None:
+    with pytest.raises(ValueError, match="--batch-test norm, or --data-parallel on"):
+        replace(CFG, shard_layers=True, schedule=replace(CFG.schedule, test="augmented"))

@@ -1,5 +1,6 @@
 """An instance's decoder layers sharded over its data-parallel group (FSDP2, `training.sharding`):
-two real processes over gloo on this CPU, against record 064's replicated step and one device alone."""
+two real processes over gloo on this CPU, against record 064's replicated step and one device alone
+(a node's instance sharded over its devices: tests/test_multidevice.py)."""
 
 from __future__ import annotations
 
@@ -46,18 +47,20 @@ def _instance(spec: str, *, grad_clip: float) -> Instance:
     )
 
 
-def _steps(inst: Instance, group: parallel.Group, plans: list[BatchPlan]) -> list[Any]:
+def _steps(
+    member: parallel.Member, group: parallel.Group, plans: list[BatchPlan], sampler: TokenSampler
+) -> list[Any]:
     """The plans' steps as member `group.rank` (rank 0 draws the rows); each step's loss and stats."""
     out = []
     for plan in plans:
         loss, stats = parallel._step(
-            inst,
+            member,
             group,
             micro=plan.micro,
             accum=plan.accum,
             cols=SEQ,
             stats="sums",
-            draw=inst.sampler.next_batch if group.rank == 0 else None,
+            draw=sampler.next_batch if group.rank == 0 else None,
         )
         out.append(
             (float(loss), None if stats is None else (stats.sq_dev_sum, stats.mean_sq_norm, stats.num_grads))
@@ -66,14 +69,15 @@ def _steps(inst: Instance, group: parallel.Group, plans: list[BatchPlan]) -> lis
 
 
 def _member(rank: int, port: int, spec: str, plans: list[BatchPlan], grad_clip: float, out: str) -> None:
-    """One member: the plans' steps replicated (record 064), then sharded, then θ through the shards."""
+    """One member: the plans' steps replicated (record 064), then sharded (the primary through its
+    trainer, a sharded copy; the replica sharded in place), then θ through the shards."""
     try:
         torch.set_num_threads(1)
         result: dict[str, Any] = {}
         replicated = _instance(spec, grad_clip=grad_clip)
         replicated.join(parallel.GroupSpec(port, "replicated/", rank, 2))
         assert replicated.group is not None
-        result["replicated"] = _steps(replicated, replicated.group, plans)
+        result["replicated"] = _steps(replicated, replicated.group, plans, replicated.sampler)
         result["replicated_params"] = [p.detach().clone() for p in replicated.params]
         replicated.leave()
 
@@ -81,20 +85,25 @@ def _member(rank: int, port: int, spec: str, plans: list[BatchPlan], grad_clip: 
         inst.join(parallel.GroupSpec(port, "sharded/", rank, 2, sharded=True))
         assert inst.group is not None
         group = inst.group
-        result["sharded_count"] = sum(1 for p in inst.params if sharding.is_shard(p))
-        result["local_values"] = sum(sharding.local(p).numel() for p in inst.params)
-        result["sharded"] = _steps(inst, group, plans)
-        result["sharded_params"] = [t.clone() for t in sharding.gather(inst.params)]
+        member: parallel.Member = inst
+        if rank == 0:  # (the primary trains a sharded copy: its own weights stay whole)
+            assert inst.trainer is not None
+            member = inst.trainer
+        assert member.sharded_layers is not None
+        result["sharded_count"] = sum(1 for p in member.params if sharding.is_shard(p))
+        result["local_values"] = sum(sharding.local(p).numel() for p in member.params)
+        result["sharded"] = _steps(member, group, plans, inst.sampler)
+        result["sharded_params"] = [t.clone() for t in sharding.gather(member.params)]
         # θ into the shards and back: rank 0's tensors, whole on every member again.
         theta = [
             torch.randn(p.shape, generator=torch.Generator().manual_seed(j))
-            for j, p in enumerate(inst.params)
+            for j, p in enumerate(member.params)
         ]
         sharding.scatter(
-            inst.params, theta if rank == 0 else None, rank=rank, size=2, broadcast=group.broadcast
+            member.params, theta if rank == 0 else None, rank=rank, size=2, broadcast=group.broadcast
         )
         result["round_trip"] = all(
-            torch.equal(t, whole) for t, whole in zip(theta, sharding.gather(inst.params), strict=True)
+            torch.equal(t, whole) for t, whole in zip(theta, sharding.gather(member.params), strict=True)
         )
         inst.leave()
         torch.save(result, f"{out}.{rank}")

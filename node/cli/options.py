@@ -108,10 +108,12 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     )
     model.add_argument(
         "--data-parallel",
-        choices=("on", "off"),
+        choices=("on", "off", "shard"),
         default="on",
         help="with more devices than MIT instances, each instance trains data parallel over the"
-        " devices no instance holds (on); off leaves them idle",
+        " devices no instance holds, each holding the whole model (on) or a shard of its decoder"
+        " layers (shard: FSDP2, for a model whose training does not fit one device; the norm test);"
+        " off leaves them idle",
     )
     model.add_argument(
         "--precision",
@@ -337,7 +339,8 @@ def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
             data_cache_dir=args.data_cache_dir,
             seed=args.seed,
             device=args.device,
-            data_parallel=args.data_parallel == "on",
+            data_parallel=args.data_parallel != "off",
+            shard_layers=args.data_parallel == "shard",
             precision=args.precision,
             activation_checkpointing=args.activation_checkpointing,
             compile=args.compile,

@@ -140,6 +140,9 @@ class TrainConfig:
     data_parallel: with more devices than instances, the devices no instance holds train replicas
         of the instances, each instance data parallel over its devices (`parallel`); False leaves
         them idle (each instance then trains exactly as on one device, bit for bit).
+    shard_layers: the members of each data-parallel group shard the decoder layers over the group
+        (FSDP2, `sharding`: each holds 1/n of their weights, gradients and AdamW moments) instead of
+        each holding the whole model; the batch test must then be the norm test.
     precision: the instances' forward passes: "auto" autocasts to bf16 on a CUDA GPU with native
         bf16 (Ampere or later) and runs fp32 elsewhere; "fp32" never autocasts; "bf16" autocasts
         also on a CPU (slower than fp32 on most CPUs). Master weights, gradients, AdamW state and θ
@@ -189,6 +192,7 @@ class TrainConfig:
     seed: int = 0
     device: str = "auto"
     data_parallel: bool = True
+    shard_layers: bool = False
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     activation_checkpointing: bool = False
     compile: Literal["auto", "on", "off"] = "auto"
@@ -251,6 +255,11 @@ class TrainConfig:
             raise ValueError(f"precision must be auto, fp32 or bf16, got {self.precision!r}")
         if self.compile not in ("auto", "on", "off"):
             raise ValueError(f"compile must be auto, on or off, got {self.compile!r}")
+        if self.shard_layers and self.schedule.test == "augmented":
+            raise ValueError(
+                "the augmented batch test needs each sample's whole gradient, which sharded layers never"
+                " hold: use --batch-test norm, or --data-parallel on"
+            )
         if not 0 <= self.overlap_mix <= 1:
             raise ValueError(f"overlap_mix must be in [0, 1], got {self.overlap_mix}")
         try:

@@ -52,7 +52,8 @@ class DataParallel:
     """A node's data-parallel groups: formed over a store the node serves on the loopback, one group
     per replicated instance, formed anew when the plan changes or a round broke one."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, sharded: bool = False) -> None:
+        self.sharded = sharded  # the members shard the instances' layers (`sharding`)
         self._store: TCPStore | None = None
         self._names = itertools.count()
         self.groups: list[Replicated] = []
@@ -101,9 +102,9 @@ class DataParallel:
             name, size = f"instance-group-{next(self._names)}/", 1 + len(group.devices)
             group.replicas = [make_replica(group.primary, d, rank) for rank, d in enumerate(group.devices, 1)]
             for rank, replica in enumerate(group.replicas, 1):
-                replica.join(GroupSpec(port, name, rank, size))
+                replica.join(GroupSpec(port, name, rank, size, self.sharded))
                 asked.append(replica)
-            spec = GroupSpec(port, name, 0, size)
+            spec = GroupSpec(port, name, 0, size, self.sharded)
             if isinstance(group.primary, Instance):
                 local.append((group.primary, spec))
             else:

@@ -27,7 +27,7 @@ model's gradients is ever held (the memory stays at the training floor):
 - with no batch test ("none") nothing is gathered.
 
 Over 500 lines, one idea: an MIT instance's inner loop, with the batch test's statistics gathered
-inside it (`_RunningSums`, `_ChunkSums`, which exist only for that loop).
+inside it (`RunningSums`, which a sharded step's samples also use, and `_ChunkSums`).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ from ..model.loss import TiedEmbedding, causal_lm_loss
 from . import parallel
 
 if TYPE_CHECKING:
-    from .sharding import SummedReduceScatter
+    from .sharding import SummedReduceScatter, Trainer
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +96,11 @@ class InnerConfig:
             raise ValueError(f"inner lr must be > 0, got {self.lr}")
         if self.stats_chunks < 1:
             raise ValueError(f"stats_chunks must be >= 1, got {self.stats_chunks}")
+
+
+def inner_optimizer(params: Sequence[torch.Tensor], inner: InnerConfig) -> torch.optim.AdamW:
+    """The inner AdamW over `params`, with no state."""
+    return adamw(params, lr=inner.lr, weight_decay=inner.weight_decay, betas=(inner.beta1, inner.beta2))
 
 
 @dataclass
@@ -139,10 +144,11 @@ class Instance:
         self.model = model
         self.sampler = sampler
         self.inner = inner
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.params: list[torch.Tensor] = [p for p in model.parameters() if p.requires_grad]
         device = self.params[0].device
         self.placement = placement or Placement(train=device, state=device)
         self.autocast_dtype = autocast_dtype
+        self.optimizer: torch.optim.Optimizer
         self.rebuild_optimizer()
         # Where the current round started: Δ = start − weights at the end of the round. Either θ's
         # own tensors (a round from θ that nothing moves meanwhile: no copy) or this instance's copy.
@@ -166,8 +172,12 @@ class Instance:
         # (rank 0) or as a replica, and what the replicas need before the primary's next step.
         self.group: parallel.Group | None = None
         self._sync: parallel.Sync | None = None
-        # The decoder layers' reduce-scatter where they are sharded over the group (`sharding`).
+        # The decoder layers' reduce-scatter where they are sharded over the group (`sharding`): a
+        # replica's own layers, or, for the group's primary, its trainer's (a sharded copy), whose
+        # weights and moments this instance's whole ones are behind after a step until gathered.
         self.sharded_layers: SummedReduceScatter | None = None
+        self.trainer: Trainer | None = None
+        self._behind: set[str] = set()
 
     @property
     def device(self) -> torch.device:
@@ -175,10 +185,7 @@ class Instance:
 
     def rebuild_optimizer(self) -> None:
         """A new AdamW over `params`, with no state (the parameters were replaced: `sharding.shard`)."""
-        inner = self.inner
-        self.optimizer = adamw(
-            self.params, lr=inner.lr, weight_decay=inner.weight_decay, betas=(inner.beta1, inner.beta2)
-        )
+        self.optimizer = inner_optimizer(self.params, self.inner)
 
     def settle_delta(self) -> None:
         """Compute the last round's Δ whole if it is still held: the weights or the start (which may
@@ -205,26 +212,47 @@ class Instance:
         """Join a data-parallel group (`parallel`): as its primary (rank 0) the replicas get this
         instance's weights and AdamW state before its next step; as a replica, the primary's."""
         self.leave()
-        if spec.sharded and self.sharded_layers is not None:
+        if self.sharded_layers is not None:
             raise RuntimeError("join: this instance's layers are sharded over a group already")
         self.group = parallel.Group(spec, self.device)
         self._sync = "all"
         if spec.sharded:
-            from .sharding import shard
+            from .sharding import Trainer, shard
 
-            self.sharded_layers = shard(self)
+            # The primary trains a sharded copy and keeps its whole weights; a replica's own are
+            # never read: it shards them in place.
+            if spec.rank == 0:
+                self.trainer = Trainer(self)
+            else:
+                shard(self)
 
     def leave(self) -> None:
-        """Leave this instance's data-parallel group, if it has one."""
+        """Leave this instance's data-parallel group, if it has one. A sharded primary drops its
+        trainer, and its AdamW moments come back from host memory to train alone."""
         if self.group is not None:
             self.group.close()
         self.group, self._sync = None, None
+        if self.trainer is not None:
+            self.trainer, self._behind = None, set()
+            for p in self.params:
+                for name, value in self.optimizer.state.get(p, {}).items():
+                    if isinstance(value, torch.Tensor):
+                        self.optimizer.state[p][name] = value.to(p.device)
 
     def serve_round(self) -> None:
         """As a replica, follow the primary's round (`parallel.serve_round`)."""
         if self.group is None or self.group.rank == 0:
             raise RuntimeError("serve_round: this instance is no replica")
         parallel.serve_round(self, self.group)
+
+    def _catch_up(self, *what: str) -> None:
+        """A sharded primary's whole weights and/or moments (`what`), where its trainer's are ahead:
+        gathered from the group's shards (every member takes part: only inside a round)."""
+        behind = self._behind.intersection(what)
+        if behind and self.group is not None:
+            self.settle_delta()  # (the last round's Δ reads the whole weights the gather changes)
+            parallel.lead_gather(self, self.group, weights="weights" in behind, moments="moments" in behind)
+        self._behind -= behind
 
     def _moved(self, what: parallel.Sync = "weights") -> None:
         """The weights (or, "all", also the AdamW state) changed otherwise than by a step."""
@@ -334,6 +362,7 @@ class Instance:
             self.begin(theta, share=mode != "rebase", on_read=on_read)
             return
         self.settle_delta()
+        self._catch_up("weights")  # (mid-round, a sharded primary's whole weights are behind)
         own = not self.start_is_shared
         if mode == "rebase" and not own:
             raise RuntimeError("shift(mode='rebase') needs a round begun with its own start")
@@ -409,6 +438,7 @@ class Instance:
                         ):
                             on_step(step)  # the caller's draws (an evaluation, a scorer) are not ours
             if self.group is not None:
+                self._catch_up("weights", "moments")
                 parallel.lead_end(self.group)
         except BaseException:
             # The replicas may be mid-step, waiting for what will not come: leaving the group ends
@@ -453,6 +483,8 @@ class Instance:
                 parallel.lead_sync(self, self.group, self._sync)
                 self._sync = None
             gather = self.batch_stats if collect_stats else "none"
+            if self.trainer is not None:
+                self._behind = {"weights", "moments"}
             return parallel.lead_step(self, self.group, micro=plan.micro, accum=plan.accum, stats=gather)
         micro, accum = self._stats_split(plan) if collect_stats else (plan.micro, plan.accum)
         self.passes[micro] += accum
@@ -527,7 +559,7 @@ class Instance:
         gradient, the weights after the step and the peak memory are those of a plain step.
         """
         self.optimizer.zero_grad(set_to_none=True)
-        sums = _RunningSums(len(self.params), device=self.device)
+        sums = RunningSums(len(self.params), device=self.device)
         handles = [
             p.register_post_accumulate_grad_hook(sums.hook(j))  # type: ignore[no-untyped-call]
             for j, p in enumerate(self.params)
@@ -702,7 +734,7 @@ def _set_rng_state(device: torch.device, state: _RngState) -> None:
 STATS_SLICE = 1 << 20
 
 
-class _RunningSums:
+class RunningSums:
     """The norm test's sums over M micro-batch gradients that arrive one tensor at a time, in one pass.
 
     Each h = g_m[j]/M adds ||h||² (float64, on the device) and is moved into the running sum of
@@ -724,7 +756,7 @@ class _RunningSums:
                 g = param.grad
                 assert g is not None
                 param.grad = None  # the next chunk's backward forms g_{m+1}[j] afresh
-                self.sq_norms += _sq_norm(g)
+                self.sq_norms += squared_norm(g)
                 held = self.sums[j]
                 if held is None:
                     self.sums[j] = g
@@ -738,7 +770,7 @@ class _RunningSums:
         sq_norm = torch.zeros((), dtype=torch.float64, device=self.sq_norms.device)
         for p, total in zip(params, self.sums, strict=True):
             if total is not None:
-                sq_norm += _sq_norm(total)
+                sq_norm += squared_norm(total)
             p.grad = total
         self.sums = []
         mean_sq = float(sq_norm)
@@ -750,7 +782,7 @@ class _RunningSums:
         )
 
 
-def _sq_norm(tensor: torch.Tensor) -> torch.Tensor:
+def squared_norm(tensor: torch.Tensor) -> torch.Tensor:
     """||tensor||² in float64, a slice of at most STATS_SLICE values at a time."""
     flat = tensor.reshape(-1)
     total = torch.zeros((), dtype=torch.float64, device=tensor.device)

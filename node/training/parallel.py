@@ -29,7 +29,7 @@ from __future__ import annotations
 import datetime
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
 import torch.distributed as dist
@@ -40,10 +40,13 @@ from ..model.devices import autocast
 from ..model.loss import causal_lm_loss
 
 if TYPE_CHECKING:
-    from .instances import Instance
+    from collections import Counter
+
+    from .instances import InnerConfig, Instance
+    from .sharding import SummedReduceScatter
 
 # What a header announces (its first field).
-_END, _STEP, _SYNC = 0, 1, 2
+_END, _STEP, _SYNC, _GATHER = 0, 1, 2, 3
 # What a step gathers for the batch test (a header field): nothing, the norm test's sums, or also
 # the inner products the augmented test needs.
 _STATS = {"none": 0, "sums": 1, "full": 2}
@@ -92,17 +95,20 @@ class Group:
         self.sharded = spec.sharded
         if spec.sharded:
             # FSDP2 takes only a registered group: a process is in one group at most (a device's
-            # process holds one primary or one replica, record 064), so it is the default one.
+            # process holds one primary or one replica, record 064), so its collectives run in the
+            # default one. The headers and the rest run in a group of the node's own, as for
+            # replicas: the default group outlives its registry (FSDP2's meshes hold it), so only
+            # dropping a group of our own closes its connections when a member leaves.
             if dist.is_initialized():
                 raise RuntimeError("a sharded group: this process is in one already")
             backend = "nccl" if device.type == "cuda" else "gloo"
             if device.type == "cuda":
                 torch.cuda.set_device(device)
+            layers = PrefixStore("layers/", prefixed)
             dist.init_process_group(
-                backend, store=prefixed, rank=spec.rank, world_size=spec.size, timeout=TIMEOUT
+                backend, store=layers, rank=spec.rank, world_size=spec.size, timeout=TIMEOUT
             )
-            self._pg = dist.group.WORLD
-        elif device.type == "cuda":
+        if device.type == "cuda":
             torch.cuda.set_device(device)
             # (only CUDA builds of torch have NCCL's process group)
             from torch._C import _distributed_c10d as c10d
@@ -147,6 +153,8 @@ class Group:
         """Leave the group: the others' next collective fails at once (their connections close)."""
         self._pg = None
         if self.sharded and dist.is_initialized():
+            # (a member waiting in one of the layers' collectives waits for the group's timeout, or
+            # for this process to end: FSDP2's meshes keep the default group's connections open)
             dist.destroy_process_group()
             self.sharded = False
 
@@ -187,13 +195,32 @@ def _unflat(flat: torch.Tensor, bucket: Sequence[torch.Tensor]) -> None:
 Sync = Literal["weights", "all"]
 
 
+class Member(Protocol):
+    """What trains in a member's steps (`_step`): an `Instance`, or a sharded primary's
+    `sharding.Trainer`."""
+
+    model: torch.nn.Module
+    params: list[torch.Tensor]
+    optimizer: torch.optim.Optimizer
+    inner: InnerConfig
+    autocast_dtype: torch.dtype | None
+    passes: Counter[int]
+    sharded_layers: SummedReduceScatter | None
+
+    @property
+    def device(self) -> torch.device: ...
+
+
 def lead_sync(inst: Instance, group: Group, what: Sync) -> None:
-    """Send the replicas the primary's weights and, with "all", its AdamW moments and step counts."""
+    """Send the replicas the primary's weights and, with "all", its AdamW moments and step counts
+    (with sharded layers: from the instance's whole ones into every member's shards, its own
+    trainer's included)."""
     group.header([_SYNC, 1 if what == "all" else 0])
     with torch.no_grad():
-        group.broadcast([p.detach() for p in inst.params])
+        member = inst.trainer or inst
+        _broadcast_weights(member, group, inst.params)
         if what == "all":
-            _broadcast_optimizer(inst, group)
+            _broadcast_optimizer(member, group, inst)
 
 
 def lead_step(
@@ -202,7 +229,22 @@ def lead_step(
     """One inner step of a replicated instance, led by its primary (`Instance.inner_step`)."""
     cols = inst.sampler.seq_len
     group.header([_STEP, micro, accum, cols, _STATS[stats]])
-    return _step(inst, group, micro=micro, accum=accum, cols=cols, stats=stats, draw=inst.sampler.next_batch)
+    member: Member = inst
+    if inst.trainer is not None:
+        inst.trainer.passes = inst.passes
+        member = inst.trainer
+    return _step(
+        member, group, micro=micro, accum=accum, cols=cols, stats=stats, draw=inst.sampler.next_batch
+    )
+
+
+def lead_gather(inst: Instance, group: Group, *, weights: bool, moments: bool) -> None:
+    """A sharded primary takes its weights and/or its AdamW moments and step counts (into host
+    memory) whole from every member's shards: its instance's whole ones are behind its trainer's
+    after a step."""
+    assert inst.trainer is not None
+    group.header([_GATHER, int(weights), int(moments)])
+    _gather(inst.trainer, group, inst, weights=weights, moments=moments)
 
 
 def lead_end(group: Group) -> None:
@@ -222,11 +264,13 @@ def serve_round(inst: Instance, group: Group) -> None:
                 break
             if op == _SYNC:
                 with torch.no_grad():
-                    group.broadcast([p.detach() for p in inst.params])
+                    _broadcast_weights(inst, group, None)
                     if a:
-                        _broadcast_optimizer(inst, group)
+                        _broadcast_optimizer(inst, group, None)
             elif op == _STEP:
                 _step(inst, group, micro=a, accum=b, cols=c, stats=stats_names[d], draw=None)
+            elif op == _GATHER:
+                _gather(inst, group, None, weights=bool(a), moments=bool(b))
             else:
                 raise RuntimeError(f"replica: unknown header {op}")
     inst.optimizer.zero_grad(set_to_none=True)
@@ -235,23 +279,36 @@ def serve_round(inst: Instance, group: Group) -> None:
 # ---- both ----------------------------------------------------------------------------------------------
 
 
-def _broadcast_optimizer(inst: Instance, group: Group) -> None:
-    """AdamW's moments and step counts, from the primary into the replicas' optimizers: a step count
-    of −1 says the primary has no state for that parameter yet (it never stepped)."""
-    fused = bool(inst.optimizer.param_groups[0].get("fused"))
-    steps = torch.full((len(inst.params),), -1.0, dtype=torch.float64, device=group.device)
-    if group.rank == 0:
-        for j, p in enumerate(inst.params):
-            state = inst.optimizer.state.get(p)
+def _broadcast_weights(member: Member, group: Group, whole: Sequence[torch.Tensor] | None) -> None:
+    """The primary's weights (`whole`, None on the replicas) into every member's: in place where
+    each holds them whole, a slice into each member's shard where the layers are sharded."""
+    if member.sharded_layers is None:
+        group.broadcast([p.detach() for p in member.params])
+        return
+    from . import sharding
+
+    sharding.scatter(member.params, whole, rank=group.rank, size=group.size, broadcast=group.broadcast)
+
+
+def _broadcast_optimizer(member: Member, group: Group, source: Instance | None) -> None:
+    """AdamW's moments and step counts, from the primary (`source`: its instance, whose whole state
+    it sends; None on the replicas) into every member's optimizer, each sharded one's slice: a step
+    count of −1 says the primary has no state for that parameter yet (it never stepped)."""
+    fused = bool(member.optimizer.param_groups[0].get("fused"))
+    steps = torch.full((len(member.params),), -1.0, dtype=torch.float64, device=group.device)
+    if source is not None:
+        for j, p in enumerate(source.params):
+            state = source.optimizer.state.get(p)
             if state:
                 steps[j] = float(state["step"])
     group.broadcast([steps])
     moments: list[torch.Tensor] = []
-    for j, p in enumerate(inst.params):
+    whole: list[torch.Tensor] = []
+    for j, p in enumerate(member.params):
         if steps[j] < 0:
-            inst.optimizer.state.pop(p, None)
+            member.optimizer.state.pop(p, None)
             continue
-        state = inst.optimizer.state[p]
+        state = member.optimizer.state[p]
         if not state:
             step_device = p.device if fused else torch.device("cpu")
             state["step"] = torch.zeros((), dtype=torch.float32, device=step_device)
@@ -259,11 +316,58 @@ def _broadcast_optimizer(inst: Instance, group: Group) -> None:
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         state["step"].fill_(float(steps[j]))
         moments += [state["exp_avg"], state["exp_avg_sq"]]
-    group.broadcast(moments)
+        if source is not None:
+            held = source.optimizer.state[source.params[j]]
+            whole += [held["exp_avg"], held["exp_avg_sq"]]
+    if member.sharded_layers is None:
+        group.broadcast(moments)  # (the primary's are its own: sent in place)
+        return
+    from . import sharding
+
+    given = whole if source is not None else None
+    sharding.scatter(moments, given, rank=group.rank, size=group.size, broadcast=group.broadcast)
+    if source is not None:
+        # The whole moments wait in host memory until they are gathered again (`_gather`).
+        for p in source.params:
+            _to_host(source.optimizer.state.get(p, {}))
+
+
+def _gather(member: Member, group: Group, into: Instance | None, *, weights: bool, moments: bool) -> None:
+    """Every member's weights and/or AdamW moments whole, a tensor at a time, into the primary's
+    instance (`into`; None on the replicas, which take part in each gather and keep nothing): its
+    weights where they are, its moments in host memory."""
+    from . import sharding
+
+    with torch.no_grad():
+        for j, whole in enumerate(sharding.gather(member.params if weights else [])):
+            if into is not None:
+                into.params[j].copy_(whole)
+        if not moments:
+            return
+        for j, p in enumerate(member.params):
+            state = member.optimizer.state.get(p)
+            if not state:  # (the same on every member: each takes the same steps)
+                continue
+            exp_avg, exp_avg_sq = (
+                t.detach().to("cpu", copy=True)
+                for t in sharding.gather([state["exp_avg"], state["exp_avg_sq"]])
+            )
+            if into is not None:
+                into.optimizer.state[into.params[j]] = {
+                    "step": state["step"].detach().to("cpu", copy=True),
+                    "exp_avg": exp_avg,
+                    "exp_avg_sq": exp_avg_sq,
+                }
+
+
+def _to_host(state: dict[str, Any]) -> None:
+    for name, value in state.items():
+        if isinstance(value, torch.Tensor):
+            state[name] = value.to("cpu")
 
 
 def _step(
-    inst: Instance,
+    inst: Member,
     group: Group,
     *,
     micro: int,

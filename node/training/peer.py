@@ -109,7 +109,7 @@ class Peer:
         ]
         self._workers: dict[int, DeviceWorker] = {}
         # Instances trained data parallel over the devices no instance holds (`dataparallel`).
-        self.data_parallel = DataParallel()
+        self.data_parallel = DataParallel(sharded=cfg.shard_layers)
         # Checked before the model is built: a bad --precision fails in a second, not a minute.
         self.autocast_dtype = resolve_precision(cfg.precision, self.device)
         self.compiled = resolve_compile(cfg.compile, self.device)

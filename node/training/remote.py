@@ -447,10 +447,12 @@ class _Server:
         self.instances[key].leave()
 
     def op_create(self, key: int, sampler: TokenSampler, random_seed: int) -> None:
+        # (a replica whose layers are sharded holds a part of its model: never copied nor kept)
+        whole = [inst.model for inst in self.instances.values() if inst.sharded_layers is None]
         if self.spare is not None:
             model, self.spare = self.spare, None
-        elif self.instances:
-            model = copy.deepcopy(next(iter(self.instances.values())).model)
+        elif whole:
+            model = copy.deepcopy(whole[0])
         else:
             model = self._built()
         self.instances[key] = new_instance(
@@ -507,7 +509,7 @@ class _Server:
         inst = self.instances.pop(key, None)
         if inst is not None:
             inst.leave()
-            if self.spare is None and not self.compiled:
+            if self.spare is None and not self.compiled and inst.sharded_layers is None:
                 self.spare = inst.model  # what the next instance here trains (a replica, often)
 
 

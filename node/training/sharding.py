@@ -9,7 +9,7 @@ record 064 sums them: the node's fused loss head reads the head's weight outside
 forward pass, which a sharded root would not have gathered, and the layers are most of a large
 model (a 7B Llama: 6.5 of its 6.7 B parameters).
 
-What changes in a step (`parallel._step` with a sharded instance):
+What changes in a step (`parallel._step` with a sharded member):
 - the layers' gradients are reduce-scattered by FSDP2 inside the backward pass, summed, not
   averaged (`SummedReduceScatter`: each member's loss is weighted by its rows' share, as in record
   064, so the sum is the batch's mean gradient; FSDP2's own average would need gloo's pre-scaled
@@ -21,15 +21,18 @@ What changes in a step (`parallel._step` with a sharded instance):
   against the sum, held by other members), so a sharded instance takes the norm test;
 - the clip's norm is summed over the members' shards (float64) and the gradients scaled by hand.
 
-θ crosses into the shards and back a tensor at a time (`scatter`, `gather`): rank 0's whole tensor
-is broadcast and each member keeps its slice (FSDP2's: `torch.chunk` along the first dimension);
+A replica shards its own model (`shard`); the primary trains a sharded copy (`Trainer`) and keeps
+its instance's weights whole, for θ, Δ, merges and checkpoints. They cross into the shards and back
+a tensor at a time (`scatter`, `gather`, driven by `parallel`'s headers): rank 0's whole tensor is
+broadcast and each member keeps its slice (FSDP2's: `torch.chunk` along the first dimension);
 gathering forms each whole tensor on every member in turn.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -37,6 +40,10 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from torch.distributed.tensor import DTensor
+
+from ..model.loss import COMPILED_MARK
+from ..model.model import compile_layers
+from .instances import RunningSums, inner_optimizer, squared_norm
 
 if TYPE_CHECKING:
     from .instances import Instance
@@ -77,7 +84,7 @@ class SummedReduceScatter(ReduceScatter):
         async_op: bool = False,
     ) -> dist.Work | None:
         if self.measuring:
-            sq = torch.dot(input_tensor.double(), input_tensor.double())
+            sq = squared_norm(input_tensor)
             self.own_sq = sq if self.own_sq is None else self.own_sq + sq
         # (`op` is FSDP2's scaled sum for a divide factor of 1: the plain sum here, which gloo has)
         work: dist.Work | None = _REDUCE_SCATTER(
@@ -92,20 +99,63 @@ class SummedReduceScatter(ReduceScatter):
         return value
 
 
-def shard(inst: Instance) -> SummedReduceScatter:
-    """Shard `inst`'s decoder layers over the default process group (its data-parallel group,
+class Shardable(Protocol):
+    """What `shard` shards: a model whose parameter list and AdamW are rebuilt over its shards."""
+
+    model: nn.Module
+    params: list[torch.Tensor]
+    sharded_layers: SummedReduceScatter | None
+
+    def rebuild_optimizer(self) -> None: ...
+
+
+def shard(member: Shardable) -> None:
+    """Shard `member`'s decoder layers over the default process group (its data-parallel group,
     `parallel.Group` of a sharded spec) and rebuild its parameter list and AdamW over the new
-    parameters (`fully_shard` replaces them; the optimizer starts with no state, as a new replica's
-    does: the primary sends its moments before the next step). Returns the layers' reduce-scatter."""
+    parameters (`fully_shard` replaces them; the optimizer starts with no state: the primary sends
+    its moments before the next step). `member.sharded_layers` is then the layers' reduce-scatter."""
     comm = SummedReduceScatter()
-    for block in decoder_layers(inst.model):
+    layers = decoder_layers(member.model)
+    for block in layers:
         fully_shard(block)
         assert isinstance(block, FSDPModule)
         block.set_gradient_divide_factor(1.0)
         block.set_custom_reduce_scatter(comm)
-    inst.params = [p for p in inst.model.parameters() if p.requires_grad]
-    inst.rebuild_optimizer()
-    return comm
+    # The base model (what the fused head's loss calls) as FSDP2's root, holding none of the others'
+    # parameters: without one, every layer is a root of its own, and a root keeps its gathered
+    # weights from its forward pass to its backward (all the layers' whole weights, in every step).
+    base = getattr(member.model, "base_model", member.model)
+    in_layers = set(layers.parameters())
+    fully_shard(base, ignored_params={p for p in base.parameters() if p not in in_layers})
+    member.params = [p for p in member.model.parameters() if p.requires_grad]
+    member.sharded_layers = comm
+    member.rebuild_optimizer()
+
+
+class Trainer:
+    """What the primary of a sharded group trains: a copy of its instance's model with the layers
+    sharded, and its AdamW. The instance keeps its whole weights (θ is loaded into them and Δ read
+    out of them, as on one device), and its AdamW moments on the host: `parallel` scatters them into
+    the shards before a step where they changed and gathers them back at the round's end."""
+
+    def __init__(self, inst: Instance) -> None:
+        self.model = copy.deepcopy(inst.model)  # (a deep copy is not compiled: compiled again below)
+        self.inner = inst.inner
+        self.autocast_dtype = inst.autocast_dtype
+        self.passes = inst.passes
+        self.params: list[torch.Tensor] = []
+        self.sharded_layers: SummedReduceScatter | None = None
+        self.optimizer: torch.optim.Optimizer
+        shard(self)
+        if getattr(inst.model, COMPILED_MARK, False):
+            compile_layers(self.model)
+
+    @property
+    def device(self) -> torch.device:
+        return local(self.params[0]).device
+
+    def rebuild_optimizer(self) -> None:
+        self.optimizer = inner_optimizer(self.params, self.inner)
 
 
 def is_shard(tensor: torch.Tensor) -> bool:
@@ -159,42 +209,26 @@ def gather(params: Sequence[torch.Tensor]) -> Iterator[torch.Tensor]:
 class PassNorms:
     """Σ over a step's passes of ‖G_p‖² / w_p, with G_p what pass p adds to the gradient (its loss
     weighted by its rows' share w_p of the batch): one batch-test sample per pass, read as it forms,
-    the layers' in their reduce-scatter (`comm`), the other parameters' by a hook that reads each
-    pass's gradient and adds it into the step's (kept apart, so that a pass's own can be read)."""
+    the layers' in their reduce-scatter (`comm`), the other parameters' by hooks that move each
+    pass's gradient into the step's (`RunningSums`, as one device's norm test reads them)."""
 
     def __init__(self, params: Sequence[torch.Tensor], comm: SummedReduceScatter) -> None:
         self.comm = comm
-        self._plain = [p for p in params if not isinstance(p, DTensor)]
-        self._sums: list[torch.Tensor | None] = [None] * len(self._plain)
-        self._pass_sq = torch.zeros((), dtype=torch.float64, device=self._plain[0].device)
+        self._plain = [p for p in params if not is_shard(p)]
+        self._sums = RunningSums(len(self._plain), device=self._plain[0].device)
         self.total = 0.0
         self.passes = 0
         self._handles = [
-            p.register_post_accumulate_grad_hook(self._hook(k))  # type: ignore[no-untyped-call]
+            p.register_post_accumulate_grad_hook(self._sums.hook(k))  # type: ignore[no-untyped-call]
             for k, p in enumerate(self._plain)
         ]
         comm.measuring = True
         comm.take()
 
-    def _hook(self, k: int) -> Callable[[torch.Tensor], None]:
-        def read(param: torch.Tensor) -> None:
-            with torch.no_grad():
-                g = param.grad
-                assert g is not None
-                param.grad = None  # the next pass forms its own afresh
-                self._pass_sq += torch.sum(g.double() * g.double())
-                held = self._sums[k]
-                if held is None:
-                    self._sums[k] = g
-                else:
-                    held.add_(g)
-
-        return read
-
     def end_pass(self, weight: float) -> None:
         """After pass p's backward: add ‖G_p‖² / w_p."""
-        self.total += (self.comm.take() + float(self._pass_sq)) / weight
-        self._pass_sq.zero_()
+        self.total += (self.comm.take() + float(self._sums.sq_norms)) / weight
+        self._sums.sq_norms.zero_()
         self.passes += 1
 
     def finish(self) -> None:
@@ -202,9 +236,9 @@ class PassNorms:
         for handle in self._handles:
             handle.remove()
         self.comm.measuring = False
-        for p, total in zip(self._plain, self._sums, strict=True):
+        for p, total in zip(self._plain, self._sums.sums, strict=True):
             p.grad = total
-        self._sums = []
+        self._sums.sums = []
 
 
 def sq_norm(params: Sequence[torch.Tensor], *, all_reduce: Callable[[list[torch.Tensor]], Any]) -> float:
