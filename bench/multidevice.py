@@ -2,6 +2,7 @@
 
     python bench/multidevice.py [--rounds 3] [--out bench/results/multidevice_124m.json]
     python bench/multidevice.py --data-parallel [--rounds 3]   # bench/results/dataparallel_124m.json
+    python bench/multidevice.py --data-parallel --shard        # bench/results/dataparallel_sharded_124m.json
 
 Runs `adloco-node --offline` with the GPT-2 124M config and two MIT instances kept apart (no
 merge), seq 128, batch 2, 2 inner steps, in three ways:
@@ -20,7 +21,8 @@ the node and of its worker.
 With `--data-parallel`: one instance (batch 4), so that on `cpu,cpu` the worker's device holds a
 replica and each device trains two of every step's four rows, the gradients summed through gloo
 before the step (`training.parallel`). Its θ is one device's up to float rounding, not bit for bit
-(each step's rows are split between two matrix products).
+(each step's rows are split between two matrix products). With `--shard` also: the same two devices
+with the layers sharded over them (`--data-parallel shard`, record 084), and no two-thread run.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ RUNS = {
     "one device, 1 thread": ["--device", "cpu", "--threads", "1"],
     "two devices (cpu,cpu), 1 thread each": ["--device", "cpu,cpu", "--threads", "1"],
 }
+SHARDED = "two devices (cpu,cpu), 1 thread each, layers sharded"
 
 
 def _hwm(pid: int) -> int:
@@ -104,16 +107,22 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--data-parallel", action="store_true", help="one instance, a replica on cpu,cpu")
+    ap.add_argument("--shard", action="store_true", help="with --data-parallel: also the layers sharded")
     args = ap.parse_args()
     instances = 1 if args.data_parallel else 2
     out = args.out or (RESULTS.with_name("dataparallel_124m.json") if args.data_parallel else RESULTS)
+    runs_to_time = dict(RUNS)
+    if args.data_parallel and args.shard:
+        out = args.out or RESULTS.with_name("dataparallel_sharded_124m.json")
+        del runs_to_time["one device, 2 threads"]
+        runs_to_time[SHARDED] = [*RUNS["two devices (cpu,cpu), 1 thread each"], "--data-parallel", "shard"]
     with tempfile.TemporaryDirectory(prefix="adloco-multidevice-") as tmp:
         work = Path(tmp)
         config = work / "gpt2-124m.json"
         config.write_text(json.dumps(GPT2_124M))
         tokenizer = make_tokenizer(work)
         runs = {}
-        for name, flags in RUNS.items():
+        for name, flags in runs_to_time.items():
             runs[name] = run(
                 flags, config=config, tokenizer=tokenizer, rounds=args.rounds, cwd=work, instances=instances
             )

@@ -163,7 +163,7 @@ def _overlapped(peer: Peer, rounds: int) -> list[LocalRound]:
 @pytest.mark.parametrize("overlap", ["off", "mix"])
 @pytest.mark.parametrize("shard", [False, True], ids=["whole", "sharded"])
 def test_an_instance_trains_data_parallel_over_the_device_no_instance_holds(
-    corpus: Corpus, overlap: Literal["off", "mix"], shard: bool
+    corpus: Corpus, tmp_path: Path, overlap: Literal["off", "mix"], shard: bool
 ) -> None:
     """One instance on two devices: the worker's device holds a replica, each trains half of every
     batch's rows, and the gradients are summed before the step. θ is one device's up to float
@@ -172,11 +172,13 @@ def test_an_instance_trains_data_parallel_over_the_device_no_instance_holds(
     halves as its two samples, as one device takes its two chunks (the same statistics).
     `--data-parallel shard` (record 084): the replica's layers, like the primary's trainer's, are
     half of the model's; the primary's whole weights are gathered at each round's end (and before
-    a mid-round shift, then scattered again), and its AdamW moments, gathered into host memory, are
-    one device's to rounding."""
+    a mid-round shift, then scattered again), and its AdamW moments, gathered into files mapped
+    beside the state the node keeps on disk, are one device's to rounding."""
     cfg = replace(CFG, instances=1, overlap=overlap, model="tiny-llama")
     one = _peer(corpus, cfg)
     two = _peer(corpus, replace(cfg, device="cpu,cpu", shard_layers=shard))
+    if shard:
+        two.keep_state_on_disk(str(tmp_path))
     try:
         assert [group.devices for group in two.data_parallel.groups] == [(1,)]
         if overlap == "off":
@@ -200,7 +202,9 @@ def test_an_instance_trains_data_parallel_over_the_device_no_instance_holds(
             assert _replicas_match_their_primaries(two) == 1
             return
         (primary,) = two.local_instances
-        assert primary.trainer is not None
+        assert primary.trainer is not None and primary._moment_files is not None
+        mapped = {t.data_ptr() for t in primary._moment_files[0][0]}
+        assert all(primary.optimizer.state[p]["exp_avg"].data_ptr() in mapped for p in primary.params)
         held = sum(sharding.local(p).numel() for p in primary.trainer.params)
         assert held < 0.8 * sum(p.numel() for p in primary.params)
         (ours_,), (theirs_,) = one.state_dict()["instances"], two.state_dict()["instances"]

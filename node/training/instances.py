@@ -178,6 +178,10 @@ class Instance:
         self.sharded_layers: SummedReduceScatter | None = None
         self.trainer: Trainer | None = None
         self._behind: set[str] = set()
+        # Where a sharded primary's gathered moments wait (`keep_moments`): (exp_avg's, exp_avg_sq's).
+        self._moment_files: tuple[tuple[list[torch.Tensor], Callable[[int, int, int], None]], ...] | None = (
+            None
+        )
 
     @property
     def device(self) -> torch.device:
@@ -244,6 +248,40 @@ class Instance:
         if self.group is None or self.group.rank == 0:
             raise RuntimeError("serve_round: this instance is no replica")
         parallel.serve_round(self, self.group)
+
+    def keep_moments(self, j: int, step: float, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
+        """A sharded primary's AdamW moments of parameter j, gathered whole from the shards
+        (`parallel`), kept until they are scattered again: in files mapped beside θ's where the node
+        keeps its state on disk (`delta_files`), their pages handed back once written, else in host
+        memory. Its own AdamW never steps meanwhile: its trainer's does."""
+        if self._moment_files is None and self.delta_files is not None:
+            try:
+                self._moment_files = (self.delta_files(self.params), self.delta_files(self.params))
+            except OSError as e:
+                logger.warning("the sharded instance's AdamW moments stay in memory: %s", e)
+        p = self.params[j]
+        state: dict[str, Any] = {"step": torch.tensor(step, dtype=torch.float32)}
+        for k, (name, whole) in enumerate((("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq))):
+            if self._moment_files is None:
+                state[name] = whole.detach().to("cpu", copy=True)
+                continue
+            tensors, hand_back = self._moment_files[k]
+            tensors[j].copy_(whole)
+            hand_back(j, 0, tensors[j].numel())
+            state[name] = tensors[j]
+        self.optimizer.state[p] = state
+
+    def keep_moments_on_host(self) -> None:
+        """After a sharded primary's moments were scattered into the shards: the whole ones go to
+        host memory (from the device, where a state loaded put them), or their mapped pages back."""
+        for j, p in enumerate(self.params):
+            state = self.optimizer.state.get(p, {})
+            for name, value in state.items():
+                if isinstance(value, torch.Tensor) and value.device.type != "cpu":
+                    state[name] = value.to("cpu")
+            if self._moment_files is not None:
+                for _tensors, hand_back in self._moment_files:
+                    hand_back(j, 0, p.numel())
 
     def _catch_up(self, *what: str) -> None:
         """A sharded primary's whole weights and/or moments (`what`), where its trainer's are ahead:

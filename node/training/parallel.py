@@ -327,9 +327,7 @@ def _broadcast_optimizer(member: Member, group: Group, source: Instance | None) 
     given = whole if source is not None else None
     sharding.scatter(moments, given, rank=group.rank, size=group.size, broadcast=group.broadcast)
     if source is not None:
-        # The whole moments wait in host memory until they are gathered again (`_gather`).
-        for p in source.params:
-            _to_host(source.optimizer.state.get(p, {}))
+        source.keep_moments_on_host()  # (until they are gathered again: `_gather`)
 
 
 def _gather(member: Member, group: Group, into: Instance | None, *, weights: bool, moments: bool) -> None:
@@ -348,22 +346,9 @@ def _gather(member: Member, group: Group, into: Instance | None, *, weights: boo
             state = member.optimizer.state.get(p)
             if not state:  # (the same on every member: each takes the same steps)
                 continue
-            exp_avg, exp_avg_sq = (
-                t.detach().to("cpu", copy=True)
-                for t in sharding.gather([state["exp_avg"], state["exp_avg_sq"]])
-            )
+            exp_avg, exp_avg_sq = sharding.gather([state["exp_avg"], state["exp_avg_sq"]])
             if into is not None:
-                into.optimizer.state[into.params[j]] = {
-                    "step": state["step"].detach().to("cpu", copy=True),
-                    "exp_avg": exp_avg,
-                    "exp_avg_sq": exp_avg_sq,
-                }
-
-
-def _to_host(state: dict[str, Any]) -> None:
-    for name, value in state.items():
-        if isinstance(value, torch.Tensor):
-            state[name] = value.to("cpu")
+                into.keep_moments(j, float(state["step"]), exp_avg, exp_avg_sq)
 
 
 def _step(

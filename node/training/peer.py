@@ -232,6 +232,7 @@ class Peer:
                 random_seed=0,  # (its own stream comes with its state)
             )
             here.load_state_dict(state)
+            here.delta_files = self._delta_files()
             moved.close()
             self.instances[0] = here
         held = [self._device_of(inst) for inst in self.instances]
