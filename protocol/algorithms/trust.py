@@ -184,7 +184,7 @@ class WorkLedger:
                 rounds.append(at)
                 rounds.sort()
             self._since[peer] = min(self._since.get(peer, at), at)
-            if self._rounds - self._since[peer] + 1 >= self.bar:
+            if self._spans(peer):
                 self._spanned.add(peer)
 
     def _expire(self) -> None:
@@ -199,7 +199,11 @@ class WorkLedger:
                 self._founders.discard(peer)
         if self.bar > WORK_MIN_ROUNDS and self._rounds - self._raised_at >= MAX_BAR:
             self.bar, self._raised_at = max(WORK_MIN_ROUNDS, self.bar // BAR_GROWTH), self._rounds
-        self._spanned |= {p for p, since in self._since.items() if self._rounds - since + 1 >= self.bar}
+        self._spanned |= {p for p in self._since if self._spans(p)}
+
+    def _spans(self, peer: str) -> bool:
+        """`peer`'s record spans the bar: its first counted round is `bar` rounds back or more."""
+        return self._rounds - self._since[peer] + 1 >= self.bar
 
     def found(self) -> None:
         """This peer's only round so far was a fresh swarm's (every member owned): the peers whose work

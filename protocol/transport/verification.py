@@ -158,7 +158,7 @@ async def verify_round(
     group = state.group
     commitments = check_statements(answers, layout=layout, own=own, settings=settings)
     state.commitments = commitments  # the weights the members' work is counted by (`trust`)
-    statements = {slot: a.statement for slot, a in answers.items() if a.statement is not None}
+    statements = _statements(answers)
     reducers = sorted(statements)  # the owners' slots, in the order every member sees them
     reveal = Reveal.make(
         signer,
@@ -504,9 +504,14 @@ def check_late_reveal(state: RoundState, peer: str) -> bool:
     revealed = state.mail.reveals.get(peer)
     if revealed is None:
         return False
-    statements = {slot: a.statement for slot, a in state.answers.items() if a.statement is not None}
+    statements = _statements(state.answers)
     _check_reveal(revealed, state.commitments, statements, state)
     return True
+
+
+def _statements(answers: Mapping[str, Answer]) -> dict[str, AnswerStatement]:
+    """The owners' signed statements among `answers`, by slot (none for an answer made in process)."""
+    return {slot: a.statement for slot, a in answers.items() if a.statement is not None}
 
 
 def _check_reveal(
