@@ -967,6 +967,37 @@ def test_a_mapped_theta_and_momentum_are_held_a_span_at_a_time_by_a_round_s_star
     assert all(torch.equal(x, y) for x, y in zip(a.state.momentum, twin.state.momentum, strict=True))
 
 
+def test_theta_s_hash_reads_a_mapped_theta_a_span_at_a_time(
+    corpus: Corpus, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """θ's hash (published every round, written with every checkpoint) reads a mapped θ a span at a
+    time, its pages handed back after each: never more than a span's held (GPT-2's embedding would
+    hold 154 MB), and the digest of the tensors read whole."""
+    import mmap
+
+    from adloco.node.training import peer as peer_module
+
+    span = mmap.PAGESIZE // 4  # float32 values: a page
+    monkeypatch.setattr(peer_module, "_SPAN", span)
+    a = _peer(corpus, cfg=replace(CFG, instances=1))
+    whole = a.state.theta_hash()
+    a.keep_state_on_disk(str(tmp_path))
+    bound = 2 * mmap.PAGESIZE + (64 << 10)  # a span over 2 pages at most, and the fault-around
+    assert max(t.numel() * t.element_size() for t in a.state.theta) > bound
+    release = a.release_state
+    held: list[int] = []
+
+    def spying(index: int | None = None, start: int = 0, stop: int | None = None) -> None:
+        if index is not None and stop is not None:
+            held.append(resident_bytes(a.state.theta[index]))
+        release(index, start, stop)
+
+    a.release_state = spying  # type: ignore[method-assign]
+    assert a.theta_hash() == whole
+    assert len(held) == sum(-(-t.numel() // span) for t in a.state.theta)
+    assert max(held) <= bound, max(held)
+
+
 def test_a_round_contributed_late_waits_in_mapped_files_while_the_node_catches_up(
     corpus: Corpus, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
