@@ -70,7 +70,7 @@ class GroupSpec:
     rank: int
     size: int
     # The members shard the instance's decoder layers (`sharding`, FSDP2) instead of each holding
-    # the whole model: the group is then the process's default one, which FSDP2 needs.
+    # the whole model: the layers' collectives then run in the process's default group.
     sharded: bool = False
 
 
@@ -93,6 +93,8 @@ class Group:
         prefixed = PrefixStore(spec.name, store)
         self._pg: Any  # gloo's or NCCL's backend: the same broadcast and allreduce
         self.sharded = spec.sharded
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
         if spec.sharded:
             # FSDP2 takes only a registered group: a process is in one group at most (a device's
             # process holds one primary or one replica, record 064), so its collectives run in the
@@ -102,14 +104,11 @@ class Group:
             if dist.is_initialized():
                 raise RuntimeError("a sharded group: this process is in one already")
             backend = "nccl" if device.type == "cuda" else "gloo"
-            if device.type == "cuda":
-                torch.cuda.set_device(device)
             layers = PrefixStore("layers/", prefixed)
             dist.init_process_group(
                 backend, store=layers, rank=spec.rank, world_size=spec.size, timeout=TIMEOUT
             )
         if device.type == "cuda":
-            torch.cuda.set_device(device)
             # (only CUDA builds of torch have NCCL's process group)
             from torch._C import _distributed_c10d as c10d
 
