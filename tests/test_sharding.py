@@ -5,7 +5,9 @@ two real processes over gloo on this CPU, against record 064's replicated step a
 from __future__ import annotations
 
 import json
+import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +17,7 @@ import torch.multiprocessing
 from torch._C._distributed_c10d import TCPStore
 
 from adloco.node.data.sampling import TokenSampler
+from adloco.node.model.devices import is_sharded
 from adloco.node.model.model import build_model
 from adloco.node.training import parallel, sharding
 from adloco.node.training.instances import InnerConfig, Instance
@@ -90,7 +93,7 @@ def _member(rank: int, port: int, spec: str, plans: list[BatchPlan], grad_clip: 
             assert inst.trainer is not None
             member = inst.trainer
         assert member.sharded_layers is not None
-        result["sharded_count"] = sum(1 for p in member.params if sharding.is_shard(p))
+        result["sharded_count"] = sum(1 for p in member.params if is_sharded(p))
         result["local_values"] = sum(sharding.local(p).numel() for p in member.params)
         result["sharded"] = _steps(member, group, plans, inst.sampler)
         result["sharded_params"] = [t.clone() for t in sharding.gather(member.params)]
@@ -113,12 +116,15 @@ def _member(rank: int, port: int, spec: str, plans: list[BatchPlan], grad_clip: 
 
 
 def _run(tmp_path: Path, spec: str, plans: list[BatchPlan], *, grad_clip: float) -> list[dict[str, Any]]:
+    return _spawn(tmp_path, _member, spec, plans, grad_clip)
+
+
+def _spawn(tmp_path: Path, target: Callable[..., None], *args: Any) -> list[dict[str, Any]]:
+    """Two members, `target(rank, port, *args, out)` each in a process of its own; what they saved."""
     store = TCPStore("127.0.0.1", 0, None, True, timeout=parallel.TIMEOUT, wait_for_workers=False)
     out = str(tmp_path / "member")
     ctx = torch.multiprocessing.get_context("spawn")
-    members = [
-        ctx.Process(target=_member, args=(rank, store.port, spec, plans, grad_clip, out)) for rank in range(2)
-    ]
+    members = [ctx.Process(target=target, args=(rank, store.port, *args, out)) for rank in range(2)]
     try:
         for m in members:
             m.start()
@@ -191,3 +197,58 @@ def test_sharded_layers_take_a_sample_per_pass_as_one_device_takes_one_per_micro
     # the whole step's difference is measured against the step, not each value's).
     for a, b, s in zip(members[0]["sharded_params"], alone.params, start, strict=True):
         assert float((a - b.detach()).norm()) <= 1e-4 * float((b.detach() - s).norm())
+
+
+def _failing_member(rank: int, port: int, fails: int, out: str) -> None:
+    """Three sharded steps, then a fourth in which member `fails` raises inside its last layer's
+    forward pass and lives on, still holding its sharded model (`member`), so that the layers' group
+    stays open (a node drops its trainer, `sharding.release`: tests/test_multidevice.py), while the
+    other waits in FSDP2's collectives: the other records how long it waited and what ended it."""
+    try:
+        torch.set_num_threads(1)
+        parallel.FLOOR_S = 3.0  # (a tiny model's steps take tens of ms here: the floor sets the bound)
+        inst = _instance("tiny-llama", grad_clip=0.0)
+        inst.join(parallel.GroupSpec(port, "failing/", rank, 2, sharded=True))
+        assert inst.group is not None
+        member: parallel.Member = inst.trainer if rank == 0 and inst.trainer is not None else inst
+        plan = [BatchPlan(micro=2, accum=2)]
+        for _ in range(3):
+            _steps(member, inst.group, plan, inst.sampler)
+        if rank == fails:
+
+            def fail(*_: Any) -> None:
+                raise RuntimeError("injected: out of memory")
+
+            sharding.decoder_layers(member.model)[-1].register_forward_hook(fail)
+        start = time.perf_counter()
+        try:
+            _steps(member, inst.group, plan, inst.sampler)
+            result: dict[str, Any] = {"error": None}
+        except RuntimeError as e:
+            result = {"error": str(e)}
+        result["waited_s"] = time.perf_counter() - start
+        if rank == fails:
+            inst.leave()  # (what a failed round does; `member` keeps the layers' group open)
+            other = Path(f"{out}.{1 - rank}")
+            deadline = time.monotonic() + 200
+            while not other.exists() and time.monotonic() < deadline:
+                time.sleep(0.2)
+        torch.save(result, f"{out}.{rank}.part")
+        Path(f"{out}.{rank}.part").rename(f"{out}.{rank}")
+    except BaseException:
+        Path(f"{out}.{rank}.err").write_text(traceback.format_exc())
+        raise
+
+
+@pytest.mark.parametrize("fails", [0, 1], ids=["the-primary-fails", "the-replica-fails"])
+def test_a_member_failing_inside_a_sharded_step_lets_the_other_go_in_its_measured_time(
+    tmp_path: Path, fails: int
+) -> None:
+    """A member raising in the middle of a step's forward pass and living on with its sharded model:
+    the other, waiting in one of FSDP2's collectives, is let go by the timeout measured on the earlier
+    steps (10 × the step, at least the floor: 3 s here), not the group's 30 minutes; its step raises."""
+    members = _spawn(tmp_path, _failing_member, fails)
+    failed, other = members[fails], members[1 - fails]
+    assert failed["error"] == "injected: out of memory"
+    assert other["error"] is not None and "timed out" in other["error"].lower()
+    assert 3.0 <= other["waited_s"] < 60.0

@@ -207,9 +207,10 @@ def autocast(device: torch.device, dtype: torch.dtype | None) -> AbstractContext
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
-def _is_dtensor(tensor: torch.Tensor) -> bool:
-    """A tensor sharded over a group; without importing DTensor's module (a third of a second) where
-    nothing has: then there is none."""
+def is_sharded(tensor: torch.Tensor) -> bool:
+    """A tensor sharded over a group (a layer's parameter or its gradient, `training.sharding`), not
+    held whole; asked without importing DTensor's module (a third of a second) where nothing has:
+    then there is none."""
     module = sys.modules.get("torch.distributed.tensor")
     return module is not None and isinstance(tensor, module.DTensor)
 
@@ -223,10 +224,10 @@ def adamw(params: Sequence[torch.Tensor], **options: Any) -> torch.optim.AdamW:
     bit-identical between peers: only θ does.
     """
     fused = {p.device.type for p in params} in ({"cpu"}, {"cuda"})
-    sharded = [p for p in params if _is_dtensor(p)]
+    sharded = [p for p in params if is_sharded(p)]
     if not sharded or len(sharded) == len(params):
         return torch.optim.AdamW(params, fused=fused or None, **options)
     # The fused kernel takes a group's tensors in one call, which must all be sharded or none: the
     # layers sharded over a group (`training.sharding`) in one, the others in another.
-    groups = [{"params": sharded}, {"params": [p for p in params if not _is_dtensor(p)]}]
+    groups = [{"params": sharded}, {"params": [p for p in params if not is_sharded(p)]}]
     return torch.optim.AdamW(groups, fused=fused or None, **options)

@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from ...protocol.algorithms.batchtest import GradStats, stats_from_sums
+from ...protocol.algorithms.codecs import span_bounds
 from ...protocol.algorithms.merge import merge_weighted
 from ...protocol.algorithms.pseudograd import PseudoGradient
 from ...protocol.algorithms.switch import BatchPlan
@@ -59,10 +60,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-DeltaFiles = Callable[[list[torch.Tensor]], tuple[list[torch.Tensor], Callable[[int, int, int], None]]]
-"""Where a Δ computed whole goes (`Instance.delta_files`): given tensors like it, the tensors to
-compute it into (mapped from files) and what hands the pages of values `start` to `stop` of tensor
-j back (`PseudoGradient.materialize`'s `hand_back`)."""
+Files = tuple[list[torch.Tensor], Callable[[int, int, int], None]]
+"""Tensors mapped from files and what hands the pages of values `start` to `stop` of tensor j back
+(`PseudoGradient.materialize`'s `hand_back`)."""
+DeltaFiles = Callable[[list[torch.Tensor]], Files]
+"""Where a Δ computed whole goes (`Instance.delta_files`): given tensors like it, the `Files` to
+compute it into."""
 
 BatchStats = Literal["sums", "full", "none"]
 # Values of a θ tensor copied at a time when its reader hands its pages back as it goes (`load`).
@@ -179,9 +182,7 @@ class Instance:
         self.trainer: Trainer | None = None
         self._behind: set[str] = set()
         # Where a sharded primary's gathered moments wait (`keep_moments`): (exp_avg's, exp_avg_sq's).
-        self._moment_files: tuple[tuple[list[torch.Tensor], Callable[[int, int, int], None]], ...] | None = (
-            None
-        )
+        self._moment_files: tuple[Files, Files] | None = None
 
     @property
     def device(self) -> torch.device:
@@ -319,8 +320,7 @@ class Instance:
         else:
             for j, (p, t) in enumerate(zip(self.params, theta, strict=True)):
                 flat_p, flat_t = p.view(-1), t.reshape(-1)
-                for at in range(0, t.numel(), LOAD_SPAN):
-                    stop = min(at + LOAD_SPAN, t.numel())
+                for at, stop in span_bounds(t.numel(), LOAD_SPAN):
                     flat_p[at:stop].copy_(flat_t[at:stop], non_blocking=self.placement.pin)
                     on_read(j, at, stop)
             self.placement.synchronize()
@@ -410,8 +410,7 @@ class Instance:
             span = LOAD_SPAN if on_read is not None else max(whole_t.numel(), 1)
             flat_p, flat_t = whole_p.view(-1), whole_t.reshape(-1)
             flat_start = self.start[j].view(-1) if own else flat_t  # (not own: the start is θ)
-            for at in range(0, whole_t.numel(), span):
-                stop = min(at + span, whole_t.numel())
+            for at, stop in span_bounds(whole_t.numel(), span):
                 p, t = flat_p[at:stop], flat_t[at:stop]
                 if mode == "rebase":
                     p.add_((t - flat_start[at:stop]).to(p.device))

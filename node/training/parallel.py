@@ -27,6 +27,7 @@ told anything else: `serve_round` runs until the primary says the round ended.
 from __future__ import annotations
 
 import datetime
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol
@@ -34,10 +35,11 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import BroadcastOptions, PrefixStore, ProcessGroupGloo, TCPStore
+from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from ...protocol.algorithms.batchtest import GradStats, stats_from_sums
-from ..model.devices import autocast
-from ..model.loss import causal_lm_loss
+from ..model.devices import autocast, is_sharded
+from ..model.loss import COMPILED_MARK, causal_lm_loss
 
 if TYPE_CHECKING:
     from collections import Counter
@@ -59,6 +61,13 @@ BUCKET = 1 << 24
 # (an update landing, θ evaluated) and through the rounds of the node's other instances before its
 # own begins. A dead member is noticed at once (its connections close); only a hung one waits this.
 TIMEOUT = datetime.timedelta(minutes=30)
+# The layers' collectives of a sharded group (FSDP2's, inside a step or a gather) wait for the others
+# at most SLACK times what the operation takes at the rate measured on earlier ones, and never less
+# than FLOOR_S (a scheduler's or a collector's pause): a member that failed inside one (an
+# out-of-memory error in its forward pass) then lets the others go in about ten steps' time, not
+# TIMEOUT (`Group.layers_timed`).
+SLACK = 10.0
+FLOOR_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -117,6 +126,39 @@ class Group:
         else:
             self._pg = ProcessGroupGloo(prefixed, spec.rank, spec.size, TIMEOUT)
         self._store = store
+        # Seconds per unit of each operation with the layers' collectives, the slowest measured
+        # (`layers_timed`), and the shapes of the passes the group's steps have run.
+        self._rate: dict[int, float] = {}
+        self._limit = TIMEOUT
+        self.shapes: set[tuple[int, int]] = set()
+
+    def layers_timed(self, kind: int, units: int, *, fresh: bool = False) -> Callable[[], None]:
+        """Start an operation with the layers' collectives (`kind`: a step or a gather; `units`: its
+        size, the same on every member: a step's tokens) under a timeout from the rate measured on
+        earlier ones: SLACK × rate × units, FLOOR_S at least; TIMEOUT where none was measured yet, or
+        where the operation is `fresh` (it may compile: a group's first step, a compiled model's pass
+        of a new shape). Returns what to call once it has ended: it measures the rate (not where
+        `fresh`, nor where the operation raised). A member waits in one of the collectives at most for
+        another's whole operation, and a member that raised inside one and lives on (its
+        connections stay open: FSDP2's meshes hold the default group) leaves the others waiting until
+        the timeout. On gloo the waiting member's collective then raises; NCCL's watchdog ends its
+        process instead (a replica's worker: a lost device, `remote`)."""
+        if not self.sharded:
+            return lambda: None
+        rate = self._rate.get(kind)
+        limit = TIMEOUT
+        if rate is not None and not fresh:
+            limit = min(TIMEOUT, datetime.timedelta(seconds=max(SLACK * rate * units, FLOOR_S)))
+        if limit != self._limit:
+            _set_pg_timeout(limit)
+            self._limit = limit
+        start = time.perf_counter()
+
+        def ended() -> None:
+            if not fresh:
+                self._rate[kind] = max(rate or 0.0, (time.perf_counter() - start) / units)
+
+        return ended
 
     def header(self, fields: Sequence[int] = ()) -> list[int]:
         """The primary's header (rank 0 gives its fields), as every member receives it."""
@@ -335,19 +377,20 @@ def _gather(member: Member, group: Group, into: Instance | None, *, weights: boo
     weights where they are, its moments in host memory."""
     from . import sharding
 
+    # (its size in whole-model values gathered: the weights once, the moments twice)
+    ended = group.layers_timed(_GATHER, int(weights) + 2 * int(moments))
     with torch.no_grad():
         for j, whole in enumerate(sharding.gather(member.params if weights else [])):
             if into is not None:
                 into.params[j].copy_(whole)
-        if not moments:
-            return
-        for j, p in enumerate(member.params):
+        for j, p in enumerate(member.params if moments else []):
             state = member.optimizer.state.get(p)
             if not state:  # (the same on every member: each takes the same steps)
                 continue
             exp_avg, exp_avg_sq = sharding.gather([state["exp_avg"], state["exp_avg_sq"]])
             if into is not None:
                 into.keep_moments(j, float(state["step"]), exp_avg, exp_avg_sq)
+    ended()
 
 
 def _step(
@@ -367,6 +410,16 @@ def _step(
     and, when `stats` asks, the batch test's statistics: one sample per member that trained, or with
     sharded layers (`sharding`) one per pass."""
     rows = micro * accum
+    lockstep = inst.sharded_layers is not None
+    shapes = {
+        (last - first, cols)
+        for rank in range(group.size)
+        for first, last in _passes(rows, micro, rank, group.size, lockstep=lockstep)
+    }
+    # (a group's first step initializes FSDP2 and may compile; a compiled model recompiles for a new
+    # pass shape, once, on every member: neither is measured nor bounded by a rate)
+    fresh = not group.shapes or (getattr(inst.model, COMPILED_MARK, False) and not shapes <= group.shapes)
+    ended = group.layers_timed(_STEP, rows * cols, fresh=fresh)
     if draw is not None:
         batch = torch.cat([draw(micro) for _ in range(accum)]).to(group.device)
     else:
@@ -412,7 +465,7 @@ def _step(
         own_sq = norms.total
     elif gather and hi > lo:
         own_sq = _sq_norm(grads) / weight
-    summed = grads if comm is None else [g for g in grads if not sharding.is_shard(g)]
+    summed = grads if comm is None else [g for g in grads if not is_sharded(g)]
     with torch.no_grad():
         own_inner = group.all_reduce(summed, inner_with_own=stats == "full")
     # What every member needs: the loss, Σ_r w_r·||g_r||², how many samples, ⟨g_r, ḡ⟩ of each.
@@ -452,6 +505,8 @@ def _step(
         else:
             torch.nn.utils.clip_grad_norm_(inst.params, inst.inner.grad_clip)
     inst.optimizer.step()
+    ended()
+    group.shapes |= shapes
     return scalars[0].float().to(inst.device), step_stats
 
 

@@ -43,7 +43,15 @@ from ...protocol.algorithms.adaptive import choose_codec, predicted_wire_bytes
 from ...protocol.algorithms.allreduce import Contribution, GroupResult
 from ...protocol.algorithms.batchtest import pool_stats
 from ...protocol.algorithms.claims import ClaimBounds, reference_tokens
-from ...protocol.algorithms.codecs import SPAN, Codec, decoded_spans, make_codec, payload_shape, sum_count
+from ...protocol.algorithms.codecs import (
+    SPAN,
+    Codec,
+    decoded_spans,
+    make_codec,
+    payload_shape,
+    span_bounds,
+    sum_count,
+)
 from ...protocol.algorithms.downlink import OwnerFeedback, make_downlink
 from ...protocol.algorithms.feedback import RESIDUAL_DTYPES, ErrorFeedback
 from ...protocol.algorithms.heloco import Correction, dylu_inner_steps, staleness_weight
@@ -837,8 +845,7 @@ class Peer:
     def _theta_spans(self, i: int, theta: torch.Tensor) -> Iterator[torch.Tensor]:
         """θ's tensor i flat, a span at a time, each handed back once the next is asked for."""
         flat = theta.detach().reshape(-1)
-        for at in range(0, flat.numel(), _SPAN):
-            stop = min(at + _SPAN, flat.numel())
+        for at, stop in span_bounds(flat.numel(), _SPAN):
             yield flat[at:stop]
             self.release_state(i, at, stop)
 
@@ -909,8 +916,7 @@ class Peer:
         a time: each span of θ and m copied, stepped by every round's span of Δ there, and handed
         back (elementwise steps: the bits of the whole tensor's)."""
         flat_theta, flat_momentum = theta.detach().reshape(-1), momentum.detach().reshape(-1)
-        for at in range(0, flat_theta.numel(), _SPAN):
-            stop = min(at + _SPAN, flat_theta.numel())
+        for at, stop in span_bounds(flat_theta.numel(), _SPAN):
             t, m = flat_theta[at:stop].clone(), flat_momentum[at:stop].clone()
             for round_, spans in deltas:
                 delta = next(spans).to(self.placement.state)

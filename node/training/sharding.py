@@ -41,6 +41,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from torch.distributed.tensor import DTensor
 
+from ..model.devices import is_sharded
 from ..model.loss import COMPILED_MARK
 from ..model.model import compile_layers
 from .instances import RunningSums, inner_optimizer, squared_norm
@@ -158,11 +159,6 @@ class Trainer:
         self.optimizer = inner_optimizer(self.params, self.inner)
 
 
-def is_shard(tensor: torch.Tensor) -> bool:
-    """A tensor sharded over the group (a layer's parameter or its gradient), not held whole."""
-    return isinstance(tensor, DTensor)
-
-
 def local(tensor: torch.Tensor) -> torch.Tensor:
     """What this member holds of `tensor`: its shard, or the whole tensor where it is not sharded."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
@@ -214,7 +210,7 @@ class PassNorms:
 
     def __init__(self, params: Sequence[torch.Tensor], comm: SummedReduceScatter) -> None:
         self.comm = comm
-        self._plain = [p for p in params if not is_shard(p)]
+        self._plain = [p for p in params if not is_sharded(p)]
         self._sums = RunningSums(len(self._plain), device=self._plain[0].device)
         self.total = 0.0
         self.passes = 0
@@ -251,7 +247,7 @@ def sq_norm(params: Sequence[torch.Tensor], *, all_reduce: Callable[[list[torch.
         if p.grad is None:
             continue
         held = local(p.grad).double()
-        if is_shard(p.grad):
+        if is_sharded(p.grad):
             shards += torch.sum(held * held)
         else:
             plain += torch.sum(held * held)

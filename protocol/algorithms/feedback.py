@@ -24,7 +24,7 @@ from typing import Protocol
 
 import torch
 
-from .codecs import SPAN, Codec, decode, decoded_spans, to_cpu_float
+from .codecs import Codec, decode, decoded_spans, span_bounds, to_cpu_float
 
 logger = logging.getLogger(__name__)
 
@@ -231,15 +231,16 @@ class ErrorFeedback:
         embedding's 154 MB at GPT-2 124M; issue 28 §2)."""
         flat, n = delta.reshape(-1), delta.numel()
 
-        def error(start: int) -> torch.Tensor:
-            stop = min(start + SPAN, n)
+        def error(start: int, stop: int) -> torch.Tensor:
             e = residual.values(start, stop)
             return (e.mul_(self.decay) if self.decay != 1.0 else e).add_(flat[start:stop])
 
-        payload = codec.encode_spans(key, tuple(delta.shape), (error(start) for start in range(0, n, SPAN)))
-        for start, sent in zip(range(0, n, SPAN), decoded_spans(payload), strict=True):
+        payload = codec.encode_spans(key, tuple(delta.shape), (error(*s) for s in span_bounds(n)))
+        for (start, stop), sent in zip(span_bounds(n), decoded_spans(payload), strict=True):
             # A non-finite round is rejected downstream; keeping its NaN would poison every later one.
-            residual.store(error(start).sub_(sent).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0), at=start)
+            residual.store(
+                error(start, stop).sub_(sent).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0), at=start
+            )
         return payload
 
     def _kept(self, error: torch.Tensor) -> torch.Tensor | Int8Residual:

@@ -17,6 +17,8 @@ from typing import overload
 import torch
 from torch import Tensor
 
+from .codecs import span_bounds
+
 __all__ = ["PseudoGradient", "flat_norm", "pseudo_gradient", "tensors_hash", "weighted_mean"]
 
 
@@ -84,8 +86,7 @@ class PseudoGradient(Sequence[Tensor]):
             for j in range(self._len):
                 s, e = (side.reshape(-1) for side in self._sides(j))
                 out = values[j].view(-1)
-                for at in range(0, out.numel(), MATERIALIZE_SPAN):
-                    stop = min(at + MATERIALIZE_SPAN, out.numel())
+                for at, stop in span_bounds(out.numel(), MATERIALIZE_SPAN):
                     with torch.no_grad():
                         torch.sub(s[at:stop], e[at:stop], out=out[at:stop])
                     if hand_back is not None:

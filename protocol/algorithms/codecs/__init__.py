@@ -57,7 +57,7 @@ from .decoding import (
     payload_shape,
 )
 from .dense import Fp16Codec, Int4Codec, Int8Codec, NoneCodec
-from .frame import DEFAULT_BLOCK_SIZE, MAGIC, SPAN, VERSION, Codec, to_cpu_float
+from .frame import DEFAULT_BLOCK_SIZE, MAGIC, SPAN, VERSION, Codec, span_bounds, to_cpu_float
 from .lowrank import LowRankCodec, low_rank_product
 from .sparse import _MAX_SPARSE_CHUNK, SparseCodec
 from .sums import sum_count, sum_parts, sum_payload, sum_payload_bytes
@@ -85,6 +85,7 @@ __all__ = [
     "make_codec",
     "payload_codec",
     "payload_shape",
+    "span_bounds",
     "sum_count",
     "sum_parts",
     "sum_payload",

@@ -27,6 +27,7 @@ from .frame import (
     _read,
     _read_header,
     _read_u32,
+    span_bounds,
 )
 from .sums import _SINGLE_READERS, _read_sum
 
@@ -61,8 +62,7 @@ def decoded_spans(payload: bytes, span: int = SPAN) -> Iterator[torch.Tensor]:
 
     def spans() -> Iterator[torch.Tensor]:
         whole = build().reshape(-1) if read is None else None
-        for start in range(0, numel, span):
-            stop = min(start + span, numel)
+        for start, stop in span_bounds(numel, span):
             if read is not None:
                 yield read(start, stop)
             elif whole is not None:

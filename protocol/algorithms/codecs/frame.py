@@ -154,11 +154,15 @@ def _step(block: int) -> int:
     return block * 2 * max(1, _STEP // (2 * block))
 
 
+def span_bounds(numel: int, span: int = SPAN) -> Iterator[tuple[int, int]]:
+    """[start, stop) ranges covering `numel` values, `span` at a time (the last one shorter)."""
+    for start in range(0, numel, span):
+        yield start, min(start + span, numel)
+
+
 def _spans(numel: int, block: int) -> Iterator[tuple[int, int]]:
     """[start, stop) ranges covering `numel` values in steps of `_step(block)` values."""
-    step = _step(block)
-    for start in range(0, numel, step):
-        yield start, min(start + step, numel)
+    return span_bounds(numel, _step(block))
 
 
 def _little_endian(array: npt.NDArray[np.generic], dtype: str) -> memoryview:

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from .dense import _DENSE_READERS, Int8Codec
-from .frame import _ID_LOWRANK, Codec, _Build, _header, _header_size, _read, to_cpu_float
+from .frame import _ID_LOWRANK, Codec, _Build, _header, _header_size, _read, span_bounds, to_cpu_float
 
 # --- low rank -----------------------------------------------------------------------------------
 
@@ -158,8 +158,7 @@ def low_rank_product(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     p64, q64 = p.to(torch.float64), q.to(torch.float64)
     rows = max(1, _PRODUCT_BLOCK // n)
     acc = torch.empty(min(rows, m), n, dtype=torch.float64)
-    for start in range(0, m, rows):
-        stop = min(start + rows, m)
+    for start, stop in span_bounds(m, rows):
         block = acc[: stop - start]
         torch.outer(p64[0, start:stop], q64[0], out=block)
         for k in range(1, rank):
