@@ -36,6 +36,7 @@ import contextlib
 import logging
 import math
 import time
+import traceback
 import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -234,11 +235,13 @@ class Instance:
     def leave(self) -> None:
         """Leave this instance's data-parallel group, if it has one. A sharded primary drops its
         trainer, and its AdamW moments come back from host memory to train alone."""
+        trained = self.trainer is not None
+        self.trainer = None  # (before the group closes: its sharded modules hold the layers' group)
         if self.group is not None:
             self.group.close()
         self.group, self._sync = None, None
-        if self.trainer is not None:
-            self.trainer, self._behind = None, set()
+        if trained:
+            self._behind = set()
             for p in self.params:
                 for name, value in self.optimizer.state.get(p, {}).items():
                     if isinstance(value, torch.Tensor):
@@ -477,9 +480,12 @@ class Instance:
             if self.group is not None:
                 self._catch_up("weights", "moments")
                 parallel.lead_end(self.group)
-        except BaseException:
+        except BaseException as e:
             # The replicas may be mid-step, waiting for what will not come: leaving the group ends
-            # their round at once (its connections close); the node forms it anew.
+            # their round at once (its connections close); the node forms it anew. The frames the
+            # error passed through hold what raised, a sharded trainer perhaps, which holds the
+            # layers' group open: they go first (their lines stay, `_frames_as_text`).
+            _frames_as_text(e)
             self.leave()
             raise
         # Reading the mean waits for the last step: the compute time below includes it.
@@ -769,6 +775,21 @@ def _set_rng_state(device: torch.device, state: _RngState) -> None:
 
 # Elements per slice of a gradient tensor in the norm-test sums (4 MiB of fp32 temporaries).
 STATS_SLICE = 1 << 20
+
+
+def _frames_as_text(error: BaseException) -> None:
+    """Drop the frames `error` passed through below the one handling it, their lines kept as a note
+    on it: a frame keeps the function it ran, and with its closure what that function saw (a
+    module's `_call_impl` keeps the module), however its locals are cleared."""
+    tb = error.__traceback__
+    if tb is not None and tb.tb_next is not None:
+        text = "".join(traceback.format_tb(tb.tb_next)).rstrip()
+        add_note = getattr(error, "add_note", None)  # (Python 3.11 on; 3.10 logs them)
+        if add_note is not None:
+            add_note(text)
+        else:
+            logger.debug("the error's frames:\n%s", text)
+        tb.tb_next = None
 
 
 class RunningSums:

@@ -191,12 +191,15 @@ class Group:
         return inner
 
     def close(self) -> None:
-        """Leave the group: the others' next collective fails at once (their connections close)."""
+        """Leave the group: the others' next collective fails at once (their connections close).
+        The layers' group of a sharded one closes once no sharded model of this process holds it:
+        until then, a member waiting in one of its collectives waits for `layers_timed`'s bound."""
         self._pg = None
         if self.sharded and dist.is_initialized():
-            # (a member waiting in one of the layers' collectives waits for the group's timeout, or
-            # for this process to end: FSDP2's meshes keep the default group's connections open)
+            from . import sharding
+
             dist.destroy_process_group()
+            sharding.release()
             self.sharded = False
 
 

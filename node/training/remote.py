@@ -435,10 +435,20 @@ class _Server:
         try:
             self.instances[key].serve_round()
         except Exception as e:
-            self.instances[key].leave()
-            self.conn.send(("round", key, ("err", (type(e).__name__, str(e)))))
+            error = (type(e).__name__, str(e))
+        else:
+            self.conn.send(("round", key, ("ok", None)))
             return
-        self.conn.send(("round", key, ("ok", None)))
+        # (out of the except clause: the error's frames, which hold the model, are gone)
+        inst = self.instances[key]
+        inst.leave()
+        if inst.sharded_layers is not None:
+            # A sharded replica never joins again (the node makes a new one): dropped now, its
+            # modules release the layers' group, whose connections close, and a primary waiting in
+            # one of its collectives fails at once (`sharding.release`).
+            del self.instances[key], inst
+            _release_layers()
+        self.conn.send(("round", key, ("err", error)))
 
     def op_join(self, key: int, spec: GroupSpec) -> None:
         self.instances[key].join(spec)
@@ -507,10 +517,20 @@ class _Server:
 
     def op_drop(self, key: int) -> None:
         inst = self.instances.pop(key, None)
-        if inst is not None:
-            inst.leave()
-            if self.spare is None and not self.compiled and inst.sharded_layers is None:
-                self.spare = inst.model  # what the next instance here trains (a replica, often)
+        if inst is None:  # (a sharded replica whose round failed is dropped already)
+            return
+        inst.leave()
+        if inst.sharded_layers is not None:
+            del inst
+            _release_layers()  # (its modules held the layers' group open)
+        elif self.spare is None and not self.compiled:
+            self.spare = inst.model  # what the next instance here trains (a replica, often)
+
+
+def _release_layers() -> None:
+    from . import sharding  # (FSDP2's modules: imported where a group shards)
+
+    sharding.release()
 
 
 def _on_host(tree: Any) -> Any:

@@ -31,6 +31,7 @@ gathering forms each whole tensor on every member in turn.
 from __future__ import annotations
 
 import copy
+import gc
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -157,6 +158,27 @@ class Trainer:
 
     def rebuild_optimizer(self) -> None:
         self.optimizer = inner_optimizer(self.params, self.inner)
+
+
+def release() -> None:
+    """Free what still holds a process group that sharded models used, once none is left: DTensor's
+    caches keyed by the shards' specs or meshes (the sharding propagator's, in C++; the
+    redistribution planners and their transforms, which gathering made), each holding the group's
+    mesh, and the models' reference cycles. With the default group destroyed too, the group's
+    connections then close: a member waiting in one of its collectives fails at once, and a group
+    formed anew leaves nothing of its predecessor open. (The caches are torch's private ones, looked
+    up by name: where one is missing, the group stays open until `parallel.Group.layers_timed`'s
+    bound lets the others go.)"""
+    from torch.distributed.tensor import _redistribute
+
+    for clear in (
+        getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None),
+        getattr(_redistribute, "clear_redistribute_planner_cache", None),
+        getattr(getattr(_redistribute, "_gen_transform_infos", None), "cache_clear", None),
+    ):
+        if clear is not None:
+            clear()
+    gc.collect()
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
