@@ -9,7 +9,11 @@ Runs the real entry points as separate processes and reads each process's own hi
    hivemind averager as a group of one) for 3 rounds; the node process's peak, and separately its
    forked DHT process's and p2pd's (other processes, not counted in the node's);
 3. swarm: `adloco-swarm --nodes 3` for 2 rounds (a bootstrap peer and 3 nodes over the real p2pd),
-   the peak of each node process.
+   the peak of each node process;
+4. restart: the solo node for 2 rounds, then the same command again, resuming from the checkpoint
+   it wrote, for 2 more: each run's peak, and beside it the largest anonymous resident memory
+   (RssAnon, polled: what the process allocated, not pages of files it maps, such as the
+   checkpoint it resumes from) seen in each.
 
 Alongside, the bytes per parameter the method cannot avoid holding through a step (the floor:
 instance weights, gradients, two AdamW moments), what it holds only at a round's boundary, mapped
@@ -23,6 +27,7 @@ measured when the script runs. From the repository root:
     python bench/memory.py --modes solo --repeats 3 --out /tmp/memory.json
     python bench/memory.py --modes solo,networked --out /tmp/memory.json   # offline against networked
     python bench/memory.py --modes solo --node-arg=--residual-dtype --node-arg=float32
+    python bench/memory.py --modes restart --repeats 2 --out bench/results/restart_memory_124m.json
 """
 
 from __future__ import annotations
@@ -51,11 +56,12 @@ VOCAB = GPT2_124M["vocab_size"]
 RESULTS = Path(__file__).resolve().parent / "results" / "memory.json"
 
 
-def _hwm_bytes(pid: int) -> int | None:
-    """The process's peak resident set size so far (VmHWM), None once it is gone."""
+def _hwm_bytes(pid: int, field: str = "VmHWM") -> int | None:
+    """The process's peak resident set size so far (VmHWM), or another field of its status in bytes
+    (RssAnon: its anonymous resident memory now); None once it is gone."""
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) * 1024
     except (FileNotFoundError, ProcessLookupError):
         return None
@@ -105,6 +111,7 @@ class PeakWatcher:
         self.root = root
         self.interval_s = interval_s
         self.peaks: dict[int, tuple[str, int]] = {}
+        self.anon_peaks: dict[int, int] = {}  # (the largest RssAnon polled: a spike between polls is missed)
         self.parents: dict[int, int | None] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -117,6 +124,8 @@ class PeakWatcher:
                 if hwm is not None:
                     name = self.peaks.get(pid, (_cmdline(pid), 0))[0] or _cmdline(pid)
                     self.peaks[pid] = (name, hwm)
+                    anon = _hwm_bytes(pid, "RssAnon") or 0
+                    self.anon_peaks[pid] = max(self.anon_peaks.get(pid, 0), anon)
                     if pid not in self.parents:
                         self.parents[pid] = _parent(pid)
             time.sleep(self.interval_s)
@@ -169,14 +178,33 @@ def library_baseline(config: Path) -> int:
     return int(line.split()[1]) * 1024
 
 
-def measure_solo(config: Path, tokenizer: Path, work: Path, node_args: list[str]) -> dict[str, float]:
-    cmd = [
+def _solo_command(config: Path, tokenizer: Path, work: Path, node_args: list[str], name: str) -> list[str]:
+    """The offline node for 2 rounds, checkpointing into a folder of its own (`name`)."""
+    return [
         sys.executable, "-m", "adloco.node.cli.entry", "--offline", "--rounds", "2",
         "--model", str(config), "--tokenizer", str(tokenizer), *TRAIN_ARGS,
-        "--checkpoint-dir", str(work / f"ckpt-solo-{time.time_ns()}"), *node_args,
+        "--checkpoint-dir", str(work / f"ckpt-{name}-{time.time_ns()}"), *node_args,
     ]  # fmt: skip
-    watcher, wall = _run(cmd, cwd=work, timeout_s=1800)
+
+
+def measure_solo(config: Path, tokenizer: Path, work: Path, node_args: list[str]) -> dict[str, float]:
+    watcher, wall = _run(_solo_command(config, tokenizer, work, node_args, "solo"), cwd=work, timeout_s=1800)
     return {"peak_bytes": float(watcher.peaks[watcher.root][1]), "wall_s": wall}
+
+
+def measure_restart(config: Path, tokenizer: Path, work: Path, node_args: list[str]) -> dict[str, float]:
+    """The solo node for 2 rounds, then resumed from its checkpoint for 2 more: each run's peak and
+    largest polled anonymous resident memory."""
+    cmd = _solo_command(config, tokenizer, work, node_args, "restart")
+    fresh, _ = _run(cmd, cwd=work, timeout_s=1800)
+    resumed, wall = _run(cmd, cwd=work, timeout_s=1800)
+    return {
+        "fresh_peak_bytes": float(fresh.peaks[fresh.root][1]),
+        "fresh_anon_peak_bytes": float(fresh.anon_peaks[fresh.root]),
+        "restart_peak_bytes": float(resumed.peaks[resumed.root][1]),
+        "restart_anon_peak_bytes": float(resumed.anon_peaks[resumed.root]),
+        "restart_wall_s": wall,
+    }
 
 
 # One data shard of one, as the offline node trains (its batch sizes, hence its peaks, follow its data).
@@ -238,8 +266,10 @@ def measure_swarm(
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--modes", default="solo,swarm", help="comma-separated: solo, networked, swarm")
-    ap.add_argument("--repeats", type=int, default=1, help="solo and networked runs (the median is reported)")
+    ap.add_argument("--modes", default="solo,swarm", help="comma-separated: solo, networked, swarm, restart")
+    ap.add_argument(
+        "--repeats", type=int, default=1, help="solo, networked and restart runs (the median is reported)"
+    )
     ap.add_argument("--rounds", type=int, default=3, help="rounds of the networked node")
     ap.add_argument("--nodes", type=int, default=3)
     ap.add_argument(
@@ -295,6 +325,22 @@ def main() -> None:
                 f" (median of {len(runs)}; runs {[round(r['peak_bytes'] / params, 1) for r in runs]});"
                 f" its DHT process {[round(r['dht_peak_bytes'] / 2**30, 2) for r in runs]} GiB, p2pd"
                 f" {[round(r['p2pd_peak_bytes'] / 2**30, 2) for r in runs]} GiB",
+                flush=True,
+            )
+            _write(args.out, result)
+        if "restart" in modes:
+            runs = [measure_restart(config, tokenizer, work, args.node_arg) for _ in range(args.repeats)]
+            keys = (
+                "fresh_peak_bytes",
+                "fresh_anon_peak_bytes",
+                "restart_peak_bytes",
+                "restart_anon_peak_bytes",
+            )
+            summary = {key: statistics.median(r[key] for r in runs) / params for key in keys}
+            result["restart"] = {"runs": runs, "median_bytes_per_param": summary}
+            print(
+                "restart, B/param (median of {}): fresh start peak {:.1f}, anonymous {:.1f}; resumed peak"
+                " {:.1f}, anonymous {:.1f}".format(len(runs), *summary.values()),
                 flush=True,
             )
             _write(args.out, result)

@@ -4,6 +4,7 @@ tree's flattening, and a peer refusing a malformed state whole."""
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -338,6 +339,44 @@ def test_flatten_round_trips_every_leaf_type_through_the_disk(tmp_path: Path) ->
     _assert_tree_equal(loaded[0], expected)
     info = peek_checkpoint(tmp_path)
     assert info is not None and (info.round, info.model_fingerprint) == (7, None)
+
+
+def _anon_bytes() -> int:
+    """The process's resident anonymous memory (RssAnon): what it allocated, not pages of files."""
+    line = next(ln for ln in Path("/proc/self/status").read_text().splitlines() if ln.startswith("RssAnon:"))
+    return int(line.split()[1]) * 1024
+
+
+def test_a_checkpoint_is_handed_over_mapped_from_its_file_not_read_into_memory(tmp_path: Path) -> None:
+    """The state `load` receives is mapped from the checkpoint's file (safetensors' `load_file` maps
+    it): reading all of a 64 MB tensor in it adds no anonymous memory to the process (a read of the
+    file into memory would add 64 MB), and its values are the saved ones."""
+    big = torch.randn(1 << 24, generator=torch.Generator().manual_seed(0))
+    save_checkpoint(tmp_path, {"round": 0, "big": big})
+    seen: list[tuple[int, bool]] = []
+
+    def load(state: dict[str, Any]) -> None:
+        equal = torch.equal(state["big"], big)  # (every page of the file read)
+        seen.append((_anon_bytes() - before, equal))
+
+    before = _anon_bytes()
+    assert load_checkpoint(tmp_path, load) == {}
+    [(grown, equal)] = seen
+    assert equal
+    assert grown < 16 << 20, f"{grown / 2**20:.0f} MiB of anonymous memory for a 64 MiB checkpoint"
+
+
+def test_a_peer_restored_from_a_checkpoint_keeps_no_mapping_of_it(corpus: Corpus, tmp_path: Path) -> None:
+    """The peer copies what it keeps of a checkpoint's mapped state: once it is loaded, no mapping of
+    the checkpoint's file is left in the process (a tensor kept as a view would hold the whole
+    file's mapping, and the disk space of a checkpoint pruned later)."""
+    path = _save(tmp_path, _trained(corpus))
+    peer = _peer(corpus)
+    assert _load(tmp_path, peer) is not None
+    gc.collect()
+    tensors = str((path / checkpoint.TENSORS).resolve())
+    assert tensors not in Path("/proc/self/maps").read_text()
+    _assert_same(_trained(corpus), peer)
 
 
 def test_flatten_copies_tensors_that_share_memory(tmp_path: Path) -> None:
