@@ -18,13 +18,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from adloco.protocol.algorithms.adaptive import (
     DEFAULT_CANDIDATES,
     REASON_LOWEST_ERROR,
     REASON_MEETS_BOTH,
     REASON_OVER_BUDGET,
+    Payloads,
     choose_codec,
+    measured_error,
+    predicted_wire_bytes,
     relative_error,
 )
 from adloco.protocol.algorithms.codecs import (
@@ -726,6 +730,38 @@ def test_choose_is_deterministic_and_ignores_warm_state() -> None:
     assert choose_codec(tensors, candidates=["int8", "int8"], max_rel_error=0.0).spec == "int8"
     with pytest.raises(ValueError):
         choose_codec(tensors, candidates=[], max_rel_error=0.1)
+
+
+def test_choose_reads_payloads_a_tensor_at_a_time_and_chooses_as_over_the_decoded_tensors() -> None:
+    """Given the encoded tensors (`Payloads`, the averaged Δ̄'s payloads as the node gives them), every
+    candidate's bytes and error and the choice are those over the decoded dict, bit for bit, and the
+    errors those `relative_error` takes over the whole; and at each decode at most one other decoded
+    tensor is alive: the whole (ten tensors here) is never held."""
+    tensors = {f"t{k}": gaussian(64, 48, seed=k) for k in range(9)} | {"low": low_rank_matrix(64, 48, rank=2)}
+    payloads = encode_tensors(make_codec("fp16"), tensors)
+    decoded = decode_tensors(payloads)
+    for spec in DEFAULT_CANDIDATES:
+        whole = relative_error(decoded, decode_tensors(encode_tensors(make_codec(spec), decoded)))
+        assert measured_error(spec, Payloads(payloads)) == measured_error(spec, decoded) == whole
+        assert predicted_wire_bytes(spec, Payloads(payloads)) == predicted_wire_bytes(spec, decoded)
+
+    class Watched(Payloads):
+        def __init__(self, payloads: dict[str, bytes]) -> None:
+            super().__init__(payloads)
+            self.live: list[StorageWeakRef] = []
+            self.most_others = 0
+
+        def __getitem__(self, key: str) -> torch.Tensor:
+            self.live = [ref for ref in self.live if not ref.expired()]  # type: ignore[no-untyped-call]
+            self.most_others = max(self.most_others, len(self.live))
+            tensor = super().__getitem__(key)
+            self.live.append(StorageWeakRef(tensor.untyped_storage()))  # type: ignore[no-untyped-call]
+            return tensor
+
+    for bound in (0.5, 1e-3, 1e-9):
+        watched = Watched(payloads)
+        assert choose_codec(watched, max_rel_error=bound) == choose_codec(decoded, max_rel_error=bound)
+        assert watched.most_others <= 1
 
 
 # --- span by span (an owner's reduction and a member's checks, issue 28 §2) ---------------------

@@ -39,7 +39,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from ...errors import UserError
-from ...protocol.algorithms.adaptive import choose_codec, predicted_wire_bytes
+from ...protocol.algorithms.adaptive import Payloads, choose_codec, predicted_wire_bytes
 from ...protocol.algorithms.allreduce import Contribution, GroupResult
 from ...protocol.algorithms.batchtest import pool_stats
 from ...protocol.algorithms.claims import ClaimBounds, reference_tokens
@@ -688,7 +688,7 @@ class Peer:
             # H will grow to hide the exchange: the codec need only fit the longest round allowed.
             budget *= self.cfg.schedule.max_inner_steps / max(self.state.schedule.inner_steps, 1)
         choice = choose_codec(
-            result.decoded(),
+            Payloads(result.averaged),
             candidates=self.cfg.codec_candidates,
             max_rel_error=self.cfg.max_rel_error,
             byte_budget=budget,

@@ -4,17 +4,19 @@
 one's relative round-trip error ‖Δ − D(C(Δ))‖/‖Δ‖ with a fresh codec, and returns the cheapest that
 meets `max_rel_error` within `byte_budget`, with fallbacks when none does. Every peer of a group
 runs it on the same averaged Δ̄, so all pick the same codec for the next round without a message.
+It reads its tensors one at a time: given `Payloads` (the encoded Δ̄), no more than one is decoded
+at once, where a model's whole Δ̄ and a candidate's round trip of it were held (1 GB at GPT-2 124M).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from .codecs import decode_tensors, encode_tensors, make_codec
+from .codecs import decode, make_codec, payload_shape
 from .fixed_order import sum_of_squares
 
 DEFAULT_CANDIDATES: tuple[str, ...] = (
@@ -49,15 +51,51 @@ class CodecChoice:
     reason: str
 
 
+class Payloads(Mapping[str, torch.Tensor]):
+    """Encoded tensors read as the decoded ones, each decoded when it is asked for and not kept (the
+    reader holds it as long as it needs it); their shapes come from the payloads' headers."""
+
+    def __init__(self, payloads: Mapping[str, bytes]) -> None:
+        self.payloads = payloads
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return decode(self.payloads[key])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.payloads)
+
+    def __len__(self) -> int:
+        return len(self.payloads)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return payload_shape(self.payloads[key])
+
+
+def _shapes(tensors: Mapping[str, torch.Tensor]) -> list[tuple[int, ...]]:
+    if isinstance(tensors, Payloads):
+        return [tensors.shape(key) for key in tensors]
+    return [tuple(t.shape) for t in tensors.values()]
+
+
 def predicted_wire_bytes(spec: str, tensors: Mapping[str, torch.Tensor]) -> int:
     """Exact total payload bytes of `tensors` under `spec`, from shapes alone."""
     codec = make_codec(spec)
-    return sum(codec.wire_bytes(tuple(t.shape)) for t in tensors.values())
+    return sum(codec.wire_bytes(shape) for shape in _shapes(tensors))
 
 
 def measured_error(spec: str, tensors: Mapping[str, torch.Tensor]) -> float:
-    """Relative round-trip error with a fresh codec, so it does not depend on warm-start state."""
-    error = relative_error(tensors, decode_tensors(encode_tensors(make_codec(spec), tensors)))
+    """Relative round-trip error with a fresh codec, so it does not depend on warm-start state; a
+    tensor at a time (`relative_error`'s sums, in its order: the same value as over the whole)."""
+    codec = make_codec(spec)
+    diff = norm = 0.0
+    for key in tensors:
+        x = tensors[key].detach().cpu()
+        x_hat = decode(codec.encode(key, x))
+        if x.shape != x_hat.shape:
+            raise ValueError(f"shape mismatch: {tuple(x.shape)} vs {tuple(x_hat.shape)}")
+        diff += sum_of_squares(x, minus=x_hat)
+        norm += sum_of_squares(x)
+    error = math.sqrt(diff) / max(math.sqrt(norm), _TINY)
     return math.inf if math.isnan(error) else error
 
 
@@ -72,8 +110,9 @@ def choose_codec(
 
     Candidates are tried by predicted bytes ascending (ties keep the given order). If none meets
     both bounds, the lowest-error candidate within budget wins (ties: fewer bytes); if none is
-    within budget, the cheapest overall. Each error costs one encode+decode of all `tensors`, so
-    pass a sample of layers for large models. Deterministic: same input, same choice.
+    within budget, the cheapest overall. Each error costs one encode+decode of all `tensors`, one
+    at a time (pass `Payloads` to decode them one at a time too). Deterministic: same input, same
+    choice.
     """
     if not candidates:
         raise ValueError("choose_codec needs at least one candidate spec")
