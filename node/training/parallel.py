@@ -413,12 +413,15 @@ def _step(
     and, when `stats` asks, the batch test's statistics: one sample per member that trained, or with
     sharded layers (`sharding`) one per pass."""
     rows = micro * accum
-    lockstep = inst.sharded_layers is not None
-    shapes = {
-        (last - first, cols)
-        for rank in range(group.size)
-        for first, last in _passes(rows, micro, rank, group.size, lockstep=lockstep)
-    }
+    shapes = (
+        {
+            (b - a, cols)
+            for r in range(group.size)
+            for a, b in _passes(rows, micro, r, group.size, lockstep=True)
+        }
+        if group.sharded
+        else set()  # (no layers' collectives: nothing to time)
+    )
     # (a group's first step initializes FSDP2 and may compile; a compiled model recompiles for a new
     # pass shape, once, on every member: neither is measured nor bounded by a rate)
     fresh = not group.shapes or (getattr(inst.model, COMPILED_MARK, False) and not shapes <= group.shapes)

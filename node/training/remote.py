@@ -440,14 +440,13 @@ class _Server:
             self.conn.send(("round", key, ("ok", None)))
             return
         # (out of the except clause: the error's frames, which hold the model, are gone)
-        inst = self.instances[key]
-        inst.leave()
-        if inst.sharded_layers is not None:
+        if self.instances[key].sharded_layers is not None:
             # A sharded replica never joins again (the node makes a new one): dropped now, its
             # modules release the layers' group, whose connections close, and a primary waiting in
             # one of its collectives fails at once (`sharding.release`).
-            del self.instances[key], inst
-            _release_layers()
+            self.op_drop(key)
+        else:
+            self.instances[key].leave()
         self.conn.send(("round", key, ("err", error)))
 
     def op_join(self, key: int, spec: GroupSpec) -> None:
@@ -521,16 +520,12 @@ class _Server:
             return
         inst.leave()
         if inst.sharded_layers is not None:
+            from . import sharding  # (FSDP2's modules: imported where a group shards)
+
             del inst
-            _release_layers()  # (its modules held the layers' group open)
+            sharding.release()  # (its modules held the layers' group open)
         elif self.spare is None and not self.compiled:
             self.spare = inst.model  # what the next instance here trains (a replica, often)
-
-
-def _release_layers() -> None:
-    from . import sharding  # (FSDP2's modules: imported where a group shards)
-
-    sharding.release()
 
 
 def _on_host(tree: Any) -> Any:
