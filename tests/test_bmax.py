@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import gc
+import math
+from typing import Any
 
 import pytest
 import torch
 
 from adloco.errors import UserError
-from adloco.node.model.bmax import cpu_b_max, cuda_b_max, saved_activation_bytes
+from adloco.node.model.bmax import (
+    SAFETY,
+    activation_bytes,
+    b_max_of,
+    cuda_b_max,
+    fitting_rows,
+    saved_activation_bytes,
+    static_bytes,
+)
 from adloco.node.model.model import build_model
 
 
@@ -36,14 +46,15 @@ def test_probing_leaves_no_graph_behind(model: torch.nn.Module) -> None:
     assert graph_tensors() == before  # the forward's graph (its logits...) is gone with the probe
 
 
-def test_cpu_b_max_follows_the_budget(model: torch.nn.Module) -> None:
-    small = cpu_b_max(model, seq_len=64, vocab_size=256, budget_bytes=64 << 20)
-    large = cpu_b_max(model, seq_len=64, vocab_size=256, budget_bytes=512 << 20)
+def test_the_estimated_b_max_follows_the_budget(model: torch.nn.Module) -> None:
+    small = b_max_of(fitting_rows(model, seq_len=64, vocab_size=256, budget_bytes=64 << 20))
+    large = b_max_of(fitting_rows(model, seq_len=64, vocab_size=256, budget_bytes=512 << 20))
     assert 1 <= small < large
     # Two instances hold two copies of weights, gradients and AdamW state: less room.
-    assert cpu_b_max(model, seq_len=64, vocab_size=256, budget_bytes=64 << 20, instances=2) <= small
+    assert fitting_rows(model, seq_len=64, vocab_size=256, budget_bytes=64 << 20, instances=2) <= small
     # A budget below the static memory still gives 1 (switch mode then accumulates everything).
-    assert cpu_b_max(model, seq_len=64, vocab_size=256, budget_bytes=1 << 20) == 1
+    assert fitting_rows(model, seq_len=64, vocab_size=256, budget_bytes=1 << 20) < 1
+    assert b_max_of(fitting_rows(model, seq_len=64, vocab_size=256, budget_bytes=1 << 20)) == 1
 
 
 @pytest.mark.parametrize("fits_up_to", [1, 7, 100, 4096])
@@ -70,3 +81,19 @@ def test_cuda_search_says_so_when_not_even_one_sequence_fits(monkeypatch: pytest
         monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     with pytest.raises(UserError, match="--b-max: not even one sequence"):
         cuda_b_max(try_step)
+
+
+def test_fitting_rows_says_whether_one_sequence_fits_beside_the_static_memory(model: torch.nn.Module) -> None:
+    """The line `--data-parallel on` shards at: one sequence's activations (measured) beside the
+    static memory, the safety factor taken off the budget."""
+    fixed, per_sample = activation_bytes(model, seq_len=64, vocab_size=256)
+    need = static_bytes(model, instances=1, state_on_device=True) + fixed + per_sample
+    kwargs: dict[str, Any] = {"seq_len": 64, "vocab_size": 256}
+    assert fitting_rows(model, **kwargs, budget_bytes=math.ceil(need / SAFETY) + 1) == 1
+    assert fitting_rows(model, **kwargs, budget_bytes=math.floor(need / SAFETY) - 64) == 0
+    # two models training at once: both models' static memory, both one's activations
+    two: dict[str, Any] = {"instances": 2, "concurrent": 2}
+    need_two = static_bytes(model, instances=2, state_on_device=True) + 2 * (fixed + per_sample)
+    assert fitting_rows(model, **kwargs, **two, budget_bytes=math.ceil(need / SAFETY) + 1) < 1
+    assert fitting_rows(model, **kwargs, **two, budget_bytes=math.floor(need_two / SAFETY) - 64) == 0
+    assert fitting_rows(model, **kwargs, **two, budget_bytes=math.ceil(need_two / SAFETY) + 1) == 1

@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from adloco.errors import UserError
 from adloco.node.data.corpus import Corpus
-from adloco.node.model.bmax import STATS_TENSORS, cpu_b_max, saved_activation_bytes, static_bytes
+from adloco.node.model.bmax import STATS_TENSORS, b_max_of, fitting_rows, saved_activation_bytes, static_bytes
 from adloco.node.model.devices import Placement, precision_dtype
 from adloco.node.model.model import build_model, enable_activation_checkpointing
 from adloco.node.training.config import TrainConfig
@@ -214,10 +214,10 @@ def test_b_max_counts_instances_statistics_state_and_precision() -> None:
     assert static_bytes(model, instances=2, state_on_device=True) == 48 * n + STATS_TENSORS * 4 * largest
     budget = 48 << 20
     kwargs: dict[str, Any] = {"seq_len": 64, "vocab_size": 256, "budget_bytes": budget}
-    host_state = cpu_b_max(model, **kwargs)
-    gpu_state = cpu_b_max(model, **kwargs, state_on_device=False)
-    bf16 = cpu_b_max(model, **kwargs, autocast_dtype=torch.bfloat16)
+    host_state = b_max_of(fitting_rows(model, **kwargs))
+    gpu_state = b_max_of(fitting_rows(model, **kwargs, state_on_device=False))
+    bf16 = b_max_of(fitting_rows(model, **kwargs, autocast_dtype=torch.bfloat16))
     assert host_state < gpu_state  # θ, m, Δ and e on the probed device leave less room
     assert host_state < bf16  # bf16 activations take less room per sample
     enable_activation_checkpointing(model)
-    assert host_state < cpu_b_max(model, **kwargs)
+    assert host_state < b_max_of(fitting_rows(model, **kwargs))

@@ -28,9 +28,12 @@ from typing import Literal
 import pytest
 import torch
 
+from adloco.errors import UserError
 from adloco.node.data.corpus import Corpus
+from adloco.node.model import bmax
 from adloco.node.model.devices import resolve_devices
 from adloco.node.training import sharding
+from adloco.node.training.build import training_model
 from adloco.node.training.config import TrainConfig
 from adloco.node.training.instances import Instance
 from adloco.node.training.peer import Peer
@@ -484,3 +487,88 @@ def test_after_the_merge_the_survivor_trains_sharded_over_both_devices(corpus: C
 def test_sharded_layers_refuse_the_augmented_test_with_a_message_that_says_what_to_use() -> None:
     with pytest.raises(ValueError, match="--batch-test norm, or --data-parallel on"):
         replace(CFG, shard_layers=True, schedule=replace(CFG.schedule, test="augmented"))
+
+
+# ---- when the layers are sharded (`Peer._probe`, `bmax.Sharded`) ----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def deep(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A narrow GPT-2 of eight layers: a member's share of them saves more than FSDP2's gathered
+    blocks cost (with the tiny Llama's two, the four blocks gathered are all its layers)."""
+    path = tmp_path_factory.mktemp("deep") / "gpt2.json"
+    path.write_text(
+        json.dumps({"model_type": "gpt2", "n_embd": 64, "n_layer": 8, "n_head": 4, "vocab_size": 256})
+    )
+    return str(path)
+
+
+def _budgets_gb(cfg: TrainConfig) -> tuple[float, float]:
+    """The memory one whole model's training on each of two CPU devices needs (both on the host, both
+    training at once) and what a sharded group's two members need, as b_max's estimate counts them,
+    in GiB of budget (its safety factor taken off): one sequence per step each."""
+    model, _ = training_model(cfg, 256)
+    layers = sharding.decoder_layers(model)
+    shares = bmax.Sharded(
+        2,
+        sum(p.numel() for p in layers.parameters()),
+        max(sum(p.numel() for p in b.parameters()) for b in layers),
+    )
+    fixed, per_sample = bmax.activation_bytes(model, seq_len=cfg.seq_len, vocab_size=256)
+    need = [
+        bmax.static_bytes(model, instances=2, state_on_device=True, sharded=s) + 2 * (fixed + per_sample)
+        for s in (None, shares)
+    ]
+    return need[0] / bmax.SAFETY / 2**30, need[1] / bmax.SAFETY / 2**30
+
+
+def test_data_parallel_on_shards_the_layers_where_whole_models_do_not_fit_and_only_there(
+    corpus: Corpus, deep: str
+) -> None:
+    """`--data-parallel on` (the default) with one instance on two devices: where two whole models'
+    training does not fit the memory (here the host's, `--memory-budget-gb`) and two sharded
+    members' does, the node shards the layers by itself and trains on both devices; where the whole
+    models fit, it replicates them. The probe counts what each layout holds: at one budget, the
+    sharded group's b_max is above the replicated group's, and a replicated group's (two models on
+    the host) below one device's."""
+    cfg = replace(CFG, instances=1, model=deep, device="cpu,cpu", b_max=None)
+    whole_gb, sharded_gb = _budgets_gb(cfg)
+    assert sharded_gb < whole_gb
+    tight = replace(cfg, memory_budget_gb=(whole_gb + sharded_gb) / 2)
+    two = _peer(corpus, tight)
+    try:
+        assert two.data_parallel.sharded
+        (inst,) = two.local_instances
+        assert inst.trainer is not None
+        local = _round(two)
+        assert set(local.by_device) == {"cpu", "cpu#1"}
+        assert math.isfinite(local.mean_loss)
+    finally:
+        two.close()
+    roomy = replace(cfg, memory_budget_gb=1.5 * whole_gb)
+    b_max = {}
+    for name, c in {
+        "replicated": roomy,
+        "sharded": replace(roomy, shard_layers=True),
+        "alone": replace(roomy, device="cpu"),
+    }.items():
+        peer = _peer(corpus, c)
+        try:
+            assert peer.data_parallel.sharded == (name == "sharded")
+            b_max[name] = peer.b_max
+        finally:
+            peer.close()
+    assert b_max["replicated"] < b_max["sharded"]
+    assert b_max["replicated"] < b_max["alone"]
+
+
+def test_layers_that_must_be_sharded_refuse_the_augmented_test_with_a_message_that_says_what_to_use(
+    corpus: Corpus, deep: str
+) -> None:
+    cfg = replace(CFG, instances=1, model=deep, device="cpu,cpu", b_max=None)
+    whole_gb, sharded_gb = _budgets_gb(cfg)
+    tight = replace(
+        cfg, memory_budget_gb=(whole_gb + sharded_gb) / 2, schedule=replace(CFG.schedule, test="augmented")
+    )
+    with pytest.raises(UserError, match=r"does not fit one device.*use --batch-test norm"):
+        _peer(corpus, tight)

@@ -17,6 +17,7 @@ import torch.multiprocessing
 from torch._C._distributed_c10d import TCPStore
 
 from adloco.node.data.sampling import TokenSampler
+from adloco.node.model import bmax
 from adloco.node.model.devices import is_sharded
 from adloco.node.model.model import build_model
 from adloco.node.training import parallel, sharding
@@ -96,6 +97,13 @@ def _member(rank: int, port: int, spec: str, plans: list[BatchPlan], grad_clip: 
         result["sharded_count"] = sum(1 for p in member.params if is_sharded(p))
         result["local_values"] = sum(sharding.local(p).numel() for p in member.params)
         result["sharded"] = _steps(member, group, plans, inst.sampler)
+        # what it holds after the steps: its weights, gradients and AdamW moments (a shard's or whole)
+        held = [p for p in member.params] + [p.grad for p in member.params if p.grad is not None]
+        held += [t for state in member.optimizer.state.values() for t in state.values() if t.dim()]
+        result["held_bytes"] = sum(sharding.local(t).numel() * t.element_size() for t in held)
+        layers = sharding.decoder_layers(inst.model)
+        shares = bmax.Sharded(2, sum(p.numel() for p in layers.parameters()), 0)
+        result["member_bytes"] = bmax.member_bytes(sum(p.numel() for p in inst.params), shares)
         result["sharded_params"] = [t.clone() for t in sharding.gather(member.params)]
         # θ into the shards and back: rank 0's tensors, whole on every member again.
         theta = [
@@ -174,6 +182,10 @@ def test_sharded_layers_train_the_replicated_step_s_weights_bit_for_bit(tmp_path
         assert stats_s[0] == pytest.approx(stats_r[0], rel=1e-6)
         assert stats_s[1] == pytest.approx(stats_r[1], rel=1e-9)
     assert all(m["round_trip"] for m in members)
+    # b_max's estimate counts what each member holds (`bmax.member_bytes`: the largest share, so
+    # rank 0's, which takes the odd row of each layer's tensors)
+    assert members[0]["held_bytes"] == pytest.approx(members[0]["member_bytes"], rel=0.01)
+    assert members[1]["held_bytes"] <= members[0]["held_bytes"]
 
 
 def test_sharded_layers_take_a_sample_per_pass_as_one_device_takes_one_per_micro_batch(

@@ -112,7 +112,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         default="on",
         help="with more devices than MIT instances, each instance trains data parallel over the"
         " devices no instance holds, each holding the whole model (on) or a shard of its decoder"
-        " layers (shard: FSDP2, for a model whose training does not fit one device; the norm test);"
+        " layers (shard: FSDP2, for a model whose training does not fit one device; the norm test; on"
+        " chooses it where a whole model does not fit and a shard does);"
         " off leaves them idle",
     )
     model.add_argument(

@@ -10,6 +10,13 @@ instance's weights, gradients and AdamW state, the statistics buffers and, on a 
 state (θ, m, Δ, the error-feedback residual). Both probe with the training's precision (autocast)
 and activation checkpointing (a property of the model). Switch mode (gradient accumulation) takes
 over above b_max.
+
+A data-parallel group whose members shard the decoder layers (`Sharded`, record 084) is estimated
+as the CPU is, on a GPU too: its step cannot run on one device (that is why it shards), and each
+member holds its share of the layers' weights, gradients and moments, the rest whole, FSDP2's
+gathered blocks, and on the primary its instance's whole weights. The same estimate says when the
+layers must be sharded (`fitting_rows`): `--data-parallel on` shards them where one whole model's training
+does not fit a device and a member's does.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -37,6 +45,23 @@ STATE_BYTES = 16
 # gradients, the micro-batch gradient it is reading and its deviation from the mean: at most this
 # many tensors of the largest parameter's size at once.
 STATS_TENSORS = 3
+# FSDP2 holds a sharded block's whole weights while it runs and the next one's prefetched, and in the
+# backward pass their whole gradients too until the reduce-scatter: at most this many blocks' fp32
+# values beyond a member's shards.
+GATHERED_BLOCKS = 4
+# A sharded group's primary keeps its instance's whole fp32 weights beside its shard (record 084).
+WHOLE_WEIGHT_BYTES = 4
+
+
+@dataclass(frozen=True)
+class Sharded:
+    """An instance's decoder layers sharded over the `members` of its data-parallel group (the
+    smallest group where they differ: the largest share): the layers hold `layer_params` of the
+    model's parameters, the largest of their blocks `block_params`."""
+
+    members: int
+    layer_params: int
+    block_params: int
 
 
 def available_memory_bytes() -> int:
@@ -94,27 +119,38 @@ def saved_activation_bytes(
     return total
 
 
-def static_bytes(model: torch.nn.Module, *, instances: int, state_on_device: bool) -> int:
-    """Memory that does not grow with the batch: every instance's weights, gradients and AdamW
-    moments, the statistics pass's buffers, and the peer's state where it shares the device."""
+def static_bytes(
+    model: torch.nn.Module, *, instances: int, state_on_device: bool, sharded: Sharded | None = None
+) -> int:
+    """Memory that does not grow with the batch: the weights, gradients and AdamW moments of the
+    `instances` models this memory holds, the statistics pass's buffers, and the peer's state where
+    it shares the device. With `sharded`, each of the models is a member of a group sharding its
+    layers: its share of theirs, the rest whole, FSDP2's gathered blocks and the other parameters'
+    running sum over a step's passes (the norm test's samples, `sharding.PassNorms`); and each
+    group's primary (one per `sharded.members` members, at least one) its instance's whole weights."""
     n_params = sum(p.numel() for p in model.parameters())
     largest = max((p.numel() for p in model.parameters()), default=0)
     state = STATE_BYTES * n_params if state_on_device else 0
-    return INSTANCE_BYTES * n_params * instances + STATS_TENSORS * 4 * largest + state
+    stats = STATS_TENSORS * 4 * largest
+    if sharded is None:
+        return INSTANCE_BYTES * n_params * instances + stats + state
+    others = n_params - sharded.layer_params
+    member = member_bytes(n_params, sharded) + GATHERED_BLOCKS * 4 * sharded.block_params + 4 * others
+    primaries = -(-instances // sharded.members)
+    return member * instances + WHOLE_WEIGHT_BYTES * n_params * primaries + stats + state
 
 
-def cpu_b_max(
-    model: torch.nn.Module,
-    *,
-    seq_len: int,
-    vocab_size: int,
-    budget_bytes: int,
-    instances: int = 1,
-    autocast_dtype: torch.dtype | None = None,
-    state_on_device: bool = True,
-) -> int:
-    """b_max on CPU from measured activation bytes per sample and a memory budget for all instances."""
-    static = static_bytes(model, instances=instances, state_on_device=state_on_device)
+def member_bytes(n_params: int, sharded: Sharded) -> int:
+    """The weights, gradients and AdamW moments a member of a group sharding the layers holds of a
+    model of `n_params`: its share of the layers' (the largest), the other parameters' whole."""
+    share = -(-sharded.layer_params // sharded.members)
+    return INSTANCE_BYTES * (n_params - sharded.layer_params + share)
+
+
+def activation_bytes(
+    model: torch.nn.Module, *, seq_len: int, vocab_size: int, autocast_dtype: torch.dtype | None = None
+) -> tuple[int, int]:
+    """What a forward pass keeps for backward: (fixed, per sample) bytes, measured at batch 1 and 2."""
     a1, a2 = (
         saved_activation_bytes(
             model, batch=b, seq_len=seq_len, vocab_size=vocab_size, autocast_dtype=autocast_dtype
@@ -122,10 +158,37 @@ def cpu_b_max(
         for b in (1, 2)
     )
     per_sample = max(a2 - a1, 1)
-    fixed = max(a1 - per_sample, 0)
-    room = SAFETY * budget_bytes - static - fixed
-    b_max = int(room // per_sample) if room > 0 else 1
-    return max(1, min(b_max, UPPER))
+    return max(a1 - per_sample, 0), per_sample
+
+
+def fitting_rows(
+    model: torch.nn.Module,
+    *,
+    seq_len: int,
+    vocab_size: int,
+    budget_bytes: int,
+    instances: int = 1,
+    concurrent: int = 1,
+    autocast_dtype: torch.dtype | None = None,
+    state_on_device: bool = True,
+    sharded: Sharded | None = None,
+) -> int:
+    """How many sequences per step fit `budget_bytes` (with the safety factor; 0 or less: not one)
+    beside the static memory of all `instances` models, for each of the `concurrent` ones training at
+    once: from the activation bytes a forward pass saves, measured. A CPU's estimate, and a sharded
+    group's member's (`sharded`) on any device."""
+    static = static_bytes(model, instances=instances, state_on_device=state_on_device, sharded=sharded)
+    fixed, per_sample = activation_bytes(
+        model, seq_len=seq_len, vocab_size=vocab_size, autocast_dtype=autocast_dtype
+    )
+    room = SAFETY * budget_bytes - static - concurrent * fixed
+    return int(room // (concurrent * per_sample))
+
+
+def b_max_of(rows: int) -> int:
+    """b_max where `rows` fit (`fitting_rows`): at least 1 (switch mode then accumulates the rest),
+    at most `UPPER`."""
+    return max(1, min(rows, UPPER))
 
 
 def cuda_b_max(try_step: Callable[[int], None], *, upper: int = UPPER) -> int:
@@ -144,7 +207,8 @@ def cuda_b_max(try_step: Callable[[int], None], *, upper: int = UPPER) -> int:
     if lo == 0:
         raise UserError(
             "--b-max: not even one sequence per step fits in GPU memory; try --activation-checkpointing,"
-            " --precision bf16, a shorter --seq-len, fewer --instances or a smaller --model"
+            " --precision bf16, a shorter --seq-len, fewer --instances, a smaller --model, or on a node"
+            " with twice as many GPUs as instances --data-parallel shard"
         )
     return max(1, int(lo * SAFETY) if lo > 1 else lo)
 
@@ -155,30 +219,47 @@ def probe_b_max(
     seq_len: int,
     vocab_size: int,
     instances: int,
+    concurrent: int = 1,
     memory_budget_bytes: int | None = None,
     autocast_dtype: torch.dtype | None = None,
     state_on_device: bool = True,
+    sharded: Sharded | None = None,
 ) -> int:
-    """b_max for one of `instances` instances of `model` on its device, whose forward passes
-    autocast to `autocast_dtype`; `state_on_device`: the peer's θ, m, Δ and residual share that
-    device's memory (a CPU peer). The budget (CPU) defaults to half of available memory."""
+    """b_max for one of the `instances` models of `model` on its device's memory (`concurrent` of
+    them training at once; with `sharded`, members of groups sharding its layers), whose forward
+    passes autocast to `autocast_dtype`; `state_on_device`: the peer's θ, m, Δ and residual share
+    that memory (a CPU peer). The budget is the device's memory (`memory_budget`)."""
     device = next(model.parameters()).device
-    if device.type == "cuda":
+    if device.type == "cuda" and sharded is None:
         return _probe_cuda(
             model, seq_len=seq_len, vocab_size=vocab_size, instances=instances, autocast_dtype=autocast_dtype
         )
-    budget = memory_budget_bytes or available_memory_bytes() // 2
-    b = cpu_b_max(
+    budget = memory_budget(device, memory_budget_bytes)
+    rows = fitting_rows(
         model,
         seq_len=seq_len,
         vocab_size=vocab_size,
         budget_bytes=budget,
         instances=instances,
+        concurrent=concurrent,
         autocast_dtype=autocast_dtype,
         state_on_device=state_on_device,
+        sharded=sharded,
     )
-    logger.info("b_max=%d (CPU, budget %.1f GiB, %d instance(s))", b, budget / 2**30, instances)
+    b = b_max_of(rows)
+    layout = f"{instances} model(s)" if sharded is None else f"{instances} member(s) of {sharded.members}"
+    logger.info("b_max=%d (%s, budget %.1f GiB, %s)", b, device.type.upper(), budget / 2**30, layout)
     return b
+
+
+def memory_budget(device: torch.device, given: int | None = None) -> int:
+    """The memory a device's models may take: on a GPU what is free on it and what torch holds there
+    now (the model's weights: the static memory counts them); on the CPU `given`, else half of what
+    is available."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free) + torch.cuda.memory_allocated(device)
+    return given or available_memory_bytes() // 2
 
 
 def _probe_cuda(

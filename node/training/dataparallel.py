@@ -35,6 +35,29 @@ def replica_devices(held: Sequence[int], num_devices: int) -> list[tuple[int, ..
     return [tuple(free[k :: len(held)]) for k in range(len(held))] if held else []
 
 
+@dataclass(frozen=True)
+class Sharing:
+    """What shares the memory of a node's first device at the start (b_max's probe, `bmax`): how many
+    models it holds (instances or replicas), how many of them train at once, and the size of the
+    smallest data-parallel group (0 where some instance has none: it trains alone)."""
+
+    models: int
+    concurrent: int
+    members: int
+
+
+def sharing(instances: int, devices: int, *, data_parallel: bool, host: bool) -> Sharing:
+    """`instances` MIT instances on `devices` devices (instance k on device k mod D): a GPU holds its
+    own instances, the host's memory (CPU devices) every device's models, each device's process
+    training one at a time."""
+    groups = replica_devices(range(instances), devices) if data_parallel and instances < devices else []
+    members = 1 + min(len(g) for g in groups) if groups and all(groups) else 0
+    if not host:
+        return Sharing(len(range(0, instances, devices)), 1, members)
+    models = devices if groups else instances
+    return Sharing(models, min(models, devices), members)
+
+
 @dataclass
 class Replicated:
     """An instance trained data parallel: its primary, and a replica on each further device."""

@@ -25,6 +25,7 @@ residual; split, each half would reach into the other's state.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import hashlib
@@ -65,7 +66,7 @@ from ..data.sampling import TokenSampler, evaluate, restore_streams, shard_corpu
 from ..data.spill import MappedTensors, SpillFile
 from ..data.state import IncompatibleState, integer, malformed, mapping, number
 from ..data.tokenizer import ByteTokenizer, Tokenizer, tokenizer_files
-from ..model.bmax import probe_b_max
+from ..model.bmax import Sharded, fitting_rows, memory_budget, probe_b_max
 from ..model.devices import Placement, resolve_devices, resolve_precision
 from ..model.model import (
     model_fingerprint,
@@ -75,7 +76,7 @@ from ..model.model import (
 )
 from .build import instance_random_seed, new_instance, training_model
 from .config import TrainConfig, residual_dtype
-from .dataparallel import DataParallel, replica_devices
+from .dataparallel import DataParallel, replica_devices, sharing
 from .instances import DeltaFiles, Instance, InstanceRound
 from .remote import DeviceLost, DeviceWorker, RemoteInstance, WorkerSpec, finish_rounds
 from .replica import HISTORY_ROUNDS, DiskShelf, PeerState, Update, initial_state
@@ -155,20 +156,7 @@ class Peer:
         self._corpus, self._index, self._num_peers = corpus, index, num_peers
         # Where the kept updates wait for laggards (`keep_updates_on_disk`): in memory unless set.
         self._kept_shelf: DiskShelf | None = None
-        # The probe runs on the first device for all (a node's devices are taken to be alike), and
-        # counts the instances whose memory it shares: a GPU's own, but all of them on the host.
-        sharing = (
-            len(range(0, cfg.instances, len(self.devices))) if self.device.type != "cpu" else cfg.instances
-        )
-        self.b_max = cfg.b_max or probe_b_max(
-            model,
-            seq_len=cfg.seq_len,
-            vocab_size=vocab_size,
-            instances=sharing,
-            memory_budget_bytes=int(cfg.memory_budget_gb * 2**30) if cfg.memory_budget_gb else None,
-            autocast_dtype=self.autocast_dtype,
-            state_on_device=self.placement.state == self.device,
-        )
+        self.b_max = self._probe(model)
         if len(self.devices) > cfg.instances and not cfg.data_parallel:
             idle = ", ".join(map(str, self.devices[cfg.instances :]))
             logger.warning(
@@ -205,6 +193,81 @@ class Peer:
         # The Δ last contributed: spent once its round is applied (see `apply_round`).
         self._contributed: weakref.ref[PseudoGradient] | None = None
         self._replan()
+
+    def _probe(self, model: torch.nn.Module) -> int:
+        """b_max (`cfg.b_max`, else probed), and whether the data-parallel groups shard the decoder
+        layers: asked (`--data-parallel shard`), or with `on` where one whole model's training does
+        not fit a device and a sharded member's does, every instance having a group to shard over.
+
+        The probe runs on the first device for all (a node's devices are taken to be alike), and
+        counts the models whose memory it shares: a GPU's own, every device's on the host. A sharded
+        group is estimated from its members' shares (`bmax.Sharded`) where every instance has one;
+        where one trains alone, its whole step is what must fit."""
+        cfg = self.cfg
+        layout = sharing(
+            cfg.instances, len(self.devices), data_parallel=cfg.data_parallel, host=self.device.type == "cpu"
+        )
+        budget = int(cfg.memory_budget_gb * 2**30) if cfg.memory_budget_gb else None
+        state_on_device = self.placement.state == self.device
+
+        def fitting(room: int, sharded: Sharded | None) -> bool:
+            return (
+                fitting_rows(
+                    model,
+                    seq_len=cfg.seq_len,
+                    vocab_size=self.vocab_size,
+                    budget_bytes=room,
+                    instances=layout.models,
+                    concurrent=layout.concurrent,
+                    autocast_dtype=self.autocast_dtype,
+                    state_on_device=state_on_device,
+                    sharded=sharded,
+                )
+                >= 1
+            )
+
+        sharded = None
+        if layout.members:
+            from .sharding import decoder_layers  # (FSDP2's modules: imported where a node may shard)
+
+            with contextlib.suppress(ValueError):  # (a model with no list of layers: never sharded)
+                layers = decoder_layers(model)
+                sharded = Sharded(
+                    layout.members,
+                    sum(p.numel() for p in layers.parameters()),
+                    max(sum(p.numel() for p in block.parameters()) for block in layers),
+                )
+        if sharded is not None and cfg.data_parallel and not cfg.shard_layers:
+            room = memory_budget(self.device, budget)
+            if not fitting(room, None) and fitting(room, sharded):
+                if cfg.schedule.test == "augmented":
+                    raise UserError(
+                        "--data-parallel: this model's training does not fit one device, so its layers"
+                        " must be sharded over each instance's devices, which the augmented batch test"
+                        " cannot use: use --batch-test norm"
+                    )
+                logger.info(
+                    "the model's training does not fit one device (%.1f GiB): its layers are sharded"
+                    " over each instance's %d devices (--data-parallel shard)",
+                    room / 2**30,
+                    sharded.members,
+                )
+                self.data_parallel.sharded = True
+        if not self.data_parallel.sharded:
+            sharded = None
+        if cfg.b_max:
+            return cfg.b_max
+        return probe_b_max(
+            model,
+            seq_len=cfg.seq_len,
+            vocab_size=self.vocab_size,
+            instances=layout.models,
+            concurrent=layout.concurrent,
+            memory_budget_bytes=budget,
+            autocast_dtype=self.autocast_dtype,
+            state_on_device=state_on_device,
+            sharded=sharded,
+        )
 
     def _device_of(self, inst: Instance | RemoteInstance) -> int:
         """The index in `devices` of the device `inst` trains on."""
