@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 import weakref
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Literal
@@ -32,7 +33,7 @@ from adloco.errors import UserError
 from adloco.node.data.corpus import Corpus
 from adloco.node.model import bmax
 from adloco.node.model.devices import resolve_devices
-from adloco.node.training import sharding
+from adloco.node.training import parallel, sharding
 from adloco.node.training.build import training_model
 from adloco.node.training.config import TrainConfig
 from adloco.node.training.instances import Instance
@@ -294,6 +295,56 @@ def test_a_sharded_primary_failing_inside_its_step_frees_the_replica_at_once_and
             sockets.append((_sockets(os.getpid()), _sockets(worker)))
         assert sockets[0] == sockets[1] == sockets[2], sockets
         assert math.isfinite(two.validation_loss())
+    finally:
+        two.close()
+
+
+@pytest.mark.parametrize("shard", [False, True], ids=["whole", "sharded"])
+def test_a_replica_failing_inside_its_step_frees_the_primary_at_once_and_the_next_round_trains(
+    corpus: Corpus, shard: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three times, the replica (in the worker) raises inside its step's forward pass: the rows the
+    primary sends it hold a token past the vocabulary (the primary keeps its own rows as they are).
+    Its worker leaves the group (a sharded replica is dropped, its modules releasing the layers'
+    group), so the primary, waiting in the step's collectives, fails at once, not after
+    `layers_timed`'s floor (30 s); the next round forms the group anew and trains on both devices,
+    and nothing of a group formed before stays open (the sockets are as many each time)."""
+    two = _peer(corpus, replace(CFG, instances=1, model="tiny-llama", device="cpu,cpu", shard_layers=shard))
+    try:
+        _round(two)
+        worker = two._workers[1].process.pid
+        assert worker is not None
+        sockets = []
+        broadcast = parallel.Group.broadcast
+
+        def poisoning(group: parallel.Group, tensors: Sequence[torch.Tensor]) -> None:
+            # (a step's rows: the last goes to the replica, which receives a copy with a bad token)
+            if (
+                group.rank == 0
+                and len(tensors) == 1
+                and tensors[0].dim() == 2
+                and not tensors[0].is_floating_point()
+            ):
+                sent = tensors[0].clone()
+                sent[-1, 0] = 10**6
+                broadcast(group, [sent])
+                return
+            broadcast(group, tensors)
+
+        for _ in range(3):
+            monkeypatch.setattr(parallel.Group, "broadcast", poisoning)
+            start = time.monotonic()
+            with pytest.raises(RuntimeError, match=r"closed by peer|reset by peer"):
+                two.train_round()
+            assert time.monotonic() - start < 20
+            monkeypatch.undo()
+            local = _round(two)
+            assert set(local.by_device) == {"cpu", "cpu#1"}
+            assert math.isfinite(local.mean_loss)
+            sockets.append((_sockets(os.getpid()), _sockets(worker)))
+        assert sockets[0] == sockets[1] == sockets[2], sockets
+        if not shard:
+            assert _replicas_match_their_primaries(two) == 1
     finally:
         two.close()
 
