@@ -172,13 +172,15 @@ def fitting_rows(
     autocast_dtype: torch.dtype | None = None,
     state_on_device: bool = True,
     sharded: Sharded | None = None,
+    activations: tuple[int, int] | None = None,
 ) -> int:
     """How many sequences per step fit `budget_bytes` (with the safety factor; 0 or less: not one)
     beside the static memory of all `instances` models, for each of the `concurrent` ones training at
-    once: from the activation bytes a forward pass saves, measured. A CPU's estimate, and a sharded
-    group's member's (`sharded`) on any device."""
+    once: from the activation bytes a forward pass saves, measured (or `activations`, measured
+    before: `activation_bytes`). A CPU's estimate, and a sharded group's member's (`sharded`) on
+    any device."""
     static = static_bytes(model, instances=instances, state_on_device=state_on_device, sharded=sharded)
-    fixed, per_sample = activation_bytes(
+    fixed, per_sample = activations or activation_bytes(
         model, seq_len=seq_len, vocab_size=vocab_size, autocast_dtype=autocast_dtype
     )
     room = SAFETY * budget_bytes - static - concurrent * fixed
