@@ -760,8 +760,11 @@ def test_choose_reads_payloads_a_tensor_at_a_time_and_chooses_as_over_the_decode
 
     for bound in (0.5, 1e-3, 1e-9):
         watched = Watched(payloads)
-        assert choose_codec(watched, max_rel_error=bound) == choose_codec(decoded, max_rel_error=bound)
+        choice = choose_codec(watched, max_rel_error=bound)
+        assert choice == choose_codec(decoded, max_rel_error=bound)
         assert watched.most_others <= 1
+        # (the norm summed once for all candidates: the error of the candidate chosen, alone)
+        assert choice.rel_error == measured_error(choice.spec, decoded)
 
 
 # --- span by span (an owner's reduction and a member's checks, issue 28 §2) ---------------------

@@ -86,15 +86,29 @@ def predicted_wire_bytes(spec: str, tensors: Mapping[str, torch.Tensor]) -> int:
 def measured_error(spec: str, tensors: Mapping[str, torch.Tensor]) -> float:
     """Relative round-trip error with a fresh codec, so it does not depend on warm-start state; a
     tensor at a time (`relative_error`'s sums, in its order: the same value as over the whole)."""
+    return _error(*_round_trip(spec, tensors))
+
+
+def _round_trip(
+    spec: str, tensors: Mapping[str, torch.Tensor], norm: float | None = None
+) -> tuple[float, float]:
+    """(Σ ‖x − x̂‖², Σ ‖x‖²) over `tensors` in their order, x̂ their round trip through a fresh
+    `spec` codec; the second is `norm` where given (it does not depend on the codec: `choose_codec`
+    sums it once for all its candidates)."""
     codec = make_codec(spec)
-    diff = norm = 0.0
+    diff = total = 0.0
     for key in tensors:
         x = tensors[key].detach().cpu()
         x_hat = decode(codec.encode(key, x))
         if x.shape != x_hat.shape:
             raise ValueError(f"shape mismatch: {tuple(x.shape)} vs {tuple(x_hat.shape)}")
         diff += sum_of_squares(x, minus=x_hat)
-        norm += sum_of_squares(x)
+        if norm is None:
+            total += sum_of_squares(x)
+    return diff, total if norm is None else norm
+
+
+def _error(diff: float, norm: float) -> float:
     error = math.sqrt(diff) / max(math.sqrt(norm), _TINY)
     return math.inf if math.isnan(error) else error
 
@@ -111,19 +125,21 @@ def choose_codec(
     Candidates are tried by predicted bytes ascending (ties keep the given order). If none meets
     both bounds, the lowest-error candidate within budget wins (ties: fewer bytes); if none is
     within budget, the cheapest overall. Each error costs one encode+decode of all `tensors`, one
-    at a time (pass `Payloads` to decode them one at a time too). Deterministic: same input, same
-    choice.
+    at a time (pass `Payloads` to decode them one at a time too), their norm summed once.
+    Deterministic: same input, same choice.
     """
     if not candidates:
         raise ValueError("choose_codec needs at least one candidate spec")
     budget = math.inf if byte_budget is None else byte_budget
     ranked = sorted(candidates, key=lambda spec: predicted_wire_bytes(spec, tensors))
     within: list[CodecChoice] = []
+    norm = None
     for spec in ranked:
         size = predicted_wire_bytes(spec, tensors)
         if size > budget:
             break
-        error = measured_error(spec, tensors)
+        diff, norm = _round_trip(spec, tensors, norm)
+        error = _error(diff, norm)
         if error <= max_rel_error:
             return CodecChoice(spec, size, error, REASON_MEETS_BOTH)
         within.append(CodecChoice(spec, size, error, REASON_LOWEST_ERROR))
