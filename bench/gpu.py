@@ -4,7 +4,9 @@ For the GPT-2 124M config and a ~1.1B Llama config (hidden 2048, 16 layers, GQA 
 8192, vocabulary 32000, untied embeddings), each as one MIT instance of a real `Peer` on the first
 CUDA device, with bf16 autocast and, optionally, activation checkpointing:
 
-- b_max: what the peer's own probe finds (binary search over real steps, OOM as "does not fit");
+- b_max: what the peer's own probe finds (binary search over real steps, OOM as "does not fit"),
+  and beside it the memory estimate's that decides when to shard the layers (`bmax.fitting_rows`
+  on the same instance, run eager: record 084, "When the layers are sharded");
 - tokens/s: training tokens of the measured rounds over their compute time (the instances' inner
   steps; the outer step, codec and evaluation are not in it), after one warm-up round;
 - peak device memory: `torch.cuda.max_memory_allocated` over the measured rounds (what the caching
@@ -35,6 +37,7 @@ import torch
 # Run as `python bench/gpu.py`, this folder is on sys.path: the 124M config is memory.py's own.
 from memory import GPT2_124M
 
+from adloco.node.model import bmax
 from adloco.node.model.model import count_parameters
 from adloco.node.training.config import TrainConfig
 from adloco.node.training.peer import Peer
@@ -83,6 +86,20 @@ def measure(name: str, cfg: TrainConfig, corpus: Any, *, rounds: int) -> dict[st
     t0 = time.perf_counter()
     peer = Peer(peer_id=name, index=0, num_peers=1, cfg=cfg, corpus=corpus, vocab_size=vocab)
     build_s = time.perf_counter() - t0
+    # What the memory estimate that decides sharding (`bmax.fitting_rows`, record 084) says for the
+    # same instance, against the search's b_max: eager (no compile within this part's time limit),
+    # so its rows are fewer than a compiled model's.
+    t0 = time.perf_counter()
+    with torch.compiler.set_stance("force_eager"):
+        rows = bmax.fitting_rows(
+            peer.home_model,
+            seq_len=cfg.seq_len,
+            vocab_size=vocab,
+            budget_bytes=bmax.memory_budget(device),
+            state_on_device=False,
+            autocast_dtype=peer.autocast_dtype,
+        )
+    estimate_s = time.perf_counter() - t0
     one_round(peer)  # warm-up: kernels chosen, AdamW state allocated
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
@@ -100,6 +117,8 @@ def measure(name: str, cfg: TrainConfig, corpus: Any, *, rounds: int) -> dict[st
         "activation_checkpointing": cfg.activation_checkpointing,
         "compiled": peer.compiled,
         "b_max": peer.b_max,
+        "b_max_estimated_eager": bmax.b_max_of(rows),
+        "estimate_s": estimate_s,
         "seq_len": cfg.seq_len,
         "batch_size": cfg.batch_size,
         "inner_steps": cfg.inner_steps,
@@ -164,7 +183,8 @@ def main() -> None:
                 print(
                     f"{name} ({r['params'] / 1e6:.0f}M) {r['autocast']} checkpointing={ckpt}"
                     f" compiled={r['compiled']}:"
-                    f" b_max={r['b_max']}, {r['tokens_per_s']:,.0f} tokens/s,"
+                    f" b_max={r['b_max']} (estimated eager {r['b_max_estimated_eager']}),"
+                    f" {r['tokens_per_s']:,.0f} tokens/s,"
                     f" peak device {r['peak_device_bytes'] / 2**30:.2f} GiB"
                     f" ({r['peak_device_bytes_per_param']:.1f} B/param),"
                     f" peak host {r['peak_host_bytes'] / 2**30:.2f} GiB",

@@ -13,8 +13,9 @@
 #      figures, 400k tokens/s and 35 % MFU inside the node;
 #   3. bench/step_curve.py: the step time of the node's compiled step against the batch size, GPT-2
 #      124M and a 1.1B Llama (the simulator's compute model, issue 27 §3);
-#   4. bench/gpu.py: a real peer's tokens/s, peak device memory and probed b_max, GPT-2 124M,
-#      compiled (the default on CUDA), activation checkpointing off.
+#   4. bench/gpu.py: a real peer's tokens/s, peak device memory and probed b_max (beside it the
+#      memory estimate's, which decides when a node shards the layers), GPT-2 124M, compiled (the
+#      default on CUDA), activation checkpointing off.
 #
 # Each part has its own time limit (seconds, overridable; together 480) and writes its JSON as soon
 # as it ends.
