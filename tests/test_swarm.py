@@ -5,6 +5,7 @@ apart by run id: test_averager_contract.py's prefixes)."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 from collections.abc import Iterator
@@ -500,12 +501,16 @@ def test_a_node_left_behind_by_peers_that_have_gone_finishes_its_rounds_alone(
     # try of round 3 and, their records of it not read yet, opens the next try itself and completes
     # it alone once its patience is out (CI of stop 48); or, thawed after they stopped, it reads
     # no registration but its own, averages the round alone and finds that none of the peers at its
-    # round stand by their state (stop 54's CI): in every way, not waiting for them.
+    # round stand by their state (stop 54's CI; of the two, or of the one whose record it could
+    # still read from the DHT: the other's may have been stored only on nodes that are gone, stop
+    # 67's CI): in every way, not waiting for them.
     log = procs.log("n2")
     ways = (
         "no longer answer: going on without them",
         "left the round: no stream reaches them",
         "late: the round",
-        "0 of 2 peers stand by the state they published",
+        r"0 of [12] peers stand by the state they published",
     )
-    assert any(way in log for way in ways), "\n".join(procs.log(name)[-3000:] for name in ("n2", "n0", "n1"))
+    assert any(re.search(way, log) for way in ways), "\n".join(
+        procs.log(name)[-3000:] for name in ("n2", "n0", "n1")
+    )
