@@ -29,7 +29,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from adloco.node.model import bmax
-from adloco.node.training.sharding import decoder_layers
+from adloco.node.training.sharding import shares
 
 SEQ = 1024
 GIB = 2**30
@@ -90,12 +90,7 @@ def plan(name: str, shape: dict[str, Any]) -> dict[str, Any]:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(_config(shape))
     params = sum(p.numel() for p in model.parameters())
-    layers = decoder_layers(model)
-    sharded = bmax.Sharded(
-        2,
-        sum(p.numel() for p in layers.parameters()),
-        max(sum(p.numel() for p in block.parameters()) for block in layers),
-    )
+    sharded = shares(model, 2)
     fixed, per_sample = _activations(shape)
     out: dict[str, Any] = {
         "params": params,

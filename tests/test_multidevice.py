@@ -559,12 +559,7 @@ def _budgets_gb(cfg: TrainConfig) -> tuple[float, float]:
     training at once) and what a sharded group's two members need, as b_max's estimate counts them,
     in GiB of budget (its safety factor taken off): one sequence per step each."""
     model, _ = training_model(cfg, 256)
-    layers = sharding.decoder_layers(model)
-    shares = bmax.Sharded(
-        2,
-        sum(p.numel() for p in layers.parameters()),
-        max(sum(p.numel() for p in b.parameters()) for b in layers),
-    )
+    shares = sharding.shares(model, 2)
     fixed, per_sample = bmax.activation_bytes(model, seq_len=cfg.seq_len, vocab_size=256)
     need = [
         bmax.static_bytes(model, instances=2, state_on_device=True, sharded=s) + 2 * (fixed + per_sample)

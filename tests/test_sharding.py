@@ -101,8 +101,7 @@ def _member(rank: int, port: int, spec: str, plans: list[BatchPlan], grad_clip: 
         held = [p for p in member.params] + [p.grad for p in member.params if p.grad is not None]
         held += [t for state in member.optimizer.state.values() for t in state.values() if t.dim()]
         result["held_bytes"] = sum(sharding.local(t).numel() * t.element_size() for t in held)
-        layers = sharding.decoder_layers(inst.model)
-        shares = bmax.Sharded(2, sum(p.numel() for p in layers.parameters()), 0)
+        shares = sharding.shares(inst.model, 2)
         result["member_bytes"] = bmax.member_bytes(sum(p.numel() for p in inst.params), shares)
         result["sharded_params"] = [t.clone() for t in sharding.gather(member.params)]
         # θ into the shards and back: rank 0's tensors, whole on every member again.

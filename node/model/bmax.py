@@ -226,11 +226,13 @@ def probe_b_max(
     autocast_dtype: torch.dtype | None = None,
     state_on_device: bool = True,
     sharded: Sharded | None = None,
+    activations: tuple[int, int] | None = None,
 ) -> int:
     """b_max for one of the `instances` models of `model` on its device's memory (`concurrent` of
     them training at once; with `sharded`, members of groups sharding its layers), whose forward
     passes autocast to `autocast_dtype`; `state_on_device`: the peer's θ, m, Δ and residual share
-    that memory (a CPU peer). The budget is the device's memory (`memory_budget`)."""
+    that memory (a CPU peer). The budget is the device's memory (`memory_budget`); `activations`:
+    the estimate's, measured before (`activation_bytes`)."""
     device = next(model.parameters()).device
     if device.type == "cuda" and sharded is None:
         return _probe_cuda(
@@ -247,6 +249,7 @@ def probe_b_max(
         autocast_dtype=autocast_dtype,
         state_on_device=state_on_device,
         sharded=sharded,
+        activations=activations,
     )
     b = b_max_of(rows)
     layout = f"{instances} model(s)" if sharded is None else f"{instances} member(s) of {sharded.members}"

@@ -66,7 +66,7 @@ from ..data.sampling import TokenSampler, evaluate, restore_streams, shard_corpu
 from ..data.spill import MappedTensors, SpillFile
 from ..data.state import IncompatibleState, integer, malformed, mapping, number
 from ..data.tokenizer import ByteTokenizer, Tokenizer, tokenizer_files
-from ..model.bmax import Sharded, fitting_rows, memory_budget, probe_b_max
+from ..model.bmax import Sharded, activation_bytes, fitting_rows, memory_budget, probe_b_max
 from ..model.devices import Placement, resolve_devices, resolve_precision
 from ..model.model import (
     model_fingerprint,
@@ -209,6 +209,7 @@ class Peer:
         )
         budget = int(cfg.memory_budget_gb * 2**30) if cfg.memory_budget_gb else None
         state_on_device = self.placement.state == self.device
+        activations = None  # (measured once, where the choice needs them: two forward passes)
 
         def fitting(room: int, sharded: Sharded | None) -> bool:
             return (
@@ -222,23 +223,22 @@ class Peer:
                     autocast_dtype=self.autocast_dtype,
                     state_on_device=state_on_device,
                     sharded=sharded,
+                    activations=activations,
                 )
                 >= 1
             )
 
         sharded = None
         if layout.members:
-            from .sharding import decoder_layers  # (FSDP2's modules: imported where a node may shard)
+            from .sharding import shares  # (FSDP2's modules: imported where a node may shard)
 
             with contextlib.suppress(ValueError):  # (a model with no list of layers: never sharded)
-                layers = decoder_layers(model)
-                sharded = Sharded(
-                    layout.members,
-                    sum(p.numel() for p in layers.parameters()),
-                    max(sum(p.numel() for p in block.parameters()) for block in layers),
-                )
-        if sharded is not None and cfg.data_parallel and not cfg.shard_layers:
+                sharded = shares(model, layout.members)
+        if sharded is not None and not cfg.shard_layers:
             room = memory_budget(self.device, budget)
+            activations = activation_bytes(
+                model, seq_len=cfg.seq_len, vocab_size=self.vocab_size, autocast_dtype=self.autocast_dtype
+            )
             if not fitting(room, None) and fitting(room, sharded):
                 if cfg.schedule.test == "augmented":
                     raise UserError(
@@ -267,6 +267,7 @@ class Peer:
             autocast_dtype=self.autocast_dtype,
             state_on_device=state_on_device,
             sharded=sharded,
+            activations=activations,
         )
 
     def _device_of(self, inst: Instance | RemoteInstance) -> int:

@@ -42,6 +42,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from torch.distributed.tensor import DTensor
 
+from ..model.bmax import Sharded
 from ..model.devices import is_sharded
 from ..model.loss import COMPILED_MARK
 from ..model.model import compile_layers
@@ -61,6 +62,17 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     if not lists:
         raise ValueError(f"{type(model).__name__} has no list of layers to shard")
     return max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
+
+
+def shares(model: nn.Module, members: int) -> Sharded:
+    """What b_max's estimate counts of `model`'s layers sharded over `members` (`bmax.Sharded`): its
+    layers' parameters and its largest block's. ValueError if it has no list of layers."""
+    layers = decoder_layers(model)
+    return Sharded(
+        members,
+        sum(p.numel() for p in layers.parameters()),
+        max(sum(p.numel() for p in block.parameters()) for block in layers),
+    )
 
 
 class SummedReduceScatter(ReduceScatter):
